@@ -1,0 +1,197 @@
+//! The dumper sink: one safetensors file per step (`step-0000.safetensors` for the prefill, then
+//! one per decoded token), tensor names = tap names, f32, plus `tokens` and `positions` (i64).
+//! Files are staged in a hidden sibling folder and moved into place only when the run succeeds.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+
+use crate::error::{Error, Result};
+use crate::tap::{TapFilter, TapSink, TapTable, TapValue};
+
+pub struct Dumper {
+    table: TapTable,
+    staging: PathBuf,
+    step: Option<usize>,
+    /// Tensors of the current step, by name: (dtype, shape, little-endian bytes).
+    pending: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    error: Option<Error>,
+    pub files: usize,
+}
+
+impl Dumper {
+    /// Prepares to write into `out`, which must not exist unless `force`.
+    pub fn new(out: &Path, filter: &TapFilter, layers: usize, force: bool) -> Result<Self> {
+        if out.exists() && !force {
+            let empty_dir = out.is_dir()
+                && std::fs::read_dir(out)
+                    .map(|mut d| d.next().is_none())
+                    .unwrap_or(false);
+            if !empty_dir {
+                return Err(Error::usage(
+                    "--out",
+                    format!("{} already exists", out.display()),
+                    "choose a new folder, or pass --force to replace it",
+                ));
+            }
+        }
+        let staging = staging_path(out);
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging).map_err(|e| {
+            Error::usage(
+                "--out",
+                format!("cannot create {}: {e}", staging.display()),
+                "choose a writable folder",
+            )
+        })?;
+        Ok(Dumper {
+            table: filter.table(layers),
+            staging,
+            step: None,
+            pending: BTreeMap::new(),
+            error: None,
+            files: 0,
+        })
+    }
+
+    fn flush(&mut self) {
+        let Some(step) = self.step else { return };
+        if self.pending.is_empty() || self.error.is_some() {
+            return;
+        }
+        let views: Vec<(String, TensorView<'_>)> = self
+            .pending
+            .iter()
+            .map(|(name, (dtype, shape, bytes))| {
+                (
+                    name.clone(),
+                    TensorView::new(*dtype, shape.clone(), bytes).expect("shape matches bytes"),
+                )
+            })
+            .collect();
+        let mut meta = std::collections::HashMap::new();
+        meta.insert("step".to_string(), step.to_string());
+        meta.insert(
+            "layout".to_string(),
+            "first axis = token (see positions)".to_string(),
+        );
+        let path = self.staging.join(format!("step-{step:04}.safetensors"));
+        if let Err(e) = safetensors::serialize_to_file(views, Some(meta), &path) {
+            self.error = Some(Error::usage(
+                "--out",
+                format!("cannot write {}: {e}", path.display()),
+                "check disk space and permissions",
+            ));
+        }
+        self.files += 1;
+        self.pending.clear();
+    }
+
+    /// Writes the last step and moves the folder into place.
+    pub fn finish(mut self, out: &Path, meta_json: &serde_json::Value) -> Result<usize> {
+        self.flush();
+        if let Some(e) = self.error.take() {
+            let _ = std::fs::remove_dir_all(&self.staging);
+            return Err(e);
+        }
+        let meta_path = self.staging.join("meta.json");
+        std::fs::write(
+            &meta_path,
+            serde_json::to_vec_pretty(meta_json).expect("json"),
+        )
+        .map_err(|e| {
+            Error::usage(
+                "--out",
+                format!("cannot write {}: {e}", meta_path.display()),
+                "check disk space",
+            )
+        })?;
+        if out.exists() {
+            std::fs::remove_dir_all(out).map_err(|e| {
+                Error::usage(
+                    "--out",
+                    format!("cannot replace {}: {e}", out.display()),
+                    "remove it by hand",
+                )
+            })?;
+        }
+        std::fs::rename(&self.staging, out).map_err(|e| {
+            Error::usage(
+                "--out",
+                format!("cannot move dump into {}: {e}", out.display()),
+                "choose another folder",
+            )
+        })?;
+        Ok(self.files)
+    }
+
+    /// Removes the staging folder (on failure or interruption).
+    pub fn abandon(self) {
+        let _ = std::fs::remove_dir_all(&self.staging);
+    }
+}
+
+pub fn staging_path(out: &Path) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "dump".into());
+    out.with_file_name(format!(".{name}.partial-{}", std::process::id()))
+}
+
+fn i64_bytes<T: Copy + Into<i64>>(v: &[T]) -> Vec<u8> {
+    v.iter().flat_map(|&x| x.into().to_le_bytes()).collect()
+}
+
+impl TapSink for Dumper {
+    fn table(&self) -> &TapTable {
+        &self.table
+    }
+
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        if self.step != Some(step) {
+            self.flush();
+            self.step = Some(step);
+        }
+        let pos: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        self.pending.insert(
+            "tokens".into(),
+            (Dtype::I64, vec![tokens.len()], i64_bytes(tokens)),
+        );
+        self.pending.insert(
+            "positions".into(),
+            (Dtype::I64, vec![pos.len()], i64_bytes(&pos)),
+        );
+    }
+
+    fn record(&mut self, _step: usize, v: TapValue<'_>) {
+        let bytes: Vec<u8> = v.data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.pending
+            .insert(v.id.to_string(), (Dtype::F32, v.shape, bytes));
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8], flag: &str) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let fail = |e: std::io::Error| {
+        Error::usage(
+            flag,
+            format!("cannot write {}: {e}", path.display()),
+            "choose a writable path",
+        )
+    };
+    std::fs::write(&tmp, bytes).map_err(fail)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e)
+    })
+}

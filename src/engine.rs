@@ -1,0 +1,136 @@
+//! A loaded model with its tokenizer, and greedy generation over it.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::model::{Batch, Model};
+use crate::model_source::ModelSource;
+use crate::ops::argmax;
+use crate::prompt::Prompt;
+use crate::tap::TapSink;
+use crate::tokenizer::ChatTokenizer;
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: ChatTokenizer,
+    pub source: ModelSource,
+}
+
+/// A prompt rendered through the chat template and tokenized.
+#[derive(Clone, Debug)]
+pub struct Encoded {
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stopped_at_eos: bool,
+}
+
+impl Engine {
+    pub fn load(source: ModelSource) -> Result<Self> {
+        let model = Model::load(&source)?;
+        let tokenizer = ChatTokenizer::load(&source)?;
+        if tokenizer.vocab_size() > model.config.vocab_size {
+            return Err(Error::input(
+                source.path_of("tokenizer.json"),
+                format!(
+                    "tokenizer has {} tokens but config.json's vocab_size is {}",
+                    tokenizer.vocab_size(),
+                    model.config.vocab_size
+                ),
+                "use the tokenizer that came with these weights",
+            ));
+        }
+        Ok(Engine {
+            model,
+            tokenizer,
+            source,
+        })
+    }
+
+    /// Every id that ends generation: config, generation_config and the tokenizer's eos_token.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let mut ids = self.model.config.eos_token_ids.clone();
+        for &t in &self.tokenizer.eos_ids {
+            if !ids.contains(&t) {
+                ids.push(t);
+            }
+        }
+        ids
+    }
+
+    /// Renders and tokenizes a prompt, checking it fits the model with `max_new` tokens after it.
+    pub fn encode(&self, prompt: &Prompt, prompt_path: &Path, max_new: usize) -> Result<Encoded> {
+        let text = self
+            .tokenizer
+            .render(&prompt.messages, &Default::default())
+            .map_err(|e| {
+                Error::input(
+                    self.source.path_of("chat_template.jinja"),
+                    e,
+                    "fix the model's chat template",
+                )
+            })?;
+        let ids = self
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+        let limit = self.model.config.max_position_embeddings;
+        if ids.len() + max_new > limit {
+            return Err(Error::input(
+                prompt_path,
+                format!(
+                    "prompt is {} tokens; with {max_new} new tokens that exceeds max_position_embeddings ({limit})",
+                    ids.len()
+                ),
+                "shorten the prompt or lower --max-new-tokens",
+            ));
+        }
+        Ok(Encoded { text, ids })
+    }
+
+    /// Greedy decoding: prefill is step 0, the k-th fed-back token is step k. Stops at EOS or
+    /// after `max_new` tokens.
+    pub fn generate(
+        &self,
+        prompt_ids: &[u32],
+        max_new: usize,
+        sink: &mut dyn TapSink,
+    ) -> Generation {
+        let eos = self.eos_ids();
+        let mut cache = self.model.new_cache();
+        let mut tokens = Vec::new();
+        let positions: Vec<usize> = (0..prompt_ids.len()).collect();
+        let mut stopped_at_eos = false;
+        if max_new > 0 {
+            let mut logits =
+                self.model
+                    .forward(Batch::new(prompt_ids, &positions), &mut cache, 0, sink);
+            loop {
+                let next = argmax(&logits) as u32;
+                tokens.push(next);
+                if eos.contains(&next) {
+                    stopped_at_eos = true;
+                    break;
+                }
+                if tokens.len() == max_new {
+                    break;
+                }
+                let pos = [prompt_ids.len() + tokens.len() - 1];
+                logits =
+                    self.model
+                        .forward(Batch::new(&[next], &pos), &mut cache, tokens.len(), sink);
+            }
+        }
+        let text = self.tokenizer.decode(&tokens, true);
+        Generation {
+            tokens,
+            text,
+            stopped_at_eos,
+        }
+    }
+}

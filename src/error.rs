@@ -1,0 +1,60 @@
+//! One error type for everything a user can get wrong, and the exit codes CI relies on.
+
+use std::path::{Path, PathBuf};
+
+/// Exit code: the run finished and found nothing wrong.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: a divergence was found.
+pub const EXIT_DIVERGED: i32 = 1;
+/// Exit code: bad input or usage; the message names the file or flag and the fix.
+pub const EXIT_BAD_INPUT: i32 = 2;
+/// Exit code: a bug in kvdiff itself.
+pub const EXIT_INTERNAL: i32 = 3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Something the user supplied is wrong. `what` says what, `fix` what to do about it.
+    #[error("{}: {what}\n  fix: {fix}", .path.display())]
+    Input {
+        path: PathBuf,
+        what: String,
+        fix: String,
+    },
+    /// A flag or argument is wrong (no file involved).
+    #[error("{flag}: {what}\n  fix: {fix}")]
+    Usage {
+        flag: String,
+        what: String,
+        fix: String,
+    },
+    /// An invariant of kvdiff itself broke.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn input(path: impl AsRef<Path>, what: impl Into<String>, fix: impl Into<String>) -> Self {
+        Error::Input {
+            path: path.as_ref().to_path_buf(),
+            what: what.into(),
+            fix: fix.into(),
+        }
+    }
+
+    pub fn usage(flag: impl Into<String>, what: impl Into<String>, fix: impl Into<String>) -> Self {
+        Error::Usage {
+            flag: flag.into(),
+            what: what.into(),
+            fix: fix.into(),
+        }
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Input { .. } | Error::Usage { .. } => EXIT_BAD_INPUT,
+            Error::Internal(_) => EXIT_INTERNAL,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

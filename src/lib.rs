@@ -1,0 +1,16 @@
+//! kvdiff: a Qwen3 engine with a tap at every layer, for finding where two ways of computing a
+//! model's output part.
+
+pub mod chat_template;
+pub mod config;
+pub mod dump;
+pub mod engine;
+pub mod error;
+pub mod kv_cache;
+pub mod model;
+pub mod model_source;
+pub mod ops;
+pub mod prompt;
+pub mod tap;
+pub mod tokenizer;
+pub mod weights;

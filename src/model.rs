@@ -1,0 +1,317 @@
+//! The Qwen3 decoder, stateless: weights in, a batch of tokens and the KV cache to attend to in,
+//! logits out, every intermediate offered to a tap sink on the way.
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::model_source::ModelSource;
+use crate::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
+use crate::tap::{LayerTap, TapId, TapSink, TapValue};
+use crate::weights::Weights;
+
+struct Layer {
+    input_layernorm: Vec<f32>,
+    post_attention_layernorm: Vec<f32>,
+    q_proj: Vec<f32>,
+    k_proj: Vec<f32>,
+    v_proj: Vec<f32>,
+    o_proj: Vec<f32>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    gate_proj: Vec<f32>,
+    up_proj: Vec<f32>,
+    down_proj: Vec<f32>,
+}
+
+pub struct Model {
+    pub config: Config,
+    embed_tokens: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<Vec<f32>>,
+}
+
+/// Tokens to run through the model in one pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    /// Global position of each token: its identity in taps and in the cache.
+    pub positions: &'a [usize],
+    /// Position each token is rotated by. Equal to `positions` unless a path deliberately
+    /// prefills a chunk somewhere else.
+    pub rope_positions: &'a [usize],
+}
+
+impl<'a> Batch<'a> {
+    pub fn new(tokens: &'a [u32], positions: &'a [usize]) -> Self {
+        Batch {
+            tokens,
+            positions,
+            rope_positions: positions,
+        }
+    }
+}
+
+/// Offers a tap to the sink only if it asked for it (no copy otherwise).
+fn emit(
+    sink: &mut dyn TapSink,
+    step: usize,
+    id: TapId,
+    positions: &[usize],
+    shape: &[usize],
+    data: &[f32],
+) {
+    if sink.table().wants(id) {
+        sink.record(
+            step,
+            TapValue {
+                id,
+                positions,
+                shape: shape.to_vec(),
+                data,
+            },
+        );
+    }
+}
+
+impl Model {
+    pub fn load(src: &ModelSource) -> Result<Self> {
+        let config = Config::load(src)?;
+        let mut w = Weights::load(src, &config)?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| {
+                let mut t = |n: &str| w.take(&format!("model.layers.{l}.{n}.weight")).data;
+                Layer {
+                    input_layernorm: t("input_layernorm"),
+                    post_attention_layernorm: t("post_attention_layernorm"),
+                    q_proj: t("self_attn.q_proj"),
+                    k_proj: t("self_attn.k_proj"),
+                    v_proj: t("self_attn.v_proj"),
+                    o_proj: t("self_attn.o_proj"),
+                    q_norm: t("self_attn.q_norm"),
+                    k_norm: t("self_attn.k_norm"),
+                    gate_proj: t("mlp.gate_proj"),
+                    up_proj: t("mlp.up_proj"),
+                    down_proj: t("mlp.down_proj"),
+                }
+            })
+            .collect();
+        let lm_head = (!config.tie_word_embeddings).then(|| w.take("lm_head.weight").data);
+        Ok(Model {
+            embed_tokens: w.take("model.embed_tokens.weight").data,
+            norm: w.take("model.norm.weight").data,
+            layers,
+            lm_head,
+            config,
+        })
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers, self.config.kv_dim())
+    }
+
+    /// Runs `batch` through the model, appending its K/V to `cache` and attending to everything
+    /// in `cache` before it plus the batch's own earlier tokens. Returns the last token's logits.
+    pub fn forward(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (n, h) = (batch.tokens.len(), c.hidden_size);
+        assert!(n > 0 && batch.positions.len() == n && batch.rope_positions.len() == n);
+        let pos = batch.positions;
+        sink.begin_step(step, batch.tokens, pos);
+
+        // 1. Embedding gather.
+        let mut x = Vec::with_capacity(n * h);
+        for &t in batch.tokens {
+            x.extend_from_slice(&self.embed_tokens[t as usize * h..(t as usize + 1) * h]);
+        }
+        emit(sink, step, TapId::Embed, pos, &[n, h], &x);
+
+        let base = cache.len();
+        cache.positions.extend_from_slice(pos);
+        for (l, layer) in self.layers.iter().enumerate() {
+            x = self.layer_forward(l, layer, x, batch, base, cache, step, sink);
+        }
+
+        // Final norm and LM head: every position only when someone taps the logits.
+        let x = rms_norm(&x, &self.norm, c.rms_norm_eps);
+        emit(sink, step, TapId::FinalNorm, pos, &[n, h], &x);
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed_tokens);
+        let v = c.vocab_size;
+        if sink.table().wants(TapId::Logits) {
+            let logits = matmul_t(&x, n, head, v);
+            emit(sink, step, TapId::Logits, pos, &[n, v], &logits);
+            logits[(n - 1) * v..].to_vec()
+        } else {
+            matmul_t(&x[(n - 1) * h..], 1, head, v)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        l: usize,
+        w: &Layer,
+        x: Vec<f32>,
+        batch: Batch<'_>,
+        base: usize,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (n, h, hd) = (batch.tokens.len(), c.hidden_size, c.head_dim);
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let pos = batch.positions;
+        let tap = |t| TapId::Layer(l, t);
+        emit(sink, step, tap(LayerTap::ResidIn), pos, &[n, h], &x);
+
+        // 1. Pre-attention norm and projections.
+        let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::AttnNorm), pos, &[n, h], &xn);
+        let q = matmul_t(&xn, n, &w.q_proj, heads * hd);
+        let k = matmul_t(&xn, n, &w.k_proj, kv_heads * hd);
+        let v = matmul_t(&xn, n, &w.v_proj, kv_heads * hd);
+
+        // 2. Per-head RMSNorm of q and k (Qwen3), before RoPE.
+        let mut q = rms_norm(&q, &w.q_norm, c.rms_norm_eps);
+        let mut k = rms_norm(&k, &w.k_norm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::Q), pos, &[n, heads, hd], &q);
+        emit(sink, step, tap(LayerTap::K), pos, &[n, kv_heads, hd], &k);
+        emit(sink, step, tap(LayerTap::V), pos, &[n, kv_heads, hd], &v);
+
+        // 3. RoPE.
+        rope(&mut q, batch.rope_positions, heads, hd, c.rope_theta);
+        rope(&mut k, batch.rope_positions, kv_heads, hd, c.rope_theta);
+        emit(sink, step, tap(LayerTap::QRope), pos, &[n, heads, hd], &q);
+        emit(
+            sink,
+            step,
+            tap(LayerTap::KRope),
+            pos,
+            &[n, kv_heads, hd],
+            &k,
+        );
+
+        // 4. Append to the cache the path gave us.
+        let kv = &mut cache.layers[l];
+        kv.keys.extend_from_slice(&k);
+        kv.values.extend_from_slice(&v);
+
+        // 5. Causal GQA attention: token t sees cache entries 0..=base+t.
+        let want_probs = sink.table().wants(tap(LayerTap::AttnProbs));
+        let span = if want_probs {
+            cache.positions.iter().max().map_or(0, |m| m + 1)
+        } else {
+            0
+        };
+        let mut probs_tap = vec![0f32; if want_probs { n * heads * span } else { 0 }];
+        let attn = attention(
+            &q,
+            &cache.layers[l].keys,
+            &cache.layers[l].values,
+            n,
+            base,
+            heads,
+            kv_heads,
+            hd,
+            |t, head, row| {
+                if want_probs {
+                    let dst =
+                        &mut probs_tap[(t * heads + head) * span..(t * heads + head + 1) * span];
+                    for (e, &p) in row.iter().enumerate() {
+                        dst[cache.positions[e]] += p;
+                    }
+                }
+            },
+        );
+        if want_probs {
+            emit(
+                sink,
+                step,
+                tap(LayerTap::AttnProbs),
+                pos,
+                &[n, heads, span],
+                &probs_tap,
+            );
+        }
+        emit(
+            sink,
+            step,
+            tap(LayerTap::AttnOut),
+            pos,
+            &[n, heads * hd],
+            &attn,
+        );
+
+        // 6. Output projection and residual.
+        let o = matmul_t(&attn, n, &w.o_proj, h);
+        emit(sink, step, tap(LayerTap::OProj), pos, &[n, h], &o);
+        let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+        emit(sink, step, tap(LayerTap::ResidMid), pos, &[n, h], &mid);
+
+        // 7. SwiGLU MLP and residual.
+        let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::MlpNorm), pos, &[n, h], &mn);
+        let i = c.intermediate_size;
+        let gate = matmul_t(&mn, n, &w.gate_proj, i);
+        let up = matmul_t(&mn, n, &w.up_proj, i);
+        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+        let mlp = matmul_t(&act, n, &w.down_proj, h);
+        emit(sink, step, tap(LayerTap::MlpOut), pos, &[n, h], &mlp);
+        let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
+        emit(sink, step, tap(LayerTap::ResidOut), pos, &[n, h], &out);
+        out
+    }
+}
+
+/// Scaled-dot-product attention of `n` new queries over cache entries; query `t` sees entries
+/// `0..=base + t`. `on_probs(t, head, row)` observes each softmax row. Returns `[n, heads·hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    base: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    mut on_probs: impl FnMut(usize, usize, &[f32]),
+) -> Vec<f32> {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let kv_dim = kv_heads * hd;
+    let mut out = vec![0f32; n * heads * hd];
+    let mut row = Vec::new();
+    for t in 0..n {
+        let visible = base + t + 1;
+        for head in 0..heads {
+            let kvh = head / group;
+            let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+            row.clear();
+            row.extend((0..visible).map(|e| {
+                dot(
+                    qv,
+                    &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
+                ) * scale
+            }));
+            softmax(&mut row);
+            on_probs(t, head, &row);
+            let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+            for (e, &p) in row.iter().enumerate() {
+                let vv = &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+                for (acc, &x) in o.iter_mut().zip(vv) {
+                    *acc += p * x;
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,177 @@
+//! The arithmetic of the CPU reference backend, over plain f32 slices.
+//!
+//! Every output element is computed by one sequential loop in a fixed order, and parallelism only
+//! splits *which* elements a thread computes, so results are bitwise identical whatever the
+//! number of threads.
+
+use rayon::prelude::*;
+
+/// Dot product with a fixed summation order (8 interleaved partial sums, then a fixed tree).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut tail = 0f32;
+    for k in chunks * 8..a.len() {
+        tail += a[k] * b[k];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `y[n, out] = x[n, inp] · wᵀ` where `w` is `[out, inp]` (the layout of torch's Linear).
+pub fn matmul_t(x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+    let inp = w.len() / out;
+    debug_assert_eq!(x.len(), n * inp);
+    let mut y = vec![0f32; n * out];
+    // Split the output features into blocks so each thread streams a slice of the weights once
+    // for all tokens: decode (n = 1) still uses every core.
+    const BLOCK: usize = 64;
+    let blocks: Vec<Vec<f32>> = (0..out.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|b| {
+            let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(out));
+            let mut part = vec![0f32; n * (hi - lo)];
+            for j in lo..hi {
+                let wr = &w[j * inp..(j + 1) * inp];
+                for i in 0..n {
+                    part[i * (hi - lo) + (j - lo)] = dot(&x[i * inp..(i + 1) * inp], wr);
+                }
+            }
+            part
+        })
+        .collect();
+    for (b, part) in blocks.iter().enumerate() {
+        let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(out));
+        for i in 0..n {
+            y[i * out + lo..i * out + hi]
+                .copy_from_slice(&part[i * (hi - lo)..(i + 1) * (hi - lo)]);
+        }
+    }
+    y
+}
+
+/// RMSNorm of each `dim`-wide row, as HF computes it: x · rsqrt(mean(x²) + eps) · weight.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let dim = weight.len();
+    let mut y = vec![0f32; x.len()];
+    for (row, out) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)) {
+        let ms = dot(row, row) / dim as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &w) in out.iter_mut().zip(row).zip(weight) {
+            *o = w * (v * inv);
+        }
+    }
+    y
+}
+
+/// Rotary embedding, non-interleaved ("rotate half"): pairs (i, i + d/2) of each head are rotated
+/// by `position · theta^(-2i/d)`. Angles are computed in f32 as HF does.
+pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, theta: f64) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / (theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
+        .collect();
+    for (t, &pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            let angle = pos as f32 * inv_freq[i];
+            let (sin, cos) = angle.sin_cos();
+            for h in 0..heads {
+                let base = (t * heads + h) * head_dim;
+                let (a, b) = (x[base + i], x[base + i + half]);
+                x[base + i] = a * cos - b * sin;
+                x[base + i + half] = b * cos + a * sin;
+            }
+        }
+    }
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// In-place softmax of one row; returns the log-sum-exp.
+pub fn softmax(row: &mut [f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+    max + sum.ln()
+}
+
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use approx::assert_relative_eq;
+
+    #[test]
+    fn matmul_matches_naive_f64() {
+        let (n, inp, out) = (3, 37, 130);
+        let x: Vec<f32> = (0..n * inp)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+            .collect();
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 11 % 17) as f32 - 8.0) / 9.0)
+            .collect();
+        let y = matmul_t(&x, n, &w, out);
+        for i in 0..n {
+            for j in 0..out {
+                let r: f64 = (0..inp)
+                    .map(|k| x[i * inp + k] as f64 * w[j * inp + k] as f64)
+                    .sum();
+                assert_relative_eq!(
+                    y[i * out + j] as f64,
+                    r,
+                    epsilon = 1e-4,
+                    max_relative = 1e-5
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_is_identity_at_zero() {
+        let mut x: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
+        let orig = x.clone();
+        rope(&mut x, &[0], 2, 8, 10_000.0);
+        assert_eq!(x, orig);
+        rope(&mut x, &[5], 2, 8, 10_000.0);
+        let n0: f32 = orig.iter().map(|v| v * v).sum();
+        let n1: f32 = x.iter().map(|v| v * v).sum();
+        assert_relative_eq!(n0, n1, max_relative = 1e-5);
+        assert_ne!(x, orig);
+    }
+
+    #[test]
+    fn softmax_sums_to_one() {
+        let mut r = vec![1.0, 2.0, 3.0, -50.0];
+        let lse = softmax(&mut r);
+        assert_relative_eq!(r.iter().sum::<f32>(), 1.0, max_relative = 1e-6);
+        assert_relative_eq!(
+            lse,
+            (1f32.exp() + 2f32.exp() + 3f32.exp() + (-50f32).exp()).ln(),
+            max_relative = 1e-6
+        );
+    }
+}

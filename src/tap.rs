@@ -1,0 +1,334 @@
+//! Taps: named places where a tensor is observed, and the sinks that receive them.
+//!
+//! Names: `embed`, `L{i}.{resid_in,attn_norm,q,k,v,q_rope,k_rope,attn_probs,attn_out,o_proj,
+//! resid_mid,mlp_norm,mlp_out,resid_out}`, `final_norm`, `logits`. The first axis of every tap
+//! is the token: row `r` belongs to global position `positions[r]`. `attn_probs` rows are
+//! `[head, key position]` and span global key positions `0..=max position`, however the KV was
+//! built. Per-head tensors (`q`, `k`, `v`, `*_rope`) are `[token, head, head_dim]`.
+
+use std::fmt;
+
+/// The kind of a tap inside a layer, in the order the forward pass reaches them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LayerTap {
+    ResidIn,
+    AttnNorm,
+    Q,
+    K,
+    V,
+    QRope,
+    KRope,
+    AttnProbs,
+    AttnOut,
+    OProj,
+    ResidMid,
+    MlpNorm,
+    MlpOut,
+    ResidOut,
+}
+
+impl LayerTap {
+    pub const ALL: [LayerTap; 14] = [
+        LayerTap::ResidIn,
+        LayerTap::AttnNorm,
+        LayerTap::Q,
+        LayerTap::K,
+        LayerTap::V,
+        LayerTap::QRope,
+        LayerTap::KRope,
+        LayerTap::AttnProbs,
+        LayerTap::AttnOut,
+        LayerTap::OProj,
+        LayerTap::ResidMid,
+        LayerTap::MlpNorm,
+        LayerTap::MlpOut,
+        LayerTap::ResidOut,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerTap::ResidIn => "resid_in",
+            LayerTap::AttnNorm => "attn_norm",
+            LayerTap::Q => "q",
+            LayerTap::K => "k",
+            LayerTap::V => "v",
+            LayerTap::QRope => "q_rope",
+            LayerTap::KRope => "k_rope",
+            LayerTap::AttnProbs => "attn_probs",
+            LayerTap::AttnOut => "attn_out",
+            LayerTap::OProj => "o_proj",
+            LayerTap::ResidMid => "resid_mid",
+            LayerTap::MlpNorm => "mlp_norm",
+            LayerTap::MlpOut => "mlp_out",
+            LayerTap::ResidOut => "resid_out",
+        }
+    }
+}
+
+/// A tap's identity. Ordered as the forward pass reaches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TapId {
+    Embed,
+    Layer(usize, LayerTap),
+    FinalNorm,
+    Logits,
+}
+
+impl fmt::Display for TapId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TapId::Embed => f.write_str("embed"),
+            TapId::Layer(l, t) => write!(f, "L{l}.{}", t.name()),
+            TapId::FinalNorm => f.write_str("final_norm"),
+            TapId::Logits => f.write_str("logits"),
+        }
+    }
+}
+
+impl TapId {
+    /// Every tap of a model with `layers` layers, in forward order.
+    pub fn all(layers: usize) -> Vec<TapId> {
+        let mut v = vec![TapId::Embed];
+        for l in 0..layers {
+            v.extend(LayerTap::ALL.iter().map(|&t| TapId::Layer(l, t)));
+        }
+        v.extend([TapId::FinalNorm, TapId::Logits]);
+        v
+    }
+
+    pub fn layer(&self) -> Option<usize> {
+        match self {
+            TapId::Layer(l, _) => Some(*l),
+            _ => None,
+        }
+    }
+}
+
+/// One observed tensor: `shape[0]` rows, one per token in `positions`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TapValue<'a> {
+    pub id: TapId,
+    pub positions: &'a [usize],
+    pub shape: Vec<usize>,
+    pub data: &'a [f32],
+}
+
+/// A selection of taps, from comma-separated glob patterns (`*` any run, `?` one character).
+#[derive(Clone, Debug)]
+pub struct TapFilter {
+    patterns: Vec<String>,
+}
+
+impl TapFilter {
+    pub fn all() -> Self {
+        TapFilter {
+            patterns: vec!["*".into()],
+        }
+    }
+
+    pub fn none() -> Self {
+        TapFilter { patterns: vec![] }
+    }
+
+    /// Parses `L*.k_rope,logits`. Errors name the pattern that matches no tap of the model.
+    pub fn parse(spec: &str, layers: usize) -> Result<Self, String> {
+        let patterns: Vec<String> = spec
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(String::from)
+            .collect();
+        if patterns.is_empty() {
+            return Err("empty tap selection".into());
+        }
+        let all = TapId::all(layers);
+        for p in &patterns {
+            if !all.iter().any(|t| glob_match(p, &t.to_string())) {
+                return Err(format!(
+                    "pattern {p:?} matches no tap of this {layers}-layer model (taps look like embed, L0.k_rope, L*.attn_probs, logits)"
+                ));
+            }
+        }
+        Ok(TapFilter { patterns })
+    }
+
+    pub fn matches(&self, id: TapId) -> bool {
+        let name = id.to_string();
+        self.patterns.iter().any(|p| glob_match(p, &name))
+    }
+
+    /// A lookup table for the forward pass, so asking whether a tap is wanted costs nothing.
+    pub fn table(&self, layers: usize) -> TapTable {
+        let layer = (0..layers)
+            .map(|l| LayerTap::ALL.map(|t| self.matches(TapId::Layer(l, t))))
+            .collect();
+        TapTable {
+            embed: self.matches(TapId::Embed),
+            layer,
+            final_norm: self.matches(TapId::FinalNorm),
+            logits: self.matches(TapId::Logits),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TapTable {
+    embed: bool,
+    layer: Vec<[bool; 14]>,
+    final_norm: bool,
+    logits: bool,
+}
+
+impl TapTable {
+    pub fn wants(&self, id: TapId) -> bool {
+        match id {
+            TapId::Embed => self.embed,
+            TapId::Layer(l, t) => self.layer.get(l).is_some_and(|row| row[t as usize]),
+            TapId::FinalNorm => self.final_norm,
+            TapId::Logits => self.logits,
+        }
+    }
+
+    pub fn none(layers: usize) -> Self {
+        TapFilter::none().table(layers)
+    }
+}
+
+/// Glob match with `*` and `?` over ASCII-ish tap names.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut ni, mut star, mut mark) = (0, 0, None, 0);
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ni;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ni = mark;
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == '*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
+pub trait TapSink {
+    fn table(&self) -> &TapTable;
+    fn record(&mut self, step: usize, value: TapValue<'_>);
+    /// Called before a forward pass with the tokens it runs and their global positions.
+    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {}
+}
+
+/// Wants nothing; the forward pass then computes no tap.
+pub struct NullSink(TapTable);
+
+impl NullSink {
+    pub fn new(layers: usize) -> Self {
+        NullSink(TapTable::none(layers))
+    }
+}
+
+impl TapSink for NullSink {
+    fn table(&self) -> &TapTable {
+        &self.0
+    }
+    fn record(&mut self, _step: usize, _value: TapValue<'_>) {}
+}
+
+/// An owned copy of a tap.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recorded {
+    pub step: usize,
+    pub id: TapId,
+    pub positions: Vec<usize>,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Keeps every selected tap in memory, in the order they arrive.
+pub struct Recorder {
+    table: TapTable,
+    pub taps: Vec<Recorded>,
+}
+
+impl Recorder {
+    pub fn new(filter: &TapFilter, layers: usize) -> Self {
+        Recorder {
+            table: filter.table(layers),
+            taps: Vec::new(),
+        }
+    }
+
+    pub fn get(&self, step: usize, id: TapId) -> Option<&Recorded> {
+        self.taps.iter().find(|t| t.step == step && t.id == id)
+    }
+}
+
+impl TapSink for Recorder {
+    fn table(&self) -> &TapTable {
+        &self.table
+    }
+    fn record(&mut self, step: usize, v: TapValue<'_>) {
+        self.taps.push(Recorded {
+            step,
+            id: v.id,
+            positions: v.positions.to_vec(),
+            shape: v.shape,
+            data: v.data.to_vec(),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("L*.k_rope", "L12.k_rope"));
+        assert!(!glob_match("L*.k_rope", "L12.q_rope"));
+        assert!(glob_match("*", "logits"));
+        assert!(glob_match("L?.q", "L3.q"));
+        assert!(!glob_match("L?.q", "L13.q"));
+        assert!(glob_match("*rope", "L0.q_rope"));
+    }
+
+    #[test]
+    fn filter_rejects_patterns_matching_nothing() {
+        assert!(TapFilter::parse("L*.k_rope,logits", 2).is_ok());
+        let e = TapFilter::parse("L*.krope", 2).unwrap_err();
+        assert!(e.contains("krope"), "{e}");
+        assert!(TapFilter::parse(" , ", 2).is_err());
+    }
+
+    #[test]
+    fn table_agrees_with_filter() {
+        let f = TapFilter::parse("L1.*,embed", 3).unwrap();
+        let t = f.table(3);
+        for id in TapId::all(3) {
+            assert_eq!(t.wants(id), f.matches(id), "{id}");
+        }
+        assert!(t.wants(TapId::Layer(1, LayerTap::AttnProbs)));
+        assert!(!t.wants(TapId::Layer(0, LayerTap::AttnProbs)));
+    }
+
+    #[test]
+    fn names_in_forward_order() {
+        let names: Vec<String> = TapId::all(1).iter().map(|t| t.to_string()).collect();
+        assert_eq!(names.first().unwrap(), "embed");
+        assert_eq!(names[1], "L0.resid_in");
+        assert_eq!(names.last().unwrap(), "logits");
+        let mut sorted = TapId::all(2);
+        sorted.sort();
+        assert_eq!(sorted, TapId::all(2));
+    }
+}

@@ -1,0 +1,188 @@
+//! Loads safetensors weights (one file, or shards listed in `model.safetensors.index.json`) in
+//! bf16, f16 or f32, checks every tensor against the config before any math, and converts to f32.
+
+use std::collections::{BTreeMap, HashMap};
+
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::model_source::ModelSource;
+
+const SINGLE: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+const WEIGHTS_FIX: &str =
+    "re-download or re-export the checkpoint (save_pretrained with safe_serialization=True)";
+
+/// A tensor converted to f32, row-major.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+#[derive(Deserialize)]
+struct Index {
+    weight_map: BTreeMap<String, String>,
+}
+
+/// All tensors named by the config, as f32, keyed by checkpoint name.
+pub struct Weights {
+    tensors: HashMap<String, Weight>,
+}
+
+impl Weights {
+    pub fn load(src: &ModelSource, config: &Config) -> Result<Self> {
+        let files = shard_files(src)?;
+        let mut mapped = Vec::with_capacity(files.len());
+        for name in &files {
+            mapped.push((name.clone(), src.bytes(name, WEIGHTS_FIX)?));
+        }
+        let mut parsed: Vec<(String, SafeTensors<'_>)> = Vec::new();
+        for (name, bytes) in &mapped {
+            let st = SafeTensors::deserialize(bytes).map_err(|e| {
+                Error::input(
+                    src.path_of(name),
+                    format!("corrupt safetensors: {e}"),
+                    WEIGHTS_FIX,
+                )
+            })?;
+            parsed.push((name.clone(), st));
+        }
+        let mut location: HashMap<String, usize> = HashMap::new();
+        for (i, (_, st)) in parsed.iter().enumerate() {
+            for n in st.names() {
+                location.insert(n.to_string(), i);
+            }
+        }
+        let expected = config.expected_tensors();
+        // Shape and dtype of every tensor first: a wrong checkpoint fails before any conversion.
+        for (name, shape) in &expected {
+            let Some(&i) = location.get(name) else {
+                return Err(Error::input(
+                    src.path_of(files.first().map(String::as_str).unwrap_or(SINGLE)),
+                    format!("tensor {name} is missing"),
+                    "the checkpoint does not match config.json; use the config.json that came with these weights",
+                ));
+            };
+            let (file, st) = &parsed[i];
+            let view = st
+                .tensor(name)
+                .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
+            if view.shape() != shape.as_slice() {
+                return Err(Error::input(
+                    src.path_of(file),
+                    format!("tensor {name} has shape {:?}, config.json implies {shape:?}", view.shape()),
+                    "the checkpoint does not match config.json; use the config.json that came with these weights",
+                ));
+            }
+            if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                return Err(Error::input(
+                    src.path_of(file),
+                    format!(
+                        "tensor {name} has dtype {:?}; kvdiff reads bf16, f16 and f32",
+                        view.dtype()
+                    ),
+                    "convert the checkpoint to bf16, f16 or f32",
+                ));
+            }
+        }
+        let mut tensors = HashMap::with_capacity(expected.len());
+        for (name, shape) in expected {
+            let (file, st) = &parsed[location[&name]];
+            let view = st
+                .tensor(&name)
+                .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
+            let data = to_f32(view.dtype(), view.data());
+            if let Some(bad) = data.iter().position(|x| !x.is_finite()) {
+                return Err(Error::input(
+                    src.path_of(file),
+                    format!(
+                        "tensor {name} holds a non-finite value ({}) at flat index {bad}",
+                        data[bad]
+                    ),
+                    "the checkpoint is damaged; re-export it from a healthy copy",
+                ));
+            }
+            tensors.insert(name, Weight { shape, data });
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Removes and returns a tensor that `load` has already checked.
+    pub fn take(&mut self, name: &str) -> Weight {
+        self.tensors
+            .remove(name)
+            .unwrap_or_else(|| panic!("weight {name} was checked at load time"))
+    }
+
+    pub fn get(&self, name: &str) -> &Weight {
+        &self.tensors[name]
+    }
+}
+
+/// The safetensors files of a model: the single file, or the shards its index lists.
+fn shard_files(src: &ModelSource) -> Result<Vec<String>> {
+    if src.exists(SINGLE) {
+        return Ok(vec![SINGLE.to_string()]);
+    }
+    if !src.exists(INDEX) {
+        return Err(Error::input(
+            src.path_of(SINGLE),
+            format!("no {SINGLE} and no {INDEX}"),
+            "point --model at a directory holding the model's safetensors weights",
+        ));
+    }
+    let index_path = src.path_of(INDEX);
+    let text = src.text(INDEX, WEIGHTS_FIX)?;
+    let index: Index = serde_json::from_str(&text)
+        .map_err(|e| Error::input(&index_path, format!("invalid index: {e}"), WEIGHTS_FIX))?;
+    let mut files: Vec<String> = index.weight_map.values().cloned().collect();
+    files.sort();
+    files.dedup();
+    for f in &files {
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(Error::input(
+                &index_path,
+                format!("shard name {f:?} points outside the model directory"),
+                WEIGHTS_FIX,
+            ));
+        }
+        if !src.exists(f) {
+            return Err(Error::input(
+                src.path_of(f),
+                format!("shard listed in {INDEX} is missing"),
+                "download every shard the index lists",
+            ));
+        }
+    }
+    if files.is_empty() {
+        return Err(Error::input(
+            &index_path,
+            "weight_map is empty",
+            WEIGHTS_FIX,
+        ));
+    }
+    Ok(files)
+}
+
+/// Converts little-endian raw tensor bytes to f32.
+pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => unreachable!("dtype {other:?} is rejected before conversion"),
+    }
+}

@@ -1,0 +1,131 @@
+//! kvdiff's CPU engine against HF transformers' Qwen3 (eager attention, float32), dumped by
+//! scripts/hf_reference.py: every tap within relative L2 1e-5, identical greedy tokens.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::*;
+use kvdiff::engine::Engine;
+use kvdiff::model::Batch;
+use kvdiff::model_source::ModelSource;
+use kvdiff::tap::{Recorder, TapFilter, TapId};
+
+const TOLERANCE: f64 = 1e-5;
+
+/// Reorders a reference tensor into kvdiff's token-first layout.
+fn to_token_first(name: &str, t: &RefTensor) -> Vec<f32> {
+    if name.ends_with(".attn_probs") {
+        // HF: [head, query, key] -> kvdiff: [query, head, key].
+        let (h, q, k) = (t.shape[0], t.shape[1], t.shape[2]);
+        let mut out = vec![0f32; t.data.len()];
+        for hi in 0..h {
+            for qi in 0..q {
+                let src = &t.data[(hi * q + qi) * k..(hi * q + qi + 1) * k];
+                out[(qi * h + hi) * k..(qi * h + hi + 1) * k].copy_from_slice(src);
+            }
+        }
+        out
+    } else {
+        t.data.clone()
+    }
+}
+
+fn check_model(dir: &str) -> BTreeMap<String, f64> {
+    let engine = Engine::load(ModelSource::Dir(fixture(dir))).unwrap();
+    let layers = engine.model.config.num_hidden_layers;
+    let ref_dir = fixture(&format!("reference/{dir}"));
+    let manifest = read_json(&ref_dir.join("manifest.json"));
+    let mut worst: BTreeMap<String, f64> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for p in manifest["prompts"].as_array().unwrap() {
+        let name = p["name"].as_str().unwrap();
+        let msgs = messages(&p["messages"]);
+        let text = engine.tokenizer.render(&msgs, &Default::default()).unwrap();
+        assert_eq!(
+            text,
+            p["text"].as_str().unwrap(),
+            "{dir}/{name}: chat template text"
+        );
+        let ids = engine.tokenizer.encode(&text).unwrap();
+        let ref_ids: Vec<u32> = serde_json::from_value(p["input_ids"].clone()).unwrap();
+        assert_eq!(ids, ref_ids, "{dir}/{name}: token ids");
+
+        let reference = read_safetensors(&ref_dir.join(format!("{name}.safetensors")));
+        let mut rec = Recorder::new(&TapFilter::all(), layers);
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let mut cache = engine.model.new_cache();
+        engine
+            .model
+            .forward(Batch::new(&ids, &positions), &mut cache, 0, &mut rec);
+        let mut compared = 0;
+        for id in TapId::all(layers) {
+            let tap = id.to_string();
+            let Some(r) = reference.get(&tap) else {
+                continue;
+            };
+            let mine = rec
+                .get(0, id)
+                .unwrap_or_else(|| panic!("tap {tap} not recorded"));
+            let want = to_token_first(&tap, r);
+            assert_eq!(
+                mine.data.len(),
+                want.len(),
+                "{dir}/{name}/{tap}: size {:?} vs HF {:?}",
+                mine.shape,
+                r.shape
+            );
+            let err = rel_l2(&mine.data, &want);
+            let kind = tap.rsplit('.').next().unwrap().to_string();
+            let w = worst.entry(kind).or_insert(0.0);
+            *w = w.max(err);
+            if !(err <= TOLERANCE) {
+                failures.push(format!("{dir}/{name}/{tap}: rel L2 {err:.3e}"));
+            }
+            compared += 1;
+        }
+        assert!(compared >= 5, "{dir}/{name}: only {compared} taps compared");
+
+        // Greedy decoding through the cache, step by step, with logits taps per step.
+        let want_ids: Vec<u32> = serde_json::from_value(p["greedy_ids"].clone()).unwrap();
+        let mut rec = Recorder::new(&TapFilter::parse("logits", layers).unwrap(), layers);
+        let gen = engine.generate(&ids, want_ids.len(), &mut rec);
+        assert_eq!(gen.tokens, want_ids, "{dir}/{name}: greedy tokens");
+        let dl = &reference["decode_logits"];
+        let v = dl.shape[1];
+        for step in 0..gen.tokens.len() {
+            let logits = &rec.get(step, TapId::Logits).unwrap().data;
+            let last = &logits[logits.len() - v..];
+            let err = rel_l2(last, &dl.data[step * v..(step + 1) * v]);
+            let w = worst.entry("decode_logits".into()).or_insert(0.0);
+            *w = w.max(err);
+            if !(err <= TOLERANCE) {
+                failures.push(format!(
+                    "{dir}/{name}/decode step {step} logits: rel L2 {err:.3e}"
+                ));
+            }
+        }
+    }
+    eprintln!("{dir}: largest relative L2 error per tap kind vs HF transformers:");
+    for (k, v) in &worst {
+        eprintln!("  {k:<14} {v:.2e}");
+    }
+    assert!(
+        failures.is_empty(),
+        "taps beyond {TOLERANCE:e}:\n{}",
+        failures.join("\n")
+    );
+    worst
+}
+
+#[test]
+fn default_model_matches_transformers() {
+    let worst = check_model("default-model");
+    assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
+}
+
+#[test]
+fn random_model_matches_transformers() {
+    let worst = check_model("random-model");
+    assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
+}
