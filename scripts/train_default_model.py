@@ -1,4 +1,4 @@
-"""Trains kvdiff's embedded default model: a tiny Qwen3 (about 3.4 M parameters) with its own
+"""Trains kvdiff's embedded default model: a tiny Qwen3 (about 5 M parameters) with its own
 byte-level BPE that carries the Qwen chat special tokens, on the synthetic chat task of
 chat_task.py. Runs on the GPU machine with transformers (HF's own Qwen3ForCausalLM, so the
 architecture is transformers' by construction).
@@ -45,20 +45,28 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def encode_example(tok, rng):
-    messages, answer, case, value = chat_task.make_example(rng)
-    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    completion = "<think>\n\n</think>\n\n" + answer + "<|im_end|>\n"
-    p = tok.encode(prompt, add_special_tokens=False)
-    c = tok.encode(completion, add_special_tokens=False)
-    return p, c, messages, answer, case, value
+def render_chatml(messages):
+    """What the Qwen3 template renders for the task's conversations (checked against
+    apply_chat_template at start-up); rendering through Jinja per example is too slow."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n"
+
+
+COMPLETION = "<think>\n\n</think>\n\n{answer}<|im_end|>\n"
+
+
+def encode_batch(raw, rng, n):
+    examples = [chat_task.make_example(rng) for _ in range(n)]
+    prompts = raw.encode_batch([render_chatml(m) for m, *_ in examples], add_special_tokens=False)
+    comps = raw.encode_batch([COMPLETION.format(answer=a) for _, a, *_ in examples], add_special_tokens=False)
+    return [(p.ids, c.ids, *ex) for p, c, ex in zip(prompts, comps, examples)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("qwen3_tokenizer_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=128)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -75,7 +83,7 @@ def main():
     pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
     print(f"vocab {len(tok)} eos {eos_id} pad {pad_id}", flush=True)
 
-    cfg_kwargs = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    cfg_kwargs = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
                       rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=pad_id, eos_token_id=eos_id,
                       pad_token_id=pad_id, attention_dropout=0.0)
@@ -89,7 +97,12 @@ def main():
     print(f"params {sum(p.numel() for p in model.parameters())}", flush=True)
 
     rng = random.Random(1234)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    check = random.Random(5)
+    for _ in range(200):
+        messages = chat_task.make_example(check)[0]
+        assert render_chatml(messages) == tok.apply_chat_template(messages, tokenize=False,
+                                                                  add_generation_prompt=True), messages
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
     warm = 200
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
@@ -97,7 +110,7 @@ def main():
     model.train()
     for step in range(args.steps):
         # Fresh conversations every step: a fixed pool gets memorised instead of learned.
-        batch = [encode_example(tok, rng) for _ in range(args.batch)]
+        batch = encode_batch(raw, rng, args.batch)
         width = max(len(p) + len(c) for p, c, *_ in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -130,8 +143,7 @@ def main():
     totals = {"case": [0, 0], "fact": [0, 0], "exact": [0, 0]}
     per_case = {}
     samples = []
-    for _ in range(300):
-        p, _, messages, answer, case, value = encode_example(tok, eval_rng)
+    for p, _, messages, answer, case, value in encode_batch(raw, eval_rng, 300):
         out = model.generate(torch.tensor([p], device=dev), attention_mask=torch.ones(1, len(p), device=dev,
                              dtype=torch.long), max_new_tokens=32, do_sample=False, eos_token_id=eos_id,
                              pad_token_id=pad_id)
