@@ -15,7 +15,7 @@ pack() {
 }
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 if [ "$stage" = all ]; then
-  python3 scripts/train_default_model.py .cache/qwen3-tokenizer "$work/default-model" --steps "${STEPS:-6000}"
+  python3 scripts/train_default_model.py .cache/qwen3-tokenizer "$work/default-model" --steps "${STEPS:-5000}"
   pack
   python3 scripts/make_random_model.py "$work/default-model" "$work/random-model"
   pack

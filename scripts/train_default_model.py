@@ -1,4 +1,4 @@
-"""Trains kvdiff's embedded default model: a tiny Qwen3 (about 5 M parameters) with its own
+"""Trains kvdiff's embedded default model: a tiny Qwen3 (about 3.4 M parameters) with its own
 byte-level BPE that carries the Qwen chat special tokens, on the synthetic chat task of
 chat_task.py. Runs on the GPU machine with transformers (HF's own Qwen3ForCausalLM, so the
 architecture is transformers' by construction).
@@ -66,7 +66,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("qwen3_tokenizer_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=128)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def main():
     pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
     print(f"vocab {len(tok)} eos {eos_id} pad {pad_id}", flush=True)
 
-    cfg_kwargs = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+    cfg_kwargs = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
                       rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=pad_id, eos_token_id=eos_id,
                       pad_token_id=pad_id, attention_dropout=0.0)
@@ -102,7 +102,7 @@ def main():
         messages = chat_task.make_example(check)[0]
         assert render_chatml(messages) == tok.apply_chat_template(messages, tokenize=False,
                                                                   add_generation_prompt=True), messages
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
     warm = 200
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
