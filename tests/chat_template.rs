@@ -15,11 +15,19 @@ fn check(tokenizer_dir: std::path::PathBuf, reference: &str) -> usize {
         let name = case["name"].as_str().unwrap();
         let extra = case["kwargs"].as_object().unwrap();
         let text = tok.render(&messages(&case["messages"]), extra).unwrap();
-        assert_eq!(text, case["text"].as_str().unwrap(), "{reference}/{name}: rendered text");
+        assert_eq!(
+            text,
+            case["text"].as_str().unwrap(),
+            "{reference}/{name}: rendered text"
+        );
         let ids = tok.encode(&text).unwrap();
         let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
         assert_eq!(ids, want, "{reference}/{name}: token ids");
-        assert_eq!(tok.decode(&ids, false), case["decoded"].as_str().unwrap(), "{reference}/{name}: decode");
+        assert_eq!(
+            tok.decode(&ids, false),
+            case["decoded"].as_str().unwrap(),
+            "{reference}/{name}: decode"
+        );
     }
     cases.len()
 }
@@ -41,5 +49,10 @@ fn qwen3_tokenizer_matches_transformers() {
 
 #[test]
 fn default_tokenizer_matches_transformers() {
-    assert!(check(fixture("default-model"), "reference/default-chat-template.json") >= 6);
+    assert!(
+        check(
+            fixture("default-model"),
+            "reference/default-chat-template.json"
+        ) >= 6
+    );
 }

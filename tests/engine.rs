@@ -54,15 +54,26 @@ fn write_single(dir: &Path, tensors: &HashMap<String, (Dtype, Vec<usize>, Vec<u8
 }
 
 fn prompt_ids(engine: &Engine) -> Vec<u32> {
-    let msgs = vec![kvdiff::prompt::Message::new(kvdiff::prompt::Role::User, "Anna's pet is cat. What is Anna's pet?")];
-    engine.tokenizer.encode(&engine.tokenizer.render(&msgs, &Default::default()).unwrap()).unwrap()
+    let msgs = vec![kvdiff::prompt::Message::new(
+        kvdiff::prompt::Role::User,
+        "Anna's pet is cat. What is Anna's pet?",
+    )];
+    engine
+        .tokenizer
+        .encode(&engine.tokenizer.render(&msgs, &Default::default()).unwrap())
+        .unwrap()
 }
 
 fn all_taps(engine: &Engine, ids: &[u32]) -> Recorder {
     let layers = engine.model.config.num_hidden_layers;
     let mut rec = Recorder::new(&TapFilter::all(), layers);
     let pos: Vec<usize> = (0..ids.len()).collect();
-    engine.model.forward(Batch::new(ids, &pos), &mut engine.model.new_cache(), 0, &mut rec);
+    engine.model.forward(
+        Batch::new(ids, &pos),
+        &mut engine.model.new_cache(),
+        0,
+        &mut rec,
+    );
     rec
 }
 
@@ -75,7 +86,10 @@ fn f32_single_file_equals_f16_shards() {
     let f32_tensors: HashMap<_, _> = tensors
         .iter()
         .map(|(n, (d, s, b))| {
-            let data: Vec<u8> = kvdiff::weights::to_f32(*d, b).iter().flat_map(|x| x.to_le_bytes()).collect();
+            let data: Vec<u8> = kvdiff::weights::to_f32(*d, b)
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
             (n.clone(), (Dtype::F32, s.clone(), data))
         })
         .collect();
@@ -85,7 +99,10 @@ fn f32_single_file_equals_f16_shards() {
     let ids = prompt_ids(&sharded);
     let (a, b) = (all_taps(&sharded, &ids), all_taps(&single, &ids));
     assert!(!a.taps.is_empty());
-    assert_eq!(a.taps, b.taps, "f16 shards and the f32 single file must give bitwise-equal taps");
+    assert_eq!(
+        a.taps, b.taps,
+        "f16 shards and the f32 single file must give bitwise-equal taps"
+    );
 }
 
 #[test]
@@ -95,16 +112,26 @@ fn results_do_not_depend_on_thread_count() {
     let runs: Vec<(Recorder, Vec<u32>)> = [1, 2, 8]
         .iter()
         .map(|&n| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
             pool.install(|| {
                 let rec = all_taps(&engine, &ids);
-                let gen = engine.generate(&ids, 8, &mut NullSink::new(engine.model.config.num_hidden_layers));
+                let gen = engine.generate(
+                    &ids,
+                    8,
+                    &mut NullSink::new(engine.model.config.num_hidden_layers),
+                );
                 (rec, gen.tokens)
             })
         })
         .collect();
     for r in &runs[1..] {
-        assert_eq!(r.0.taps, runs[0].0.taps, "taps differ between thread counts");
+        assert_eq!(
+            r.0.taps, runs[0].0.taps,
+            "taps differ between thread counts"
+        );
         assert_eq!(r.1, runs[0].1);
     }
 }
@@ -120,8 +147,18 @@ fn decode_step_equals_prefill_of_the_same_token() {
     let mut cache = engine.model.new_cache();
     let pos: Vec<usize> = (0..n).collect();
     let mut rec = Recorder::new(&TapFilter::all(), layers);
-    engine.model.forward(Batch::new(&ids[..n - 1], &pos[..n - 1]), &mut cache, 0, &mut rec);
-    engine.model.forward(Batch::new(&ids[n - 1..], &pos[n - 1..]), &mut cache, 1, &mut rec);
+    engine.model.forward(
+        Batch::new(&ids[..n - 1], &pos[..n - 1]),
+        &mut cache,
+        0,
+        &mut rec,
+    );
+    engine.model.forward(
+        Batch::new(&ids[n - 1..], &pos[n - 1..]),
+        &mut cache,
+        1,
+        &mut rec,
+    );
     for id in TapId::all(layers) {
         let whole = full.get(0, id).unwrap();
         let step = rec.get(1, id).unwrap();
@@ -139,16 +176,29 @@ fn filter_selects_taps_and_null_sink_takes_none() {
     let engine = Engine::load(ModelSource::Embedded).unwrap();
     let ids = prompt_ids(&engine);
     let layers = engine.model.config.num_hidden_layers;
-    let mut rec = Recorder::new(&TapFilter::parse("L*.k_rope,logits", layers).unwrap(), layers);
+    let mut rec = Recorder::new(
+        &TapFilter::parse("L*.k_rope,logits", layers).unwrap(),
+        layers,
+    );
     let pos: Vec<usize> = (0..ids.len()).collect();
-    let last = engine.model.forward(Batch::new(&ids, &pos), &mut engine.model.new_cache(), 0, &mut rec);
+    let last = engine.model.forward(
+        Batch::new(&ids, &pos),
+        &mut engine.model.new_cache(),
+        0,
+        &mut rec,
+    );
     let names: Vec<String> = rec.taps.iter().map(|t| t.id.to_string()).collect();
     let mut want: Vec<String> = (0..layers).map(|l| format!("L{l}.k_rope")).collect();
     want.push("logits".into());
     assert_eq!(names, want);
     let logits = &rec.get(0, TapId::Logits).unwrap().data;
     assert_eq!(&logits[logits.len() - last.len()..], last.as_slice());
-    let null_last = engine.model.forward(Batch::new(&ids, &pos), &mut engine.model.new_cache(), 0, &mut NullSink::new(layers));
+    let null_last = engine.model.forward(
+        Batch::new(&ids, &pos),
+        &mut engine.model.new_cache(),
+        0,
+        &mut NullSink::new(layers),
+    );
     assert_eq!(null_last, last);
 }
 
@@ -164,10 +214,15 @@ fn load_err(dir: &Path) -> String {
 }
 
 /// The default model with one tensor changed (or removed when `f` returns None).
-fn damaged(f: impl Fn(&str, (Dtype, Vec<usize>, Vec<u8>)) -> Option<(Dtype, Vec<usize>, Vec<u8>)>) -> tempfile::TempDir {
+fn damaged(
+    f: impl Fn(&str, (Dtype, Vec<usize>, Vec<u8>)) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) -> tempfile::TempDir {
     let src = fixture("default-model");
     let dir = copy_model_meta(&src);
-    let tensors: HashMap<_, _> = read_all(&src).into_iter().filter_map(|(n, t)| f(&n, t).map(|t| (n, t))).collect();
+    let tensors: HashMap<_, _> = read_all(&src)
+        .into_iter()
+        .filter_map(|(n, t)| f(&n, t).map(|t| (n, t)))
+        .collect();
     write_single(dir.path(), &tensors);
     dir
 }
@@ -178,7 +233,10 @@ const VICTIM: &str = "model.layers.1.self_attn.k_proj.weight";
 fn rejects_missing_tensor() {
     let dir = damaged(|n, t| (n != VICTIM).then_some(t));
     let e = load_err(dir.path());
-    assert!(e.contains(VICTIM) && e.contains("missing") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains(VICTIM) && e.contains("missing") && e.contains("model.safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -204,12 +262,21 @@ fn rejects_non_finite_weight() {
         Some((d, s, b))
     });
     let e = load_err(dir.path());
-    assert!(e.contains(VICTIM) && e.contains("non-finite") && e.contains("flat index 10"), "{e}");
+    assert!(
+        e.contains(VICTIM) && e.contains("non-finite") && e.contains("flat index 10"),
+        "{e}"
+    );
 }
 
 #[test]
 fn rejects_unsupported_dtype() {
-    let dir = damaged(|n, (d, s, b)| if n == VICTIM { Some((Dtype::I16, s, b)) } else { Some((d, s, b)) });
+    let dir = damaged(|n, (d, s, b)| {
+        if n == VICTIM {
+            Some((Dtype::I16, s, b))
+        } else {
+            Some((d, s, b))
+        }
+    });
     let e = load_err(dir.path());
     assert!(e.contains(VICTIM) && e.contains("dtype"), "{e}");
 }
@@ -219,9 +286,16 @@ fn rejects_truncated_and_garbage_files() {
     let src = fixture("default-model");
     let dir = copy_model_meta(&src);
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    std::fs::write(dir.path().join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        &bytes[..bytes.len() / 2],
+    )
+    .unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("model.safetensors") && e.contains("corrupt"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("corrupt"),
+        "{e}"
+    );
     std::fs::write(dir.path().join("model.safetensors"), [0xffu8; 64]).unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("corrupt"), "{e}");
@@ -239,8 +313,15 @@ fn rejects_missing_shard_and_bad_index() {
     }
     std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("model-00002-of-00002.safetensors") && e.contains("missing"), "{e}");
-    std::fs::write(dir.path().join("model.safetensors.index.json"), r#"{"weight_map": {"a": "../../etc/passwd"}}"#).unwrap();
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("missing"),
+        "{e}"
+    );
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        r#"{"weight_map": {"a": "../../etc/passwd"}}"#,
+    )
+    .unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("outside"), "{e}");
 }
@@ -248,7 +329,11 @@ fn rejects_missing_shard_and_bad_index() {
 #[test]
 fn rejects_bad_config() {
     let dir = copy_model_meta(&fixture("default-model"));
-    std::fs::copy(fixture("default-model/model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        fixture("default-model/model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("config.json"), "{e}");

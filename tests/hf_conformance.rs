@@ -79,7 +79,7 @@ fn check_model(dir: &str) -> BTreeMap<String, f64> {
             let kind = tap.rsplit('.').next().unwrap().to_string();
             let w = worst.entry(kind).or_insert(0.0);
             *w = w.max(err);
-            if !(err <= TOLERANCE) {
+            if err.is_nan() || err > TOLERANCE {
                 failures.push(format!("{dir}/{name}/{tap}: rel L2 {err:.3e}"));
             }
             compared += 1;
@@ -99,7 +99,7 @@ fn check_model(dir: &str) -> BTreeMap<String, f64> {
             let err = rel_l2(last, &dl.data[step * v..(step + 1) * v]);
             let w = worst.entry("decode_logits".into()).or_insert(0.0);
             *w = w.max(err);
-            if !(err <= TOLERANCE) {
+            if err.is_nan() || err > TOLERANCE {
                 failures.push(format!(
                     "{dir}/{name}/decode step {step} logits: rel L2 {err:.3e}"
                 ));

@@ -1,0 +1,194 @@
+//! The `kvdiff` binary end to end: stdout carries only the answer, dumps are readable and hold
+//! HF's numbers, and bad input exits 2 with a message naming the file or flag.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+
+fn kvdiff(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Writes `messages` (from a reference manifest) as a prompt file.
+fn prompt_file(dir: &Path, name: &str, messages: &serde_json::Value) -> String {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        serde_json::json!({ "messages": messages }).to_string(),
+    )
+    .unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn generate_prints_only_the_greedy_text_of_transformers() {
+    let manifest = read_json(&fixture("reference/default-model/manifest.json"));
+    let tmp = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    for p in manifest["prompts"].as_array().unwrap() {
+        let want = p["greedy_text"].as_str().unwrap();
+        // HF's text keeps special tokens; kvdiff prints the answer without them.
+        let Some(want) = want.strip_suffix("<|im_end|>") else {
+            continue;
+        };
+        let file = prompt_file(tmp.path(), "p.json", &p["messages"]);
+        let out = kvdiff(&["generate", "--max-new-tokens", "24", &file]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stderr(&out).contains("stopped at EOS"));
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{want}\n"));
+        checked += 1;
+    }
+    assert!(checked >= 3);
+}
+
+#[test]
+fn dump_writes_tap_files_equal_to_transformers() {
+    let manifest = read_json(&fixture("reference/default-model/manifest.json"));
+    let p = &manifest["prompts"][0];
+    let tmp = tempfile::tempdir().unwrap();
+    let file = prompt_file(tmp.path(), "p.json", &p["messages"]);
+    let out_dir = tmp.path().join("dump");
+    let out = kvdiff(&[
+        "dump",
+        "--model",
+        fixture("default-model").to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--taps",
+        "L*.k_rope,logits",
+        "--max-new-tokens",
+        "3",
+        &file,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut files: Vec<String> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "meta.json",
+            "step-0000.safetensors",
+            "step-0001.safetensors",
+            "step-0002.safetensors"
+        ]
+    );
+    let reference = read_safetensors(&fixture(&format!(
+        "reference/default-model/{}.safetensors",
+        p["name"].as_str().unwrap()
+    )));
+    let step0 = read_safetensors(&out_dir.join("step-0000.safetensors"));
+    let mut names: Vec<&String> = step0.keys().collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["L0.k_rope", "L1.k_rope", "L2.k_rope", "L3.k_rope", "logits"]
+    );
+    for (name, t) in &step0 {
+        let err = rel_l2(&t.data, &reference[name].data);
+        assert!(err < 1e-5, "{name}: {err:e}");
+        assert_eq!(t.shape, reference[name].shape);
+    }
+    let bytes = std::fs::read(out_dir.join("step-0001.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let n = p["input_ids"].as_array().unwrap().len() as i64;
+    let pos = st.tensor("positions").unwrap();
+    assert_eq!(pos.data(), n.to_le_bytes());
+    let meta = read_json(&out_dir.join("meta.json"));
+    assert_eq!(meta["prompt_ids"], p["input_ids"]);
+    // Refuses to overwrite, leaving the dump intact.
+    let again = kvdiff(&["dump", "--out", out_dir.to_str().unwrap(), &file]);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(stderr(&again).contains("--force"));
+    assert!(out_dir.join("step-0002.safetensors").exists());
+}
+
+#[test]
+fn txt_and_json_prompts_render_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let txt = tmp.path().join("p.txt");
+    std::fs::write(&txt, "@@ system\nBe brief.\n@@ user\nhi\n").unwrap();
+    let json = prompt_file(
+        tmp.path(),
+        "p.json",
+        &serde_json::json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]),
+    );
+    let a = kvdiff(&["tokens", "--json", txt.to_str().unwrap()]);
+    let b = kvdiff(&["tokens", "--json", &json]);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert_eq!(a.stdout, b.stdout);
+    let v: serde_json::Value = serde_json::from_slice(&a.stdout).unwrap();
+    assert_eq!(v["text"], "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_culprit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty.txt");
+    std::fs::write(&empty, "  \n").unwrap();
+    let latin1 = tmp.path().join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let bad_json = tmp.path().join("bad.json");
+    std::fs::write(&bad_json, "{\"messages\": [").unwrap();
+    let role = tmp.path().join("role.json");
+    std::fs::write(&role, r#"[{"role": "tool", "content": "x"}]"#).unwrap();
+    let good = fixture("prompts/task.json");
+    let good = good.to_str().unwrap();
+    let missing = tmp.path().join("nope.json");
+    let dump_out = tmp.path().join("d");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["generate", missing.to_str().unwrap()], "nope.json"),
+        (vec!["generate", empty.to_str().unwrap()], "empty"),
+        (vec!["generate", latin1.to_str().unwrap()], "UTF-8"),
+        (vec!["generate", bad_json.to_str().unwrap()], "invalid JSON"),
+        (vec!["generate", role.to_str().unwrap()], "unknown role"),
+        (
+            vec!["generate", "--model", "/nonexistent/model", good],
+            "/nonexistent/model",
+        ),
+        (vec!["generate", "--threads", "0", good], "--threads"),
+        (
+            vec!["generate", "--max-new-tokens", "100000", good],
+            "max_position_embeddings",
+        ),
+        (vec!["generate", "--backend", "tpu", good], "--backend"),
+        (
+            vec![
+                "dump",
+                "--out",
+                dump_out.to_str().unwrap(),
+                "--taps",
+                "L*.nothing",
+                good,
+            ],
+            "--taps",
+        ),
+        (vec!["generate"], "PROMPT"),
+    ];
+    for (args, needle) in cases {
+        let out = kvdiff(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr lacks {needle:?}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
+    }
+    assert!(
+        !tmp.path().join("d").exists(),
+        "a failed dump left a folder behind"
+    );
+}
