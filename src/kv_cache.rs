@@ -38,3 +38,14 @@ impl KvCache {
         self.kv_dim
     }
 }
+
+impl KvCache {
+    /// Appends another cache's entries after this one's.
+    pub fn append(&mut self, other: KvCache) {
+        for (a, b) in self.layers.iter_mut().zip(other.layers) {
+            a.keys.extend(b.keys);
+            a.values.extend(b.values);
+        }
+        self.positions.extend(other.positions);
+    }
+}

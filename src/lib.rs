@@ -2,7 +2,10 @@
 //! model's output part.
 
 pub mod chat_template;
+pub mod chunks;
 pub mod config;
+pub mod diff;
+pub mod driver;
 pub mod dump;
 pub mod engine;
 pub mod error;
@@ -10,7 +13,9 @@ pub mod kv_cache;
 pub mod model;
 pub mod model_source;
 pub mod ops;
+pub mod paths;
 pub mod prompt;
+pub mod report;
 pub mod tap;
 pub mod tokenizer;
 pub mod weights;

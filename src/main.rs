@@ -6,11 +6,16 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use kvdiff::dump::Dumper;
+use kvdiff::chunks::ChunkedPrompt;
+use kvdiff::diff::Tolerance;
+use kvdiff::driver::CompareSpec;
+use kvdiff::dump::{write_atomic, Dumper};
 use kvdiff::engine::Engine;
-use kvdiff::error::{Error, Result, EXIT_INTERNAL, EXIT_OK};
+use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK};
 use kvdiff::model_source::ModelSource;
+use kvdiff::paths::{self, PathSpec};
 use kvdiff::prompt::Prompt;
+use kvdiff::report::{ChunkInfo, Report, ToleranceInfo};
 use kvdiff::tap::{NullSink, TapFilter};
 
 const PROMPT_HELP: &str = "\
@@ -59,6 +64,48 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Run the reference path and other paths in lockstep and report where each first parts
+    /// from the reference: step, layer, tap, position, head, index and both values.
+    #[command(after_help = COMPARE_HELP)]
+    Compare {
+        /// Hugging Face model directory; without it, the embedded default model.
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Comma-separated paths to compare; default: every path.
+        #[arg(long, value_name = "LIST")]
+        paths: Option<String>,
+        /// The path the others are held to.
+        #[arg(long, value_name = "PATH", default_value = "standard")]
+        reference: String,
+        /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
+        #[arg(long, value_name = "GLOB", default_value = "*")]
+        taps: String,
+        /// auto (learned from an exact pair, per tap kind), exact (bitwise), or fixed
+        /// (--atol/--rtol; giving either implies fixed).
+        #[arg(long, value_enum, default_value_t = TolPolicy::Auto)]
+        tolerance: TolPolicy,
+        /// Absolute tolerance (fixed policy): a row diverges when max|diff| > atol + rtol·max|ref|.
+        #[arg(long, value_name = "X")]
+        atol: Option<f32>,
+        /// Relative tolerance (fixed policy).
+        #[arg(long, value_name = "X")]
+        rtol: Option<f32>,
+        /// Fail (exit 1) when an approximate path's next-token logits differ from the
+        /// reference's by more than this relative L2 at any step.
+        #[arg(long, value_name = "X")]
+        budget: Option<f64>,
+        /// Most tokens to decode in lockstep.
+        #[arg(long, value_name = "N", default_value_t = 16)]
+        max_new_tokens: usize,
+        /// Also write the report as JSON (schema 1) to FILE, atomically.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Worker threads (results are identical for any count).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        /// Prompt file (.json or .txt).
+        prompt: PathBuf,
+    },
     /// Show the chat-template text and token ids of PROMPT.
     #[command(after_help = PROMPT_HELP)]
     Tokens {
@@ -92,6 +139,27 @@ struct RunArgs {
     prompt: PathBuf,
 }
 
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum TolPolicy {
+    Auto,
+    Exact,
+    Fixed,
+}
+
+const COMPARE_HELP: &str = "\
+PATHS:
+  standard              one prefill of the whole prompt (the default reference)
+  chunked-prefill:N     N-token pieces over the cache so far                      exact
+  prefix-cache          chunks cached by the hash of all tokens up to them        exact
+  chunk-reuse:local     chunks prefilled alone at positions 0..n, KV concatenated  approximate
+  chunk-reuse:global    chunks prefilled alone at their global positions           approximate
+  chunk-reuse:rerotate  alone at 0..n, keys rotated by the position delta          approximate
+  Chunks: the system message, each earlier message, and the last user message with the
+  generation prompt; '@@ chunk' (txt) or a list of strings (json) cuts messages further.
+
+EXIT CODES: 0 no exact path diverged (and approximate ones within --budget), 1 otherwise,
+2 bad input or usage, 3 internal error.";
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Backend {
     /// f32 reference on the CPU.
@@ -111,8 +179,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
-    if let Some(t) = run.threads {
+fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(t) = threads {
         if t == 0 {
             return Err(Error::usage(
                 "--threads",
@@ -125,6 +193,11 @@ fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
             .build_global()
             .map_err(|e| Error::Internal(format!("thread pool: {e}")))?;
     }
+    Ok(())
+}
+
+fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
+    set_threads(run.threads)?;
     match run.backend {
         Backend::Cpu => {}
     }
@@ -181,6 +254,121 @@ fn run(cli: Cli) -> Result<i32> {
             let files = dumper.finish(&out, &meta)?;
             eprintln!("kvdiff: wrote {files} step files to {}", out.display());
             Ok(EXIT_OK)
+        }
+        Command::Compare {
+            model,
+            paths,
+            reference,
+            taps,
+            tolerance,
+            atol,
+            rtol,
+            budget,
+            max_new_tokens,
+            json,
+            threads,
+            prompt,
+        } => {
+            set_threads(threads)?;
+            let reference = PathSpec::parse(&reference).map_err(|e| {
+                Error::usage("--reference", e, "see kvdiff compare --help for paths")
+            })?;
+            let paths = match paths {
+                Some(list) => paths::parse_list(&list).map_err(|e| {
+                    Error::usage("--paths", e, "see kvdiff compare --help for paths")
+                })?,
+                None => PathSpec::all()
+                    .into_iter()
+                    .filter(|p| *p != reference)
+                    .collect(),
+            };
+            for (flag, v) in [("--atol", atol), ("--rtol", rtol)] {
+                if v.is_some_and(|x| !(x.is_finite() && x >= 0.0)) {
+                    return Err(Error::usage(
+                        flag,
+                        "must be a finite number >= 0",
+                        "e.g. --rtol 1e-4",
+                    ));
+                }
+            }
+            if budget.is_some_and(|b| !(b.is_finite() && b >= 0.0)) {
+                return Err(Error::usage(
+                    "--budget",
+                    "must be a finite number >= 0",
+                    "e.g. --budget 0.05",
+                ));
+            }
+            let p = Prompt::load(&prompt)?;
+            let engine = Engine::load(ModelSource::from_arg(model.as_deref())?)?;
+            let layers = engine.model.config.num_hidden_layers;
+            let filter = TapFilter::parse(&taps, layers)
+                .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))?;
+            let enc = engine.encode(&p, &prompt, max_new_tokens)?;
+            let chunked = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &enc.text)
+                .map_err(|e| Error::input(&prompt, e, "check the prompt's text"))?;
+            let eos = engine.eos_ids();
+            let fixed = tolerance == TolPolicy::Fixed || atol.is_some() || rtol.is_some();
+            let given = if fixed {
+                Tolerance::Fixed {
+                    atol: atol.unwrap_or(0.0),
+                    rtol: rtol.unwrap_or(0.0),
+                }
+            } else {
+                Tolerance::Exact
+            };
+            let mut spec = CompareSpec {
+                model: &engine.model,
+                tokenizer: &engine.tokenizer,
+                prompt: &chunked,
+                reference,
+                taps: &filter,
+                tolerance: &given,
+                max_new_tokens,
+                eos: &eos,
+            };
+            let learned;
+            if !fixed && tolerance == TolPolicy::Auto {
+                learned = spec.learn_auto();
+                spec.tolerance = &learned;
+            }
+            let start = std::time::Instant::now();
+            let reports: Vec<_> = paths.iter().map(|&path| spec.run(path)).collect();
+            let ref_run = engine.generate(&enc.ids, max_new_tokens, &mut NullSink::new(layers));
+            let report = Report {
+                schema: kvdiff::report::SCHEMA,
+                model: engine.source.describe(),
+                prompt: prompt.display().to_string(),
+                reference: reference.to_string(),
+                prompt_tokens: chunked.ids.len(),
+                chunks: chunked
+                    .chunks
+                    .iter()
+                    .map(|c| ChunkInfo {
+                        role: c.role,
+                        start: c.start,
+                        end: c.end,
+                    })
+                    .collect(),
+                reference_tokens: ref_run.tokens,
+                reference_text: ref_run.text,
+                tolerance: ToleranceInfo::new(spec.tolerance),
+                paths: reports,
+            };
+            eprintln!(
+                "kvdiff: compared {} paths in {:.0} ms",
+                report.paths.len(),
+                start.elapsed().as_secs_f64() * 1e3
+            );
+            if let Some(path) = &json {
+                let bytes = serde_json::to_vec_pretty(&report)
+                    .map_err(|e| Error::Internal(e.to_string()))?;
+                write_atomic(path, &bytes, "--json")?;
+            }
+            print!("{}", kvdiff::report::text(&report, budget));
+            let failed = report.paths.iter().any(|p| {
+                p.diverged && (p.exact || budget.is_some_and(|b| p.logits_rel_l2_max > b))
+            });
+            Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })
         }
         Command::Tokens {
             model,

@@ -192,6 +192,35 @@ impl TapTable {
     pub fn none(layers: usize) -> Self {
         TapFilter::none().table(layers)
     }
+
+    /// The same selection less some per-layer taps.
+    pub fn without(&self, taps: &[LayerTap]) -> Self {
+        let mut t = self.clone();
+        for row in &mut t.layer {
+            for &tap in taps {
+                row[tap as usize] = false;
+            }
+        }
+        t
+    }
+}
+
+/// Passes taps to another sink, less the ones its own table leaves out.
+pub struct Masked<'a> {
+    pub table: TapTable,
+    pub inner: &'a mut dyn TapSink,
+}
+
+impl TapSink for Masked<'_> {
+    fn table(&self) -> &TapTable {
+        &self.table
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        self.inner.record(step, value);
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        self.inner.begin_step(step, tokens, positions);
+    }
 }
 
 /// Glob match with `*` and `?` over ASCII-ish tap names.

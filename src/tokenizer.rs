@@ -101,6 +101,18 @@ impl ChatTokenizer {
             .map_err(|e| format!("tokenizer failed: {e}"))
     }
 
+    /// Token ids with the byte offset in `text` where each token starts.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>), String> {
+        let e = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| format!("tokenizer failed: {e}"))?;
+        Ok((
+            e.get_ids().to_vec(),
+            e.get_offsets().iter().map(|o| o.0).collect(),
+        ))
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
         self.tokenizer.decode(ids, skip_special).unwrap_or_default()
     }

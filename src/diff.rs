@@ -1,0 +1,177 @@
+//! Comparing two tensors row by row (one row per token): metrics, and the tolerance that decides
+//! whether a row diverged.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// How a divergence is decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Tolerance {
+    /// Any bit differs.
+    Exact,
+    /// A row diverges when max|a − b| > atol + rtol · max|b|.
+    Fixed { atol: f32, rtol: f32 },
+    /// As `Fixed` with atol 0 and, per tap kind, rtol learned from a pair of exact paths
+    /// (`AUTO_MULTIPLE` × the noise seen, at least `AUTO_FLOOR`).
+    Auto { rtol: BTreeMap<String, f32> },
+}
+
+/// Learned noise is multiplied by this to make a threshold.
+pub const AUTO_MULTIPLE: f32 = 10.0;
+/// The smallest relative threshold auto uses: a few f32 roundings of accumulated sums.
+pub const AUTO_FLOOR: f32 = 1e-5;
+
+impl Tolerance {
+    pub fn policy(&self) -> &'static str {
+        match self {
+            Tolerance::Exact => "exact",
+            Tolerance::Fixed { .. } => "fixed",
+            Tolerance::Auto { .. } => "auto",
+        }
+    }
+
+    /// (atol, rtol) for a tap kind; `None` for bitwise.
+    pub fn bounds(&self, kind: &str) -> Option<(f32, f32)> {
+        match self {
+            Tolerance::Exact => None,
+            Tolerance::Fixed { atol, rtol } => Some((*atol, *rtol)),
+            Tolerance::Auto { rtol } => Some((0.0, rtol.get(kind).copied().unwrap_or(AUTO_FLOOR))),
+        }
+    }
+
+    pub fn describe(&self, kind: &str) -> String {
+        match self.bounds(kind) {
+            None => "bitwise equality (exact)".into(),
+            Some((a, r)) => format!(
+                "max|diff| <= {a:.1e} + {r:.1e}·max|ref| ({})",
+                self.policy()
+            ),
+        }
+    }
+}
+
+/// Metrics of one row pair.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RowDiff {
+    /// Index in the row of the largest |a − b|.
+    pub index: usize,
+    pub reference: f32,
+    pub value: f32,
+    pub max_abs: f32,
+    pub max_ref: f32,
+    pub rel_l2: f64,
+    pub cosine: f64,
+    /// Index of the first non-finite value, in either row.
+    pub non_finite: Option<usize>,
+}
+
+/// Compares a row of the path (`a`) with the reference's (`b`); a shorter row is read as
+/// zero-padded (attention rows over fewer keys).
+pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
+    let n = a.len().max(b.len());
+    let at = |v: &[f32], i: usize| v.get(i).copied().unwrap_or(0.0);
+    let (mut num, mut na, mut nb, mut dotp) = (0f64, 0f64, 0f64, 0f64);
+    let (mut index, mut max_abs, mut max_ref) = (0, 0f32, 0f32);
+    let mut non_finite = None;
+    for i in 0..n {
+        let (x, y) = (at(a, i), at(b, i));
+        if non_finite.is_none() && !(x.is_finite() && y.is_finite()) {
+            non_finite = Some(i);
+        }
+        let d = (x - y).abs();
+        if d > max_abs {
+            max_abs = d;
+            index = i;
+        }
+        max_ref = max_ref.max(y.abs());
+        num += (x as f64 - y as f64).powi(2);
+        na += (x as f64).powi(2);
+        nb += (y as f64).powi(2);
+        dotp += x as f64 * y as f64;
+    }
+    let rel_l2 = if nb > 0.0 {
+        (num / nb).sqrt()
+    } else {
+        num.sqrt()
+    };
+    let cosine = if na > 0.0 && nb > 0.0 {
+        dotp / (na.sqrt() * nb.sqrt())
+    } else if na == nb {
+        1.0
+    } else {
+        0.0
+    };
+    RowDiff {
+        index,
+        reference: at(b, index),
+        value: at(a, index),
+        max_abs,
+        max_ref,
+        rel_l2,
+        cosine,
+        non_finite,
+    }
+}
+
+/// Whether a row pair diverged under `tol` for tap `kind`.
+pub fn diverged(a: &[f32], b: &[f32], d: &RowDiff, tol: &Tolerance, kind: &str) -> bool {
+    if d.non_finite.is_some() {
+        return true;
+    }
+    match tol.bounds(kind) {
+        None => a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()),
+        Some((atol, rtol)) => d.max_abs > atol + rtol * d.max_ref,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_and_padding() {
+        let d = row_diff(&[1.0, 2.0], &[1.0, 2.5, 0.5]);
+        assert_eq!((d.index, d.max_abs), (2, 0.5));
+        assert_eq!((d.value, d.reference), (0.0, 0.5));
+        assert!(d.cosine < 1.0 && d.rel_l2 > 0.0);
+        let same = row_diff(&[1.0, -2.0], &[1.0, -2.0]);
+        assert_eq!((same.max_abs, same.rel_l2, same.cosine), (0.0, 0.0, 1.0));
+    }
+
+    #[test]
+    fn tolerance_policies() {
+        let (a, b) = ([1.0f32, 2.0], [1.0f32, 2.0 + 1e-6]);
+        let d = row_diff(&a, &b);
+        assert!(diverged(&a, &b, &d, &Tolerance::Exact, "q"));
+        assert!(!diverged(
+            &a,
+            &b,
+            &d,
+            &Tolerance::Fixed {
+                atol: 0.0,
+                rtol: 1e-5
+            },
+            "q"
+        ));
+        let auto = Tolerance::Auto {
+            rtol: [("q".to_string(), 1e-8)].into(),
+        };
+        assert!(diverged(&a, &b, &d, &auto, "q"));
+        assert!(
+            !diverged(&a, &b, &d, &auto, "k"),
+            "unlearned kinds use the floor"
+        );
+        let nan = [f32::NAN, 2.0];
+        assert!(diverged(
+            &nan,
+            &b,
+            &row_diff(&nan, &b),
+            &Tolerance::Fixed {
+                atol: 1e9,
+                rtol: 1e9
+            },
+            "q"
+        ));
+    }
+}

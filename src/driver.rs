@@ -1,0 +1,323 @@
+//! The lockstep driver: runs a reference path and another path on the same prompt, prefill then
+//! one decode step at a time, and compares every selected tap as the second path produces it.
+//! After the first token mismatch both paths are fed the reference's token (teacher forcing),
+//! so later steps stay comparable.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+
+use crate::chunks::ChunkedPrompt;
+use crate::diff::{diverged, row_diff, Tolerance};
+use crate::model::{Batch, Model};
+use crate::ops::argmax;
+use crate::paths::{ChunkStore, PathSpec};
+use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+use crate::tokenizer::ChatTokenizer;
+
+/// Where a path first left the reference, with the numbers.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Divergence {
+    pub step: usize,
+    pub layer: Option<usize>,
+    pub tap: String,
+    pub position: usize,
+    pub token: u32,
+    pub token_text: String,
+    pub head: Option<usize>,
+    pub index: usize,
+    /// `value` (over tolerance) or `non_finite` (NaN/Inf seen, never compared as a number).
+    pub kind: &'static str,
+    pub reference: f32,
+    pub value: f32,
+    pub max_abs: f32,
+    pub rel_l2: f64,
+    pub cosine: f64,
+    pub tolerance: String,
+    pub policy: &'static str,
+    #[serde(skip)]
+    order: (usize, TapId, usize),
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TokenDivergence {
+    pub step: usize,
+    pub position: usize,
+    pub reference_token: u32,
+    pub path_token: u32,
+    pub reference_text: String,
+    pub path_text: String,
+}
+
+/// One line of the per-layer table.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct LayerRow {
+    pub layer: String,
+    pub max_rel_l2: f64,
+    pub rows_compared: usize,
+    pub rows_diverged: usize,
+    pub first_tap: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PathReport {
+    pub path: String,
+    pub exact: bool,
+    pub diverged: bool,
+    pub first_divergence: Option<Divergence>,
+    pub first_token_divergence: Option<TokenDivergence>,
+    pub teacher_forced: bool,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    /// Largest relative L2 of the next-token logits over all steps.
+    pub logits_rel_l2_max: f64,
+    pub chunk_hits: usize,
+    pub chunk_misses: usize,
+    pub layers: Vec<LayerRow>,
+    /// Per tap kind, the largest max|diff|/max|ref| seen (what `auto` learns from).
+    #[serde(skip)]
+    pub noise: BTreeMap<String, f32>,
+}
+
+/// The reference side of one step, and the running comparison.
+struct Comparator<'a> {
+    table: TapTable,
+    reference: HashMap<TapId, Recorded>,
+    tol: &'a Tolerance,
+    tokens: Vec<u32>,
+    tok: &'a ChatTokenizer,
+    heads: usize,
+    kv_heads: usize,
+    first: Option<Divergence>,
+    layers: BTreeMap<(u8, usize), LayerRow>,
+    noise: BTreeMap<String, f32>,
+    /// Per layer, the earliest tap (in forward order) that diverged.
+    first_tap: BTreeMap<(u8, usize), TapId>,
+}
+
+fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
+    let have = row.len() / heads;
+    let mut out = vec![0f32; heads * span.max(have)];
+    let span = span.max(have);
+    for h in 0..heads {
+        out[h * span..h * span + have].copy_from_slice(&row[h * have..(h + 1) * have]);
+    }
+    out
+}
+
+/// Rows of the per-layer table: embed, each layer, final norm, logits.
+fn group_of(id: TapId) -> (u8, usize) {
+    match id {
+        TapId::Embed => (0, 0),
+        TapId::Layer(l, _) => (1, l),
+        TapId::FinalNorm => (2, 0),
+        TapId::Logits => (3, 0),
+    }
+}
+
+fn kind_of(id: TapId) -> String {
+    let s = id.to_string();
+    s.rsplit('.').next().unwrap_or(&s).to_string()
+}
+
+impl TapSink for Comparator<'_> {
+    fn table(&self) -> &TapTable {
+        &self.table
+    }
+
+    fn record(&mut self, step: usize, v: TapValue<'_>) {
+        let Some(r) = self.reference.get(&v.id) else {
+            return;
+        };
+        let kind = kind_of(v.id);
+        let width = v.data.len() / v.positions.len().max(1);
+        let rwidth = r.data.len() / r.positions.len().max(1);
+        let row_heads = match kind.as_str() {
+            "q" | "q_rope" | "attn_probs" => Some(self.heads),
+            "k" | "k_rope" | "v" => Some(self.kv_heads),
+            _ => None,
+        };
+        let layer = self
+            .layers
+            .entry(group_of(v.id))
+            .or_insert_with(|| LayerRow {
+                layer: v
+                    .id
+                    .layer()
+                    .map_or_else(|| v.id.to_string(), |l| format!("L{l}")),
+                ..Default::default()
+            });
+        for (row, &pos) in v.positions.iter().enumerate() {
+            let Some(rrow) = r.positions.iter().position(|&p| p == pos) else {
+                continue;
+            };
+            let a = &v.data[row * width..(row + 1) * width];
+            let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
+            // Attention rows over fewer keys: pad each head's row to the reference's key span.
+            let padded;
+            let a = if kind == "attn_probs" && width != rwidth {
+                padded = pad_heads(a, self.heads, rwidth / self.heads);
+                &padded[..]
+            } else {
+                a
+            };
+            let d = row_diff(a, b);
+            layer.rows_compared += 1;
+            layer.max_rel_l2 = layer.max_rel_l2.max(d.rel_l2);
+            if d.max_ref > 0.0 {
+                let n = self.noise.entry(kind.clone()).or_insert(0.0);
+                *n = n.max(d.max_abs / d.max_ref);
+            }
+            if !diverged(a, b, &d, self.tol, &kind) {
+                continue;
+            }
+            layer.rows_diverged += 1;
+            let order = (step, v.id, pos);
+            let ft = self.first_tap.entry(group_of(v.id)).or_insert(v.id);
+            *ft = (*ft).min(v.id);
+            if self.first.as_ref().is_some_and(|f| f.order <= order) {
+                continue;
+            }
+            let index = d.non_finite.unwrap_or(d.index);
+            let per_head = row_heads.map(|h| width.max(rwidth) / h);
+            let token = self.tokens.get(pos).copied().unwrap_or(0);
+            self.first = Some(Divergence {
+                step,
+                layer: v.id.layer(),
+                tap: v.id.to_string(),
+                position: pos,
+                token,
+                token_text: self.tok.decode(&[token], false),
+                head: per_head.map(|w| index / w),
+                index: per_head.map_or(index, |w| index % w),
+                kind: if d.non_finite.is_some() {
+                    "non_finite"
+                } else {
+                    "value"
+                },
+                reference: b.get(index).copied().unwrap_or(0.0),
+                value: a.get(index).copied().unwrap_or(0.0),
+                max_abs: d.max_abs,
+                rel_l2: d.rel_l2,
+                cosine: d.cosine,
+                tolerance: self.tol.describe(&kind),
+                policy: self.tol.policy(),
+                order,
+            });
+        }
+    }
+}
+
+/// What to compare and how.
+pub struct CompareSpec<'a> {
+    pub model: &'a Model,
+    pub tokenizer: &'a ChatTokenizer,
+    pub prompt: &'a ChunkedPrompt,
+    pub reference: PathSpec,
+    pub taps: &'a TapFilter,
+    pub tolerance: &'a Tolerance,
+    pub max_new_tokens: usize,
+    pub eos: &'a [u32],
+}
+
+impl CompareSpec<'_> {
+    /// Runs `path` against the reference in lockstep.
+    pub fn run(&self, path: PathSpec) -> PathReport {
+        let model = self.model;
+        let layers = model.config.num_hidden_layers;
+        let n = self.prompt.ids.len();
+        let mut ref_rec = Recorder::new(self.taps, layers);
+        let (mut ref_cache, mut ref_logits) =
+            self.reference
+                .prefill(model, self.prompt, &mut ChunkStore::default(), &mut ref_rec);
+        let mut cmp = Comparator {
+            table: self.taps.table(layers),
+            reference: HashMap::new(),
+            tol: self.tolerance,
+            tokens: self.prompt.ids.clone(),
+            tok: self.tokenizer,
+            heads: model.config.num_attention_heads,
+            kv_heads: model.config.num_key_value_heads,
+            first: None,
+            layers: BTreeMap::new(),
+            noise: BTreeMap::new(),
+            first_tap: BTreeMap::new(),
+        };
+        cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
+        let mut store = ChunkStore::default();
+        let (mut cache, mut logits) = path.prefill(model, self.prompt, &mut store, &mut cmp);
+        let mut report_tokens = Vec::new();
+        let mut first_token = None;
+        let mut logits_max = 0f64;
+        let mut step = 0;
+        while step < self.max_new_tokens {
+            logits_max = logits_max.max(row_diff(&logits, &ref_logits).rel_l2);
+            let (rt, pt) = (argmax(&ref_logits) as u32, argmax(&logits) as u32);
+            report_tokens.push(pt);
+            if rt != pt && first_token.is_none() {
+                first_token = Some(TokenDivergence {
+                    step,
+                    position: n + step,
+                    reference_token: rt,
+                    path_token: pt,
+                    reference_text: self.tokenizer.decode(&[rt], false),
+                    path_text: self.tokenizer.decode(&[pt], false),
+                });
+            }
+            // Tokens by global position: the prompt, then the reference's choices.
+            cmp.tokens.push(rt);
+            if self.eos.contains(&rt) || step + 1 == self.max_new_tokens {
+                break;
+            }
+            step += 1;
+            let pos = [n + step - 1];
+            let mut ref_rec = Recorder::new(self.taps, layers);
+            ref_logits = model.forward(Batch::new(&[rt], &pos), &mut ref_cache, step, &mut ref_rec);
+            cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
+            logits = model.forward(Batch::new(&[rt], &pos), &mut cache, step, &mut cmp);
+        }
+        let first_divergence = cmp.first.take();
+        for (layer, id) in &cmp.first_tap {
+            if let Some(row) = cmp.layers.get_mut(layer) {
+                row.first_tap = Some(id.to_string());
+            }
+        }
+        PathReport {
+            path: path.to_string(),
+            exact: path.exact(),
+            diverged: first_divergence.is_some() || first_token.is_some(),
+            teacher_forced: first_token.is_some(),
+            first_divergence,
+            first_token_divergence: first_token,
+            text: self.tokenizer.decode(&report_tokens, true),
+            tokens: report_tokens,
+            logits_rel_l2_max: logits_max,
+            chunk_hits: store.hits,
+            chunk_misses: store.misses,
+            layers: cmp.layers.into_values().collect(),
+            noise: cmp.noise,
+        }
+    }
+
+    /// Learns `auto` thresholds: the noise between the reference and an exact path that splits
+    /// the prefill differently, times `AUTO_MULTIPLE`, at least `AUTO_FLOOR`, per tap kind.
+    pub fn learn_auto(&self) -> Tolerance {
+        let piece = self.prompt.ids.len().div_ceil(3).max(1);
+        let learner = CompareSpec {
+            tolerance: &Tolerance::Exact,
+            max_new_tokens: self.max_new_tokens.min(2),
+            ..*self
+        };
+        let noise = learner.run(PathSpec::ChunkedPrefill(piece)).noise;
+        let rtol = noise
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k,
+                    (v * crate::diff::AUTO_MULTIPLE).max(crate::diff::AUTO_FLOOR),
+                )
+            })
+            .collect();
+        Tolerance::Auto { rtol }
+    }
+}

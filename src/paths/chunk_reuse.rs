@@ -1,0 +1,124 @@
+//! `chunk-reuse:{local,global,rerotate}`: every chunk but the query is prefilled alone, as if
+//! it began the sequence, and its KV is reused by content hash; the caches are concatenated and
+//! the query chunk is prefilled over them at its global positions. Approximate by design: a
+//! chunk's tokens never saw the chunks before it.
+//!
+//! - `local`: chunks rotated at positions 0..n, kept so (the classic bug).
+//! - `global`: chunks rotated at their global positions.
+//! - `rerotate`: rotated at 0..n, keys rotated by the position delta on reuse.
+
+use super::ChunkStore;
+use crate::chunks::ChunkedPrompt;
+use crate::kv_cache::KvCache;
+use crate::model::{Batch, Model};
+use crate::ops::rope;
+use crate::tap::{LayerTap, Masked, TapId, TapSink, TapValue};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reuse {
+    Local,
+    Global,
+    Rerotate,
+}
+
+impl Reuse {
+    pub fn name(self) -> &'static str {
+        match self {
+            Reuse::Local => "local",
+            Reuse::Global => "global",
+            Reuse::Rerotate => "rerotate",
+        }
+    }
+}
+
+pub fn prefill(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    mode: Reuse,
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+) -> (KvCache, Vec<f32>) {
+    let c = &model.config;
+    let mut cache = model.new_cache();
+    let last = prompt.chunks.len() - 1;
+    for chunk in &prompt.chunks[..last] {
+        let global: Vec<usize> = (chunk.start..chunk.end).collect();
+        let local: Vec<usize> = (0..chunk.end - chunk.start).collect();
+        let rope_at = if mode == Reuse::Global {
+            &global
+        } else {
+            &local
+        };
+        // Global rotation depends on where the chunk stands, so it is part of the key.
+        let key = prompt.content_hash(chunk)
+            ^ if mode == Reuse::Global {
+                chunk.start as u64 * 0x9e37_79b9
+            } else {
+                0
+            };
+        let mut alone = match store.get(key) {
+            Some(kv) => kv,
+            None => {
+                let mut kv = model.new_cache();
+                let batch = Batch {
+                    tokens: prompt.tokens(chunk),
+                    positions: &global,
+                    rope_positions: rope_at,
+                };
+                if mode == Reuse::Rerotate {
+                    // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.
+                    let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
+                    model.forward(
+                        batch,
+                        &mut kv,
+                        0,
+                        &mut Masked {
+                            table,
+                            inner: &mut *sink,
+                        },
+                    );
+                } else {
+                    model.forward(batch, &mut kv, 0, sink);
+                }
+                store.put(key, kv.clone());
+                kv
+            }
+        };
+        if mode == Reuse::Rerotate {
+            let delta = vec![chunk.start; local.len()];
+            for (l, layer) in alone.layers.iter_mut().enumerate() {
+                rope(
+                    &mut layer.keys,
+                    &delta,
+                    c.num_key_value_heads,
+                    c.head_dim,
+                    c.rope_theta,
+                );
+                let id = TapId::Layer(l, LayerTap::KRope);
+                if sink.table().wants(id) {
+                    let shape = vec![global.len(), c.num_key_value_heads, c.head_dim];
+                    sink.record(
+                        0,
+                        TapValue {
+                            id,
+                            positions: &global,
+                            shape,
+                            data: &layer.keys,
+                        },
+                    );
+                }
+            }
+        }
+        alone.positions = global;
+        cache.append(alone);
+    }
+    let q = &prompt.chunks[last];
+    let positions: Vec<usize> = (q.start..q.end).collect();
+    let logits = model.forward(
+        Batch::new(prompt.tokens(q), &positions),
+        &mut cache,
+        0,
+        sink,
+    );
+    (cache, logits)
+}

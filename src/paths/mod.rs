@@ -1,0 +1,175 @@
+//! Paths: ways of building the KV cache for a prompt. Each prefills the prompt (emitting taps
+//! for every prompt token at its global position) and hands back the cache that decoding then
+//! extends; decoding itself is the same for every path.
+
+mod chunk_reuse;
+mod chunked_prefill;
+mod prefix_cache;
+mod standard;
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::chunks::ChunkedPrompt;
+use crate::kv_cache::KvCache;
+use crate::model::Model;
+use crate::tap::TapSink;
+
+pub use chunk_reuse::Reuse;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathSpec {
+    /// One prefill of the whole prompt.
+    Standard,
+    /// N-token pieces, each attending to the cache so far.
+    ChunkedPrefill(usize),
+    /// Chunks cached under the hash of every token before and in them.
+    PrefixCache,
+    /// Chunks prefilled alone, their KV concatenated (see `Reuse`).
+    ChunkReuse(Reuse),
+}
+
+impl PathSpec {
+    /// Every path, with the default arguments of parameterised ones.
+    pub fn all() -> Vec<PathSpec> {
+        vec![
+            PathSpec::Standard,
+            PathSpec::ChunkedPrefill(16),
+            PathSpec::PrefixCache,
+            PathSpec::ChunkReuse(Reuse::Local),
+            PathSpec::ChunkReuse(Reuse::Global),
+            PathSpec::ChunkReuse(Reuse::Rerotate),
+        ]
+    }
+
+    /// Parses `standard`, `chunked-prefill:N`, `prefix-cache`, `chunk-reuse:local|global|rerotate`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (name, arg) = match s.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (s, None),
+        };
+        let no_arg = |p: PathSpec| match arg {
+            None => Ok(p),
+            Some(a) => Err(format!("path {name:?} takes no argument (got {a:?})")),
+        };
+        match name {
+            "standard" => no_arg(PathSpec::Standard),
+            "prefix-cache" => no_arg(PathSpec::PrefixCache),
+            "chunked-prefill" => match arg.map(str::parse::<usize>) {
+                Some(Ok(n)) if n > 0 => Ok(PathSpec::ChunkedPrefill(n)),
+                Some(_) => Err(format!("chunked-prefill needs a positive piece size, got {:?}", arg.unwrap())),
+                None => Err("chunked-prefill needs a piece size: chunked-prefill:N".into()),
+            },
+            "chunk-reuse" => match arg {
+                Some("local") => Ok(PathSpec::ChunkReuse(Reuse::Local)),
+                Some("global") => Ok(PathSpec::ChunkReuse(Reuse::Global)),
+                Some("rerotate") => Ok(PathSpec::ChunkReuse(Reuse::Rerotate)),
+                Some(other) => Err(format!("chunk-reuse mode {other:?} unknown (local, global, rerotate)")),
+                None => Err("chunk-reuse needs a mode: chunk-reuse:local|global|rerotate".into()),
+            },
+            "" => Err("empty path name".into()),
+            other => Err(format!(
+                "unknown path {other:?} (standard, chunked-prefill:N, prefix-cache, chunk-reuse:local|global|rerotate)"
+            )),
+        }
+    }
+
+    /// Exact paths must equal `standard` up to rounding; approximate ones are measured.
+    pub fn exact(&self) -> bool {
+        !matches!(self, PathSpec::ChunkReuse(_))
+    }
+
+    /// Runs the prompt's prefill; returns the cache and the last prompt token's logits.
+    pub fn prefill(
+        &self,
+        model: &Model,
+        prompt: &ChunkedPrompt,
+        store: &mut ChunkStore,
+        sink: &mut dyn TapSink,
+    ) -> (KvCache, Vec<f32>) {
+        match *self {
+            PathSpec::Standard => standard::prefill(model, prompt, sink),
+            PathSpec::ChunkedPrefill(n) => chunked_prefill::prefill(model, prompt, n, sink),
+            PathSpec::PrefixCache => prefix_cache::prefill(model, prompt, store, sink),
+            PathSpec::ChunkReuse(mode) => chunk_reuse::prefill(model, prompt, mode, store, sink),
+        }
+    }
+}
+
+impl fmt::Display for PathSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PathSpec::Standard => f.write_str("standard"),
+            PathSpec::ChunkedPrefill(n) => write!(f, "chunked-prefill:{n}"),
+            PathSpec::PrefixCache => f.write_str("prefix-cache"),
+            PathSpec::ChunkReuse(r) => write!(f, "chunk-reuse:{}", r.name()),
+        }
+    }
+}
+
+/// Parses a comma-separated path list.
+pub fn parse_list(s: &str) -> Result<Vec<PathSpec>, String> {
+    let paths: Vec<PathSpec> = s
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(PathSpec::parse)
+        .collect::<Result<_, _>>()?;
+    if paths.is_empty() {
+        return Err("no path given".into());
+    }
+    Ok(paths)
+}
+
+/// KV computed once per key and reused, with hit and miss counts for the report.
+#[derive(Default)]
+pub struct ChunkStore {
+    entries: HashMap<u64, KvCache>,
+    pub hits: usize,
+    pub misses: usize,
+}
+
+impl ChunkStore {
+    pub fn get(&mut self, key: u64) -> Option<KvCache> {
+        let found = self.entries.get(&key).cloned();
+        if found.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        found
+    }
+
+    pub fn put(&mut self, key: u64, kv: KvCache) {
+        self.entries.insert(key, kv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_round_trips() {
+        for p in PathSpec::all() {
+            assert_eq!(PathSpec::parse(&p.to_string()).unwrap(), p);
+        }
+        assert_eq!(
+            PathSpec::parse("chunked-prefill:3").unwrap(),
+            PathSpec::ChunkedPrefill(3)
+        );
+        for bad in [
+            "",
+            "chunked-prefill",
+            "chunked-prefill:0",
+            "chunked-prefill:x",
+            "standard:1",
+            "chunk-reuse:warp",
+            "nope",
+        ] {
+            assert!(PathSpec::parse(bad).is_err(), "{bad}");
+        }
+        assert!(parse_list(" , ").is_err());
+        assert_eq!(parse_list("standard,prefix-cache").unwrap().len(), 2);
+    }
+}

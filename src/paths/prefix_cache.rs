@@ -1,0 +1,40 @@
+//! `prefix-cache`: chunk by chunk, the cache after each chunk is stored under the hash of every
+//! token up to the chunk's end; a later prompt sharing that prefix starts from it. Exact.
+
+use super::ChunkStore;
+use crate::chunks::ChunkedPrompt;
+use crate::kv_cache::KvCache;
+use crate::model::{Batch, Model};
+use crate::tap::TapSink;
+
+pub fn prefill(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+) -> (KvCache, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let positions: Vec<usize> = (0..prompt.ids.len()).collect();
+    let mut logits = Vec::new();
+    let last = prompt.chunks.len() - 1;
+    for (i, c) in prompt.chunks.iter().enumerate() {
+        let key = prompt.prefix_hash(c);
+        // The query chunk's logits are needed, so it is always computed.
+        if i < last {
+            if let Some(hit) = store.get(key) {
+                cache = hit;
+                continue;
+            }
+        }
+        logits = model.forward(
+            Batch::new(prompt.tokens(c), &positions[c.start..c.end]),
+            &mut cache,
+            0,
+            sink,
+        );
+        if i < last {
+            store.put(key, cache.clone());
+        }
+    }
+    (cache, logits)
+}

@@ -1,0 +1,17 @@
+//! `standard`: one prefill of the whole prompt — the reference every other path is held to.
+
+use crate::chunks::ChunkedPrompt;
+use crate::kv_cache::KvCache;
+use crate::model::{Batch, Model};
+use crate::tap::TapSink;
+
+pub fn prefill(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    sink: &mut dyn TapSink,
+) -> (KvCache, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let positions: Vec<usize> = (0..prompt.ids.len()).collect();
+    let logits = model.forward(Batch::new(&prompt.ids, &positions), &mut cache, 0, sink);
+    (cache, logits)
+}

@@ -1,0 +1,160 @@
+//! Reports of a comparison: text for people (verdict and first divergence on top, then a
+//! per-layer table) and versioned JSON for machines.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::diff::Tolerance;
+use crate::driver::PathReport;
+
+pub const SCHEMA: u32 = 1;
+
+#[derive(Serialize)]
+pub struct Report {
+    pub schema: u32,
+    pub model: String,
+    pub prompt: String,
+    pub reference: String,
+    pub prompt_tokens: usize,
+    pub chunks: Vec<ChunkInfo>,
+    pub reference_tokens: Vec<u32>,
+    pub reference_text: String,
+    pub tolerance: ToleranceInfo,
+    pub paths: Vec<PathReport>,
+}
+
+#[derive(Serialize)]
+pub struct ChunkInfo {
+    pub role: crate::chunks::ChunkRole,
+    pub start: usize,
+    pub end: usize,
+}
+
+#[derive(Serialize)]
+pub struct ToleranceInfo {
+    pub policy: &'static str,
+    /// Per tap kind, the relative threshold (auto) or the single one (fixed).
+    pub rtol: std::collections::BTreeMap<String, f32>,
+    pub atol: f32,
+}
+
+impl ToleranceInfo {
+    pub fn new(t: &Tolerance) -> Self {
+        match t {
+            Tolerance::Exact => ToleranceInfo {
+                policy: "exact",
+                rtol: Default::default(),
+                atol: 0.0,
+            },
+            Tolerance::Fixed { atol, rtol } => ToleranceInfo {
+                policy: "fixed",
+                rtol: [("*".to_string(), *rtol)].into(),
+                atol: *atol,
+            },
+            Tolerance::Auto { rtol } => ToleranceInfo {
+                policy: "auto",
+                rtol: rtol.clone(),
+                atol: 0.0,
+            },
+        }
+    }
+}
+
+/// The verdict word for a path.
+pub fn verdict(p: &PathReport, budget: Option<f64>) -> &'static str {
+    match (p.exact, p.diverged) {
+        (_, false) => "EQUIVALENT",
+        (true, true) => "DIVERGED (exact path: failure)",
+        (false, true) if budget.is_some_and(|b| p.logits_rel_l2_max > b) => {
+            "DIVERGED (over budget: failure)"
+        }
+        (false, true) => "DIVERGED (approximate path: measured)",
+    }
+}
+
+pub fn text(r: &Report, budget: Option<f64>) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "model: {}   prompt: {} ({} tokens, {} chunks)",
+        r.model,
+        r.prompt,
+        r.prompt_tokens,
+        r.chunks.len()
+    );
+    let _ = writeln!(
+        s,
+        "reference: {}   tolerance: {}",
+        r.reference, r.tolerance.policy
+    );
+    let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
+    for p in &r.paths {
+        let _ = writeln!(s);
+        let kind = if p.exact { "exact" } else { "approximate" };
+        let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, budget));
+        match &p.first_divergence {
+            None => {
+                let _ = writeln!(s, "  no tap diverged");
+            }
+            Some(d) => {
+                let head = d.head.map(|h| format!(", head {h}")).unwrap_or_default();
+                let _ = writeln!(
+                    s,
+                    "  first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
+                    d.step,
+                    if d.step == 0 { " (prefill)" } else { "" },
+                    d.tap,
+                    d.position,
+                    d.token_text,
+                    d.index
+                );
+                let _ = writeln!(
+                    s,
+                    "    reference {:.6}  path {:.6}  max|diff| {:.3e}  rel L2 {:.3e}  cosine {:.6}{}",
+                    d.reference,
+                    d.value,
+                    d.max_abs,
+                    d.rel_l2,
+                    d.cosine,
+                    if d.kind == "non_finite" { "  NON-FINITE" } else { "" }
+                );
+                let _ = writeln!(s, "    tolerance: {}", d.tolerance);
+            }
+        }
+        match &p.first_token_divergence {
+            None => {
+                let _ = writeln!(s, "  tokens: identical to the reference");
+            }
+            Some(t) => {
+                let _ = writeln!(
+                    s,
+                    "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; both fed the reference's tokens from there on",
+                    t.step, t.position, t.reference_text, t.path_text
+                );
+            }
+        }
+        let _ = writeln!(s, "  answer: {:?}", p.text);
+        let _ = writeln!(
+            s,
+            "  logits rel L2 (max over steps): {:.3e}   chunk store: {} hits, {} misses",
+            p.logits_rel_l2_max, p.chunk_hits, p.chunk_misses
+        );
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>11} {:>9}  first diverging tap",
+            "layer", "max rel L2", "diverged"
+        );
+        for l in &p.layers {
+            let _ = writeln!(
+                s,
+                "  {:<10} {:>11.3e} {:>9}  {}",
+                l.layer,
+                l.max_rel_l2,
+                format!("{}/{}", l.rows_diverged, l.rows_compared),
+                l.first_tap.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    s
+}
