@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::chunks::ChunkedPrompt;
 use crate::diff::{diverged, row_diff, Tolerance};
+use crate::kv_cache::KvCache;
 use crate::model::{Batch, Model};
 use crate::ops::argmax;
 use crate::paths::{ChunkStore, PathSpec};
@@ -223,6 +224,26 @@ pub struct CompareSpec<'a> {
 impl CompareSpec<'_> {
     /// Runs `path` against the reference in lockstep.
     pub fn run(&self, path: PathSpec) -> PathReport {
+        self.run_with(
+            &path.to_string(),
+            path.exact(),
+            |model, prompt, store, sink| path.prefill(model, prompt, store, sink),
+        )
+    }
+
+    /// Runs any prefill (a path kvdiff does not know, e.g. an engine under test) against the
+    /// reference in lockstep; decoding continues on the cache it returns.
+    pub fn run_with(
+        &self,
+        name: &str,
+        exact: bool,
+        prefill: impl FnOnce(
+            &Model,
+            &ChunkedPrompt,
+            &mut ChunkStore,
+            &mut dyn TapSink,
+        ) -> (KvCache, Vec<f32>),
+    ) -> PathReport {
         let model = self.model;
         let layers = model.config.num_hidden_layers;
         let n = self.prompt.ids.len();
@@ -245,7 +266,7 @@ impl CompareSpec<'_> {
         };
         cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
         let mut store = ChunkStore::default();
-        let (mut cache, mut logits) = path.prefill(model, self.prompt, &mut store, &mut cmp);
+        let (mut cache, mut logits) = prefill(model, self.prompt, &mut store, &mut cmp);
         let mut report_tokens = Vec::new();
         let mut first_token = None;
         let mut logits_max = 0f64;
@@ -283,8 +304,8 @@ impl CompareSpec<'_> {
             }
         }
         PathReport {
-            path: path.to_string(),
-            exact: path.exact(),
+            path: name.to_string(),
+            exact,
             diverged: first_divergence.is_some() || first_token.is_some(),
             teacher_forced: first_token.is_some(),
             first_divergence,

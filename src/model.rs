@@ -107,6 +107,59 @@ impl Model {
         })
     }
 
+    /// A model with seeded random weights (norm weights near 1), for tests and benchmarks.
+    pub fn random(config: Config, seed: u64) -> Self {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            // xorshift64*, mapped to roughly N(0, 1) by summing uniforms.
+            let mut acc = 0f32;
+            for _ in 0..4 {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                acc +=
+                    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
+            }
+            (acc - 2.0) * 1.7
+        };
+        // Norm weights are drawn as 1 ± noise (`offset` 1), everything else as noise.
+        let mut draw = |n: usize, scale: f32, offset: f32| {
+            (0..n)
+                .map(|_| offset + next() * scale)
+                .collect::<Vec<f32>>()
+        };
+        let (h, i, v, hd) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.vocab_size,
+            config.head_dim,
+        );
+        let (qd, kvd) = (config.q_dim(), config.kv_dim());
+        let s = 1.0 / (h as f32).sqrt();
+        let layers = (0..config.num_hidden_layers)
+            .map(|_| Layer {
+                input_layernorm: draw(h, 0.2, 1.0),
+                post_attention_layernorm: draw(h, 0.2, 1.0),
+                q_norm: draw(hd, 0.2, 1.0),
+                k_norm: draw(hd, 0.2, 1.0),
+                q_proj: draw(qd * h, s, 0.0),
+                k_proj: draw(kvd * h, s, 0.0),
+                v_proj: draw(kvd * h, s, 0.0),
+                o_proj: draw(h * qd, 1.0 / (qd as f32).sqrt(), 0.0),
+                gate_proj: draw(i * h, s, 0.0),
+                up_proj: draw(i * h, s, 0.0),
+                down_proj: draw(h * i, 1.0 / (i as f32).sqrt(), 0.0),
+            })
+            .collect();
+        Model {
+            embed_tokens: draw(v * h, 1.0, 0.0),
+            norm: draw(h, 0.2, 1.0),
+            lm_head: (!config.tie_word_embeddings).then(|| draw(v * h, s, 0.0)),
+            layers,
+            config,
+        }
+    }
+
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config.num_hidden_layers, self.config.kv_dim())
     }

@@ -1,0 +1,238 @@
+//! Random small Qwen3 models, random prompts and random chunkings: exact paths never diverge
+//! (bitwise, on the CPU backend), chunk-reuse paths diverge first exactly where their design
+//! says, and planted bugs are named at the right layer, tap and position.
+
+mod common;
+
+use common::*;
+use kvdiff::chunks::ChunkedPrompt;
+use kvdiff::config::Config;
+use kvdiff::diff::Tolerance;
+use kvdiff::driver::{CompareSpec, PathReport};
+use kvdiff::model::{Batch, Model};
+use kvdiff::model_source::ModelSource;
+use kvdiff::paths::{PathSpec, Reuse};
+use kvdiff::tap::{TapFilter, TapSink};
+use kvdiff::tokenizer::ChatTokenizer;
+use proptest::prelude::*;
+
+const ROUNDING: Tolerance = Tolerance::Fixed {
+    atol: 0.0,
+    rtol: 1e-5,
+};
+
+#[derive(Debug, Clone)]
+struct Case {
+    layers: usize,
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    hidden: usize,
+    theta: f64,
+    tied: bool,
+    seed: u64,
+    ids: Vec<u32>,
+    cuts: Vec<usize>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        1usize..=3,
+        1usize..=2,
+        1usize..=3,
+        prop_oneof![Just(4usize), Just(8)],
+        prop_oneof![Just(16usize), Just(24)],
+    )
+        .prop_flat_map(|(layers, kv_heads, group, head_dim, hidden)| {
+            (
+                Just((layers, kv_heads, group, head_dim, hidden)),
+                prop_oneof![Just(10_000.0f64), Just(1_000_000.0)],
+                any::<bool>(),
+                any::<u64>(),
+                prop::collection::vec(0u32..840, 2..24),
+            )
+        })
+        .prop_flat_map(|(shape, theta, tied, seed, ids)| {
+            let n = ids.len();
+            (
+                Just((shape, theta, tied, seed, ids)),
+                prop::collection::vec(1..n, 0..n.min(6)),
+            )
+        })
+        .prop_map(
+            |(((layers, kv_heads, group, head_dim, hidden), theta, tied, seed, ids), cuts)| Case {
+                layers,
+                kv_heads,
+                group,
+                head_dim,
+                hidden,
+                theta,
+                tied,
+                seed,
+                ids,
+                cuts,
+            },
+        )
+}
+
+fn model(c: &Case) -> Model {
+    let config = Config {
+        vocab_size: 852,
+        hidden_size: c.hidden,
+        intermediate_size: 2 * c.hidden,
+        num_hidden_layers: c.layers,
+        num_attention_heads: c.kv_heads * c.group,
+        num_key_value_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        max_position_embeddings: 64,
+        rms_norm_eps: 1e-6,
+        rope_theta: c.theta,
+        tie_word_embeddings: c.tied,
+        eos_token_ids: vec![],
+    };
+    Model::random(config, c.seed)
+}
+
+fn tokenizer() -> ChatTokenizer {
+    ChatTokenizer::load(&ModelSource::Dir(fixture("default-model"))).unwrap()
+}
+
+fn compare(
+    model: &Model,
+    tok: &ChatTokenizer,
+    prompt: &ChunkedPrompt,
+    tol: &Tolerance,
+    path: PathSpec,
+) -> PathReport {
+    let taps = TapFilter::all();
+    let spec = CompareSpec {
+        model,
+        tokenizer: tok,
+        prompt,
+        reference: PathSpec::Standard,
+        taps: &taps,
+        tolerance: tol,
+        max_new_tokens: 3,
+        eos: &[],
+    };
+    spec.run(path)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn paths_diverge_where_designed(c in case(), piece in 1usize..8) {
+        let tok = tokenizer();
+        let m = model(&c);
+        let prompt = ChunkedPrompt::from_boundaries(c.ids.clone(), &c.cuts, true);
+        for exact in [PathSpec::ChunkedPrefill(piece), PathSpec::PrefixCache] {
+            let r = compare(&m, &tok, &prompt, &Tolerance::Exact, exact);
+            prop_assert!(!r.diverged, "{exact} diverged: {:?}", r.first_divergence);
+        }
+        // A reused chunk that is not the first and not the query exists only with 3+ chunks.
+        let second = (prompt.chunks.len() >= 3).then(|| prompt.chunks[1].start);
+        for mode in [Reuse::Local, Reuse::Global, Reuse::Rerotate] {
+            let r = compare(&m, &tok, &prompt, &ROUNDING, PathSpec::ChunkReuse(mode));
+            match second {
+                None => prop_assert!(r.first_divergence.is_none(), "{mode:?} with <3 chunks: {:?}", r.first_divergence),
+                Some(pos) => {
+                    let d = r.first_divergence.expect("a reused chunk after the first must diverge");
+                    prop_assert_eq!((d.step, d.layer, d.position), (0, Some(0), pos), "{:?}: {:?}", mode, d);
+                    let want: &[&str] = match mode {
+                        Reuse::Local => &["L0.q_rope", "L0.k_rope"],
+                        Reuse::Global | Reuse::Rerotate => &["L0.attn_probs"],
+                    };
+                    prop_assert!(want.contains(&d.tap.as_str()), "{:?} first diverged at {}", mode, d.tap);
+                }
+            }
+        }
+    }
+}
+
+/// Runs a planted-bug prefill against standard on the default model's task prompt.
+fn planted(
+    bug: impl FnOnce(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
+) -> (ChunkedPrompt, PathReport) {
+    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
+    let p = kvdiff::prompt::Prompt::load(&fixture("prompts/task.json")).unwrap();
+    let text = engine
+        .tokenizer
+        .render(&p.messages, &Default::default())
+        .unwrap();
+    let prompt = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &text).unwrap();
+    let taps = TapFilter::all();
+    let spec = CompareSpec {
+        model: &engine.model,
+        tokenizer: &engine.tokenizer,
+        prompt: &prompt,
+        reference: PathSpec::Standard,
+        taps: &taps,
+        tolerance: &ROUNDING,
+        max_new_tokens: 8,
+        eos: &engine.eos_ids(),
+    };
+    let r = spec.run_with("planted", true, |m, pr, _, sink| bug(m, pr, sink));
+    assert!(r.diverged);
+    (prompt, r)
+}
+
+#[test]
+fn planted_off_by_one_rope_position_is_named() {
+    let k = 30;
+    // From token k on, RoPE is applied one position too far.
+    let (_, r) = planted(|m, pr, sink| {
+        let positions: Vec<usize> = (0..pr.ids.len()).collect();
+        let rope: Vec<usize> = positions
+            .iter()
+            .map(|&p| if p >= k { p + 1 } else { p })
+            .collect();
+        let mut cache = m.new_cache();
+        let batch = Batch {
+            tokens: &pr.ids,
+            positions: &positions,
+            rope_positions: &rope,
+        };
+        let logits = m.forward(batch, &mut cache, 0, sink);
+        (cache, logits)
+    });
+    let d = r.first_divergence.expect("the planted bug must be found");
+    assert_eq!(
+        (d.step, d.tap.as_str(), d.position),
+        (0, "L0.q_rope", k),
+        "{d:?}"
+    );
+}
+
+#[test]
+fn planted_ignored_cache_is_named() {
+    // The query chunk is prefilled on an empty cache, as when seq_lengths stay 0: it attends to
+    // nothing before it. Its K/V and queries are right; its attention is not.
+    let (prompt, r) = planted(|m, pr, sink| {
+        let q = pr.chunks.last().unwrap().clone();
+        let positions: Vec<usize> = (0..pr.ids.len()).collect();
+        let mut cache = m.new_cache();
+        m.forward(
+            Batch::new(&pr.ids[..q.start], &positions[..q.start]),
+            &mut cache,
+            0,
+            sink,
+        );
+        let mut alone = m.new_cache();
+        let logits = m.forward(
+            Batch::new(pr.tokens(&q), &positions[q.start..]),
+            &mut alone,
+            0,
+            sink,
+        );
+        cache.append(alone);
+        (cache, logits)
+    });
+    let d = r.first_divergence.expect("the planted bug must be found");
+    let q = prompt.chunks.last().unwrap();
+    assert_eq!(
+        (d.step, d.tap.as_str(), d.position),
+        (0, "L0.attn_probs", q.start),
+        "{d:?}"
+    );
+}
