@@ -192,3 +192,99 @@ fn bad_input_exits_2_naming_the_culprit() {
         "a failed dump left a folder behind"
     );
 }
+
+#[test]
+fn compare_reports_json_and_exit_codes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("report.json");
+    let prompt = fixture("prompts/task.json");
+    let out = kvdiff(&[
+        "compare",
+        "--json",
+        json.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("== chunk-reuse:local (approximate): DIVERGED"),
+        "{text}"
+    );
+    assert!(
+        text.contains("== prefix-cache (exact): EQUIVALENT"),
+        "{text}"
+    );
+    let r = read_json(&json);
+    assert_eq!(r["schema"], 1);
+    let paths = r["paths"].as_array().unwrap();
+    let names: Vec<&str> = paths.iter().map(|p| p["path"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "chunked-prefill:16",
+            "prefix-cache",
+            "chunk-reuse:local",
+            "chunk-reuse:global",
+            "chunk-reuse:rerotate"
+        ]
+    );
+    let second_chunk = r["chunks"][1]["start"].as_u64().unwrap();
+    for p in paths {
+        let exact = p["exact"].as_bool().unwrap();
+        assert_eq!(p["diverged"].as_bool().unwrap(), !exact, "{}", p["path"]);
+        if !exact {
+            let d = &p["first_divergence"];
+            assert_eq!(
+                (
+                    d["step"].as_u64(),
+                    d["layer"].as_u64(),
+                    d["position"].as_u64()
+                ),
+                (Some(0), Some(0), Some(second_chunk))
+            );
+        }
+    }
+    assert_eq!(paths[2]["first_divergence"]["tap"], "L0.q_rope");
+    assert_eq!(paths[3]["first_divergence"]["tap"], "L0.attn_probs");
+    // The reference's answer is HF's greedy answer.
+    let manifest = read_json(&fixture("reference/default-model/manifest.json"));
+    assert_eq!(r["reference_tokens"], manifest["prompts"][0]["greedy_ids"]);
+
+    // An approximate path over budget fails the run; bad path specs are usage errors.
+    let over = kvdiff(&[
+        "compare",
+        "--paths",
+        "chunk-reuse:local",
+        "--budget",
+        "0.01",
+        prompt.to_str().unwrap(),
+    ]);
+    assert_eq!(over.status.code(), Some(1), "{}", stderr(&over));
+    let within = kvdiff(&[
+        "compare",
+        "--paths",
+        "chunk-reuse:local",
+        "--budget",
+        "10",
+        prompt.to_str().unwrap(),
+    ]);
+    assert_eq!(within.status.code(), Some(0), "{}", stderr(&within));
+    let bad_json = tmp.path().join("bad.json");
+    for args in [
+        vec!["compare", "--paths", "chunk-reuse:warp"],
+        vec!["compare", "--paths", "chunked-prefill:0"],
+        vec!["compare", "--reference", "nope"],
+        vec!["compare", "--rtol", "-1"],
+        vec!["compare", "--budget", "NaN"],
+    ] {
+        let mut args = args.clone();
+        args.extend([
+            "--json",
+            bad_json.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ]);
+        let out = kvdiff(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(!bad_json.exists(), "{args:?} wrote a report");
+    }
+}
