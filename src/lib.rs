@@ -9,6 +9,7 @@ pub mod driver;
 pub mod dump;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod kv_cache;
 pub mod model;
 pub mod model_source;

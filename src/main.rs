@@ -12,6 +12,7 @@ use kvdiff::driver::CompareSpec;
 use kvdiff::dump::{write_atomic, Dumper};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK};
+use kvdiff::eval;
 use kvdiff::model_source::ModelSource;
 use kvdiff::paths::{self, PathSpec};
 use kvdiff::prompt::Prompt;
@@ -106,6 +107,30 @@ enum Command {
         /// Prompt file (.json or .txt).
         prompt: PathBuf,
     },
+    /// Task-level check on the default model: run its held-out task set through each path and
+    /// report how often the greedy answer keeps the system prompt's letter case and the
+    /// context's fact. Exit 1 if an exact path scores differently from standard.
+    Eval {
+        /// Hugging Face model directory; without it, the embedded default model.
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Comma-separated paths; default: every path (standard included).
+        #[arg(long, value_name = "LIST")]
+        paths: Option<String>,
+        /// Task set (JSON lines: messages, answer, case, fact); default: the embedded one
+        /// (fixtures/tasks.jsonl).
+        #[arg(long, value_name = "FILE")]
+        tasks: Option<PathBuf>,
+        /// Most tokens per answer.
+        #[arg(long, value_name = "N", default_value_t = 32)]
+        max_new_tokens: usize,
+        /// Also write the scores as JSON to FILE, atomically.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Worker threads (results are identical for any count).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+    },
     /// Show the chat-template text and token ids of PROMPT.
     #[command(after_help = PROMPT_HELP)]
     Tokens {
@@ -165,6 +190,8 @@ enum Backend {
     /// f32 reference on the CPU.
     Cpu,
 }
+
+const EMBEDDED_TASKS: &str = include_str!("../fixtures/tasks.jsonl");
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -369,6 +396,69 @@ fn run(cli: Cli) -> Result<i32> {
                 p.diverged && (p.exact || budget.is_some_and(|b| p.logits_rel_l2_max > b))
             });
             Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })
+        }
+        Command::Eval {
+            model,
+            paths,
+            tasks,
+            max_new_tokens,
+            json,
+            threads,
+        } => {
+            set_threads(threads)?;
+            let paths = match paths {
+                Some(list) => paths::parse_list(&list).map_err(|e| {
+                    Error::usage("--paths", e, "see kvdiff compare --help for paths")
+                })?,
+                None => PathSpec::all(),
+            };
+            let (task_list, tasks_path) = match &tasks {
+                Some(p) => (eval::load_tasks(p)?, p.clone()),
+                None => {
+                    let embedded = PathBuf::from("<embedded>/fixtures/tasks.jsonl");
+                    (eval::parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
+                }
+            };
+            let engine = Engine::load(ModelSource::from_arg(model.as_deref())?)?;
+            let start = std::time::Instant::now();
+            let rows = eval::run(&engine, &task_list, &paths, max_new_tokens, &tasks_path)?;
+            eprintln!(
+                "kvdiff: {} tasks x {} paths in {:.1} s",
+                task_list.len(),
+                paths.len(),
+                start.elapsed().as_secs_f64()
+            );
+            let pct = |k: usize, n: usize| 100.0 * k as f64 / n.max(1) as f64;
+            println!(
+                "{:<22} {:>6} {:>9} {:>9} {:>9}",
+                "path", "tasks", "case ok", "fact ok", "answer ok"
+            );
+            for r in &rows {
+                println!(
+                    "{:<22} {:>6} {:>8.1}% {:>8.1}% {:>8.1}%",
+                    r.path,
+                    r.tasks,
+                    pct(r.case_ok, r.tasks),
+                    pct(r.fact_ok, r.tasks),
+                    pct(r.answer_ok, r.tasks)
+                );
+            }
+            if let Some(path) = &json {
+                let body = serde_json::json!({"schema": 1, "model": engine.source.describe(), "rows": rows});
+                write_atomic(
+                    path,
+                    &serde_json::to_vec_pretty(&body).expect("json"),
+                    "--json",
+                )?;
+            }
+            let standard = rows.iter().find(|r| r.path == "standard");
+            let mismatch = rows.iter().any(|r| {
+                r.exact
+                    && standard.is_some_and(|s| {
+                        (s.case_ok, s.fact_ok, s.answer_ok) != (r.case_ok, r.fact_ok, r.answer_ok)
+                    })
+            });
+            Ok(if mismatch { EXIT_DIVERGED } else { EXIT_OK })
         }
         Command::Tokens {
             model,

@@ -288,3 +288,39 @@ fn compare_reports_json_and_exit_codes() {
         assert!(!bad_json.exists(), "{args:?} wrote a report");
     }
 }
+
+#[test]
+fn eval_shows_chunk_reuse_losing_the_system_prompt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = tmp.path().join("tasks.jsonl");
+    let all = std::fs::read_to_string(fixture("tasks.jsonl")).unwrap();
+    std::fs::write(&tasks, all.lines().take(12).collect::<Vec<_>>().join("\n")).unwrap();
+    let json = tmp.path().join("eval.json");
+    let out = kvdiff(&[
+        "eval",
+        "--tasks",
+        tasks.to_str().unwrap(),
+        "--paths",
+        "standard,prefix-cache,chunk-reuse:local",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let rows = read_json(&json)["rows"].as_array().unwrap().clone();
+    let get = |i: usize, k: &str| rows[i][k].as_u64().unwrap();
+    // HF measured the default model's case accuracy at 100 %; kvdiff's standard path equals HF.
+    assert_eq!(get(0, "case_ok"), 12);
+    for k in ["case_ok", "fact_ok", "answer_ok"] {
+        assert_eq!(get(1, k), get(0, k), "prefix-cache {k}");
+    }
+    assert!(
+        get(2, "case_ok") < get(0, "case_ok"),
+        "chunk-reuse:local kept every system prompt: {rows:?}"
+    );
+    let bad = kvdiff(&[
+        "eval",
+        "--tasks",
+        tmp.path().join("missing.jsonl").to_str().unwrap(),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+}

@@ -13,7 +13,11 @@ fn round(v: &mut serde_json::Value) {
     match v {
         serde_json::Value::Number(n) if n.is_f64() => {
             let x = n.as_f64().unwrap();
-            let r = if x == 0.0 { 0.0 } else { format!("{x:.3e}").parse::<f64>().unwrap() };
+            let r = if x == 0.0 {
+                0.0
+            } else {
+                format!("{x:.3e}").parse::<f64>().unwrap()
+            };
             *v = serde_json::json!(r);
         }
         serde_json::Value::Array(a) => a.iter_mut().for_each(round),
@@ -35,10 +39,20 @@ fn compare_reports_of_shipped_prompts() {
         let json = tmp.path().join("r.json");
         let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
             .current_dir(root())
-            .args(["compare", "--json", json.to_str().unwrap(), &format!("fixtures/prompts/{name}")])
+            .args([
+                "compare",
+                "--json",
+                json.to_str().unwrap(),
+                &format!("fixtures/prompts/{name}"),
+            ])
             .output()
             .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = String::from_utf8(out.stdout).unwrap();
         let mut report = read_json(&json);
         round(&mut report);
