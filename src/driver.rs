@@ -227,16 +227,19 @@ impl CompareSpec<'_> {
         self.run_with(
             &path.to_string(),
             path.exact(),
+            path.decode_split(self.prompt),
             |model, prompt, store, sink| path.prefill(model, prompt, store, sink),
         )
     }
 
     /// Runs any prefill (a path kvdiff does not know, e.g. an engine under test) against the
-    /// reference in lockstep; decoding continues on the cache it returns.
+    /// reference in lockstep; decoding continues on the cache it returns, with cascade attention
+    /// split at `split` (0: none).
     pub fn run_with(
         &self,
         name: &str,
         exact: bool,
+        split: usize,
         prefill: impl FnOnce(
             &Model,
             &ChunkedPrompt,
@@ -247,6 +250,7 @@ impl CompareSpec<'_> {
         let model = self.model;
         let layers = model.config.num_hidden_layers;
         let n = self.prompt.ids.len();
+        let ref_split = self.reference.decode_split(self.prompt);
         let mut ref_rec = Recorder::new(self.taps, layers);
         let (mut ref_cache, mut ref_logits) =
             self.reference
@@ -293,9 +297,25 @@ impl CompareSpec<'_> {
             step += 1;
             let pos = [n + step - 1];
             let mut ref_rec = Recorder::new(self.taps, layers);
-            ref_logits = model.forward(Batch::new(&[rt], &pos), &mut ref_cache, step, &mut ref_rec);
+            ref_logits = model.forward(
+                Batch {
+                    cascade_split: ref_split,
+                    ..Batch::new(&[rt], &pos)
+                },
+                &mut ref_cache,
+                step,
+                &mut ref_rec,
+            );
             cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
-            logits = model.forward(Batch::new(&[rt], &pos), &mut cache, step, &mut cmp);
+            logits = model.forward(
+                Batch {
+                    cascade_split: split,
+                    ..Batch::new(&[rt], &pos)
+                },
+                &mut cache,
+                step,
+                &mut cmp,
+            );
         }
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {

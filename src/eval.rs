@@ -128,7 +128,12 @@ pub fn generate_on_path(
             break;
         }
         let pos = [prompt.ids.len() + out.len() - 1];
-        logits = model.forward(Batch::new(&[t], &pos), &mut cache, out.len(), &mut sink);
+        let tok = [t];
+        let batch = Batch {
+            cascade_split: path.decode_split(prompt),
+            ..Batch::new(&tok, &pos)
+        };
+        logits = model.forward(batch, &mut cache, out.len(), &mut sink);
     }
     out
 }

@@ -176,6 +176,7 @@ PATHS:
   standard              one prefill of the whole prompt (the default reference)
   chunked-prefill:N     N-token pieces over the cache so far                      exact
   prefix-cache          chunks cached by the hash of all tokens up to them        exact
+  cascade               shared chunks attended apart, merged by log-sum-exp       exact
   chunk-reuse:local     chunks prefilled alone at positions 0..n, KV concatenated  approximate
   chunk-reuse:global    chunks prefilled alone at their global positions           approximate
   chunk-reuse:rerotate  alone at 0..n, keys rotated by the position delta          approximate

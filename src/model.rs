@@ -41,6 +41,9 @@ pub struct Batch<'a> {
     /// Position each token is rotated by. Equal to `positions` unless a path deliberately
     /// prefills a chunk somewhere else.
     pub rope_positions: &'a [usize],
+    /// Cascade attention: cache entries `0..cascade_split` are attended apart from the rest and
+    /// the two partial results merged by log-sum-exp. 0 attends to the cache in one softmax.
+    pub cascade_split: usize,
 }
 
 impl<'a> Batch<'a> {
@@ -49,6 +52,7 @@ impl<'a> Batch<'a> {
             tokens,
             positions,
             rope_positions: positions,
+            cascade_split: 0,
         }
     }
 }
@@ -271,6 +275,7 @@ impl Model {
             &cache.layers[l].values,
             n,
             base,
+            batch.cascade_split,
             heads,
             kv_heads,
             hd,
@@ -325,7 +330,9 @@ impl Model {
 }
 
 /// Scaled-dot-product attention of `n` new queries over cache entries; query `t` sees entries
-/// `0..=base + t`. `on_probs(t, head, row)` observes each softmax row. Returns `[n, heads·hd]`.
+/// `0..=base + t`. With `split > 0`, entries `0..split` and `split..` are attended separately
+/// and merged by log-sum-exp (cascade). `on_probs(t, head, row)` observes each full softmax row.
+/// Returns `[n, heads·hd]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -333,6 +340,7 @@ pub fn attention(
     values: &[f32],
     n: usize,
     base: usize,
+    split: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
@@ -355,14 +363,40 @@ pub fn attention(
                     &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
                 ) * scale
             }));
+            let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+            let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+            if split > 0 && split < visible {
+                // Cascade: each segment's own softmax and output, merged by log-sum-exp.
+                let (a, b) = row.split_at_mut(split);
+                let (lse_a, lse_b) = (softmax(a), softmax(b));
+                let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
+                for (e, &p) in a.iter().enumerate() {
+                    oa.iter_mut()
+                        .zip(value(e))
+                        .for_each(|(acc, &x)| *acc += p * x);
+                }
+                for (e, &p) in b.iter().enumerate() {
+                    ob.iter_mut()
+                        .zip(value(split + e))
+                        .for_each(|(acc, &x)| *acc += p * x);
+                }
+                let m = lse_a.max(lse_b);
+                let (wa, wb) = ((lse_a - m).exp(), (lse_b - m).exp());
+                let (wa, wb) = (wa / (wa + wb), wb / (wa + wb));
+                for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
+                    *acc = wa * x + wb * y;
+                }
+                a.iter_mut().for_each(|p| *p *= wa);
+                b.iter_mut().for_each(|p| *p *= wb);
+                on_probs(t, head, &row);
+                continue;
+            }
             softmax(&mut row);
             on_probs(t, head, &row);
-            let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
             for (e, &p) in row.iter().enumerate() {
-                let vv = &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
-                for (acc, &x) in o.iter_mut().zip(vv) {
-                    *acc += p * x;
-                }
+                o.iter_mut()
+                    .zip(value(e))
+                    .for_each(|(acc, &x)| *acc += p * x);
             }
         }
     }

@@ -223,6 +223,7 @@ fn compare_reports_json_and_exit_codes() {
         [
             "chunked-prefill:16",
             "prefix-cache",
+            "cascade",
             "chunk-reuse:local",
             "chunk-reuse:global",
             "chunk-reuse:rerotate"
@@ -244,8 +245,8 @@ fn compare_reports_json_and_exit_codes() {
             );
         }
     }
-    assert_eq!(paths[2]["first_divergence"]["tap"], "L0.q_rope");
-    assert_eq!(paths[3]["first_divergence"]["tap"], "L0.attn_probs");
+    assert_eq!(paths[3]["first_divergence"]["tap"], "L0.q_rope");
+    assert_eq!(paths[4]["first_divergence"]["tap"], "L0.attn_probs");
     // The reference's answer is HF's greedy answer.
     let manifest = read_json(&fixture("reference/default-model/manifest.json"));
     assert_eq!(r["reference_tokens"], manifest["prompts"][0]["greedy_ids"]);

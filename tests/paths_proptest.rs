@@ -130,6 +130,9 @@ proptest! {
             let r = compare(&m, &tok, &prompt, &Tolerance::Exact, exact);
             prop_assert!(!r.diverged, "{exact} diverged: {:?}", r.first_divergence);
         }
+        // Cascade merges two softmaxes: equal up to rounding, not bitwise.
+        let r = compare(&m, &tok, &prompt, &ROUNDING, PathSpec::Cascade);
+        prop_assert!(!r.diverged, "cascade diverged: {:?}", r.first_divergence);
         // A reused chunk that is not the first and not the query exists only with 3+ chunks.
         let second = (prompt.chunks.len() >= 3).then(|| prompt.chunks[1].start);
         for mode in [Reuse::Local, Reuse::Global, Reuse::Rerotate] {
@@ -172,7 +175,7 @@ fn planted(
         max_new_tokens: 8,
         eos: &engine.eos_ids(),
     };
-    let r = spec.run_with("planted", true, |m, pr, _, sink| bug(m, pr, sink));
+    let r = spec.run_with("planted", true, 0, |m, pr, _, sink| bug(m, pr, sink));
     assert!(r.diverged);
     (prompt, r)
 }
@@ -192,6 +195,7 @@ fn planted_off_by_one_rope_position_is_named() {
             tokens: &pr.ids,
             positions: &positions,
             rope_positions: &rope,
+            cascade_split: 0,
         };
         let logits = m.forward(batch, &mut cache, 0, sink);
         (cache, logits)

@@ -64,6 +64,7 @@ pub fn prefill(
                     tokens: prompt.tokens(chunk),
                     positions: &global,
                     rope_positions: rope_at,
+                    cascade_split: 0,
                 };
                 if mode == Reuse::Rerotate {
                     // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.

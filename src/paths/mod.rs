@@ -2,6 +2,7 @@
 //! for every prompt token at its global position) and hands back the cache that decoding then
 //! extends; decoding itself is the same for every path.
 
+mod cascade;
 mod chunk_reuse;
 mod chunked_prefill;
 mod prefix_cache;
@@ -25,6 +26,8 @@ pub enum PathSpec {
     ChunkedPrefill(usize),
     /// Chunks cached under the hash of every token before and in them.
     PrefixCache,
+    /// The shared chunks' attention computed apart from the rest, merged by log-sum-exp.
+    Cascade,
     /// Chunks prefilled alone, their KV concatenated (see `Reuse`).
     ChunkReuse(Reuse),
 }
@@ -36,6 +39,7 @@ impl PathSpec {
             PathSpec::Standard,
             PathSpec::ChunkedPrefill(16),
             PathSpec::PrefixCache,
+            PathSpec::Cascade,
             PathSpec::ChunkReuse(Reuse::Local),
             PathSpec::ChunkReuse(Reuse::Global),
             PathSpec::ChunkReuse(Reuse::Rerotate),
@@ -56,6 +60,7 @@ impl PathSpec {
         match name {
             "standard" => no_arg(PathSpec::Standard),
             "prefix-cache" => no_arg(PathSpec::PrefixCache),
+            "cascade" => no_arg(PathSpec::Cascade),
             "chunked-prefill" => match arg.map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(PathSpec::ChunkedPrefill(n)),
                 Some(_) => Err(format!("chunked-prefill needs a positive piece size, got {:?}", arg.unwrap())),
@@ -70,7 +75,7 @@ impl PathSpec {
             },
             "" => Err("empty path name".into()),
             other => Err(format!(
-                "unknown path {other:?} (standard, chunked-prefill:N, prefix-cache, chunk-reuse:local|global|rerotate)"
+                "unknown path {other:?} (standard, chunked-prefill:N, prefix-cache, cascade, chunk-reuse:local|global|rerotate)"
             )),
         }
     }
@@ -78,6 +83,14 @@ impl PathSpec {
     /// Exact paths must equal `standard` up to rounding; approximate ones are measured.
     pub fn exact(&self) -> bool {
         !matches!(self, PathSpec::ChunkReuse(_))
+    }
+
+    /// The `cascade_split` decode steps use on this path's cache.
+    pub fn decode_split(&self, prompt: &ChunkedPrompt) -> usize {
+        match self {
+            PathSpec::Cascade => cascade::shared_len(prompt),
+            _ => 0,
+        }
     }
 
     /// Runs the prompt's prefill; returns the cache and the last prompt token's logits.
@@ -92,6 +105,7 @@ impl PathSpec {
             PathSpec::Standard => standard::prefill(model, prompt, sink),
             PathSpec::ChunkedPrefill(n) => chunked_prefill::prefill(model, prompt, n, sink),
             PathSpec::PrefixCache => prefix_cache::prefill(model, prompt, store, sink),
+            PathSpec::Cascade => cascade::prefill(model, prompt, sink),
             PathSpec::ChunkReuse(mode) => chunk_reuse::prefill(model, prompt, mode, store, sink),
         }
     }
@@ -103,6 +117,7 @@ impl fmt::Display for PathSpec {
             PathSpec::Standard => f.write_str("standard"),
             PathSpec::ChunkedPrefill(n) => write!(f, "chunked-prefill:{n}"),
             PathSpec::PrefixCache => f.write_str("prefix-cache"),
+            PathSpec::Cascade => f.write_str("cascade"),
             PathSpec::ChunkReuse(r) => write!(f, "chunk-reuse:{}", r.name()),
         }
     }
