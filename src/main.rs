@@ -180,6 +180,8 @@ PATHS:
   chunk-reuse:local     chunks prefilled alone at positions 0..n, KV concatenated  approximate
   chunk-reuse:global    chunks prefilled alone at their global positions           approximate
   chunk-reuse:rerotate  alone at 0..n, keys rotated by the position delta          approximate
+  chunk-reuse:blend:R   rerotate, then the fraction R of most-deviating tokens
+                        recomputed from layer 1 on (0 < R <= 1)                    approximate
   Chunks: the system message, each earlier message, and the last user message with the
   generation prompt; '@@ chunk' (txt) or a list of strings (json) cuts messages further.
 

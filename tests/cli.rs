@@ -226,7 +226,8 @@ fn compare_reports_json_and_exit_codes() {
             "cascade",
             "chunk-reuse:local",
             "chunk-reuse:global",
-            "chunk-reuse:rerotate"
+            "chunk-reuse:rerotate",
+            "chunk-reuse:blend:0.25"
         ]
     );
     let second_chunk = r["chunks"][1]["start"].as_u64().unwrap();

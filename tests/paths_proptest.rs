@@ -153,6 +153,41 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Blend's KV deviation from a full prefill (layers 1+) never grows with R and vanishes at
+    /// R = 1, where the next-token logits match standard up to rounding.
+    #[test]
+    fn blend_deviation_shrinks_as_r_grows(c in case()) {
+        let m = model(&c);
+        let prompt = ChunkedPrompt::from_boundaries(c.ids.clone(), &c.cuts, true);
+        let n = prompt.chunks.last().unwrap().start;
+        let positions: Vec<usize> = (0..n).collect();
+        let mut full = m.new_cache();
+        if n > 0 {
+            m.forward(Batch::new(&prompt.ids[..n], &positions), &mut full, 0, &mut kvdiff::tap::NullSink::new(c.layers));
+        }
+        let deviation = |r: f32| -> f64 {
+            let sink = &mut kvdiff::tap::NullSink::new(c.layers);
+            let b = kvdiff::paths::blend::blended_prefix(&m, &prompt, r, &mut Default::default(), sink);
+            (1..c.layers)
+                .map(|l| {
+                    let (x, y) = (&b.layers[l], &full.layers[l]);
+                    x.keys.iter().zip(&y.keys).chain(x.values.iter().zip(&y.values)).map(|(p, q)| ((p - q) as f64).powi(2)).sum::<f64>()
+                })
+                .sum()
+        };
+        let devs: Vec<f64> = [0.1f32, 0.25, 0.5, 0.75, 1.0].iter().map(|&r| deviation(r)).collect();
+        for w in devs.windows(2) {
+            prop_assert!(w[1] <= w[0], "deviation grew with R: {devs:?}");
+        }
+        prop_assert_eq!(devs[4], 0.0);
+        let r = compare(&m, &tokenizer(), &prompt, &ROUNDING, PathSpec::Blend(1.0));
+        prop_assert!(r.logits_rel_l2_max < 1e-4, "blend:1 logits off by {}", r.logits_rel_l2_max);
+    }
+}
+
 /// Runs a planted-bug prefill against standard on the default model's task prompt.
 fn planted(
     bug: impl FnOnce(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),

@@ -38,6 +38,26 @@ pub fn prefill(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> (KvCache, Vec<f32>) {
+    let mut cache = reused_prefix(model, prompt, mode, store, sink);
+    let q = &prompt.chunks[prompt.chunks.len() - 1];
+    let positions: Vec<usize> = (q.start..q.end).collect();
+    let logits = model.forward(
+        Batch::new(prompt.tokens(q), &positions),
+        &mut cache,
+        0,
+        sink,
+    );
+    (cache, logits)
+}
+
+/// The concatenated KV of every chunk but the query, each prefilled alone.
+pub fn reused_prefix(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    mode: Reuse,
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+) -> KvCache {
     let c = &model.config;
     let mut cache = model.new_cache();
     let last = prompt.chunks.len() - 1;
@@ -113,13 +133,5 @@ pub fn prefill(
         alone.positions = global;
         cache.append(alone);
     }
-    let q = &prompt.chunks[last];
-    let positions: Vec<usize> = (q.start..q.end).collect();
-    let logits = model.forward(
-        Batch::new(prompt.tokens(q), &positions),
-        &mut cache,
-        0,
-        sink,
-    );
-    (cache, logits)
+    cache
 }

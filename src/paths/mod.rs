@@ -2,8 +2,9 @@
 //! for every prompt token at its global position) and hands back the cache that decoding then
 //! extends; decoding itself is the same for every path.
 
+pub mod blend;
 mod cascade;
-mod chunk_reuse;
+pub mod chunk_reuse;
 mod chunked_prefill;
 mod prefix_cache;
 mod standard;
@@ -18,7 +19,7 @@ use crate::tap::TapSink;
 
 pub use chunk_reuse::Reuse;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PathSpec {
     /// One prefill of the whole prompt.
     Standard,
@@ -30,6 +31,9 @@ pub enum PathSpec {
     Cascade,
     /// Chunks prefilled alone, their KV concatenated (see `Reuse`).
     ChunkReuse(Reuse),
+    /// `rerotate`, then the fraction R of prefix tokens whose layer-1 keys deviate most get the
+    /// KV a full prefill gives them, from layer 1 on.
+    Blend(f32),
 }
 
 impl PathSpec {
@@ -43,6 +47,7 @@ impl PathSpec {
             PathSpec::ChunkReuse(Reuse::Local),
             PathSpec::ChunkReuse(Reuse::Global),
             PathSpec::ChunkReuse(Reuse::Rerotate),
+            PathSpec::Blend(0.25),
         ]
     }
 
@@ -66,6 +71,13 @@ impl PathSpec {
                 Some(_) => Err(format!("chunked-prefill needs a positive piece size, got {:?}", arg.unwrap())),
                 None => Err("chunked-prefill needs a piece size: chunked-prefill:N".into()),
             },
+            "chunk-reuse" if arg.is_some_and(|a| a.starts_with("blend")) => {
+                let r = arg.unwrap().strip_prefix("blend").unwrap();
+                match r.strip_prefix(':').map(str::parse::<f32>) {
+                    Some(Ok(r)) if r > 0.0 && r <= 1.0 => Ok(PathSpec::Blend(r)),
+                    _ => Err(format!("chunk-reuse:blend needs a fraction 0 < R <= 1: chunk-reuse:blend:0.25 (got {:?})", arg.unwrap())),
+                }
+            }
             "chunk-reuse" => match arg {
                 Some("local") => Ok(PathSpec::ChunkReuse(Reuse::Local)),
                 Some("global") => Ok(PathSpec::ChunkReuse(Reuse::Global)),
@@ -75,14 +87,14 @@ impl PathSpec {
             },
             "" => Err("empty path name".into()),
             other => Err(format!(
-                "unknown path {other:?} (standard, chunked-prefill:N, prefix-cache, cascade, chunk-reuse:local|global|rerotate)"
+                "unknown path {other:?} (standard, chunked-prefill:N, prefix-cache, cascade, chunk-reuse:local|global|rerotate|blend:R)"
             )),
         }
     }
 
     /// Exact paths must equal `standard` up to rounding; approximate ones are measured.
     pub fn exact(&self) -> bool {
-        !matches!(self, PathSpec::ChunkReuse(_))
+        !matches!(self, PathSpec::ChunkReuse(_) | PathSpec::Blend(_))
     }
 
     /// The `cascade_split` decode steps use on this path's cache.
@@ -107,6 +119,7 @@ impl PathSpec {
             PathSpec::PrefixCache => prefix_cache::prefill(model, prompt, store, sink),
             PathSpec::Cascade => cascade::prefill(model, prompt, sink),
             PathSpec::ChunkReuse(mode) => chunk_reuse::prefill(model, prompt, mode, store, sink),
+            PathSpec::Blend(r) => blend::prefill(model, prompt, r, store, sink),
         }
     }
 }
@@ -119,6 +132,7 @@ impl fmt::Display for PathSpec {
             PathSpec::PrefixCache => f.write_str("prefix-cache"),
             PathSpec::Cascade => f.write_str("cascade"),
             PathSpec::ChunkReuse(r) => write!(f, "chunk-reuse:{}", r.name()),
+            PathSpec::Blend(r) => write!(f, "chunk-reuse:blend:{r}"),
         }
     }
 }
