@@ -78,6 +78,9 @@ pub struct PathReport {
     /// Per tap kind, the largest max|diff|/max|ref| seen (what `auto` learns from).
     #[serde(skip)]
     pub noise: BTreeMap<String, f32>,
+    /// The reference path's greedy tokens in this run.
+    #[serde(skip)]
+    pub reference_tokens: Vec<u32>,
 }
 
 /// The reference side of one step, and the running comparison.
@@ -149,7 +152,11 @@ impl TapSink for Comparator<'_> {
                 ..Default::default()
             });
         for (row, &pos) in v.positions.iter().enumerate() {
-            let Some(rrow) = r.positions.iter().position(|&p| p == pos) else {
+            // Reference rows are usually consecutive positions: try the direct index first.
+            let direct = pos
+                .checked_sub(r.positions[0])
+                .filter(|&i| r.positions.get(i) == Some(&pos));
+            let Some(rrow) = direct.or_else(|| r.positions.iter().position(|&p| p == pos)) else {
                 continue;
             };
             let a = &v.data[row * width..(row + 1) * width];
@@ -337,6 +344,7 @@ impl CompareSpec<'_> {
             chunk_misses: store.misses,
             layers: cmp.layers.into_values().collect(),
             noise: cmp.noise,
+            reference_tokens: cmp.tokens[n..].to_vec(),
         }
     }
 

@@ -363,7 +363,10 @@ fn run(cli: Cli) -> Result<i32> {
             }
             let start = std::time::Instant::now();
             let reports: Vec<_> = paths.iter().map(|&path| spec.run(path)).collect();
-            let ref_run = engine.generate(&enc.ids, max_new_tokens, &mut NullSink::new(layers));
+            let reference_tokens = reports
+                .first()
+                .map(|r| r.reference_tokens.clone())
+                .unwrap_or_default();
             let report = Report {
                 schema: kvdiff::report::SCHEMA,
                 model: engine.source.describe(),
@@ -379,8 +382,8 @@ fn run(cli: Cli) -> Result<i32> {
                         end: c.end,
                     })
                     .collect(),
-                reference_tokens: ref_run.tokens,
-                reference_text: ref_run.text,
+                reference_text: engine.tokenizer.decode(&reference_tokens, true),
+                reference_tokens,
                 tolerance: ToleranceInfo::new(spec.tolerance),
                 paths: reports,
             };

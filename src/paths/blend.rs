@@ -19,16 +19,8 @@ pub fn prefill(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> (KvCache, Vec<f32>) {
-    let mut cache = blended_prefix(model, prompt, r, store, sink);
-    let q = &prompt.chunks[prompt.chunks.len() - 1];
-    let positions: Vec<usize> = (q.start..q.end).collect();
-    let logits = model.forward(
-        Batch::new(prompt.tokens(q), &positions),
-        &mut cache,
-        0,
-        sink,
-    );
-    (cache, logits)
+    let prefix = blended_prefix(model, prompt, r, store, sink);
+    super::prefill_query(model, prompt, prefix, sink)
 }
 
 /// The rerotated prefix cache with the most-deviating fraction `r` of tokens recomputed.

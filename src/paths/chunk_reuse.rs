@@ -38,16 +38,8 @@ pub fn prefill(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> (KvCache, Vec<f32>) {
-    let mut cache = reused_prefix(model, prompt, mode, store, sink);
-    let q = &prompt.chunks[prompt.chunks.len() - 1];
-    let positions: Vec<usize> = (q.start..q.end).collect();
-    let logits = model.forward(
-        Batch::new(prompt.tokens(q), &positions),
-        &mut cache,
-        0,
-        sink,
-    );
-    (cache, logits)
+    let prefix = reused_prefix(model, prompt, mode, store, sink);
+    super::prefill_query(model, prompt, prefix, sink)
 }
 
 /// The concatenated KV of every chunk but the query, each prefilled alone.

@@ -137,6 +137,25 @@ impl fmt::Display for PathSpec {
     }
 }
 
+/// Prefills the query chunk at its global positions over `cache` (the KV a path built for
+/// everything before it).
+fn prefill_query(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    mut cache: KvCache,
+    sink: &mut dyn TapSink,
+) -> (KvCache, Vec<f32>) {
+    let q = &prompt.chunks[prompt.chunks.len() - 1];
+    let positions: Vec<usize> = (q.start..q.end).collect();
+    let logits = model.forward(
+        crate::model::Batch::new(prompt.tokens(q), &positions),
+        &mut cache,
+        0,
+        sink,
+    );
+    (cache, logits)
+}
+
 /// Parses a comma-separated path list.
 pub fn parse_list(s: &str) -> Result<Vec<PathSpec>, String> {
     let paths: Vec<PathSpec> = s
