@@ -125,6 +125,57 @@ pub fn diverged(a: &[f32], b: &[f32], d: &RowDiff, tol: &Tolerance, kind: &str) 
     }
 }
 
+/// Next-token distribution agreement between a path's logits and the reference's.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct LogitsAgreement {
+    pub steps: usize,
+    /// Steps whose argmax equals the reference's.
+    pub top1_agree: usize,
+    pub k: usize,
+    /// The smallest overlap of the top-k token sets over all steps (k = all agree).
+    pub topk_overlap_min: usize,
+    /// The largest KL(reference ‖ path) of the softmax distributions, in nats.
+    pub kl_max: f64,
+    /// The largest relative L2 of the logits.
+    pub rel_l2_max: f64,
+}
+
+fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+    x.iter().map(|&v| v as f64 - lse).collect()
+}
+
+impl LogitsAgreement {
+    pub fn new(k: usize) -> Self {
+        LogitsAgreement {
+            k,
+            topk_overlap_min: k,
+            ..Default::default()
+        }
+    }
+
+    pub fn add(&mut self, path: &[f32], reference: &[f32]) {
+        self.steps += 1;
+        let (tp, tr) = (top_k(path, self.k), top_k(reference, self.k));
+        self.top1_agree += (tp.first() == tr.first()) as usize;
+        self.topk_overlap_min = self
+            .topk_overlap_min
+            .min(tp.iter().filter(|t| tr.contains(t)).count());
+        let (lp, lr) = (log_softmax(path), log_softmax(reference));
+        let kl: f64 = lr.iter().zip(&lp).map(|(r, p)| r.exp() * (r - p)).sum();
+        self.kl_max = self.kl_max.max(kl.max(0.0));
+        self.rel_l2_max = self.rel_l2_max.max(row_diff(path, reference).rel_l2);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +189,22 @@ mod tests {
         let same = row_diff(&[1.0, -2.0], &[1.0, -2.0]);
         assert_eq!((same.max_abs, same.rel_l2), (0.0, 0.0));
         approx::assert_relative_eq!(same.cosine, 1.0, max_relative = 1e-12);
+    }
+
+    #[test]
+    fn logits_agreement() {
+        let mut a = LogitsAgreement::new(2);
+        a.add(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]);
+        assert_eq!((a.top1_agree, a.topk_overlap_min, a.kl_max), (1, 2, 0.0));
+        a.add(&[3.0, 2.0, 1.0], &[1.0, 2.0, 3.0]);
+        assert_eq!((a.steps, a.top1_agree, a.topk_overlap_min), (2, 1, 1));
+        // KL of softmax([1,2,3]) from softmax([3,2,1]), by hand.
+        let p: Vec<f64> = [1f64, 2., 3.]
+            .iter()
+            .map(|v| v.exp() / (1f64.exp() + 2f64.exp() + 3f64.exp()))
+            .collect();
+        let kl = p[0] * (p[0] / p[2]).ln() + p[2] * (p[2] / p[0]).ln();
+        approx::assert_relative_eq!(a.kl_max, kl, max_relative = 1e-9);
     }
 
     #[test]

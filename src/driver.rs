@@ -8,12 +8,14 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use crate::chunks::ChunkedPrompt;
-use crate::diff::{diverged, row_diff, Tolerance};
+use crate::diff::{diverged, row_diff, LogitsAgreement, Tolerance};
+use crate::dump::Dumper;
+use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::{Batch, Model};
 use crate::ops::argmax;
 use crate::paths::{ChunkStore, PathSpec};
-use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue, Tee};
 use crate::tokenizer::ChatTokenizer;
 
 /// Where a path first left the reference, with the numbers.
@@ -72,6 +74,8 @@ pub struct PathReport {
     pub text: String,
     /// Largest relative L2 of the next-token logits over all steps.
     pub logits_rel_l2_max: f64,
+    /// Top-1 agreement, top-5 overlap and KL of the next-token distributions over all steps.
+    pub logits: LogitsAgreement,
     pub chunk_hits: usize,
     pub chunk_misses: usize,
     pub layers: Vec<LayerRow>,
@@ -226,11 +230,48 @@ pub struct CompareSpec<'a> {
     pub tolerance: &'a Tolerance,
     pub max_new_tokens: usize,
     pub eos: &'a [u32],
+    /// Where to dump each path's taps (a folder per path, `reference` for the reference).
+    pub dump: Option<&'a std::path::Path>,
+}
+
+/// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
+pub fn dump_dir_name(path: &str) -> String {
+    path.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Writes recorded reference taps of one step into a dumper.
+fn dump_recorded(
+    d: &mut Dumper,
+    step: usize,
+    tokens: &[u32],
+    positions: &[usize],
+    taps: &[Recorded],
+) {
+    d.begin_step(step, tokens, positions);
+    for t in taps {
+        d.record(
+            step,
+            TapValue {
+                id: t.id,
+                positions: &t.positions,
+                shape: t.shape.clone(),
+                data: &t.data,
+            },
+        );
+    }
 }
 
 impl CompareSpec<'_> {
     /// Runs `path` against the reference in lockstep.
-    pub fn run(&self, path: PathSpec) -> PathReport {
+    pub fn run(&self, path: PathSpec) -> Result<PathReport> {
         self.run_with(
             &path.to_string(),
             path.exact(),
@@ -253,7 +294,7 @@ impl CompareSpec<'_> {
             &mut ChunkStore,
             &mut dyn TapSink,
         ) -> (KvCache, Vec<f32>),
-    ) -> PathReport {
+    ) -> Result<PathReport> {
         let model = self.model;
         let layers = model.config.num_hidden_layers;
         let n = self.prompt.ids.len();
@@ -275,15 +316,45 @@ impl CompareSpec<'_> {
             noise: BTreeMap::new(),
             first_tap: BTreeMap::new(),
         };
+        let mut dumps = match self.dump {
+            None => None,
+            Some(root) => {
+                let reference = root.join("reference");
+                let ref_dump = if reference.exists() {
+                    None
+                } else {
+                    Some(Dumper::new(&reference, self.taps, layers, true)?)
+                };
+                Some((
+                    Dumper::new(&root.join(dump_dir_name(name)), self.taps, layers, true)?,
+                    ref_dump,
+                ))
+            }
+        };
+        if let Some((_, Some(d))) = &mut dumps {
+            let positions: Vec<usize> = (0..n).collect();
+            dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.taps);
+        }
         cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
         let mut store = ChunkStore::default();
-        let (mut cache, mut logits) = prefill(model, self.prompt, &mut store, &mut cmp);
+        let (mut cache, mut logits) = match &mut dumps {
+            Some((d, _)) => prefill(
+                model,
+                self.prompt,
+                &mut store,
+                &mut Tee {
+                    first: &mut cmp,
+                    second: d,
+                },
+            ),
+            None => prefill(model, self.prompt, &mut store, &mut cmp),
+        };
         let mut report_tokens = Vec::new();
         let mut first_token = None;
-        let mut logits_max = 0f64;
+        let mut agreement = LogitsAgreement::new(5);
         let mut step = 0;
         while step < self.max_new_tokens {
-            logits_max = logits_max.max(row_diff(&logits, &ref_logits).rel_l2);
+            agreement.add(&logits, &ref_logits);
             let (rt, pt) = (argmax(&ref_logits) as u32, argmax(&logits) as u32);
             report_tokens.push(pt);
             if rt != pt && first_token.is_none() {
@@ -313,16 +384,35 @@ impl CompareSpec<'_> {
                 step,
                 &mut ref_rec,
             );
+            if let Some((_, Some(d))) = &mut dumps {
+                dump_recorded(d, step, &[rt], &pos, &ref_rec.taps);
+            }
             cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
-            logits = model.forward(
-                Batch {
-                    cascade_split: split,
-                    ..Batch::new(&[rt], &pos)
-                },
-                &mut cache,
-                step,
-                &mut cmp,
-            );
+            let fed = [rt];
+            let batch = Batch {
+                cascade_split: split,
+                ..Batch::new(&fed, &pos)
+            };
+            logits = match &mut dumps {
+                Some((d, _)) => model.forward(
+                    batch,
+                    &mut cache,
+                    step,
+                    &mut Tee {
+                        first: &mut cmp,
+                        second: d,
+                    },
+                ),
+                None => model.forward(batch, &mut cache, step, &mut cmp),
+            };
+        }
+        if let Some((path_dump, ref_dump)) = dumps {
+            let meta = serde_json::json!({"path": name, "prompt_ids": self.prompt.ids, "fed_tokens": cmp.tokens[n..]});
+            path_dump.finish(&self.dump.unwrap().join(dump_dir_name(name)), &meta)?;
+            if let Some(d) = ref_dump {
+                let meta = serde_json::json!({"path": self.reference.to_string(), "prompt_ids": self.prompt.ids, "fed_tokens": cmp.tokens[n..]});
+                d.finish(&self.dump.unwrap().join("reference"), &meta)?;
+            }
         }
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {
@@ -330,7 +420,7 @@ impl CompareSpec<'_> {
                 row.first_tap = Some(id.to_string());
             }
         }
-        PathReport {
+        Ok(PathReport {
             path: name.to_string(),
             exact,
             diverged: first_divergence.is_some() || first_token.is_some(),
@@ -339,25 +429,27 @@ impl CompareSpec<'_> {
             first_token_divergence: first_token,
             text: self.tokenizer.decode(&report_tokens, true),
             tokens: report_tokens,
-            logits_rel_l2_max: logits_max,
+            logits_rel_l2_max: agreement.rel_l2_max,
+            logits: agreement,
             chunk_hits: store.hits,
             chunk_misses: store.misses,
             layers: cmp.layers.into_values().collect(),
             noise: cmp.noise,
             reference_tokens: cmp.tokens[n..].to_vec(),
-        }
+        })
     }
 
     /// Learns `auto` thresholds: the noise between the reference and an exact path that splits
     /// the prefill differently, times `AUTO_MULTIPLE`, at least `AUTO_FLOOR`, per tap kind.
-    pub fn learn_auto(&self) -> Tolerance {
+    pub fn learn_auto(&self) -> Result<Tolerance> {
         let piece = self.prompt.ids.len().div_ceil(3).max(1);
         let learner = CompareSpec {
             tolerance: &Tolerance::Exact,
             max_new_tokens: self.max_new_tokens.min(2),
+            dump: None,
             ..*self
         };
-        let noise = learner.run(PathSpec::ChunkedPrefill(piece)).noise;
+        let noise = learner.run(PathSpec::ChunkedPrefill(piece))?.noise;
         let rtol = noise
             .into_iter()
             .map(|(k, v)| {
@@ -367,6 +459,6 @@ impl CompareSpec<'_> {
                 )
             })
             .collect();
-        Tolerance::Auto { rtol }
+        Ok(Tolerance::Auto { rtol })
     }
 }

@@ -11,12 +11,51 @@ use safetensors::Dtype;
 use crate::error::{Error, Result};
 use crate::tap::{TapFilter, TapSink, TapTable, TapValue};
 
+#[derive(Default)]
+struct Gathered {
+    positions: Vec<usize>,
+    /// Shape of one row (everything after the token axis).
+    row_shape: Vec<usize>,
+    rows: Vec<Vec<f32>>,
+}
+
+impl Gathered {
+    /// Rows as one `[token, ...]` tensor; rows of different last-axis length (attention rows
+    /// over fewer keys) are zero-padded per head to the longest.
+    fn tensor(&self) -> (Vec<usize>, Vec<u8>) {
+        let lead: usize = self.row_shape[..self.row_shape.len() - 1].iter().product();
+        let last = self
+            .rows
+            .iter()
+            .map(|r| r.len() / lead.max(1))
+            .max()
+            .unwrap_or(0);
+        let mut bytes = Vec::with_capacity(self.rows.len() * lead * last * 4);
+        for r in &self.rows {
+            let have = r.len() / lead.max(1);
+            for h in 0..lead {
+                for i in 0..last {
+                    let v = if i < have { r[h * have + i] } else { 0.0 };
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let mut shape = vec![self.rows.len()];
+        shape.extend_from_slice(&self.row_shape[..self.row_shape.len() - 1]);
+        shape.push(last);
+        (shape, bytes)
+    }
+}
+
 pub struct Dumper {
     table: TapTable,
     staging: PathBuf,
     step: Option<usize>,
-    /// Tensors of the current step, by name: (dtype, shape, little-endian bytes).
-    pending: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    /// Taps of the current step, by name; a tap a path emits in several pieces (chunk by
+    /// chunk) gathers them here and is written as one tensor.
+    taps: BTreeMap<String, Gathered>,
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
     error: Option<Error>,
     pub files: usize,
 }
@@ -50,7 +89,9 @@ impl Dumper {
             table: filter.table(layers),
             staging,
             step: None,
-            pending: BTreeMap::new(),
+            taps: BTreeMap::new(),
+            tokens: Vec::new(),
+            positions: Vec::new(),
             error: None,
             files: 0,
         })
@@ -58,13 +99,40 @@ impl Dumper {
 
     fn flush(&mut self) {
         let Some(step) = self.step else { return };
-        if self.pending.is_empty() || self.error.is_some() {
+        if self.taps.is_empty() || self.error.is_some() {
             return;
         }
-        let views: Vec<(String, TensorView<'_>)> = self
-            .pending
+        let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        tensors.push((
+            "tokens".into(),
+            Dtype::I64,
+            vec![self.tokens.len()],
+            i64_bytes(&self.tokens),
+        ));
+        let pos: Vec<i64> = self.positions.iter().map(|&p| p as i64).collect();
+        tensors.push((
+            "positions".into(),
+            Dtype::I64,
+            vec![pos.len()],
+            i64_bytes(&pos),
+        ));
+        for (name, g) in &self.taps {
+            let (shape, bytes) = g.tensor();
+            tensors.push((name.clone(), Dtype::F32, shape, bytes));
+            if g.positions != self.positions {
+                // This tap's rows come in another order (or fewer): say which positions they are.
+                let p: Vec<i64> = g.positions.iter().map(|&p| p as i64).collect();
+                tensors.push((
+                    format!("{name}.positions"),
+                    Dtype::I64,
+                    vec![p.len()],
+                    i64_bytes(&p),
+                ));
+            }
+        }
+        let views: Vec<(String, TensorView<'_>)> = tensors
             .iter()
-            .map(|(name, (dtype, shape, bytes))| {
+            .map(|(name, dtype, shape, bytes)| {
                 (
                     name.clone(),
                     TensorView::new(*dtype, shape.clone(), bytes).expect("shape matches bytes"),
@@ -86,7 +154,9 @@ impl Dumper {
             ));
         }
         self.files += 1;
-        self.pending.clear();
+        self.taps.clear();
+        self.tokens.clear();
+        self.positions.clear();
     }
 
     /// Writes the last step and moves the folder into place.
@@ -155,21 +225,17 @@ impl TapSink for Dumper {
             self.flush();
             self.step = Some(step);
         }
-        let pos: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
-        self.pending.insert(
-            "tokens".into(),
-            (Dtype::I64, vec![tokens.len()], i64_bytes(tokens)),
-        );
-        self.pending.insert(
-            "positions".into(),
-            (Dtype::I64, vec![pos.len()], i64_bytes(&pos)),
-        );
+        self.tokens.extend_from_slice(tokens);
+        self.positions.extend_from_slice(positions);
     }
 
     fn record(&mut self, _step: usize, v: TapValue<'_>) {
-        let bytes: Vec<u8> = v.data.iter().flat_map(|x| x.to_le_bytes()).collect();
-        self.pending
-            .insert(v.id.to_string(), (Dtype::F32, v.shape, bytes));
+        let g = self.taps.entry(v.id.to_string()).or_default();
+        g.row_shape = v.shape[1..].to_vec();
+        let width = v.data.len() / v.positions.len().max(1);
+        g.positions.extend_from_slice(v.positions);
+        g.rows
+            .extend(v.data.chunks(width.max(1)).map(<[f32]>::to_vec));
     }
 }
 

@@ -101,6 +101,13 @@ enum Command {
         /// Also write the report as JSON (schema 1) to FILE, atomically.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Also dump the taps of the reference and of each path into DIR/<path>/step-*.safetensors
+        /// (same layout as `kvdiff dump`; both fed the reference's tokens).
+        #[arg(long, value_name = "DIR")]
+        dump: Option<PathBuf>,
+        /// Replace --dump's folder if it exists.
+        #[arg(long)]
+        force: bool,
         /// Worker threads (results are identical for any count).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
@@ -192,6 +199,59 @@ EXIT CODES: 0 no exact path diverged (and approximate ones within --budget), 1 o
 enum Backend {
     /// f32 reference on the CPU.
     Cpu,
+}
+
+/// A folder filled under a hidden name and moved into place only when complete.
+struct DumpFolder {
+    staging: PathBuf,
+}
+
+impl DumpFolder {
+    fn create(out: &std::path::Path, force: bool) -> Result<Self> {
+        if out.exists() && !force {
+            return Err(Error::usage(
+                "--dump",
+                format!("{} already exists", out.display()),
+                "choose a new folder, or pass --force to replace it",
+            ));
+        }
+        let staging = kvdiff::dump::staging_path(out);
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging).map_err(|e| {
+            Error::usage(
+                "--dump",
+                format!("cannot create {}: {e}", staging.display()),
+                "choose a writable folder",
+            )
+        })?;
+        Ok(DumpFolder { staging })
+    }
+
+    fn commit(&self, out: &std::path::Path) -> Result<()> {
+        if out.exists() {
+            std::fs::remove_dir_all(out).map_err(|e| {
+                Error::usage(
+                    "--dump",
+                    format!("cannot replace {}: {e}", out.display()),
+                    "remove it by hand",
+                )
+            })?;
+        }
+        std::fs::rename(&self.staging, out).map_err(|e| {
+            Error::usage(
+                "--dump",
+                format!("cannot move the dump into {}: {e}", out.display()),
+                "choose another folder",
+            )
+        })
+    }
+}
+
+impl Drop for DumpFolder {
+    /// A run that failed part-way leaves nothing behind; after a commit there is nothing left.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.staging);
+    }
 }
 
 const EMBEDDED_TASKS: &str = include_str!("../fixtures/tasks.jsonl");
@@ -296,6 +356,8 @@ fn run(cli: Cli) -> Result<i32> {
             budget,
             max_new_tokens,
             json,
+            dump,
+            force,
             threads,
             prompt,
         } => {
@@ -346,6 +408,10 @@ fn run(cli: Cli) -> Result<i32> {
             } else {
                 Tolerance::Exact
             };
+            let staging = match &dump {
+                Some(out) => Some(DumpFolder::create(out, force)?),
+                None => None,
+            };
             let mut spec = CompareSpec {
                 model: &engine.model,
                 tokenizer: &engine.tokenizer,
@@ -355,14 +421,21 @@ fn run(cli: Cli) -> Result<i32> {
                 tolerance: &given,
                 max_new_tokens,
                 eos: &eos,
+                dump: staging.as_ref().map(|s| s.staging.as_path()),
             };
             let learned;
             if !fixed && tolerance == TolPolicy::Auto {
-                learned = spec.learn_auto();
+                learned = spec.learn_auto()?;
                 spec.tolerance = &learned;
             }
             let start = std::time::Instant::now();
-            let reports: Vec<_> = paths.iter().map(|&path| spec.run(path)).collect();
+            let reports = paths
+                .iter()
+                .map(|&path| spec.run(path))
+                .collect::<Result<Vec<_>>>()?;
+            if let (Some(folder), Some(out)) = (&staging, &dump) {
+                folder.commit(out)?;
+            }
             let reference_tokens = reports
                 .first()
                 .map(|r| r.reference_tokens.clone())

@@ -135,6 +135,12 @@ pub fn text(r: &Report, budget: Option<f64>) -> String {
             }
         }
         let _ = writeln!(s, "  answer: {:?}", p.text);
+        let lg = &p.logits;
+        let _ = writeln!(
+            s,
+            "  next token: top-1 agrees {}/{} steps, top-{} overlap >= {}, KL(ref||path) <= {:.3e}",
+            lg.top1_agree, lg.steps, lg.k, lg.topk_overlap_min, lg.kl_max
+        );
         let _ = writeln!(
             s,
             "  logits rel L2 (max over steps): {:.3e}   chunk store: {} hits, {} misses",

@@ -273,6 +273,26 @@ impl TapSink for NullSink {
     fn record(&mut self, _step: usize, _value: TapValue<'_>) {}
 }
 
+/// Sends every tap to two sinks that share one selection (the first's table decides).
+pub struct Tee<'a> {
+    pub first: &'a mut dyn TapSink,
+    pub second: &'a mut dyn TapSink,
+}
+
+impl TapSink for Tee<'_> {
+    fn table(&self) -> &TapTable {
+        self.first.table()
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        self.second.record(step, value.clone());
+        self.first.record(step, value);
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        self.first.begin_step(step, tokens, positions);
+        self.second.begin_step(step, tokens, positions);
+    }
+}
+
 /// An owned copy of a tap.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recorded {

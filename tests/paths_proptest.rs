@@ -114,8 +114,9 @@ fn compare(
         tolerance: tol,
         max_new_tokens: 3,
         eos: &[],
+        dump: None,
     };
-    spec.run(path)
+    spec.run(path).unwrap()
 }
 
 proptest! {
@@ -209,8 +210,11 @@ fn planted(
         tolerance: &ROUNDING,
         max_new_tokens: 8,
         eos: &engine.eos_ids(),
+        dump: None,
     };
-    let r = spec.run_with("planted", true, 0, |m, pr, _, sink| bug(m, pr, sink));
+    let r = spec
+        .run_with("planted", true, 0, |m, pr, _, sink| bug(m, pr, sink))
+        .unwrap();
     assert!(r.diverged);
     (prompt, r)
 }
