@@ -230,6 +230,8 @@ pub struct CompareSpec<'a> {
     pub tolerance: &'a Tolerance,
     pub max_new_tokens: usize,
     pub eos: &'a [u32],
+    /// Bytes of reference taps one pass may hold; more taps are compared in several passes.
+    pub memory_budget: usize,
     /// Where to dump each path's taps (a folder per path, `reference` for the reference).
     pub dump: Option<&'a std::path::Path>,
 }
@@ -288,7 +290,78 @@ impl CompareSpec<'_> {
         name: &str,
         exact: bool,
         split: usize,
-        prefill: impl FnOnce(
+        prefill: impl Fn(
+            &Model,
+            &ChunkedPrompt,
+            &mut ChunkStore,
+            &mut dyn TapSink,
+        ) -> (KvCache, Vec<f32>),
+    ) -> Result<PathReport> {
+        let passes = self.passes();
+        let mut merged: Option<PathReport> = None;
+        for taps in &passes {
+            let r = self.run_pass(taps, name, exact, split, &prefill)?;
+            merged = Some(match merged {
+                None => r,
+                Some(mut m) => {
+                    if r.first_divergence.as_ref().is_some_and(|d| {
+                        m.first_divergence
+                            .as_ref()
+                            .is_none_or(|f| d.order < f.order)
+                    }) {
+                        m.first_divergence = r.first_divergence;
+                    }
+                    m.diverged = m.first_divergence.is_some() || m.first_token_divergence.is_some();
+                    m.layers.extend(r.layers);
+                    for (k, v) in r.noise {
+                        let n = m.noise.entry(k).or_insert(0.0);
+                        *n = n.max(v);
+                    }
+                    m
+                }
+            });
+        }
+        Ok(merged.expect("at least one pass"))
+    }
+
+    /// Splits the selected taps into passes whose reference taps of one step fit
+    /// `memory_budget`: each pass re-runs both paths but holds only its layers' taps.
+    fn passes(&self) -> Vec<TapFilter> {
+        let c = &self.model.config;
+        let n = self.prompt.ids.len() + self.max_new_tokens;
+        let per_layer = 4
+            * n
+            * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
+        let outer = 4 * n * (2 * c.hidden_size + c.vocab_size);
+        if self.dump.is_some() || outer + per_layer * c.num_hidden_layers <= self.memory_budget {
+            return vec![self.taps.clone()];
+        }
+        let per_pass = (self.memory_budget.saturating_sub(outer) / per_layer.max(1)).max(1);
+        let mut passes = Vec::new();
+        let mut start = 0;
+        while start <= c.num_hidden_layers {
+            let end = (start + per_pass).min(c.num_hidden_layers + 1);
+            let end = if end > c.num_hidden_layers {
+                usize::MAX
+            } else {
+                end
+            };
+            passes.push(self.taps.restrict(start..end));
+            if end == usize::MAX {
+                break;
+            }
+            start = end;
+        }
+        passes
+    }
+
+    fn run_pass(
+        &self,
+        taps: &TapFilter,
+        name: &str,
+        exact: bool,
+        split: usize,
+        prefill: &impl Fn(
             &Model,
             &ChunkedPrompt,
             &mut ChunkStore,
@@ -299,12 +372,12 @@ impl CompareSpec<'_> {
         let layers = model.config.num_hidden_layers;
         let n = self.prompt.ids.len();
         let ref_split = self.reference.decode_split(self.prompt);
-        let mut ref_rec = Recorder::new(self.taps, layers);
+        let mut ref_rec = Recorder::new(taps, layers);
         let (mut ref_cache, mut ref_logits) =
             self.reference
                 .prefill(model, self.prompt, &mut ChunkStore::default(), &mut ref_rec);
         let mut cmp = Comparator {
-            table: self.taps.table(layers),
+            table: taps.table(layers),
             reference: HashMap::new(),
             tol: self.tolerance,
             tokens: self.prompt.ids.clone(),
@@ -323,10 +396,10 @@ impl CompareSpec<'_> {
                 let ref_dump = if reference.exists() {
                     None
                 } else {
-                    Some(Dumper::new(&reference, self.taps, layers, true)?)
+                    Some(Dumper::new(&reference, taps, layers, true)?)
                 };
                 Some((
-                    Dumper::new(&root.join(dump_dir_name(name)), self.taps, layers, true)?,
+                    Dumper::new(&root.join(dump_dir_name(name)), taps, layers, true)?,
                     ref_dump,
                 ))
             }
@@ -374,7 +447,7 @@ impl CompareSpec<'_> {
             }
             step += 1;
             let pos = [n + step - 1];
-            let mut ref_rec = Recorder::new(self.taps, layers);
+            let mut ref_rec = Recorder::new(taps, layers);
             ref_logits = model.forward(
                 Batch {
                     cascade_split: ref_split,
@@ -447,6 +520,7 @@ impl CompareSpec<'_> {
             tolerance: &Tolerance::Exact,
             max_new_tokens: self.max_new_tokens.min(2),
             dump: None,
+            memory_budget: self.memory_budget,
             ..*self
         };
         let noise = learner.run(PathSpec::ChunkedPrefill(piece))?.noise;

@@ -254,6 +254,9 @@ impl Drop for DumpFolder {
     }
 }
 
+/// Reference taps one comparison pass may hold; beyond it, taps are compared in layer groups.
+const COMPARE_MEMORY_BUDGET: usize = 1 << 30;
+
 const EMBEDDED_TASKS: &str = include_str!("../fixtures/tasks.jsonl");
 
 fn main() -> ExitCode {
@@ -422,6 +425,7 @@ fn run(cli: Cli) -> Result<i32> {
                 max_new_tokens,
                 eos: &eos,
                 dump: staging.as_ref().map(|s| s.staging.as_path()),
+                memory_budget: COMPARE_MEMORY_BUDGET,
             };
             let learned;
             if !fixed && tolerance == TolPolicy::Auto {

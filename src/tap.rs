@@ -117,17 +117,24 @@ pub struct TapValue<'a> {
 #[derive(Clone, Debug)]
 pub struct TapFilter {
     patterns: Vec<String>,
+    /// Only taps whose group (embed = 0, layer i = i + 1, final_norm and logits = layers + 1)
+    /// lies in this range, when set.
+    groups: Option<std::ops::Range<usize>>,
 }
 
 impl TapFilter {
     pub fn all() -> Self {
         TapFilter {
             patterns: vec!["*".into()],
+            groups: None,
         }
     }
 
     pub fn none() -> Self {
-        TapFilter { patterns: vec![] }
+        TapFilter {
+            patterns: vec![],
+            groups: None,
+        }
     }
 
     /// Parses `L*.k_rope,logits`. Errors name the pattern that matches no tap of the model.
@@ -149,12 +156,35 @@ impl TapFilter {
                 ));
             }
         }
-        Ok(TapFilter { patterns })
+        Ok(TapFilter {
+            patterns,
+            groups: None,
+        })
     }
 
     pub fn matches(&self, id: TapId) -> bool {
+        if let Some(g) = &self.groups {
+            let group = match id {
+                TapId::Embed => 0,
+                TapId::Layer(l, _) => l + 1,
+                TapId::FinalNorm | TapId::Logits => usize::MAX,
+            };
+            let last = group == usize::MAX;
+            if !(g.contains(&group) || last && g.end == usize::MAX) {
+                return false;
+            }
+        }
         let name = id.to_string();
         self.patterns.iter().any(|p| glob_match(p, &name))
+    }
+
+    /// The same selection restricted to tap groups `range` (see `groups`); `usize::MAX` as the
+    /// end takes in final_norm and logits.
+    pub fn restrict(&self, range: std::ops::Range<usize>) -> Self {
+        TapFilter {
+            patterns: self.patterns.clone(),
+            groups: Some(range),
+        }
     }
 
     /// A lookup table for the forward pass, so asking whether a tap is wanted costs nothing.

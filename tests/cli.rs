@@ -333,8 +333,16 @@ fn compare_dumps_reference_and_paths() {
     let out_dir = tmp.path().join("cmp");
     let prompt = fixture("prompts/task.json");
     let out = kvdiff(&[
-        "compare", "--paths", "chunk-reuse:local,chunk-reuse:rerotate", "--taps", "L0.*", "--max-new-tokens", "2",
-        "--dump", out_dir.to_str().unwrap(), prompt.to_str().unwrap(),
+        "compare",
+        "--paths",
+        "chunk-reuse:local,chunk-reuse:rerotate",
+        "--taps",
+        "L0.*",
+        "--max-new-tokens",
+        "2",
+        "--dump",
+        out_dir.to_str().unwrap(),
+        prompt.to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let reference = read_safetensors(&fixture("reference/default-model/task_upper.safetensors"));
@@ -343,7 +351,10 @@ fn compare_dumps_reference_and_paths() {
     // The chunk-reuse path's pieces are gathered into whole tensors over all prompt tokens.
     let local = read_safetensors(&out_dir.join("chunk-reuse_local/step-0000.safetensors"));
     assert_eq!(local["L0.attn_probs"].shape, mine["L0.attn_probs"].shape);
-    assert_eq!(local["L0.k"].data, mine["L0.k"].data, "layer-0 K before RoPE does not depend on context");
+    assert_eq!(
+        local["L0.k"].data, mine["L0.k"].data,
+        "layer-0 K before RoPE does not depend on context"
+    );
     let bytes = std::fs::read(out_dir.join("chunk-reuse_rerotate/step-0000.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     // rerotate's reused chunks emit re-rotated keys but no queries: q_rope covers only the query
@@ -353,7 +364,14 @@ fn compare_dumps_reference_and_paths() {
     assert_eq!(st.tensor("L0.q_rope").unwrap().shape()[0], 14);
     let qpos = st.tensor("L0.q_rope.positions").unwrap();
     assert_eq!(&qpos.data()[..8], 37i64.to_le_bytes());
-    let again = kvdiff(&["compare", "--paths", "cascade", "--dump", out_dir.to_str().unwrap(), prompt.to_str().unwrap()]);
+    let again = kvdiff(&[
+        "compare",
+        "--paths",
+        "cascade",
+        "--dump",
+        out_dir.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
     assert_eq!(again.status.code(), Some(2));
     assert!(!out_dir.join("cascade").exists());
 }

@@ -115,6 +115,7 @@ fn compare(
         max_new_tokens: 3,
         eos: &[],
         dump: None,
+        memory_budget: usize::MAX,
     };
     spec.run(path).unwrap()
 }
@@ -191,7 +192,7 @@ proptest! {
 
 /// Runs a planted-bug prefill against standard on the default model's task prompt.
 fn planted(
-    bug: impl FnOnce(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
+    bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
     let p = kvdiff::prompt::Prompt::load(&fixture("prompts/task.json")).unwrap();
@@ -211,6 +212,7 @@ fn planted(
         max_new_tokens: 8,
         eos: &engine.eos_ids(),
         dump: None,
+        memory_budget: usize::MAX,
     };
     let r = spec
         .run_with("planted", true, 0, |m, pr, _, sink| bug(m, pr, sink))
@@ -278,4 +280,36 @@ fn planted_ignored_cache_is_named() {
         (0, "L0.attn_probs", q.start),
         "{d:?}"
     );
+}
+
+/// Comparing in many passes (one layer's taps held at a time) gives the same report as one pass.
+#[test]
+fn passes_under_a_small_memory_budget_give_the_same_report() {
+    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
+    let p = kvdiff::prompt::Prompt::load(&fixture("prompts/two-contexts.txt")).unwrap();
+    let text = engine
+        .tokenizer
+        .render(&p.messages, &Default::default())
+        .unwrap();
+    let prompt = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &text).unwrap();
+    let taps = TapFilter::all();
+    let eos = engine.eos_ids();
+    let spec = |memory_budget| CompareSpec {
+        model: &engine.model,
+        tokenizer: &engine.tokenizer,
+        prompt: &prompt,
+        reference: PathSpec::Standard,
+        taps: &taps,
+        tolerance: &ROUNDING,
+        max_new_tokens: 6,
+        eos: &eos,
+        dump: None,
+        memory_budget,
+    };
+    for path in PathSpec::all() {
+        let one = spec(usize::MAX).run(path).unwrap();
+        let many = spec(1).run(path).unwrap();
+        assert_eq!(one, many, "{path}");
+        assert_eq!(many.layers.len(), engine.model.config.num_hidden_layers + 3);
+    }
 }
