@@ -49,7 +49,7 @@ impl Gathered {
 
 pub struct Dumper {
     table: TapTable,
-    staging: PathBuf,
+    dir: StagedDir,
     step: Option<usize>,
     /// Taps of the current step, by name; a tap a path emits in several pieces (chunk by
     /// chunk) gathers them here and is written as one tensor.
@@ -63,31 +63,10 @@ pub struct Dumper {
 impl Dumper {
     /// Prepares to write into `out`, which must not exist unless `force`.
     pub fn new(out: &Path, filter: &TapFilter, layers: usize, force: bool) -> Result<Self> {
-        if out.exists() && !force {
-            let empty_dir = out.is_dir()
-                && std::fs::read_dir(out)
-                    .map(|mut d| d.next().is_none())
-                    .unwrap_or(false);
-            if !empty_dir {
-                return Err(Error::usage(
-                    "--out",
-                    format!("{} already exists", out.display()),
-                    "choose a new folder, or pass --force to replace it",
-                ));
-            }
-        }
-        let staging = staging_path(out);
-        let _ = std::fs::remove_dir_all(&staging);
-        std::fs::create_dir_all(&staging).map_err(|e| {
-            Error::usage(
-                "--out",
-                format!("cannot create {}: {e}", staging.display()),
-                "choose a writable folder",
-            )
-        })?;
+        let dir = StagedDir::create(out, force, "--out")?;
         Ok(Dumper {
             table: filter.table(layers),
-            staging,
+            dir,
             step: None,
             taps: BTreeMap::new(),
             tokens: Vec::new(),
@@ -145,7 +124,7 @@ impl Dumper {
             "layout".to_string(),
             "first axis = token (see positions)".to_string(),
         );
-        let path = self.staging.join(format!("step-{step:04}.safetensors"));
+        let path = self.dir.staging.join(format!("step-{step:04}.safetensors"));
         if let Err(e) = safetensors::serialize_to_file(views, Some(meta), &path) {
             self.error = Some(Error::usage(
                 "--out",
@@ -163,25 +142,66 @@ impl Dumper {
     pub fn finish(mut self, out: &Path, meta_json: &serde_json::Value) -> Result<usize> {
         self.flush();
         if let Some(e) = self.error.take() {
-            let _ = std::fs::remove_dir_all(&self.staging);
             return Err(e);
         }
-        let meta_path = self.staging.join("meta.json");
+        let meta_path = self.dir.staging.join("meta.json");
         std::fs::write(
             &meta_path,
             serde_json::to_vec_pretty(meta_json).expect("json"),
         )
         .map_err(|e| {
             Error::usage(
-                "--out",
+                self.dir.flag,
                 format!("cannot write {}: {e}", meta_path.display()),
                 "check disk space",
             )
         })?;
+        self.dir.commit(out)?;
+        Ok(self.files)
+    }
+}
+
+/// A folder filled under a hidden sibling name and moved into place only by `commit`; dropped
+/// uncommitted (a failed or interrupted run), it is removed.
+pub struct StagedDir {
+    pub staging: PathBuf,
+    flag: &'static str,
+}
+
+impl StagedDir {
+    /// `out` must not exist (an empty folder is fine) unless `force`; `flag` names the option in
+    /// messages.
+    pub fn create(out: &Path, force: bool, flag: &'static str) -> Result<Self> {
+        if out.exists() && !force {
+            let empty_dir = out.is_dir()
+                && std::fs::read_dir(out)
+                    .map(|mut d| d.next().is_none())
+                    .unwrap_or(false);
+            if !empty_dir {
+                return Err(Error::usage(
+                    flag,
+                    format!("{} already exists", out.display()),
+                    "choose a new folder, or pass --force to replace it",
+                ));
+            }
+        }
+        let staging = staging_path(out);
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging).map_err(|e| {
+            Error::usage(
+                flag,
+                format!("cannot create {}: {e}", staging.display()),
+                "choose a writable folder",
+            )
+        })?;
+        Ok(StagedDir { staging, flag })
+    }
+
+    pub fn commit(&self, out: &Path) -> Result<()> {
         if out.exists() {
             std::fs::remove_dir_all(out).map_err(|e| {
                 Error::usage(
-                    "--out",
+                    self.flag,
                     format!("cannot replace {}: {e}", out.display()),
                     "remove it by hand",
                 )
@@ -189,16 +209,17 @@ impl Dumper {
         }
         std::fs::rename(&self.staging, out).map_err(|e| {
             Error::usage(
-                "--out",
-                format!("cannot move dump into {}: {e}", out.display()),
+                self.flag,
+                format!("cannot move the folder into {}: {e}", out.display()),
                 "choose another folder",
             )
-        })?;
-        Ok(self.files)
+        })
     }
+}
 
-    /// Removes the staging folder (on failure or interruption).
-    pub fn abandon(self) {
+impl Drop for StagedDir {
+    fn drop(&mut self) {
+        // After a commit the staging path is gone and this does nothing.
         let _ = std::fs::remove_dir_all(&self.staging);
     }
 }

@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvdiff::chunks::ChunkedPrompt;
 use kvdiff::diff::Tolerance;
 use kvdiff::driver::CompareSpec;
-use kvdiff::dump::{write_atomic, Dumper};
+use kvdiff::dump::{write_atomic, Dumper, StagedDir};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK};
 use kvdiff::eval;
@@ -201,59 +201,6 @@ enum Backend {
     Cpu,
 }
 
-/// A folder filled under a hidden name and moved into place only when complete.
-struct DumpFolder {
-    staging: PathBuf,
-}
-
-impl DumpFolder {
-    fn create(out: &std::path::Path, force: bool) -> Result<Self> {
-        if out.exists() && !force {
-            return Err(Error::usage(
-                "--dump",
-                format!("{} already exists", out.display()),
-                "choose a new folder, or pass --force to replace it",
-            ));
-        }
-        let staging = kvdiff::dump::staging_path(out);
-        let _ = std::fs::remove_dir_all(&staging);
-        std::fs::create_dir_all(&staging).map_err(|e| {
-            Error::usage(
-                "--dump",
-                format!("cannot create {}: {e}", staging.display()),
-                "choose a writable folder",
-            )
-        })?;
-        Ok(DumpFolder { staging })
-    }
-
-    fn commit(&self, out: &std::path::Path) -> Result<()> {
-        if out.exists() {
-            std::fs::remove_dir_all(out).map_err(|e| {
-                Error::usage(
-                    "--dump",
-                    format!("cannot replace {}: {e}", out.display()),
-                    "remove it by hand",
-                )
-            })?;
-        }
-        std::fs::rename(&self.staging, out).map_err(|e| {
-            Error::usage(
-                "--dump",
-                format!("cannot move the dump into {}: {e}", out.display()),
-                "choose another folder",
-            )
-        })
-    }
-}
-
-impl Drop for DumpFolder {
-    /// A run that failed part-way leaves nothing behind; after a commit there is nothing left.
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.staging);
-    }
-}
-
 /// Reference taps one comparison pass may hold; beyond it, taps are compared in layer groups.
 const COMPARE_MEMORY_BUDGET: usize = 1 << 30;
 
@@ -412,7 +359,7 @@ fn run(cli: Cli) -> Result<i32> {
                 Tolerance::Exact
             };
             let staging = match &dump {
-                Some(out) => Some(DumpFolder::create(out, force)?),
+                Some(out) => Some(StagedDir::create(out, force, "--dump")?),
                 None => None,
             };
             let mut spec = CompareSpec {
