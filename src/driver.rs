@@ -220,6 +220,18 @@ impl TapSink for Comparator<'_> {
     }
 }
 
+/// A path's prefill: builds the KV for the prompt, offering taps to the sink, and returns the
+/// cache with the last prompt token's logits.
+pub trait Prefill:
+    Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)
+{
+}
+
+impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)>
+    Prefill for F
+{
+}
+
 /// What to compare and how.
 pub struct CompareSpec<'a> {
     pub model: &'a Model,
@@ -290,12 +302,7 @@ impl CompareSpec<'_> {
         name: &str,
         exact: bool,
         split: usize,
-        prefill: impl Fn(
-            &Model,
-            &ChunkedPrompt,
-            &mut ChunkStore,
-            &mut dyn TapSink,
-        ) -> (KvCache, Vec<f32>),
+        prefill: impl Prefill,
     ) -> Result<PathReport> {
         let passes = self.passes();
         let mut merged: Option<PathReport> = None;
@@ -361,12 +368,7 @@ impl CompareSpec<'_> {
         name: &str,
         exact: bool,
         split: usize,
-        prefill: &impl Fn(
-            &Model,
-            &ChunkedPrompt,
-            &mut ChunkStore,
-            &mut dyn TapSink,
-        ) -> (KvCache, Vec<f32>),
+        prefill: &impl Prefill,
     ) -> Result<PathReport> {
         let model = self.model;
         let layers = model.config.num_hidden_layers;

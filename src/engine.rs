@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use crate::chunks::ChunkedPrompt;
 use crate::error::{Error, Result};
 use crate::model::{Batch, Model};
 use crate::model_source::ModelSource;
@@ -65,8 +66,31 @@ impl Engine {
 
     /// Renders and tokenizes a prompt, checking it fits the model with `max_new` tokens after it.
     pub fn encode(&self, prompt: &Prompt, prompt_path: &Path, max_new: usize) -> Result<Encoded> {
-        let text = self
+        let text = self.render(prompt)?;
+        let ids = self
             .tokenizer
+            .encode(&text)
+            .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+        self.check_fits(ids.len(), prompt_path, max_new)?;
+        Ok(Encoded { text, ids })
+    }
+
+    /// Renders, tokenizes (once) and cuts a prompt into chunks, checking it fits as `encode` does.
+    pub fn chunked(
+        &self,
+        prompt: &Prompt,
+        prompt_path: &Path,
+        max_new: usize,
+    ) -> Result<ChunkedPrompt> {
+        let text = self.render(prompt)?;
+        let chunked = ChunkedPrompt::from_prompt(&self.tokenizer, prompt, &text)
+            .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+        self.check_fits(chunked.ids.len(), prompt_path, max_new)?;
+        Ok(chunked)
+    }
+
+    fn render(&self, prompt: &Prompt) -> Result<String> {
+        self.tokenizer
             .render(&prompt.messages, &Default::default())
             .map_err(|e| {
                 Error::input(
@@ -74,23 +98,19 @@ impl Engine {
                     e,
                     "fix the model's chat template",
                 )
-            })?;
-        let ids = self
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+            })
+    }
+
+    fn check_fits(&self, tokens: usize, prompt_path: &Path, max_new: usize) -> Result<()> {
         let limit = self.model.config.max_position_embeddings;
-        if ids.len() + max_new > limit {
+        if tokens + max_new > limit {
             return Err(Error::input(
                 prompt_path,
-                format!(
-                    "prompt is {} tokens; with {max_new} new tokens that exceeds max_position_embeddings ({limit})",
-                    ids.len()
-                ),
+                format!("prompt is {tokens} tokens; with {max_new} new tokens that exceeds max_position_embeddings ({limit})"),
                 "shorten the prompt or lower --max-new-tokens",
             ));
         }
-        Ok(Encoded { text, ids })
+        Ok(())
     }
 
     /// Greedy decoding: prefill is step 0, the k-th fed-back token is step k. Stops at EOS or

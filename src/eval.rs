@@ -154,9 +154,7 @@ pub fn run(
         })
         .collect();
     for task in tasks {
-        let enc = engine.encode(&task.prompt, tasks_path, max_new)?;
-        let chunked = ChunkedPrompt::from_prompt(&engine.tokenizer, &task.prompt, &enc.text)
-            .map_err(|e| Error::input(tasks_path, e, "check the task set"))?;
+        let chunked = engine.chunked(&task.prompt, tasks_path, max_new)?;
         for (row, &path) in rows.iter_mut().zip(paths) {
             let tokens = generate_on_path(engine, path, &chunked, max_new);
             let text = engine.tokenizer.decode(&tokens, true);

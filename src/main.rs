@@ -6,7 +6,6 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use kvdiff::chunks::ChunkedPrompt;
 use kvdiff::diff::Tolerance;
 use kvdiff::driver::CompareSpec;
 use kvdiff::dump::{write_atomic, Dumper, StagedDir};
@@ -345,9 +344,7 @@ fn run(cli: Cli) -> Result<i32> {
             let layers = engine.model.config.num_hidden_layers;
             let filter = TapFilter::parse(&taps, layers)
                 .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))?;
-            let enc = engine.encode(&p, &prompt, max_new_tokens)?;
-            let chunked = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &enc.text)
-                .map_err(|e| Error::input(&prompt, e, "check the prompt's text"))?;
+            let chunked = engine.chunked(&p, &prompt, max_new_tokens)?;
             let eos = engine.eos_ids();
             let fixed = tolerance == TolPolicy::Fixed || atol.is_some() || rtol.is_some();
             let given = if fixed {

@@ -195,12 +195,10 @@ fn planted(
     bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
-    let p = kvdiff::prompt::Prompt::load(&fixture("prompts/task.json")).unwrap();
-    let text = engine
-        .tokenizer
-        .render(&p.messages, &Default::default())
+    let path = fixture("prompts/task.json");
+    let prompt = engine
+        .chunked(&kvdiff::prompt::Prompt::load(&path).unwrap(), &path, 8)
         .unwrap();
-    let prompt = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &text).unwrap();
     let taps = TapFilter::all();
     let spec = CompareSpec {
         model: &engine.model,
@@ -286,12 +284,10 @@ fn planted_ignored_cache_is_named() {
 #[test]
 fn passes_under_a_small_memory_budget_give_the_same_report() {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
-    let p = kvdiff::prompt::Prompt::load(&fixture("prompts/two-contexts.txt")).unwrap();
-    let text = engine
-        .tokenizer
-        .render(&p.messages, &Default::default())
+    let path = fixture("prompts/two-contexts.txt");
+    let prompt = engine
+        .chunked(&kvdiff::prompt::Prompt::load(&path).unwrap(), &path, 8)
         .unwrap();
-    let prompt = ChunkedPrompt::from_prompt(&engine.tokenizer, &p, &text).unwrap();
     let taps = TapFilter::all();
     let eos = engine.eos_ids();
     let spec = |memory_budget| CompareSpec {
