@@ -73,6 +73,11 @@ struct GenerationConfig {
     eos_token_id: Option<TokenIds>,
 }
 
+const MAX_DIM: usize = 1 << 24;
+const MAX_LAYERS: usize = 1024;
+const MAX_HEADS: usize = 1024;
+const MAX_HEAD_DIM: usize = 4096;
+
 const CONFIG_FIX: &str =
     "point --model at a Qwen3 checkpoint directory whose config.json is intact";
 
@@ -96,6 +101,16 @@ impl Config {
                 )
             })?;
             for id in gen.eos_token_id.map(TokenIds::into_vec).unwrap_or_default() {
+                if id as usize >= config.vocab_size {
+                    return Err(Error::input(
+                        &gpath,
+                        format!(
+                            "eos_token_id {id} is outside vocab_size {}",
+                            config.vocab_size
+                        ),
+                        "fix or remove generation_config.json",
+                    ));
+                }
                 if !config.eos_token_ids.contains(&id) {
                     config.eos_token_ids.push(id);
                 }
@@ -162,6 +177,21 @@ impl Config {
                 return Err(format!("{name} must be positive"));
             }
         }
+        // Bounds that no real checkpoint reaches, so size arithmetic cannot overflow and a
+        // corrupt file cannot make the loader enumerate billions of tensors.
+        for (name, v, max) in [
+            ("vocab_size", raw.vocab_size, MAX_DIM),
+            ("hidden_size", raw.hidden_size, MAX_DIM),
+            ("intermediate_size", raw.intermediate_size, MAX_DIM),
+            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", heads, MAX_HEADS),
+            ("num_key_value_heads", kv_heads, MAX_HEADS),
+            ("head_dim", raw.head_dim.unwrap_or(0), MAX_HEAD_DIM),
+        ] {
+            if v > max {
+                return Err(format!("{name} ({v}) is implausibly large (at most {max})"));
+            }
+        }
         if heads % kv_heads != 0 {
             return Err(format!(
                 "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
@@ -177,9 +207,9 @@ impl Config {
                 )
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
             return Err(format!(
-                "head_dim ({head_dim}) must be a positive even number"
+                "head_dim ({head_dim}) must be a positive even number up to {MAX_HEAD_DIM}"
             ));
         }
         let rope_theta = raw

@@ -118,12 +118,10 @@ impl Dumper {
                 )
             })
             .collect();
-        let mut meta = std::collections::HashMap::new();
-        meta.insert("step".to_string(), step.to_string());
-        meta.insert(
-            "layout".to_string(),
-            "first axis = token (see positions)".to_string(),
-        );
+        // One key only: safetensors writes metadata in HashMap order, and dumps must be
+        // byte-identical from run to run. The layout (first axis = token, see `positions`) is
+        // documented in the README.
+        let meta = std::collections::HashMap::from([("step".to_string(), step.to_string())]);
         let path = self.dir.staging.join(format!("step-{step:04}.safetensors"));
         if let Err(e) = safetensors::serialize_to_file(views, Some(meta), &path) {
             self.error = Some(Error::usage(
@@ -166,6 +164,7 @@ impl Dumper {
 pub struct StagedDir {
     pub staging: PathBuf,
     flag: &'static str,
+    _pending: crate::interrupt::Pending,
 }
 
 impl StagedDir {
@@ -186,6 +185,7 @@ impl StagedDir {
             }
         }
         let staging = staging_path(out);
+        let pending = crate::interrupt::Pending::new(&staging);
         let _ = std::fs::remove_dir_all(&staging);
         std::fs::create_dir_all(&staging).map_err(|e| {
             Error::usage(
@@ -194,7 +194,11 @@ impl StagedDir {
                 "choose a writable folder",
             )
         })?;
-        Ok(StagedDir { staging, flag })
+        Ok(StagedDir {
+            staging,
+            flag,
+            _pending: pending,
+        })
     }
 
     pub fn commit(&self, out: &Path) -> Result<()> {
@@ -276,9 +280,35 @@ pub fn write_atomic(path: &Path, bytes: &[u8], flag: &str) -> Result<()> {
             "choose a writable path",
         )
     };
-    std::fs::write(&tmp, bytes).map_err(fail)?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail(e)
-    })
+    let _pending = crate::interrupt::Pending::new(&tmp);
+    std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            fail(e)
+        })
+}
+
+/// Fails early (before any work) when `path`'s folder does not exist or is not a folder, so a
+/// long run does not end in an unwritable output.
+pub fn check_output_parent(path: &Path, flag: &str) -> Result<()> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(Error::usage(
+            flag,
+            format!("folder {} does not exist", parent.display()),
+            "create it first or choose another path",
+        ));
+    }
+    if path.is_dir() && flag == "--json" {
+        return Err(Error::usage(
+            flag,
+            format!("{} is a folder", path.display()),
+            "give a file name, e.g. report.json",
+        ));
+    }
+    Ok(())
 }

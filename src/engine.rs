@@ -15,6 +15,9 @@ pub struct Engine {
     pub model: Model,
     pub tokenizer: ChatTokenizer,
     pub source: ModelSource,
+    /// Run past `max_position_embeddings` instead of refusing (RoPE extrapolates; results past
+    /// the trained length are the model's, not kvdiff's, problem).
+    pub allow_beyond_max_positions: bool,
 }
 
 /// A prompt rendered through the chat template and tokenized.
@@ -50,6 +53,7 @@ impl Engine {
             model,
             tokenizer,
             source,
+            allow_beyond_max_positions: false,
         })
     }
 
@@ -103,11 +107,11 @@ impl Engine {
 
     fn check_fits(&self, tokens: usize, prompt_path: &Path, max_new: usize) -> Result<()> {
         let limit = self.model.config.max_position_embeddings;
-        if tokens + max_new > limit {
+        if tokens + max_new > limit && !self.allow_beyond_max_positions {
             return Err(Error::input(
                 prompt_path,
                 format!("prompt is {tokens} tokens; with {max_new} new tokens that exceeds max_position_embeddings ({limit})"),
-                "shorten the prompt or lower --max-new-tokens",
+                "shorten the prompt, lower --max-new-tokens, or pass --allow-beyond-max-positions",
             ));
         }
         Ok(())

@@ -10,6 +10,9 @@ pub mod dump;
 pub mod engine;
 pub mod error;
 pub mod eval;
+#[doc(hidden)]
+pub mod fuzz;
+pub mod interrupt;
 pub mod kv_cache;
 pub mod model;
 pub mod model_source;
@@ -17,6 +20,7 @@ pub mod ops;
 pub mod paths;
 pub mod prompt;
 pub mod report;
+pub mod resources;
 pub mod tap;
 pub mod tokenizer;
 pub mod weights;

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use kvdiff::diff::Tolerance;
 use kvdiff::driver::CompareSpec;
-use kvdiff::dump::{write_atomic, Dumper, StagedDir};
+use kvdiff::dump::{check_output_parent, write_atomic, Dumper, StagedDir};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK};
 use kvdiff::eval;
@@ -110,6 +110,10 @@ enum Command {
         /// Worker threads (results are identical for any count).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
+        /// Run even when the prompt plus --max-new-tokens exceeds the model's
+        /// max_position_embeddings.
+        #[arg(long)]
+        allow_beyond_max_positions: bool,
         /// Prompt file (.json or .txt).
         prompt: PathBuf,
     },
@@ -166,6 +170,10 @@ struct RunArgs {
     /// Worker threads (results are identical for any count); default: all cores.
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
+    /// Run even when the prompt plus --max-new-tokens exceeds the model's
+    /// max_position_embeddings.
+    #[arg(long)]
+    allow_beyond_max_positions: bool,
     /// Prompt file (.json or .txt).
     prompt: PathBuf,
 }
@@ -205,8 +213,42 @@ const COMPARE_MEMORY_BUDGET: usize = 1 << 30;
 
 const EMBEDDED_TASKS: &str = include_str!("../fixtures/tasks.jsonl");
 
+/// clap's own messages, cut to what a user needs: the error, clap's tip if any, and a fix line.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_OK as u8);
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(kvdiff::error::EXIT_BAD_INPUT as u8);
+        }
+        _ => {}
+    }
+    let text = e.render().to_string();
+    let mut lines = text
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more"));
+    if let Some(first) = lines.next() {
+        eprintln!("{first}");
+    }
+    // The missing argument, or clap's tip.
+    if let Some(detail) = lines.next().filter(|l| l.starts_with(' ')) {
+        eprintln!("{detail}");
+    }
+    eprintln!("  fix: see kvdiff --help, or kvdiff <command> --help");
+    ExitCode::from(kvdiff::error::EXIT_BAD_INPUT as u8)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
+    kvdiff::interrupt::install();
     let outcome = std::panic::catch_unwind(|| run(cli));
     match outcome {
         Ok(Ok(code)) => ExitCode::from(code as u8),
@@ -241,7 +283,8 @@ fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
         Backend::Cpu => {}
     }
     let prompt = Prompt::load(&run.prompt)?;
-    let engine = Engine::load(ModelSource::from_arg(run.model.as_deref())?)?;
+    let mut engine = Engine::load(ModelSource::from_arg(run.model.as_deref())?)?;
+    engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
     Ok((engine, prompt))
 }
 
@@ -275,6 +318,7 @@ fn run(cli: Cli) -> Result<i32> {
             taps,
             force,
         } => {
+            check_output_parent(&out, "--out")?;
             let (engine, prompt) = setup(&run)?;
             let layers = engine.model.config.num_hidden_layers;
             let filter = TapFilter::parse(&taps, layers)
@@ -308,9 +352,16 @@ fn run(cli: Cli) -> Result<i32> {
             dump,
             force,
             threads,
+            allow_beyond_max_positions,
             prompt,
         } => {
             set_threads(threads)?;
+            if let Some(path) = &json {
+                check_output_parent(path, "--json")?;
+            }
+            if let Some(path) = &dump {
+                check_output_parent(path, "--dump")?;
+            }
             let reference = PathSpec::parse(&reference).map_err(|e| {
                 Error::usage("--reference", e, "see kvdiff compare --help for paths")
             })?;
@@ -340,7 +391,8 @@ fn run(cli: Cli) -> Result<i32> {
                 ));
             }
             let p = Prompt::load(&prompt)?;
-            let engine = Engine::load(ModelSource::from_arg(model.as_deref())?)?;
+            let mut engine = Engine::load(ModelSource::from_arg(model.as_deref())?)?;
+            engine.allow_beyond_max_positions = allow_beyond_max_positions;
             let layers = engine.model.config.num_hidden_layers;
             let filter = TapFilter::parse(&taps, layers)
                 .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))?;
@@ -433,6 +485,9 @@ fn run(cli: Cli) -> Result<i32> {
             threads,
         } => {
             set_threads(threads)?;
+            if let Some(path) = &json {
+                check_output_parent(path, "--json")?;
+            }
             let paths = match paths {
                 Some(list) => paths::parse_list(&list).map_err(|e| {
                     Error::usage("--paths", e, "see kvdiff compare --help for paths")

@@ -3,17 +3,20 @@
 //! model takes exactly the code path a user's directory takes.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-/// Bytes of one file: memory-mapped from disk or borrowed from the binary.
+/// Bytes of one file: memory-mapped from disk, borrowed from the binary, or held in memory.
 pub enum Bytes {
     Mapped(Mmap),
     Static(&'static [u8]),
+    Shared(Arc<[u8]>),
 }
 
 impl std::ops::Deref for Bytes {
@@ -22,6 +25,7 @@ impl std::ops::Deref for Bytes {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Static(s) => s,
+            Bytes::Shared(s) => s,
         }
     }
 }
@@ -30,6 +34,8 @@ impl std::ops::Deref for Bytes {
 pub enum ModelSource {
     Dir(PathBuf),
     Embedded,
+    /// Files held in memory, by name: for building models in tests and fuzzing the loaders.
+    Memory(Arc<BTreeMap<String, Arc<[u8]>>>),
 }
 
 /// The embedded default model's files, by name.
@@ -83,13 +89,25 @@ impl ModelSource {
         match self {
             ModelSource::Dir(d) => d.join(name),
             ModelSource::Embedded => PathBuf::from(format!("<embedded default model>/{name}")),
+            ModelSource::Memory(_) => PathBuf::from(format!("<memory>/{name}")),
         }
+    }
+
+    /// A source over in-memory files.
+    pub fn memory<'a>(files: impl IntoIterator<Item = (&'a str, Vec<u8>)>) -> Self {
+        ModelSource::Memory(Arc::new(
+            files
+                .into_iter()
+                .map(|(n, b)| (n.to_string(), Arc::from(b)))
+                .collect(),
+        ))
     }
 
     pub fn describe(&self) -> String {
         match self {
             ModelSource::Dir(d) => d.display().to_string(),
             ModelSource::Embedded => "embedded default model".to_string(),
+            ModelSource::Memory(_) => "in-memory model".to_string(),
         }
     }
 
@@ -97,6 +115,7 @@ impl ModelSource {
         match self {
             ModelSource::Dir(d) => d.join(name).is_file(),
             ModelSource::Embedded => EMBEDDED.iter().any(|(n, _)| *n == name),
+            ModelSource::Memory(files) => files.contains_key(name),
         }
     }
 
@@ -118,6 +137,10 @@ impl ModelSource {
                 .find(|(n, _)| *n == name)
                 .map(|(_, b)| Bytes::Static(b))
                 .ok_or_else(|| Error::Internal(format!("embedded model lacks {name}"))),
+            ModelSource::Memory(files) => files
+                .get(name)
+                .map(|b| Bytes::Shared(b.clone()))
+                .ok_or_else(|| Error::input(self.path_of(name), "file not found", fix)),
         }
     }
 
@@ -132,10 +155,18 @@ impl ModelSource {
                     .map(Cow::Owned)
                     .map_err(|_| Error::input(&path, "is not valid UTF-8", fix))
             }
+            ModelSource::Memory(_) => {
+                let bytes = self.bytes(name, fix)?;
+                std::str::from_utf8(&bytes)
+                    .map(|s| Cow::Owned(s.to_string()))
+                    .map_err(|_| Error::input(&path, "is not valid UTF-8", fix))
+            }
             ModelSource::Embedded => {
                 let bytes = match self.bytes(name, fix)? {
                     Bytes::Static(b) => b,
-                    Bytes::Mapped(_) => unreachable!("embedded files are static"),
+                    Bytes::Mapped(_) | Bytes::Shared(_) => {
+                        unreachable!("embedded files are static")
+                    }
                 };
                 std::str::from_utf8(bytes)
                     .map(Cow::Borrowed)

@@ -78,6 +78,12 @@ impl Prompt {
                 "pass an existing prompt file (.json or .txt)",
             )
         })?;
+        Self::from_bytes(path, bytes)
+    }
+
+    /// Parses a prompt file's bytes; `path` picks the format (`.json` or text) and is named in
+    /// errors.
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self> {
         let text = String::from_utf8(bytes).map_err(|e| {
             Error::input(
                 path,

@@ -89,6 +89,41 @@ impl Weights {
                 ));
             }
         }
+        // Tensors the config does not name mean the config and checkpoint disagree (e.g. more
+        // layers in the file than num_hidden_layers). Tied checkpoints may still carry
+        // lm_head.weight, and old exports rotary buffers; HF ignores both, and so does kvdiff.
+        let known: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
+        let mut extra: Vec<(&String, usize)> = location
+            .iter()
+            .filter(|(n, _)| {
+                let ignored = (n.as_str() == "lm_head.weight" && config.tie_word_embeddings)
+                    || n.ends_with("rotary_emb.inv_freq");
+                !known.contains(n.as_str()) && !ignored
+            })
+            .map(|(n, &i)| (n, i))
+            .collect();
+        extra.sort();
+        if let Some((name, i)) = extra.first() {
+            return Err(Error::input(
+                src.path_of(&parsed[*i].0),
+                format!(
+                    "tensor {name} is not part of the model config.json describes ({} unexpected tensor{})",
+                    extra.len(),
+                    if extra.len() == 1 { "" } else { "s" }
+                ),
+                "the checkpoint does not match config.json; use the config.json that came with these weights",
+            ));
+        }
+        let need: u64 = expected
+            .iter()
+            .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
+            .sum();
+        crate::resources::check_memory(
+            need,
+            "holding the weights as f32",
+            &src.path_of(files.first().map(String::as_str).unwrap_or(SINGLE)),
+        )?;
         let mut tensors = HashMap::with_capacity(expected.len());
         for (name, shape) in expected {
             let (file, st) = &parsed[location[&name]];

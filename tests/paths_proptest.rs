@@ -194,6 +194,13 @@ proptest! {
 fn planted(
     bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
+    planted_with(&ROUNDING, bug)
+}
+
+fn planted_with(
+    tolerance: &Tolerance,
+    bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
+) -> (ChunkedPrompt, PathReport) {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
     let path = fixture("prompts/task.json");
     let prompt = engine
@@ -206,7 +213,7 @@ fn planted(
         prompt: &prompt,
         reference: PathSpec::Standard,
         taps: &taps,
-        tolerance: &ROUNDING,
+        tolerance,
         max_new_tokens: 8,
         eos: &engine.eos_ids(),
         dump: None,
@@ -278,6 +285,50 @@ fn planted_ignored_cache_is_named() {
         (0, "L0.attn_probs", q.start),
         "{d:?}"
     );
+}
+
+#[test]
+fn planted_nan_is_reported_where_first_seen_and_never_as_a_number() {
+    // A kernel writes NaN into one cached value vector of layer 1 (entry 5) after the first 20
+    // tokens: the following tokens' attention output there is NaN, though every earlier tap
+    // and that layer's attention probabilities are untouched.
+    let split = 20;
+    let bug = |m: &Model, pr: &ChunkedPrompt, sink: &mut dyn TapSink| {
+        let positions: Vec<usize> = (0..pr.ids.len()).collect();
+        let mut cache = m.new_cache();
+        m.forward(
+            Batch::new(&pr.ids[..split], &positions[..split]),
+            &mut cache,
+            0,
+            sink,
+        );
+        let kv = cache.kv_dim();
+        cache.layers[1].values[5 * kv + 3] = f32::NAN;
+        let logits = m.forward(
+            Batch::new(&pr.ids[split..], &positions[split..]),
+            &mut cache,
+            0,
+            sink,
+        );
+        (cache, logits)
+    };
+    // Even a tolerance that accepts any finite difference reports it.
+    for tol in [
+        ROUNDING,
+        Tolerance::Fixed {
+            atol: 1e30,
+            rtol: 1e30,
+        },
+    ] {
+        let (_, r) = planted_with(&tol, bug);
+        let d = r.first_divergence.expect("NaN must be reported");
+        assert_eq!(
+            (d.step, d.tap.as_str(), d.position, d.kind),
+            (0, "L1.attn_out", split, "non_finite"),
+            "{d:?}"
+        );
+        assert!(d.value.is_nan() && d.reference.is_finite(), "{d:?}");
+    }
 }
 
 /// Comparing in many passes (one layer's taps held at a time) gives the same report as one pass.
