@@ -234,7 +234,11 @@ impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCach
 
 /// What to compare and how.
 pub struct CompareSpec<'a> {
+    /// The model the reference runs on.
     pub model: &'a Model,
+    /// The model the compared paths run on: `model` itself, or the same weights on another
+    /// backend.
+    pub path_model: &'a Model,
     pub tokenizer: &'a ChatTokenizer,
     pub prompt: &'a ChunkedPrompt,
     pub reference: PathSpec,
@@ -412,9 +416,10 @@ impl CompareSpec<'_> {
         }
         cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
         let mut store = ChunkStore::default();
+        let path_model = self.path_model;
         let (mut cache, mut logits) = match &mut dumps {
             Some((d, _)) => prefill(
-                model,
+                path_model,
                 self.prompt,
                 &mut store,
                 &mut Tee {
@@ -422,7 +427,7 @@ impl CompareSpec<'_> {
                     second: d,
                 },
             ),
-            None => prefill(model, self.prompt, &mut store, &mut cmp),
+            None => prefill(path_model, self.prompt, &mut store, &mut cmp),
         };
         let mut report_tokens = Vec::new();
         let mut first_token = None;
@@ -469,7 +474,7 @@ impl CompareSpec<'_> {
                 ..Batch::new(&fed, &pos)
             };
             logits = match &mut dumps {
-                Some((d, _)) => model.forward(
+                Some((d, _)) => path_model.forward(
                     batch,
                     &mut cache,
                     step,
@@ -478,7 +483,7 @@ impl CompareSpec<'_> {
                         second: d,
                     },
                 ),
-                None => model.forward(batch, &mut cache, step, &mut cmp),
+                None => path_model.forward(batch, &mut cache, step, &mut cmp),
             };
         }
         if let Some((path_dump, ref_dump)) = dumps {
@@ -523,9 +528,31 @@ impl CompareSpec<'_> {
             max_new_tokens: self.max_new_tokens.min(2),
             dump: None,
             memory_budget: self.memory_budget,
+            path_model: self.model,
             ..*self
         };
         let noise = learner.run(PathSpec::ChunkedPrefill(piece))?.noise;
+        Ok(Self::thresholds(noise))
+    }
+
+    /// Learns `auto` thresholds for holding a bf16 GPU backend to the f32 CPU reference: the
+    /// noise between the reference and a CPU run that rounds weights and matmul inputs to bf16
+    /// as the GPU does (same path, same prompt), times `AUTO_MULTIPLE`, per tap kind.
+    pub fn learn_auto_bf16(&self) -> Result<Tolerance> {
+        let emulated = self.model.bf16_emulation();
+        let learner = CompareSpec {
+            tolerance: &Tolerance::Exact,
+            max_new_tokens: self.max_new_tokens.min(2),
+            dump: None,
+            memory_budget: self.memory_budget,
+            path_model: &emulated,
+            ..*self
+        };
+        let noise = learner.run(self.reference)?.noise;
+        Ok(Self::thresholds(noise))
+    }
+
+    fn thresholds(noise: BTreeMap<String, f32>) -> Tolerance {
         let rtol = noise
             .into_iter()
             .map(|(k, v)| {
@@ -535,6 +562,6 @@ impl CompareSpec<'_> {
                 )
             })
             .collect();
-        Ok(Tolerance::Auto { rtol })
+        Tolerance::Auto { rtol }
     }
 }

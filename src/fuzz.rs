@@ -168,5 +168,10 @@ pub fn spec(data: &[u8]) {
             assert_eq!(crate::paths::PathSpec::parse(&p.to_string()), Ok(p));
         }
     }
+    if let Ok(list) = crate::backend::parse_targets(&text) {
+        for t in list {
+            assert_eq!(crate::backend::Target::parse(&t.to_string()), Ok(t));
+        }
+    }
     let _ = TapFilter::parse(&text, 4);
 }

@@ -1,5 +1,12 @@
 //! The keys and values a forward pass attends to. A path owns its cache and decides how it is
 //! built; the model only appends to it and reads it.
+//!
+//! A GPU backend keeps its own copy of the entries on the device (`DeviceKv`) and appends there;
+//! the host copy then lags and is brought up to date only when someone reads it. Any host-side
+//! edit (re-rotation, blending, concatenation) drops the device copy, which the next GPU pass
+//! rebuilds from the host, so the two can never disagree.
+
+use std::any::Any;
 
 /// One layer's cache: `keys`/`values` are `[entry, kv_head, head_dim]`, after RoPE for keys.
 #[derive(Clone, Debug, Default)]
@@ -8,12 +15,57 @@ pub struct LayerKv {
     pub values: Vec<f32>,
 }
 
+/// A device-resident copy of a cache's entries.
+pub trait DeviceKv: Send {
+    /// Entries held (equal to the cache's `len()` after a device pass).
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Entries `from..to` of `layer` as host vectors (keys, values).
+    fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>);
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
 /// Every layer's cache plus, per entry, the global position of the token it stands for.
-#[derive(Clone, Debug)]
 pub struct KvCache {
-    pub layers: Vec<LayerKv>,
+    layers: Vec<LayerKv>,
     pub positions: Vec<usize>,
     kv_dim: usize,
+    /// Entries present in `layers` (the rest live only on the device).
+    host_len: usize,
+    device: Option<Box<dyn DeviceKv>>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("len", &self.len())
+            .field("host_len", &self.host_len)
+            .field("on_device", &self.device.is_some())
+            .finish()
+    }
+}
+
+impl Clone for KvCache {
+    /// A host-only copy holding every entry.
+    fn clone(&self) -> Self {
+        let mut layers = self.layers.clone();
+        if let Some(d) = &self.device {
+            for (l, layer) in layers.iter_mut().enumerate() {
+                let (k, v) = d.download(l, self.host_len, d.len());
+                layer.keys.extend(k);
+                layer.values.extend(v);
+            }
+        }
+        KvCache {
+            layers,
+            positions: self.positions.clone(),
+            kv_dim: self.kv_dim,
+            host_len: self.positions.len(),
+            device: None,
+        }
+    }
 }
 
 impl KvCache {
@@ -22,6 +74,8 @@ impl KvCache {
             layers: vec![LayerKv::default(); layers],
             positions: Vec::new(),
             kv_dim,
+            host_len: 0,
+            device: None,
         }
     }
 
@@ -37,15 +91,84 @@ impl KvCache {
     pub fn kv_dim(&self) -> usize {
         self.kv_dim
     }
-}
 
-impl KvCache {
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Brings the host copy up to date with the device's.
+    fn sync(&mut self) {
+        if let Some(d) = &self.device {
+            let to = d.len();
+            if self.host_len < to {
+                for (l, layer) in self.layers.iter_mut().enumerate() {
+                    let (k, v) = d.download(l, self.host_len, to);
+                    layer.keys.extend(k);
+                    layer.values.extend(v);
+                }
+                self.host_len = to;
+            }
+        }
+    }
+
+    /// Every layer's entries, read on the host.
+    pub fn layers(&mut self) -> &[LayerKv] {
+        self.sync();
+        &self.layers
+    }
+
+    /// Every layer's entries and the entries' positions, read on the host.
+    pub fn host_parts(&mut self) -> (&[LayerKv], &[usize]) {
+        self.sync();
+        (&self.layers, &self.positions)
+    }
+
+    /// Every layer's entries for editing on the host; the device copy is dropped.
+    pub fn layers_mut(&mut self) -> &mut [LayerKv] {
+        self.sync();
+        self.device = None;
+        &mut self.layers
+    }
+
     /// Appends another cache's entries after this one's.
-    pub fn append(&mut self, other: KvCache) {
-        for (a, b) in self.layers.iter_mut().zip(other.layers) {
+    pub fn append(&mut self, mut other: KvCache) {
+        other.sync();
+        let layers = std::mem::take(&mut other.layers);
+        for (a, b) in self.layers_mut().iter_mut().zip(layers) {
             a.keys.extend(b.keys);
             a.values.extend(b.values);
         }
         self.positions.extend(other.positions);
+        self.host_len = self.positions.len();
+    }
+
+    /// Entries the host holds.
+    pub fn host_len(&self) -> usize {
+        self.host_len
+    }
+
+    /// The device copy, if it is of type `T`.
+    pub fn device_mut<T: 'static>(&mut self) -> Option<&mut T> {
+        self.device
+            .as_mut()
+            .and_then(|d| d.as_any_mut().downcast_mut::<T>())
+    }
+
+    /// Installs a device copy holding the same entries as the host.
+    pub fn set_device(&mut self, d: Box<dyn DeviceKv>) {
+        debug_assert_eq!(d.len(), self.host_len);
+        self.device = Some(d);
+    }
+
+    /// Appends entries on the host (the CPU backend's path).
+    pub fn push_host(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
+        let l = &mut self.layers_mut()[layer];
+        l.keys.extend_from_slice(keys);
+        l.values.extend_from_slice(values);
+    }
+
+    /// Marks the entries appended to every layer by a host pass as present.
+    pub fn commit_host(&mut self) {
+        self.host_len = self.positions.len();
     }
 }

@@ -1,9 +1,11 @@
 //! kvdiff: a Qwen3 engine with a tap at every layer, for finding where two ways of computing a
 //! model's output part.
 
+pub mod backend;
 pub mod chat_template;
 pub mod chunks;
 pub mod config;
+pub mod cuda;
 pub mod diff;
 pub mod driver;
 pub mod dump;

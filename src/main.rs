@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use kvdiff::backend::{self, Backend, Target};
 use kvdiff::diff::Tolerance;
 use kvdiff::driver::CompareSpec;
 use kvdiff::dump::{check_output_parent, write_atomic, Dumper, StagedDir};
@@ -74,9 +75,13 @@ enum Command {
         /// Comma-separated paths to compare; default: every path.
         #[arg(long, value_name = "LIST")]
         paths: Option<String>,
-        /// The path the others are held to.
+        /// The path the others are held to; PATH@BACKEND pins its backend
+        /// (e.g. standard@cpu).
         #[arg(long, value_name = "PATH", default_value = "standard")]
         reference: String,
+        /// Where paths without @BACKEND run.
+        #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+        backend: BackendArg,
         /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
         #[arg(long, value_name = "GLOB", default_value = "*")]
         taps: String,
@@ -165,8 +170,8 @@ struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 64)]
     max_new_tokens: usize,
     /// Where the math runs.
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
-    backend: Backend,
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
     /// Worker threads (results are identical for any count); default: all cores.
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -202,11 +207,24 @@ PATHS:
 EXIT CODES: 0 no exact path diverged (and approximate ones within --budget), 1 otherwise,
 2 bad input or usage, 3 internal error.";
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Backend {
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum BackendArg {
     /// f32 reference on the CPU.
     Cpu,
+    /// bf16 weights on an NVIDIA GPU (driver, NVRTC and cuBLAS loaded at run time).
+    Cuda,
 }
+
+impl BackendArg {
+    fn backend(self) -> Backend {
+        match self {
+            BackendArg::Cpu => Backend::Cpu,
+            BackendArg::Cuda => Backend::Cuda,
+        }
+    }
+}
+
+const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver, NVRTC and cuBLAS on the library path, or use --backend cpu";
 
 /// Reference taps one comparison pass may hold; beyond it, taps are compared in layer groups.
 const COMPARE_MEMORY_BUDGET: usize = 1 << 30;
@@ -279,12 +297,18 @@ fn set_threads(threads: Option<usize>) -> Result<()> {
 
 fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
     set_threads(run.threads)?;
-    match run.backend {
-        Backend::Cpu => {}
+    if run.backend == BackendArg::Cuda {
+        // Before loading anything: where CUDA is missing this is the whole answer.
+        if let Some(why) = kvdiff::cuda::unavailable_reason() {
+            return Err(Error::usage("--backend cuda", why, CUDA_FIX));
+        }
     }
     let prompt = Prompt::load(&run.prompt)?;
     let mut engine = Engine::load(ModelSource::from_arg(run.model.as_deref())?)?;
     engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
+    if run.backend == BackendArg::Cuda {
+        engine.model = engine.model.to_cuda()?;
+    }
     Ok((engine, prompt))
 }
 
@@ -342,6 +366,7 @@ fn run(cli: Cli) -> Result<i32> {
             model,
             paths,
             reference,
+            backend,
             taps,
             tolerance,
             atol,
@@ -362,16 +387,21 @@ fn run(cli: Cli) -> Result<i32> {
             if let Some(path) = &dump {
                 check_output_parent(path, "--dump")?;
             }
-            let reference = PathSpec::parse(&reference).map_err(|e| {
+            let default = backend.backend();
+            let reference = Target::parse(&reference).map_err(|e| {
                 Error::usage("--reference", e, "see kvdiff compare --help for paths")
             })?;
-            let paths = match paths {
-                Some(list) => paths::parse_list(&list).map_err(|e| {
+            let targets = match paths {
+                Some(list) => backend::parse_targets(&list).map_err(|e| {
                     Error::usage("--paths", e, "see kvdiff compare --help for paths")
                 })?,
                 None => PathSpec::all()
                     .into_iter()
-                    .filter(|p| *p != reference)
+                    .filter(|p| *p != reference.path || reference.on(default) != default)
+                    .map(|path| Target {
+                        path,
+                        backend: None,
+                    })
                     .collect(),
             };
             for (flag, v) in [("--atol", atol), ("--rtol", rtol)] {
@@ -390,6 +420,14 @@ fn run(cli: Cli) -> Result<i32> {
                     "e.g. --budget 0.05",
                 ));
             }
+            let uses_cuda = std::iter::once(&reference)
+                .chain(&targets)
+                .any(|t| t.on(default) == Backend::Cuda);
+            if uses_cuda {
+                if let Some(why) = kvdiff::cuda::unavailable_reason() {
+                    return Err(Error::usage("--backend cuda", why, CUDA_FIX));
+                }
+            }
             let p = Prompt::load(&prompt)?;
             let mut engine = Engine::load(ModelSource::from_arg(model.as_deref())?)?;
             engine.allow_beyond_max_positions = allow_beyond_max_positions;
@@ -398,6 +436,16 @@ fn run(cli: Cli) -> Result<i32> {
                 .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))?;
             let chunked = engine.chunked(&p, &prompt, max_new_tokens)?;
             let eos = engine.eos_ids();
+            let cuda_model = if uses_cuda {
+                Some(engine.model.to_cuda()?)
+            } else {
+                None
+            };
+            let model_on = |b: Backend| match b {
+                Backend::Cpu => &engine.model,
+                Backend::Cuda => cuda_model.as_ref().expect("loaded when used"),
+            };
+            let show_backend = uses_cuda;
             let fixed = tolerance == TolPolicy::Fixed || atol.is_some() || rtol.is_some();
             let given = if fixed {
                 Tolerance::Fixed {
@@ -411,11 +459,13 @@ fn run(cli: Cli) -> Result<i32> {
                 Some(out) => Some(StagedDir::create(out, force, "--dump")?),
                 None => None,
             };
-            let mut spec = CompareSpec {
-                model: &engine.model,
+            let ref_model = model_on(reference.on(default));
+            let spec = CompareSpec {
+                model: ref_model,
+                path_model: ref_model,
                 tokenizer: &engine.tokenizer,
                 prompt: &chunked,
-                reference,
+                reference: reference.path,
                 taps: &filter,
                 tolerance: &given,
                 max_new_tokens,
@@ -423,15 +473,51 @@ fn run(cli: Cli) -> Result<i32> {
                 dump: staging.as_ref().map(|s| s.staging.as_path()),
                 memory_budget: COMPARE_MEMORY_BUDGET,
             };
-            let learned;
-            if !fixed && tolerance == TolPolicy::Auto {
-                learned = spec.learn_auto()?;
-                spec.tolerance = &learned;
-            }
-            let start = std::time::Instant::now();
-            let reports = paths
+            let auto = !fixed && tolerance == TolPolicy::Auto;
+            let cross = targets
                 .iter()
-                .map(|&path| spec.run(path))
+                .any(|t| t.on(default) != reference.on(default));
+            // Same-backend pairs learn from the reference backend's own noise; pairs across
+            // backends from the CPU's emulation of bf16 rounding.
+            let same_tol = if auto {
+                spec.learn_auto()?
+            } else {
+                given.clone()
+            };
+            let cross_tol = match (auto && cross, reference.on(default)) {
+                (true, Backend::Cpu) => Some(spec.learn_auto_bf16()?),
+                (true, Backend::Cuda) => Some(
+                    CompareSpec {
+                        model: &engine.model,
+                        path_model: &engine.model,
+                        ..spec
+                    }
+                    .learn_auto_bf16()?,
+                ),
+                (false, _) => None,
+            };
+            let start = std::time::Instant::now();
+            let reports = targets
+                .iter()
+                .map(|t| {
+                    let across = t.on(default) != reference.on(default);
+                    let tol = match (&cross_tol, across) {
+                        (Some(c), true) => c,
+                        _ => &same_tol,
+                    };
+                    let s = CompareSpec {
+                        path_model: model_on(t.on(default)),
+                        tolerance: tol,
+                        ..spec
+                    };
+                    let label = t.label(default, show_backend);
+                    s.run_with(
+                        &label,
+                        t.path.exact(),
+                        t.path.decode_split(&chunked),
+                        |m, pr, store, sink| t.path.prefill(m, pr, store, sink),
+                    )
+                })
                 .collect::<Result<Vec<_>>>()?;
             if let (Some(folder), Some(out)) = (&staging, &dump) {
                 folder.commit(out)?;
@@ -440,11 +526,13 @@ fn run(cli: Cli) -> Result<i32> {
                 .first()
                 .map(|r| r.reference_tokens.clone())
                 .unwrap_or_default();
+            let mut tolerance_info = ToleranceInfo::new(&same_tol);
+            tolerance_info.cross_backend = cross_tol.as_ref().map(ToleranceInfo::new).map(Box::new);
             let report = Report {
                 schema: kvdiff::report::SCHEMA,
                 model: engine.source.describe(),
                 prompt: prompt.display().to_string(),
-                reference: reference.to_string(),
+                reference: reference.label(default, show_backend),
                 prompt_tokens: chunked.ids.len(),
                 chunks: chunked
                     .chunks
@@ -457,13 +545,18 @@ fn run(cli: Cli) -> Result<i32> {
                     .collect(),
                 reference_text: engine.tokenizer.decode(&reference_tokens, true),
                 reference_tokens,
-                tolerance: ToleranceInfo::new(spec.tolerance),
+                tolerance: tolerance_info,
                 paths: reports,
             };
             eprintln!(
-                "kvdiff: compared {} paths in {:.0} ms",
+                "kvdiff: compared {} paths in {:.0} ms{}",
                 report.paths.len(),
-                start.elapsed().as_secs_f64() * 1e3
+                start.elapsed().as_secs_f64() * 1e3,
+                cuda_model
+                    .as_ref()
+                    .and_then(|m| m.gpu())
+                    .map(|g| format!(" (GPU: {})", g.name))
+                    .unwrap_or_default()
             );
             if let Some(path) = &json {
                 let bytes = serde_json::to_vec_pretty(&report)

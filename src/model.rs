@@ -1,7 +1,12 @@
 //! The Qwen3 decoder, stateless: weights in, a batch of tokens and the KV cache to attend to in,
 //! logits out, every intermediate offered to a tap sink on the way.
 
+use std::sync::Arc;
+
+use half::bf16;
+
 use crate::config::Config;
+use crate::cuda::{CudaModel, Gpu};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model_source::ModelSource;
@@ -9,18 +14,27 @@ use crate::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
 use crate::tap::{LayerTap, TapId, TapSink, TapValue};
 use crate::weights::Weights;
 
-struct Layer {
-    input_layernorm: Vec<f32>,
-    post_attention_layernorm: Vec<f32>,
-    q_proj: Vec<f32>,
-    k_proj: Vec<f32>,
-    v_proj: Vec<f32>,
-    o_proj: Vec<f32>,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    gate_proj: Vec<f32>,
-    up_proj: Vec<f32>,
-    down_proj: Vec<f32>,
+#[derive(Clone)]
+pub(crate) struct Layer {
+    pub(crate) input_layernorm: Vec<f32>,
+    pub(crate) post_attention_layernorm: Vec<f32>,
+    pub(crate) q_proj: Vec<f32>,
+    pub(crate) k_proj: Vec<f32>,
+    pub(crate) v_proj: Vec<f32>,
+    pub(crate) o_proj: Vec<f32>,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) gate_proj: Vec<f32>,
+    pub(crate) up_proj: Vec<f32>,
+    pub(crate) down_proj: Vec<f32>,
+}
+
+/// The host weights, for a backend to upload.
+pub(crate) struct HostWeights<'a> {
+    pub(crate) embed_tokens: &'a [f32],
+    pub(crate) norm: &'a [f32],
+    pub(crate) lm_head: Option<&'a [f32]>,
+    pub(crate) layers: &'a [Layer],
 }
 
 pub struct Model {
@@ -30,6 +44,11 @@ pub struct Model {
     norm: Vec<f32>,
     /// `None` when tied to `embed_tokens`.
     lm_head: Option<Vec<f32>>,
+    /// Set when the forward pass runs on a GPU (the host weights are then empty).
+    cuda: Option<Arc<CudaModel>>,
+    /// Round every matmul input to bf16, as a bf16 GPU backend does: the CPU's estimate of
+    /// that backend's rounding noise.
+    bf16_matmul_inputs: bool,
 }
 
 /// Tokens to run through the model in one pass.
@@ -58,7 +77,7 @@ impl<'a> Batch<'a> {
 }
 
 /// Offers a tap to the sink only if it asked for it (no copy otherwise).
-fn emit(
+pub(crate) fn emit(
     sink: &mut dyn TapSink,
     step: usize,
     id: TapId,
@@ -108,7 +127,95 @@ impl Model {
             layers,
             lm_head,
             config,
+            cuda: None,
+            bf16_matmul_inputs: false,
         })
+    }
+
+    /// `"cpu"` or `"cuda"`.
+    pub fn backend(&self) -> &'static str {
+        if self.cuda.is_some() {
+            "cuda"
+        } else {
+            "cpu"
+        }
+    }
+
+    /// The GPU this model runs on, if any.
+    pub fn gpu(&self) -> Option<&Gpu> {
+        self.cuda.as_deref().map(|c| &*c.gpu)
+    }
+
+    /// The same model on the GPU (weights in bf16). Fails with a one-line error where CUDA is
+    /// unavailable or the weights do not fit.
+    pub fn to_cuda(&self) -> Result<Model> {
+        if self.cuda.is_some() {
+            return Err(crate::error::Error::Internal(
+                "model is already on the GPU".into(),
+            ));
+        }
+        let gpu = Gpu::open()?;
+        let cm = CudaModel::upload(
+            gpu,
+            &self.config,
+            &HostWeights {
+                embed_tokens: &self.embed_tokens,
+                norm: &self.norm,
+                lm_head: self.lm_head.as_deref(),
+                layers: &self.layers,
+            },
+        )?;
+        Ok(Model {
+            config: self.config.clone(),
+            embed_tokens: Vec::new(),
+            layers: Vec::new(),
+            norm: Vec::new(),
+            lm_head: None,
+            cuda: Some(Arc::new(cm)),
+            bf16_matmul_inputs: false,
+        })
+    }
+
+    /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
+    /// rounded to bf16, everything else in f32.
+    pub fn bf16_emulation(&self) -> Model {
+        let r =
+            |v: &Vec<f32>| -> Vec<f32> { v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect() };
+        Model {
+            config: self.config.clone(),
+            embed_tokens: r(&self.embed_tokens),
+            norm: r(&self.norm),
+            lm_head: self.lm_head.as_ref().map(r),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| Layer {
+                    input_layernorm: r(&l.input_layernorm),
+                    post_attention_layernorm: r(&l.post_attention_layernorm),
+                    q_proj: r(&l.q_proj),
+                    k_proj: r(&l.k_proj),
+                    v_proj: r(&l.v_proj),
+                    o_proj: r(&l.o_proj),
+                    q_norm: r(&l.q_norm),
+                    k_norm: r(&l.k_norm),
+                    gate_proj: r(&l.gate_proj),
+                    up_proj: r(&l.up_proj),
+                    down_proj: r(&l.down_proj),
+                })
+                .collect(),
+            cuda: None,
+            bf16_matmul_inputs: true,
+        }
+    }
+
+    /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
+    fn matmul(&self, x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+        if self.bf16_matmul_inputs {
+            let xr: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+            matmul_t(&xr, n, w, out)
+        } else {
+            matmul_t(x, n, w, out)
+        }
     }
 
     /// A model with seeded random weights (norm weights near 1), for tests and benchmarks.
@@ -161,6 +268,8 @@ impl Model {
             lm_head: (!config.tie_word_embeddings).then(|| draw(v * h, s, 0.0)),
             layers,
             config,
+            cuda: None,
+            bf16_matmul_inputs: false,
         }
     }
 
@@ -180,8 +289,13 @@ impl Model {
         let c = &self.config;
         let (n, h) = (batch.tokens.len(), c.hidden_size);
         assert!(n > 0 && batch.positions.len() == n && batch.rope_positions.len() == n);
+        if let Some(cm) = &self.cuda {
+            return cm.forward(batch, cache, step, sink);
+        }
         let pos = batch.positions;
         sink.begin_step(step, batch.tokens, pos);
+        // The host copy is the one this pass extends.
+        cache.layers_mut();
 
         // 1. Embedding gather.
         let mut x = Vec::with_capacity(n * h);
@@ -196,17 +310,19 @@ impl Model {
             x = self.layer_forward(l, layer, x, batch, base, cache, step, sink);
         }
 
+        cache.commit_host();
+
         // Final norm and LM head: every position only when someone taps the logits.
         let x = rms_norm(&x, &self.norm, c.rms_norm_eps);
         emit(sink, step, TapId::FinalNorm, pos, &[n, h], &x);
         let head = self.lm_head.as_deref().unwrap_or(&self.embed_tokens);
         let v = c.vocab_size;
         if sink.table().wants(TapId::Logits) {
-            let logits = matmul_t(&x, n, head, v);
+            let logits = self.matmul(&x, n, head, v);
             emit(sink, step, TapId::Logits, pos, &[n, v], &logits);
             logits[(n - 1) * v..].to_vec()
         } else {
-            matmul_t(&x[(n - 1) * h..], 1, head, v)
+            self.matmul(&x[(n - 1) * h..], 1, head, v)
         }
     }
 
@@ -232,9 +348,9 @@ impl Model {
         // 1. Pre-attention norm and projections.
         let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
         emit(sink, step, tap(LayerTap::AttnNorm), pos, &[n, h], &xn);
-        let q = matmul_t(&xn, n, &w.q_proj, heads * hd);
-        let k = matmul_t(&xn, n, &w.k_proj, kv_heads * hd);
-        let v = matmul_t(&xn, n, &w.v_proj, kv_heads * hd);
+        let q = self.matmul(&xn, n, &w.q_proj, heads * hd);
+        let k = self.matmul(&xn, n, &w.k_proj, kv_heads * hd);
+        let v = self.matmul(&xn, n, &w.v_proj, kv_heads * hd);
 
         // 2. Per-head RMSNorm of q and k (Qwen3), before RoPE.
         let mut q = rms_norm(&q, &w.q_norm, c.rms_norm_eps);
@@ -257,9 +373,7 @@ impl Model {
         );
 
         // 4. Append to the cache the path gave us.
-        let kv = &mut cache.layers[l];
-        kv.keys.extend_from_slice(&k);
-        kv.values.extend_from_slice(&v);
+        cache.push_host(l, &k, &v);
 
         // 5. Causal GQA attention: token t sees cache entries 0..=base+t.
         let want_probs = sink.table().wants(tap(LayerTap::AttnProbs));
@@ -269,10 +383,11 @@ impl Model {
             0
         };
         let mut probs_tap = vec![0f32; if want_probs { n * heads * span } else { 0 }];
+        let (layers, positions) = cache.host_parts();
         let attn = attention(
             &q,
-            &cache.layers[l].keys,
-            &cache.layers[l].values,
+            &layers[l].keys,
+            &layers[l].values,
             n,
             base,
             batch.cascade_split,
@@ -284,7 +399,7 @@ impl Model {
                     let dst =
                         &mut probs_tap[(t * heads + head) * span..(t * heads + head + 1) * span];
                     for (e, &p) in row.iter().enumerate() {
-                        dst[cache.positions[e]] += p;
+                        dst[positions[e]] += p;
                     }
                 }
             },
@@ -309,7 +424,7 @@ impl Model {
         );
 
         // 6. Output projection and residual.
-        let o = matmul_t(&attn, n, &w.o_proj, h);
+        let o = self.matmul(&attn, n, &w.o_proj, h);
         emit(sink, step, tap(LayerTap::OProj), pos, &[n, h], &o);
         let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
         emit(sink, step, tap(LayerTap::ResidMid), pos, &[n, h], &mid);
@@ -318,10 +433,10 @@ impl Model {
         let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
         emit(sink, step, tap(LayerTap::MlpNorm), pos, &[n, h], &mn);
         let i = c.intermediate_size;
-        let gate = matmul_t(&mn, n, &w.gate_proj, i);
-        let up = matmul_t(&mn, n, &w.up_proj, i);
+        let gate = self.matmul(&mn, n, &w.gate_proj, i);
+        let up = self.matmul(&mn, n, &w.up_proj, i);
         let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-        let mlp = matmul_t(&act, n, &w.down_proj, h);
+        let mlp = self.matmul(&act, n, &w.down_proj, h);
         emit(sink, step, tap(LayerTap::MlpOut), pos, &[n, h], &mlp);
         let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
         emit(sink, step, tap(LayerTap::ResidOut), pos, &[n, h], &out);

@@ -37,6 +37,10 @@ pub struct ToleranceInfo {
     /// Per tap kind, the relative threshold (auto) or the single one (fixed).
     pub rtol: std::collections::BTreeMap<String, f32>,
     pub atol: f32,
+    /// For paths on another backend than the reference: the thresholds learned from the CPU's
+    /// emulation of bf16 rounding (auto policy only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cross_backend: Option<Box<ToleranceInfo>>,
 }
 
 impl ToleranceInfo {
@@ -46,16 +50,19 @@ impl ToleranceInfo {
                 policy: "exact",
                 rtol: Default::default(),
                 atol: 0.0,
+                cross_backend: None,
             },
             Tolerance::Fixed { atol, rtol } => ToleranceInfo {
                 policy: "fixed",
                 rtol: [("*".to_string(), *rtol)].into(),
                 atol: *atol,
+                cross_backend: None,
             },
             Tolerance::Auto { rtol } => ToleranceInfo {
                 policy: "auto",
                 rtol: rtol.clone(),
                 atol: 0.0,
+                cross_backend: None,
             },
         }
     }

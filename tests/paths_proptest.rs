@@ -107,6 +107,7 @@ fn compare(
     let taps = TapFilter::all();
     let spec = CompareSpec {
         model,
+        path_model: model,
         tokenizer: tok,
         prompt,
         reference: PathSpec::Standard,
@@ -170,12 +171,13 @@ proptest! {
         if n > 0 {
             m.forward(Batch::new(&prompt.ids[..n], &positions), &mut full, 0, &mut kvdiff::tap::NullSink::new(c.layers));
         }
+        let full = full.layers().to_vec();
         let deviation = |r: f32| -> f64 {
             let sink = &mut kvdiff::tap::NullSink::new(c.layers);
-            let b = kvdiff::paths::blend::blended_prefix(&m, &prompt, r, &mut Default::default(), sink);
+            let mut b = kvdiff::paths::blend::blended_prefix(&m, &prompt, r, &mut Default::default(), sink);
             (1..c.layers)
                 .map(|l| {
-                    let (x, y) = (&b.layers[l], &full.layers[l]);
+                    let (x, y) = (&b.layers()[l], &full[l]);
                     x.keys.iter().zip(&y.keys).chain(x.values.iter().zip(&y.values)).map(|(p, q)| ((p - q) as f64).powi(2)).sum::<f64>()
                 })
                 .sum()
@@ -209,6 +211,7 @@ fn planted_with(
     let taps = TapFilter::all();
     let spec = CompareSpec {
         model: &engine.model,
+        path_model: &engine.model,
         tokenizer: &engine.tokenizer,
         prompt: &prompt,
         reference: PathSpec::Standard,
@@ -303,7 +306,7 @@ fn planted_nan_is_reported_where_first_seen_and_never_as_a_number() {
             sink,
         );
         let kv = cache.kv_dim();
-        cache.layers[1].values[5 * kv + 3] = f32::NAN;
+        cache.layers_mut()[1].values[5 * kv + 3] = f32::NAN;
         let logits = m.forward(
             Batch::new(&pr.ids[split..], &positions[split..]),
             &mut cache,
@@ -343,6 +346,7 @@ fn passes_under_a_small_memory_budget_give_the_same_report() {
     let eos = engine.eos_ids();
     let spec = |memory_budget| CompareSpec {
         model: &engine.model,
+        path_model: &engine.model,
         tokenizer: &engine.tokenizer,
         prompt: &prompt,
         reference: PathSpec::Standard,

@@ -46,11 +46,13 @@ pub fn blended_prefix(
         &mut quiet,
     );
     let kv = cache.kv_dim();
+    let full = full.layers();
+    let reused = cache.layers();
     let deviation: Vec<f32> = (0..n)
         .map(|t| {
             let (a, b) = (
-                &cache.layers[1].keys[t * kv..(t + 1) * kv],
-                &full.layers[1].keys[t * kv..(t + 1) * kv],
+                &reused[1].keys[t * kv..(t + 1) * kv],
+                &full[1].keys[t * kv..(t + 1) * kv],
             );
             a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
         })
@@ -59,11 +61,12 @@ pub fn blended_prefix(
     // Largest deviation first; ties by position so the selection is deterministic and nested.
     order.sort_by(|&a, &b| deviation[b].total_cmp(&deviation[a]).then(a.cmp(&b)));
     let take = ((r as f64 * n as f64).ceil() as usize).min(n);
+    let layers = cache.layers_mut();
     for &t in &order[..take] {
         for l in 1..model.config.num_hidden_layers {
             let span = t * kv..(t + 1) * kv;
-            cache.layers[l].keys[span.clone()].copy_from_slice(&full.layers[l].keys[span.clone()]);
-            cache.layers[l].values[span.clone()].copy_from_slice(&full.layers[l].values[span]);
+            layers[l].keys[span.clone()].copy_from_slice(&full[l].keys[span.clone()]);
+            layers[l].values[span.clone()].copy_from_slice(&full[l].values[span]);
         }
     }
     cache

@@ -99,7 +99,7 @@ pub fn reused_prefix(
         };
         if mode == Reuse::Rerotate {
             let delta = vec![chunk.start; local.len()];
-            for (l, layer) in alone.layers.iter_mut().enumerate() {
+            for (l, layer) in alone.layers_mut().iter_mut().enumerate() {
                 rope(
                     &mut layer.keys,
                     &delta,

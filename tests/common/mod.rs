@@ -6,8 +6,19 @@ use std::path::{Path, PathBuf};
 
 use kvdiff::prompt::{Message, Role};
 
+/// The repository root; `KVDIFF_ROOT` overrides it where test binaries run from another
+/// checkout (the GPU machine).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("KVDIFF_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+/// The kvdiff binary under test; `KVDIFF_BIN` overrides it like `KVDIFF_ROOT`.
+pub fn kvdiff_bin() -> PathBuf {
+    std::env::var_os("KVDIFF_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvdiff")))
 }
 
 pub fn fixture(rel: &str) -> PathBuf {

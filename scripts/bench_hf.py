@@ -1,0 +1,126 @@
+"""Benchmark peer and fixture builder for scripts/bench_cuda.sh (runs on the GPU machine).
+
+  bench_hf.py build TOKENIZER_DIR OUT_DIR PROMPT_FILE   random Qwen3-0.6B-shaped model + 512-token prompt
+  bench_hf.py time MODEL_DIR PROMPT_FILE NEW_TOKENS      HF transformers timings, JSON on stdout
+  bench_hf.py ceilings                                   measured bandwidth and bf16 GEMM rate, JSON
+
+The model has Qwen3-0.6B's shapes (hidden 1024, 28 layers, 16 heads over 8 KV heads, head_dim 128,
+intermediate 3072, vocab 151936, tied embeddings) and seeded random weights in bf16.
+"""
+import json
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+PROMPT_TOKENS = 512
+
+
+def build(tok_dir, out_dir, prompt_file):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151645,
+        bos_token_id=151643, torch_dtype="bfloat16",
+    )
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tok_dir}/{f}", f"{out_dir}/{f}")
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    # System prompt, two context turns and a query; the query grows until the chat-templated
+    # prompt is PROMPT_TOKENS long.
+    words = "the quick brown fox jumps over the lazy dog near a river bank".split()
+    system = "You are a careful assistant. Answer in one short sentence."
+    ctx1 = "Facts: " + " ".join(words * 12)
+    ctx2 = "More facts: " + " ".join(reversed(words * 12))
+
+    def messages(k):
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": ctx1},
+            {"role": "assistant", "content": "ok."},
+            {"role": "user", "content": ctx2},
+            {"role": "assistant", "content": "ok."},
+            {"role": "user", "content": "Question: " + " ".join((words * 100)[:k])},
+        ]
+
+    def length(k):
+        text = tok.apply_chat_template(messages(k), add_generation_prompt=True, tokenize=False)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    lo, hi = 0, 1200  # the longest query with length(k) <= PROMPT_TOKENS, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if length(mid) <= PROMPT_TOKENS:
+            lo = mid
+        else:
+            hi = mid - 1
+    k = lo
+    with open(prompt_file, "w") as f:
+        json.dump({"messages": messages(k)}, f)
+    print(json.dumps({"prompt_tokens": length(k)}))
+
+
+def timed(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_hf(model_dir, prompt_file, new_tokens):
+    new_tokens = int(new_tokens)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    msgs = json.load(open(prompt_file))["messages"]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].cuda()
+    out = {"prompt_tokens": ids.shape[1]}
+    for impl, hidden in (("sdpa", False), ("eager", True)):
+        model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 attn_implementation=impl).cuda().eval()
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        if hidden:
+            kw.update(output_hidden_states=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            out[f"hf_{impl}{'_hidden' if hidden else ''}_s"] = timed(
+                lambda: model.generate(ids, **kw), 3)
+        del model
+        torch.cuda.empty_cache()
+    print(json.dumps(out))
+
+
+def ceilings():
+    n = 1 << 28  # 512 MiB of bf16 each way
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a), 20)
+    bandwidth = 2 * a.numel() * 2 / t
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    t = timed(lambda: x @ y, 20)
+    print(json.dumps({"bandwidth_Bps": bandwidth, "bf16_flops": 2 * m ** 3 / t}))
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "build":
+        build(*sys.argv[2:5])
+    elif cmd == "time":
+        time_hf(*sys.argv[2:5])
+    elif cmd == "ceilings":
+        ceilings()
+    else:
+        sys.exit(f"unknown command {cmd}")

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
+#   cargo build --release && cargo test --no-run      (here)
+#   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
+#   scripts/gpu_tests.sh [tests|bench|all]            (there, with .out and .cache carried)
+set -euo pipefail
+stage=${1:-all}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export KVDIFF_ROOT=$root KVDIFF_BIN=$root/.out/bin/kvdiff KVDIFF_REQUIRE_CUDA=1
+export KVDIFF_CACHE_DIR=/tmp/kvdiff-cache
+out=${OUT:-/tmp}
+export KVDIFF_CONFORMANCE_OUT=$out
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$stage" != bench ]; then
+  .out/bin/cuda-tests --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
+    grep --line-buffered -E "^(test |SKIPPED|CPU vs CUDA|  [a-z_]+ +[0-9]|thread|seed|test result)"
+fi
+if [ "$stage" != tests ]; then
+  scripts/bench_cuda.sh .out/bin/kvdiff 2>&1 | tee "$out/bench.log" | grep --line-buffered -vE "^(Writing|Loading)"
+fi

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Copies the release kvdiff and the CUDA test binary, stripped, into .out/bin for the GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release
+test_bin=$(cargo test --no-run --message-format=json --test cuda 2>/dev/null |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
+        print(m["executable"])')
+mkdir -p .out/bin
+cp target/release/kvdiff .out/bin/kvdiff
+cp "$test_bin" .out/bin/cuda-tests
+strip .out/bin/kvdiff .out/bin/cuda-tests
+ls -la .out/bin

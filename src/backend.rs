@@ -1,0 +1,115 @@
+//! Where a path runs: `--backend` picks the default, and `PATH@BACKEND` (e.g.
+//! `standard@cpu`, `chunk-reuse:rerotate@cuda`) pins one path, so a GPU run can be held to the
+//! CPU reference with the same report as any path pair.
+
+use std::fmt;
+
+use crate::paths::PathSpec;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    /// The f32 reference engine.
+    Cpu,
+    /// bf16 weights on an NVIDIA GPU, f32 activations and accumulation.
+    Cuda,
+}
+
+impl Backend {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(Backend::Cpu),
+            "cuda" => Ok(Backend::Cuda),
+            other => Err(format!("unknown backend {other:?} (cpu, cuda)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+        }
+    }
+}
+
+/// A path and the backend it runs on (`None`: the run's `--backend`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Target {
+    pub path: PathSpec,
+    pub backend: Option<Backend>,
+}
+
+impl Target {
+    /// Parses `PATH` or `PATH@BACKEND`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        match s.rsplit_once('@') {
+            Some((path, backend)) => Ok(Target {
+                path: PathSpec::parse(path)?,
+                backend: Some(Backend::parse(backend)?),
+            }),
+            None => Ok(Target {
+                path: PathSpec::parse(s)?,
+                backend: None,
+            }),
+        }
+    }
+
+    /// The backend, `default` unless pinned.
+    pub fn on(&self, default: Backend) -> Backend {
+        self.backend.unwrap_or(default)
+    }
+
+    /// The name in reports: the bare path when every target of the run is on the CPU, else
+    /// `path@backend`.
+    pub fn label(&self, default: Backend, show_backend: bool) -> String {
+        if show_backend {
+            format!("{}@{}", self.path, self.on(default).name())
+        } else {
+            self.path.to_string()
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.backend {
+            Some(b) => write!(f, "{}@{}", self.path, b.name()),
+            None => write!(f, "{}", self.path),
+        }
+    }
+}
+
+/// Parses a comma-separated list of `PATH[@BACKEND]`.
+pub fn parse_targets(s: &str) -> Result<Vec<Target>, String> {
+    let targets: Vec<Target> = s
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(Target::parse)
+        .collect::<Result<_, _>>()?;
+    if targets.is_empty() {
+        return Err("no path given".into());
+    }
+    Ok(targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse_with_and_without_backend() {
+        let t = Target::parse("chunk-reuse:rerotate@cuda").unwrap();
+        assert_eq!(t.backend, Some(Backend::Cuda));
+        assert_eq!(t.to_string(), "chunk-reuse:rerotate@cuda");
+        assert_eq!(Target::parse(&t.to_string()).unwrap(), t);
+        let t = Target::parse("chunk-reuse:blend:0.5").unwrap();
+        assert_eq!((t.backend, t.on(Backend::Cuda)), (None, Backend::Cuda));
+        assert_eq!(t.label(Backend::Cpu, false), "chunk-reuse:blend:0.5");
+        assert_eq!(t.label(Backend::Cpu, true), "chunk-reuse:blend:0.5@cpu");
+        for bad in ["standard@tpu", "@cuda", "standard@", "nope@cpu"] {
+            assert!(Target::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_targets("standard@cpu,cascade").unwrap().len(), 2);
+        assert!(parse_targets(",").is_err());
+    }
+}

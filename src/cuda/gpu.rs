@@ -1,0 +1,294 @@
+//! The CUDA device: driver, NVRTC and cuBLAS loaded at run time, the kernels of `kernels/*.cu`
+//! compiled for the device's architecture (PTX cached on disk), and thin launch helpers.
+
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use crate::error::{Error, Result};
+
+/// The kernel sources, in the order they are concatenated into one NVRTC program.
+const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("norm.cu", include_str!("../../kernels/norm.cu")),
+    ("rope.cu", include_str!("../../kernels/rope.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+    (
+        "elementwise.cu",
+        include_str!("../../kernels/elementwise.cu"),
+    ),
+    ("diff.cu", include_str!("../../kernels/diff.cu")),
+];
+
+const KERNELS: &[&str] = &[
+    "add_rms_norm",
+    "qk_norm_rope",
+    "append_kv",
+    "attention",
+    "embed",
+    "swiglu",
+    "to_bf16",
+    "argmax",
+    "diff_rows",
+];
+
+const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
+
+/// Says why CUDA cannot be used here, without touching anything that would abort.
+pub fn unavailable_reason() -> Option<String> {
+    // Safety: only probes whether the shared libraries can be opened.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            return Some("the CUDA driver library (libcuda.so) was not found".into());
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return Some("NVRTC (libnvrtc.so) was not found".into());
+        }
+        if !cudarc::cublas::sys::is_culib_present() {
+            return Some("cuBLAS (libcublas.so) was not found".into());
+        }
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => None,
+        Ok(_) => Some("no CUDA device is visible".into()),
+        Err(e) => Some(format!("the CUDA driver failed to start: {e}")),
+    }
+}
+
+/// A device, its stream, cuBLAS and the compiled kernels.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    kernels: Vec<CudaFunction>,
+    pub name: String,
+}
+
+// cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
+// (the model is behind `&self`, and forward passes of one process are sequential).
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+fn internal(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Internal(format!("CUDA {what}: {e}"))
+}
+
+impl Gpu {
+    /// Opens device 0 and compiles (or loads cached) kernels; a one-line error if CUDA is
+    /// unusable here.
+    pub fn open() -> Result<Arc<Gpu>> {
+        if let Some(why) = unavailable_reason() {
+            return Err(Error::usage("--backend cuda", why, CUDA_FIX));
+        }
+        let ctx = CudaContext::new(0).map_err(|e| {
+            Error::usage(
+                "--backend cuda",
+                format!("cannot open GPU 0: {e}"),
+                CUDA_FIX,
+            )
+        })?;
+        // One stream only: cudarc's cross-stream event tracking would only add overhead.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(internal("compute capability"))?;
+        let ptx = compiled_ptx(major, minor)?;
+        let module = ctx.load_module(ptx).map_err(internal("module load"))?;
+        let kernels = KERNELS
+            .iter()
+            .map(|k| {
+                module
+                    .load_function(k)
+                    .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            name: format!("{name} (sm_{major}{minor})"),
+        }))
+    }
+
+    pub fn kernel(&self, name: &str) -> &CudaFunction {
+        let i = KERNELS
+            .iter()
+            .position(|k| *k == name)
+            .expect("kernel listed in KERNELS");
+        &self.kernels[i]
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        self.ctx.mem_get_info().unwrap_or((usize::MAX, usize::MAX))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
+        self.stream.clone_htod(host).expect("CUDA upload")
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        len: usize,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); len];
+        self.stream
+            .memcpy_dtoh(&dev.slice(..len), &mut out)
+            .expect("CUDA download");
+        out
+    }
+
+    pub fn download_range<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        from: usize,
+        to: usize,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); to - from];
+        if to > from {
+            self.stream
+                .memcpy_dtoh(&dev.slice(from..to), &mut out)
+                .expect("CUDA download");
+        }
+        out
+    }
+
+    /// Uninitialised device memory (at least one element, so pointers are never null).
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
+        // Safety: every buffer is written by a kernel or a copy before it is read.
+        unsafe { self.stream.alloc::<T>(len.max(1)) }.expect("CUDA allocation")
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .expect("CUDA allocation")
+    }
+
+    pub fn sync(&self) {
+        self.stream.synchronize().expect("CUDA synchronize");
+    }
+
+    /// `y[n, m] (f32) = x[n, k] (bf16) · w[m, k]ᵀ (bf16)`, f32 accumulation. Pointers are raw
+    /// device addresses so callers can pass offsets into larger buffers.
+    pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (k×m col-major, transposed),
+        // B = x (k×n col-major).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                y as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                m as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("cuBLAS GemmEx");
+    }
+
+    /// Launches `kernel` with `args` (raw pointers as u64, scalars as i32/u32/f32).
+    pub fn launch(&self, kernel: &str, grid: u32, block: u32, shared: u32, args: &[Arg]) {
+        let f = self.kernel(kernel);
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::U32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // Safety: each call site passes the arguments its kernel's signature lists.
+        unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
+    }
+}
+
+/// A kernel argument.
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    U32(u32),
+    F32(f32),
+}
+
+/// The raw device address of element `offset` of `s`.
+pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>, offset: usize) -> u64 {
+    let (p, _) = s.device_ptr(&gpu.stream);
+    p + (offset * std::mem::size_of::<T>()) as u64
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("KVDIFF_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("kvdiff"))
+}
+
+/// PTX for the device's architecture: from the on-disk cache when the sources and architecture
+/// match, else compiled by NVRTC and cached.
+fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
+    let source: String = SOURCES
+        .iter()
+        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
+        .collect();
+    let arch = format!("compute_{major}{minor}");
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (source.as_str(), arch.as_str()).hash(&mut h);
+    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{:016x}.ptx", h.finish())));
+    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(Ptx::from_src(text));
+    }
+    let opts = CompileOptions {
+        arch: Some(Box::leak(arch.clone().into_boxed_str())),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts)
+        .map_err(|e| Error::Internal(format!("NVRTC compile of kernels/*.cu: {e}")))?;
+    if let Some(f) = &file {
+        // Best effort: a read-only cache folder only costs a recompile next time.
+        if let Some(dir) = f.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = f.with_extension(format!("tmp-{}", std::process::id()));
+        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
+            let _ = std::fs::rename(&tmp, f);
+        }
+    }
+    Ok(ptx)
+}

@@ -1,0 +1,251 @@
+//! Each kernel run once on host data, host data back: what the kernel tests hold against the
+//! CPU reference (`crate::ops`, `crate::model::attention`, `crate::diff::row_diff`).
+
+use half::bf16;
+
+use super::gpu::{ptr, Arg, Gpu};
+
+/// Output buffers start as NaN, so an element a kernel fails to write shows up in the checks.
+fn poison_f32(gpu: &Gpu, len: usize) -> cudarc::driver::CudaSlice<f32> {
+    gpu.upload(&vec![f32::NAN; len.max(1)])
+}
+
+fn poison_bf16(gpu: &Gpu, len: usize) -> cudarc::driver::CudaSlice<u16> {
+    gpu.upload(&vec![0x7fc0u16; len.max(1)])
+}
+
+fn bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
+}
+
+/// `add_rms_norm` over `rows` rows of `w.len()`: returns (resid, normed f32, normed bf16 as f32).
+pub fn add_rms_norm(
+    gpu: &Gpu,
+    x: &[f32],
+    add: Option<&[f32]>,
+    w: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let dim = w.len();
+    let rows = x.len() / dim;
+    let dx = gpu.upload(x);
+    let da = add.map(|a| gpu.upload(a));
+    let resid = poison_f32(gpu, x.len());
+    let dw = gpu.upload(&bits(w));
+    let out = poison_f32(gpu, x.len());
+    let out_bf = poison_bf16(gpu, x.len());
+    gpu.launch(
+        "add_rms_norm",
+        rows as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &dx, 0)),
+            Arg::Ptr(da.as_ref().map_or(0, |a| ptr(gpu, a, 0))),
+            Arg::Ptr(ptr(gpu, &resid, 0)),
+            Arg::Ptr(ptr(gpu, &dw, 0)),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::Ptr(ptr(gpu, &out_bf, 0)),
+            Arg::I32(dim as i32),
+            Arg::F32(eps),
+        ],
+    );
+    let r = if add.is_some() {
+        gpu.download(&resid, x.len())
+    } else {
+        x.to_vec()
+    };
+    let o_bf = gpu
+        .download(&out_bf, x.len())
+        .into_iter()
+        .map(|b| bf16::from_bits(b).to_f32())
+        .collect();
+    (r, gpu.download(&out, x.len()), o_bf)
+}
+
+/// Per-head RMSNorm + RoPE of `[n, heads, head_dim]` rows: returns (normed, rotated).
+pub fn qk_norm_rope(
+    gpu: &Gpu,
+    x: &[f32],
+    w: &[f32],
+    rope_positions: &[usize],
+    heads: usize,
+    theta: f64,
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let hd = w.len();
+    let n = rope_positions.len();
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / (theta.powf((2 * i) as f64 / hd as f64)) as f32)
+        .collect();
+    let pos: Vec<i32> = rope_positions.iter().map(|&p| p as i32).collect();
+    let (dx, dw, dp, df) = (
+        gpu.upload(x),
+        gpu.upload(&bits(w)),
+        gpu.upload(&pos),
+        gpu.upload(&inv_freq),
+    );
+    let (normed, rotated) = (poison_f32(gpu, x.len()), poison_f32(gpu, x.len()));
+    gpu.launch(
+        "qk_norm_rope",
+        (n * heads) as u32,
+        hd as u32,
+        (hd * 4) as u32,
+        &[
+            Arg::Ptr(ptr(gpu, &dx, 0)),
+            Arg::I32((heads * hd) as i32),
+            Arg::I32(0),
+            Arg::Ptr(ptr(gpu, &dw, 0)),
+            Arg::Ptr(ptr(gpu, &dp, 0)),
+            Arg::Ptr(ptr(gpu, &df, 0)),
+            Arg::Ptr(ptr(gpu, &normed, 0)),
+            Arg::Ptr(ptr(gpu, &rotated, 0)),
+            Arg::I32(heads as i32),
+            Arg::I32(hd as i32),
+            Arg::F32(eps),
+        ],
+    );
+    (
+        gpu.download(&normed, x.len()),
+        gpu.download(&rotated, x.len()),
+    )
+}
+
+/// Attention of `n` queries `[n, heads, hd]` over `entries` cache rows `[entries, kv_heads, hd]`
+/// (query t sees `0..=base + t`, `base = entries - n`): returns (output, probs `[n, heads,
+/// entries]`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    gpu: &Gpu,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    split: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let entries = keys.len() / (kv_heads * hd);
+    let base = entries - n;
+    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
+    let probs = poison_f32(gpu, n * heads * entries);
+    let out = poison_f32(gpu, n * heads * hd);
+    let out_bf = poison_bf16(gpu, n * heads * hd);
+    gpu.launch(
+        "attention",
+        (n * heads) as u32,
+        256,
+        (hd * 4) as u32,
+        &[
+            Arg::Ptr(ptr(gpu, &dq, 0)),
+            Arg::Ptr(ptr(gpu, &dk, 0)),
+            Arg::Ptr(ptr(gpu, &dv, 0)),
+            Arg::Ptr(ptr(gpu, &probs, 0)),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::Ptr(ptr(gpu, &out_bf, 0)),
+            Arg::I32(base as i32),
+            Arg::I32(split as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(kv_heads as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(entries as i32),
+            Arg::F32(1.0 / (hd as f32).sqrt()),
+        ],
+    );
+    (
+        gpu.download(&out, n * heads * hd),
+        gpu.download(&probs, n * heads * entries),
+    )
+}
+
+/// `x[n, k] · w[m, k]ᵀ` with both rounded to bf16, f32 out.
+pub fn gemm_bf16(gpu: &Gpu, x: &[f32], w: &[f32], n: usize, m: usize) -> Vec<f32> {
+    let k = x.len() / n;
+    let (dx, dw) = (gpu.upload(&bits(x)), gpu.upload(&bits(w)));
+    let y = poison_f32(gpu, n * m);
+    gpu.gemm_bf16(ptr(gpu, &dx, 0), ptr(gpu, &dw, 0), ptr(gpu, &y, 0), n, k, m);
+    gpu.download(&y, n * m)
+}
+
+/// SwiGLU over `[n, 2·inter]` (gate | up), returned as f32 from its bf16 output.
+pub fn swiglu(gpu: &Gpu, gate_up: &[f32], inter: usize) -> Vec<f32> {
+    let n = gate_up.len() / (2 * inter);
+    let d = gpu.upload(gate_up);
+    let out = poison_bf16(gpu, n * inter);
+    gpu.launch(
+        "swiglu",
+        (n * inter).div_ceil(256) as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &d, 0)),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::I32(inter as i32),
+            Arg::I32(n as i32),
+        ],
+    );
+    gpu.download(&out, n * inter)
+        .into_iter()
+        .map(|b| bf16::from_bits(b).to_f32())
+        .collect()
+}
+
+/// Rows of a bf16 table gathered as f32.
+pub fn embed(gpu: &Gpu, table: &[f32], hidden: usize, tokens: &[u32]) -> Vec<f32> {
+    let (dt, dtok) = (gpu.upload(&bits(table)), gpu.upload(tokens));
+    let out = poison_f32(gpu, tokens.len() * hidden);
+    gpu.launch(
+        "embed",
+        tokens.len() as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &dt, 0)),
+            Arg::Ptr(ptr(gpu, &dtok, 0)),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::I32(hidden as i32),
+        ],
+    );
+    gpu.download(&out, tokens.len() * hidden)
+}
+
+pub fn argmax(gpu: &Gpu, x: &[f32]) -> usize {
+    let (dx, out) = (gpu.upload(x), gpu.alloc::<u32>(1));
+    gpu.launch(
+        "argmax",
+        1,
+        1024,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &dx, 0)),
+            Arg::I32(x.len() as i32),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+        ],
+    );
+    gpu.download(&out, 1)[0] as usize
+}
+
+/// Per row of width `w`: [max|a-b|, its index, max|b|, Σ(a-b)², Σb², Σab, Σa², first
+/// non-finite index or -1].
+pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 8]> {
+    let rows = a.len() / w;
+    let (da, db) = (gpu.upload(a), gpu.upload(b));
+    let out = poison_f32(gpu, rows * 8);
+    gpu.launch(
+        "diff_rows",
+        rows as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &da, 0)),
+            Arg::Ptr(ptr(gpu, &db, 0)),
+            Arg::I32(w as i32),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+        ],
+    );
+    gpu.download(&out, rows * 8)
+        .chunks_exact(8)
+        .map(|c| c.try_into().unwrap())
+        .collect()
+}

@@ -1,0 +1,104 @@
+//! A KV cache's device copy: per layer, keys and values `[entry, kv_head, head_dim]` in f32,
+//! with room to grow.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{ptr, Gpu};
+use crate::kv_cache::{DeviceKv, KvCache};
+
+pub struct CudaKv {
+    gpu: Arc<Gpu>,
+    pub keys: Vec<CudaSlice<f32>>,
+    pub values: Vec<CudaSlice<f32>>,
+    pub len: usize,
+    cap: usize,
+    kv_dim: usize,
+}
+
+impl CudaKv {
+    /// A device copy of `cache`'s host entries, with room for `extra` more.
+    pub fn upload(gpu: &Arc<Gpu>, cache: &mut KvCache, extra: usize) -> CudaKv {
+        let kv_dim = cache.kv_dim();
+        let len = cache.host_len();
+        let cap = (len + extra).next_power_of_two().max(64);
+        let mut keys = Vec::new();
+        let mut values = Vec::new();
+        for layer in cache.layers() {
+            let mut k = gpu.alloc::<f32>(cap * kv_dim);
+            let mut v = gpu.alloc::<f32>(cap * kv_dim);
+            if len > 0 {
+                gpu.stream
+                    .memcpy_htod(
+                        &layer.keys[..len * kv_dim],
+                        &mut k.slice_mut(..len * kv_dim),
+                    )
+                    .expect("CUDA upload");
+                gpu.stream
+                    .memcpy_htod(
+                        &layer.values[..len * kv_dim],
+                        &mut v.slice_mut(..len * kv_dim),
+                    )
+                    .expect("CUDA upload");
+            }
+            keys.push(k);
+            values.push(v);
+        }
+        CudaKv {
+            gpu: gpu.clone(),
+            keys,
+            values,
+            len,
+            cap,
+            kv_dim,
+        }
+    }
+
+    /// Makes room for `n` more entries, moving the existing ones when the buffers grow.
+    pub fn reserve(&mut self, n: usize) {
+        if self.len + n <= self.cap {
+            return;
+        }
+        let cap = (self.len + n).next_power_of_two();
+        let used = self.len * self.kv_dim;
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let mut grown = self.gpu.alloc::<f32>(cap * self.kv_dim);
+            if used > 0 {
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&buf.slice(..used), &mut grown.slice_mut(..used))
+                    .expect("CUDA copy");
+            }
+            *buf = grown;
+        }
+        self.cap = cap;
+    }
+
+    pub fn key_ptr(&self, layer: usize) -> u64 {
+        ptr(&self.gpu, &self.keys[layer], 0)
+    }
+
+    pub fn value_ptr(&self, layer: usize) -> u64 {
+        ptr(&self.gpu, &self.values[layer], 0)
+    }
+}
+
+impl DeviceKv for CudaKv {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>) {
+        let (a, b) = (from * self.kv_dim, to * self.kv_dim);
+        (
+            self.gpu.download_range(&self.keys[layer], a, b),
+            self.gpu.download_range(&self.values[layer], a, b),
+        )
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}

@@ -1,0 +1,12 @@
+//! The CUDA backend: the same forward pass and taps as the CPU reference, on an NVIDIA GPU.
+//! Everything CUDA is loaded at run time, so kvdiff builds and runs its CPU features on
+//! machines without it; asking for CUDA there is a one-line error.
+
+mod gpu;
+pub mod host_ops;
+mod kv;
+mod model;
+
+pub use gpu::{unavailable_reason, Arg, Gpu};
+pub use kv::CudaKv;
+pub use model::{weight_bytes, CudaModel};

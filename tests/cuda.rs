@@ -1,0 +1,456 @@
+//! The CUDA backend against the CPU reference: each kernel on fresh random inputs, whole models
+//! tap by tap, and the CLI's cross-backend comparison. Compiled everywhere; without a GPU each
+//! test says SKIPPED and passes, except under KVDIFF_REQUIRE_CUDA=1 (set on the GPU machine),
+//! where a missing GPU fails. Without a GPU, `--backend cuda` must be a one-line error.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{fixture, rel_l2};
+use half::bf16;
+use kvdiff::cuda::{host_ops, Gpu};
+use kvdiff::engine::Engine;
+use kvdiff::model::{attention, Batch, Model};
+use kvdiff::model_source::ModelSource;
+use kvdiff::ops;
+use kvdiff::tap::{Recorder, TapFilter};
+
+/// Says a test was skipped on the terminal itself: libtest captures `eprintln!`, not writes to
+/// the stderr handle.
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED (tests/cuda.rs): {why}");
+}
+
+fn gpu() -> Option<Arc<Gpu>> {
+    match kvdiff::cuda::unavailable_reason() {
+        Some(why) => {
+            assert!(
+                std::env::var_os("KVDIFF_REQUIRE_CUDA").is_none(),
+                "KVDIFF_REQUIRE_CUDA is set but CUDA is unavailable: {why}"
+            );
+            skipped(&format!("no GPU here: {why}"));
+            None
+        }
+        None => Some(Gpu::open().expect("CUDA is present, so it must open")),
+    }
+}
+
+/// Fresh random data per run (seeded from the clock), roughly N(0, scale²).
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        eprintln!("seed {t}");
+        Rng(t | 1)
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let mut acc = 0f32;
+                for _ in 0..4 {
+                    self.0 ^= self.0 << 13;
+                    self.0 ^= self.0 >> 7;
+                    self.0 ^= self.0 << 17;
+                    acc += (self.0 >> 40) as f32 / (1u64 << 24) as f32;
+                }
+                (acc - 2.0) * 1.7 * scale
+            })
+            .collect()
+    }
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+fn assert_written(what: &str, x: &[f32]) {
+    assert!(
+        x.iter().all(|v| v.is_finite()),
+        "{what}: an element was not written (NaN poison left) or is not finite"
+    );
+}
+
+/// f32 arithmetic: well under 1e-3 relative L2 (METHOD.md); kvdiff asks for 1e-5.
+const F32_TOL: f64 = 1e-5;
+
+#[test]
+fn kernels_match_the_cpu_reference_on_random_inputs() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for &(rows, dim) in &[(1usize, 256usize), (7, 1024), (33, 2560)] {
+        // RMSNorm, alone and fused with the residual add; weights are bf16 on the device.
+        let (x, add) = (rng.vec(rows * dim, 1.0), rng.vec(rows * dim, 1.0));
+        let w = round_bf16(
+            &rng.vec(dim, 0.2)
+                .iter()
+                .map(|v| v + 1.0)
+                .collect::<Vec<_>>(),
+        );
+        let (_, out, out_bf) = host_ops::add_rms_norm(&g, &x, None, &w, 1e-6);
+        assert_written("rms_norm", &out);
+        let want = ops::rms_norm(&x, &w, 1e-6);
+        assert!(
+            rel_l2(&out, &want) < F32_TOL,
+            "rms_norm {}",
+            rel_l2(&out, &want)
+        );
+        assert_eq!(
+            out_bf,
+            round_bf16(&out),
+            "bf16 output is the rounded f32 one"
+        );
+        let (resid, out, _) = host_ops::add_rms_norm(&g, &x, Some(&add), &w, 1e-6);
+        let sum: Vec<f32> = x.iter().zip(&add).map(|(a, b)| a + b).collect();
+        assert_eq!(resid, sum, "residual add is exact");
+        let want = ops::rms_norm(&sum, &w, 1e-6);
+        assert!(rel_l2(&out, &want) < F32_TOL, "add_rms_norm");
+    }
+    for &(n, heads, hd, theta) in &[(5usize, 16usize, 128usize, 1e6f64), (3, 2, 64, 1e4)] {
+        let x = rng.vec(n * heads * hd, 1.0);
+        let w = round_bf16(&rng.vec(hd, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>());
+        let pos: Vec<usize> = (0..n).map(|i| 37 * i + 500).collect();
+        let (normed, rotated) = host_ops::qk_norm_rope(&g, &x, &w, &pos, heads, theta, 1e-6);
+        assert_written("qk_norm_rope", &rotated);
+        let want_n = ops::rms_norm(&x, &w, 1e-6);
+        let mut want_r = want_n.clone();
+        ops::rope(&mut want_r, &pos, heads, hd, theta);
+        assert!(rel_l2(&normed, &want_n) < F32_TOL, "q/k norm");
+        assert!(
+            rel_l2(&rotated, &want_r) < F32_TOL,
+            "rope {}",
+            rel_l2(&rotated, &want_r)
+        );
+    }
+    // Attention: prefill (n queries over a longer cache), decode (1 query), cascade split.
+    for &(n, entries, split, heads, kvh, hd) in &[
+        (6usize, 6usize, 0usize, 4usize, 2usize, 64usize),
+        (9, 40, 0, 16, 8, 128),
+        (1, 300, 0, 16, 8, 128),
+        (5, 77, 50, 16, 2, 128),
+        (1, 64, 63, 4, 1, 64),
+    ] {
+        let q = rng.vec(n * heads * hd, 1.0);
+        let k = rng.vec(entries * kvh * hd, 1.0);
+        let v = rng.vec(entries * kvh * hd, 1.0);
+        let mut want_probs = vec![0f32; n * heads * entries];
+        let want = attention(
+            &q,
+            &k,
+            &v,
+            n,
+            entries - n,
+            split,
+            heads,
+            kvh,
+            hd,
+            |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
+        );
+        let (out, probs) = host_ops::attention(&g, &q, &k, &v, n, split, heads, kvh, hd);
+        assert_written("attention", &out);
+        assert_written("attention probs", &probs);
+        assert!(
+            rel_l2(&out, &want) < F32_TOL,
+            "attention n={n} entries={entries} split={split}: {}",
+            rel_l2(&out, &want)
+        );
+        assert!(rel_l2(&probs, &want_probs) < F32_TOL, "attention probs");
+    }
+    // GEMM with bf16 operands, f32 accumulation: against f64 on the same rounded operands.
+    for &(n, k, m) in &[
+        (1usize, 1024usize, 3072usize),
+        (17, 256, 852),
+        (64, 3072, 1024),
+    ] {
+        let x = round_bf16(&rng.vec(n * k, 1.0));
+        let w = round_bf16(&rng.vec(m * k, 0.05));
+        let y = host_ops::gemm_bf16(&g, &x, &w, n, m);
+        assert_written("gemm", &y);
+        let want: Vec<f32> = (0..n * m)
+            .map(|i| {
+                let (r, c) = (i / m, i % m);
+                (0..k)
+                    .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        assert!(rel_l2(&y, &want) < F32_TOL, "gemm {}", rel_l2(&y, &want));
+    }
+    // SwiGLU, output bf16: equal to the rounded f32 result except at rounding ties.
+    let (n, inter) = (3, 3072);
+    let gu = rng.vec(n * 2 * inter, 2.0);
+    let got = host_ops::swiglu(&g, &gu, inter);
+    let want: Vec<f32> = (0..n * inter)
+        .map(|i| {
+            let (t, j) = (i / inter, i % inter);
+            ops::silu(gu[t * 2 * inter + j]) * gu[t * 2 * inter + inter + j]
+        })
+        .collect();
+    assert!(rel_l2(&got, &round_bf16(&want)) < 1e-3, "swiglu");
+    // Embedding gather is exact.
+    let table = round_bf16(&rng.vec(50 * 64, 1.0));
+    let tokens = [3u32, 49, 0, 3];
+    let got = host_ops::embed(&g, &table, 64, &tokens);
+    let want: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| table[t as usize * 64..(t as usize + 1) * 64].to_vec())
+        .collect();
+    assert_eq!(got, want, "embed");
+    // Argmax, including the first of equal maxima.
+    let mut x = rng.vec(151_936, 1.0);
+    assert_eq!(host_ops::argmax(&g, &x), ops::argmax(&x));
+    x[70_000] = 100.0;
+    x[90_000] = 100.0;
+    assert_eq!(host_ops::argmax(&g, &x), 70_000);
+    // Diff reductions against the CPU's row metrics.
+    let w = 4096;
+    let a = rng.vec(3 * w, 1.0);
+    let mut b = a.clone();
+    for (i, v) in b.iter_mut().enumerate() {
+        *v += 1e-3 * ((i % 7) as f32 - 3.0);
+    }
+    b[w + 1234] += 0.5;
+    b[2 * w + 17] = f32::NAN;
+    let rows = host_ops::diff_rows(&g, &a, &b, w);
+    for (r, got) in rows.iter().enumerate() {
+        let d = kvdiff::diff::row_diff(&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
+        match d.non_finite {
+            Some(i) => assert_eq!(got[7] as usize, i, "non-finite index"),
+            None => {
+                assert_eq!(got[7], -1.0);
+                assert_eq!(got[1] as usize, d.index, "argmax of |a-b|");
+                assert!((got[0] - d.max_abs).abs() <= 1e-6 * d.max_abs.max(1.0));
+                let rel = (got[3] as f64 / got[4] as f64).sqrt();
+                assert!(
+                    (rel - d.rel_l2).abs() <= 1e-4 * d.rel_l2.max(1e-6),
+                    "rel_l2"
+                );
+            }
+        }
+    }
+    assert_eq!(rows[1][1] as usize, 1234);
+}
+
+/// Largest relative L2 between CPU and CUDA per tap kind, over a prefill and decode steps.
+fn conformance(model_dir: Option<&str>, prompts: &[&str], steps: usize) -> BTreeMap<String, f64> {
+    let source = ModelSource::from_arg(model_dir.map(std::path::Path::new)).unwrap();
+    let engine = Engine::load(source).unwrap();
+    let cpu = &engine.model;
+    let cuda = cpu.to_cuda().unwrap();
+    let layers = cpu.config.num_hidden_layers;
+    let mut worst: BTreeMap<String, f64> = BTreeMap::new();
+    for p in prompts {
+        let path = fixture(p);
+        let prompt = kvdiff::prompt::Prompt::load(&path).unwrap();
+        let ids = engine.encode(&prompt, &path, steps).unwrap().ids;
+        let run = |m: &Model| {
+            let mut cache = m.new_cache();
+            let mut recs = Vec::new();
+            let mut tokens = Vec::new();
+            let positions: Vec<usize> = (0..ids.len()).collect();
+            let mut rec = Recorder::new(&TapFilter::all(), layers);
+            let mut logits = m.forward(Batch::new(&ids, &positions), &mut cache, 0, &mut rec);
+            recs.push(rec);
+            for s in 1..=steps {
+                let t = ops::argmax(&logits) as u32;
+                tokens.push(t);
+                let mut rec = Recorder::new(&TapFilter::all(), layers);
+                logits = m.forward(
+                    Batch::new(&[t], &[ids.len() + s - 1]),
+                    &mut cache,
+                    s,
+                    &mut rec,
+                );
+                recs.push(rec);
+            }
+            (recs, tokens)
+        };
+        let (a, ta) = run(cpu);
+        let (b, tb) = run(&cuda);
+        assert_eq!(ta, tb, "{p}: greedy tokens differ between CPU and CUDA");
+        for (ra, rb) in a.iter().zip(&b) {
+            for (x, y) in ra.taps.iter().zip(&rb.taps) {
+                assert_eq!(x.id, y.id);
+                assert_eq!(x.shape, y.shape, "{}", x.id);
+                let kind = x.id.to_string();
+                let kind = kind.rsplit('.').next().unwrap().to_string();
+                let e = rel_l2(&y.data, &x.data);
+                let w = worst.entry(kind).or_insert(0.0);
+                *w = w.max(e);
+            }
+        }
+    }
+    worst
+}
+
+fn print_table(name: &str, worst: &BTreeMap<String, f64>) {
+    eprintln!("CPU vs CUDA, {name}: largest relative L2 per tap kind");
+    for (k, v) in worst {
+        eprintln!("  {k:<12} {v:.2e}");
+    }
+    if let Some(dir) = std::env::var_os("KVDIFF_CONFORMANCE_OUT") {
+        let path = std::path::Path::new(&dir).join(format!("cuda-conformance-{name}.json"));
+        std::fs::write(path, serde_json::to_string_pretty(worst).unwrap()).unwrap();
+    }
+}
+
+/// bf16 weights and GEMM operands: each tap within a few bf16 roundings (METHOD.md puts bf16
+/// operands between 1e-3 and 1e-2).
+const BF16_TOL: f64 = 2e-2;
+
+#[test]
+fn default_model_on_cuda_matches_the_cpu_tap_by_tap() {
+    if gpu().is_none() {
+        return;
+    }
+    let worst = conformance(None, &["prompts/task.json", "prompts/two-contexts.txt"], 8);
+    print_table("default-model", &worst);
+    assert!(worst.len() >= 17, "{worst:?}");
+    for (k, v) in &worst {
+        assert!(*v < BF16_TOL, "{k}: {v}");
+    }
+}
+
+#[test]
+fn random_model_on_cuda_matches_the_cpu_tap_by_tap() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = fixture("random-model");
+    let worst = conformance(Some(dir.to_str().unwrap()), &["prompts/task.json"], 4);
+    print_table("random-model", &worst);
+    for (k, v) in &worst {
+        assert!(*v < BF16_TOL, "{k}: {v}");
+    }
+}
+
+fn kvdiff(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    Command::new(common::kvdiff_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn backend_cuda_without_a_gpu_is_a_one_line_error() {
+    if kvdiff::cuda::unavailable_reason().is_none() {
+        skipped("a GPU is present; this test is for machines without one");
+        return;
+    }
+    let prompt = fixture("prompts/task.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("dump");
+    for args in [
+        vec!["generate", "--backend", "cuda"],
+        vec![
+            "dump",
+            "--backend",
+            "cuda",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+        vec!["compare", "--paths", "standard@cuda"],
+        vec!["compare", "--backend", "cuda"],
+    ] {
+        let mut a = args.clone();
+        a.push(prompt.to_str().unwrap());
+        let out = kvdiff(&a, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{a:?}: {err}");
+        assert!(err.starts_with("error: --backend cuda: "), "{err}");
+        assert!(err.lines().count() <= 3, "{err}");
+    }
+}
+
+#[test]
+fn compare_holds_cuda_paths_to_the_cpu_reference() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("r.json");
+    let prompt = fixture("prompts/task.json");
+    let args = [
+        "compare",
+        "--reference",
+        "standard@cpu",
+        "--paths",
+        "standard@cuda,cascade@cuda,chunked-prefill:7@cuda,chunk-reuse:rerotate@cuda",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ];
+    let out = kvdiff(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["reference"], "standard@cpu");
+    assert!(
+        r["tolerance"]["cross_backend"]["rtol"]["q_rope"]
+            .as_f64()
+            .unwrap()
+            > 1e-4
+    );
+    let by_name = |n: &str| {
+        r["paths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["path"] == n)
+            .unwrap_or_else(|| panic!("{n} missing"))
+            .clone()
+    };
+    for exact in ["standard@cuda", "cascade@cuda", "chunked-prefill:7@cuda"] {
+        let p = by_name(exact);
+        assert_eq!(p["diverged"], false, "{exact}: {p}");
+    }
+    let rr = by_name("chunk-reuse:rerotate@cuda");
+    assert_eq!(rr["diverged"], true);
+
+    // A planted wiring bug (keys rotated at batch-local positions) is found where it first
+    // shows: the first decode step's L0.k_rope (the prefill starts at 0, where local = global).
+    let out = kvdiff(&args, &[("KVDIFF_CUDA_FAULT", "local-key-positions")]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let d = &by_name_in(&r, "standard@cuda")["first_divergence"];
+    assert_eq!(
+        (d["step"].as_u64(), d["tap"].as_str()),
+        (Some(1), Some("L0.k_rope")),
+        "{d}"
+    );
+    let d = &by_name_in(&r, "chunked-prefill:7@cuda")["first_divergence"];
+    assert_eq!(
+        (
+            d["step"].as_u64(),
+            d["tap"].as_str(),
+            d["position"].as_u64()
+        ),
+        (Some(0), Some("L0.k_rope"), Some(7)),
+        "{d}"
+    );
+}
+
+fn by_name_in(r: &serde_json::Value, n: &str) -> serde_json::Value {
+    r["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"] == n)
+        .unwrap()
+        .clone()
+}
