@@ -28,10 +28,10 @@ run_timed() {  # name, repeats, command...: in-process ms and wall seconds per r
   fi
   for _ in $(seq "$reps"); do
     local t0 t1
-    t0=$(date +%s.%N)
+    t0=$(date +%s%N)
     timeout 100 "$@" > "$work/$name.out" 2> "$work/$name.err" || true
-    t1=$(date +%s.%N)
-    echo "$(ms "$work/$name.err") $(echo "$t1 - $t0" | bc)"
+    t1=$(date +%s%N)
+    echo "$(ms "$work/$name.err") $(( (t1 - t0) / 1000000 ))"
   done > "$work/$name.times"
   say "$name: $(tr '\n' ' ' < "$work/$name.times")"
   cat "$work/$name.err" >&2
@@ -43,6 +43,11 @@ run_timed compare 2 "$bin" compare --backend cuda "${model[@]}" --reference stan
   --json "$work/compare.json" "$work/prompt.json"
 run_timed compare_auto 1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
   --paths chunk-reuse:rerotate --taps 'L*' --max-new-tokens 64 "$work/prompt.json"
+say "profiles (every operation synchronised)"
+KVDIFF_CUDA_PROFILE=1 "$bin" generate --backend cuda "${model[@]}" --max-new-tokens 64 "$work/prompt.json" 2>&1 >/dev/null | head -14 >&2
+KVDIFF_CUDA_PROFILE=1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
+  --paths chunk-reuse:rerotate --taps 'L*' --tolerance fixed --rtol 0.05 --max-new-tokens 64 \
+  "$work/prompt.json" 2>&1 >/dev/null | grep -A14 "CUDA profile" >&2
 say "HF transformers"
 python3 scripts/bench_hf.py time "$work/model" "$work/prompt.json" 64 > "$work/hf.json"
 python3 - "$work" "$out" <<'PY'
@@ -52,7 +57,7 @@ load = lambda n: json.load(open(f"{work}/{n}.json"))
 hf, ceil, build = load("hf"), load("ceilings"), load("build")
 def times(name):
     rows = [l.split() for l in open(f"{work}/{name}.times") if l.strip()]
-    return statistics.median(float(r[0]) / 1e3 for r in rows), statistics.median(float(r[1]) for r in rows)
+    return statistics.median(float(r[0]) / 1e3 for r in rows), statistics.median(float(r[1]) / 1e3 for r in rows)
 gen, gen_wall = times("generate")
 cmp_, cmp_wall = times("compare")
 cmp_auto, cmp_auto_wall = times("compare_auto")

@@ -2,11 +2,13 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|all]            (there, with .out and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# The binaries travel compressed (scripts/stage_gpu_binaries.sh packs them).
+[ -x .out/bin/kvdiff ] || tar xJf .out/pack/bin.tar.xz -C .out
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export KVDIFF_ROOT=$root KVDIFF_BIN=$root/.out/bin/kvdiff KVDIFF_REQUIRE_CUDA=1
 export KVDIFF_CACHE_DIR=/tmp/kvdiff-cache

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Copies the release kvdiff and the CUDA test binary, stripped, into .out/bin for the GPU machine.
+# Copies the release kvdiff and the CUDA test binary, stripped, into .out/bin and
+# compressed into .out/pack/bin.tar.xz, the one to carry to the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release
@@ -13,4 +14,6 @@ mkdir -p .out/bin
 cp target/release/kvdiff .out/bin/kvdiff
 cp "$test_bin" .out/bin/cuda-tests
 strip .out/bin/kvdiff .out/bin/cuda-tests
-ls -la .out/bin
+mkdir -p .out/pack
+tar cJf .out/pack/bin.tar.xz -C .out bin
+ls -la .out/bin .out/pack

@@ -8,14 +8,16 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use crate::chunks::ChunkedPrompt;
-use crate::diff::{diverged, row_diff, LogitsAgreement, Tolerance};
+use crate::diff::{diverged, row_diff, LogitsAgreement, RowDiff, Tolerance};
 use crate::dump::Dumper;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::{Batch, Model};
 use crate::ops::argmax;
 use crate::paths::{ChunkStore, PathSpec};
-use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue, Tee};
+use crate::tap::{
+    DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue, Tee,
+};
 use crate::tokenizer::ChatTokenizer;
 
 /// Where a path first left the reference, with the numbers.
@@ -96,6 +98,10 @@ struct Comparator<'a> {
     tok: &'a ChatTokenizer,
     heads: usize,
     kv_heads: usize,
+    /// Reference taps kept on the GPU (compared there; only summaries come back).
+    device_reference: HashMap<TapId, crate::cuda::DeviceRecorded>,
+    diffs: crate::cuda::DeviceDiffs,
+    pending: Vec<PendingDiff>,
     first: Option<Divergence>,
     layers: BTreeMap<(u8, usize), LayerRow>,
     noise: BTreeMap<String, f32>,
@@ -128,33 +134,97 @@ fn kind_of(id: TapId) -> String {
     s.rsplit('.').next().unwrap_or(&s).to_string()
 }
 
+impl Comparator<'_> {
+    fn row_heads(&self, kind: &str) -> Option<usize> {
+        match kind {
+            "q" | "q_rope" | "attn_probs" => Some(self.heads),
+            "k" | "k_rope" | "v" => Some(self.kv_heads),
+            _ => None,
+        }
+    }
+
+    /// Books one compared row: per-layer statistics, learned noise, and the first divergence.
+    /// `width` is the compared row width (per head for head-shaped taps: `width / heads`).
+    #[allow(clippy::too_many_arguments)]
+    fn consider(
+        &mut self,
+        step: usize,
+        id: TapId,
+        pos: usize,
+        kind: &str,
+        d: RowDiff,
+        bitwise_equal: bool,
+        width: usize,
+    ) {
+        let layer = self.layers.entry(group_of(id)).or_insert_with(|| LayerRow {
+            layer: id
+                .layer()
+                .map_or_else(|| id.to_string(), |l| format!("L{l}")),
+            ..Default::default()
+        });
+        layer.rows_compared += 1;
+        layer.max_rel_l2 = layer.max_rel_l2.max(d.rel_l2);
+        if d.max_ref > 0.0 {
+            let n = self.noise.entry(kind.to_string()).or_insert(0.0);
+            *n = n.max(d.max_abs / d.max_ref);
+        }
+        if !diverged(bitwise_equal, &d, self.tol, kind) {
+            return;
+        }
+        layer.rows_diverged += 1;
+        let order = (step, id, pos);
+        let ft = self.first_tap.entry(group_of(id)).or_insert(id);
+        *ft = (*ft).min(id);
+        if self.first.as_ref().is_some_and(|f| f.order <= order) {
+            return;
+        }
+        let index = d.non_finite.unwrap_or(d.index);
+        let per_head = self.row_heads(kind).map(|h| width / h);
+        let token = self.tokens.get(pos).copied().unwrap_or(0);
+        self.first = Some(Divergence {
+            step,
+            layer: id.layer(),
+            tap: id.to_string(),
+            position: pos,
+            token,
+            token_text: self.tok.decode(&[token], false),
+            head: per_head.map(|w| index / w),
+            index: per_head.map_or(index, |w| index % w),
+            kind: if d.non_finite.is_some() {
+                "non_finite"
+            } else {
+                "value"
+            },
+            reference: d.reference,
+            value: d.value,
+            max_abs: d.max_abs,
+            rel_l2: d.rel_l2,
+            cosine: d.cosine,
+            tolerance: self.tol.describe(kind),
+            policy: self.tol.policy(),
+            order,
+        });
+    }
+}
+
 impl TapSink for Comparator<'_> {
     fn table(&self) -> &TapTable {
         &self.table
     }
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
-        let Some(r) = self.reference.get(&v.id) else {
-            return;
-        };
+        // A reference kept on the GPU, met by a tap the path computed on the host.
+        if !self.reference.contains_key(&v.id) {
+            let Some(r) = self.device_reference.get(&v.id) else {
+                return;
+            };
+            let host = r.to_host();
+            self.reference.insert(v.id, host);
+        }
+        let r = self.reference.remove(&v.id).expect("present");
         let kind = kind_of(v.id);
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
-        let row_heads = match kind.as_str() {
-            "q" | "q_rope" | "attn_probs" => Some(self.heads),
-            "k" | "k_rope" | "v" => Some(self.kv_heads),
-            _ => None,
-        };
-        let layer = self
-            .layers
-            .entry(group_of(v.id))
-            .or_insert_with(|| LayerRow {
-                layer: v
-                    .id
-                    .layer()
-                    .map_or_else(|| v.id.to_string(), |l| format!("L{l}")),
-                ..Default::default()
-            });
         for (row, &pos) in v.positions.iter().enumerate() {
             // Reference rows are usually consecutive positions: try the direct index first.
             let direct = pos
@@ -174,48 +244,115 @@ impl TapSink for Comparator<'_> {
                 a
             };
             let d = row_diff(a, b);
-            layer.rows_compared += 1;
-            layer.max_rel_l2 = layer.max_rel_l2.max(d.rel_l2);
-            if d.max_ref > 0.0 {
-                let n = self.noise.entry(kind.clone()).or_insert(0.0);
-                *n = n.max(d.max_abs / d.max_ref);
-            }
-            if !diverged(a, b, &d, self.tol, &kind) {
-                continue;
-            }
-            layer.rows_diverged += 1;
-            let order = (step, v.id, pos);
-            let ft = self.first_tap.entry(group_of(v.id)).or_insert(v.id);
-            *ft = (*ft).min(v.id);
-            if self.first.as_ref().is_some_and(|f| f.order <= order) {
-                continue;
-            }
-            let index = d.non_finite.unwrap_or(d.index);
-            let per_head = row_heads.map(|h| width.max(rwidth) / h);
-            let token = self.tokens.get(pos).copied().unwrap_or(0);
-            self.first = Some(Divergence {
+            let bitwise_equal =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            self.consider(
                 step,
-                layer: v.id.layer(),
-                tap: v.id.to_string(),
-                position: pos,
-                token,
-                token_text: self.tok.decode(&[token], false),
-                head: per_head.map(|w| index / w),
-                index: per_head.map_or(index, |w| index % w),
-                kind: if d.non_finite.is_some() {
-                    "non_finite"
-                } else {
-                    "value"
-                },
-                reference: b.get(index).copied().unwrap_or(0.0),
-                value: a.get(index).copied().unwrap_or(0.0),
-                max_abs: d.max_abs,
-                rel_l2: d.rel_l2,
-                cosine: d.cosine,
-                tolerance: self.tol.describe(&kind),
-                policy: self.tol.policy(),
-                order,
-            });
+                v.id,
+                pos,
+                &kind,
+                d,
+                bitwise_equal,
+                a.len().max(b.len()),
+            );
+        }
+        self.reference.insert(v.id, r);
+    }
+
+    fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
+        let Some(r) = self.device_reference.get(&t.id) else {
+            // Nothing to compare against unless the reference is on the host.
+            return !self.reference.contains_key(&t.id);
+        };
+        if r.rows_per_token != t.rows_per_token {
+            return false;
+        }
+        let rpt = t.rows_per_token;
+        let rrows: Vec<Option<usize>> = t
+            .positions
+            .iter()
+            .map(|&pos| {
+                pos.checked_sub(r.positions[0])
+                    .filter(|&i| r.positions.get(i) == Some(&pos))
+                    .or_else(|| r.positions.iter().position(|&p| p == pos))
+            })
+            .collect();
+        // Consecutive reference rows need no index upload.
+        let first = rrows[0];
+        let contiguous = first.is_some()
+            && rrows
+                .iter()
+                .enumerate()
+                .all(|(i, x)| *x == first.map(|f| f + i));
+        let b_rows: Vec<i32> = if contiguous {
+            Vec::new()
+        } else {
+            rrows
+                .iter()
+                .flat_map(|x| (0..rpt).map(move |h| x.map_or(-1, |x| (x * rpt + h) as i32)))
+                .collect()
+        };
+        let b_arg = (!contiguous).then_some(&b_rows[..]);
+        let b_row0 = first.unwrap_or(0) * rpt;
+        let offset = match self.diffs.enqueue(t, r, b_arg, b_row0) {
+            Some(o) => o,
+            None => {
+                self.flush();
+                let r = &self.device_reference[&t.id];
+                self.diffs
+                    .enqueue(t, r, b_arg, b_row0)
+                    .expect("an empty buffer holds any tap")
+            }
+        };
+        let r = &self.device_reference[&t.id];
+        self.pending.push(PendingDiff {
+            step,
+            id: t.id,
+            positions: t.positions.to_vec(),
+            rows_per_token: rpt,
+            path_width: t.width,
+            ref_width: r.width,
+            offset,
+        });
+        true
+    }
+
+    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
+        self.flush();
+    }
+}
+
+/// A tap diffed on the GPU whose summaries are not read back yet.
+struct PendingDiff {
+    step: usize,
+    id: TapId,
+    positions: Vec<usize>,
+    rows_per_token: usize,
+    path_width: usize,
+    ref_width: usize,
+    offset: usize,
+}
+
+impl Comparator<'_> {
+    /// Reads back the queued GPU diffs and books them.
+    fn flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let sums = self.diffs.drain();
+        for p in std::mem::take(&mut self.pending) {
+            let kind = kind_of(p.id);
+            let w = p.path_width.max(p.ref_width);
+            let rpt = p.rows_per_token;
+            for (i, &pos) in p.positions.iter().enumerate() {
+                let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
+                if rows[0][7] == -2.0 {
+                    continue;
+                }
+                let (d, bits) = crate::cuda::combine_rows(rows, w);
+                let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
+                self.consider(p.step, p.id, pos, &kind, d, bitwise_equal, w * rpt);
+            }
         }
     }
 }
@@ -378,13 +515,24 @@ impl CompareSpec<'_> {
         let layers = model.config.num_hidden_layers;
         let n = self.prompt.ids.len();
         let ref_split = self.reference.decode_split(self.prompt);
-        let mut ref_rec = Recorder::new(taps, layers);
+        // A GPU reference keeps its taps on the GPU unless they are to be dumped.
+        let recorder = || {
+            if model.gpu().is_some() && self.dump.is_none() {
+                Recorder::on_device(taps, layers)
+            } else {
+                Recorder::new(taps, layers)
+            }
+        };
+        let mut ref_rec = recorder();
         let (mut ref_cache, mut ref_logits) =
             self.reference
                 .prefill(model, self.prompt, &mut ChunkStore::default(), &mut ref_rec);
         let mut cmp = Comparator {
             table: taps.table(layers),
             reference: HashMap::new(),
+            device_reference: HashMap::new(),
+            diffs: Default::default(),
+            pending: Vec::new(),
             tol: self.tolerance,
             tokens: self.prompt.ids.clone(),
             tok: self.tokenizer,
@@ -415,6 +563,12 @@ impl CompareSpec<'_> {
             dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.taps);
         }
         cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
+        cmp.device_reference = ref_rec
+            .device
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| (t.id, t))
+            .collect();
         let mut store = ChunkStore::default();
         let path_model = self.path_model;
         let (mut cache, mut logits) = match &mut dumps {
@@ -454,7 +608,7 @@ impl CompareSpec<'_> {
             }
             step += 1;
             let pos = [n + step - 1];
-            let mut ref_rec = Recorder::new(taps, layers);
+            let mut ref_rec = recorder();
             ref_logits = model.forward(
                 Batch {
                     cascade_split: ref_split,
@@ -468,6 +622,12 @@ impl CompareSpec<'_> {
                 dump_recorded(d, step, &[rt], &pos, &ref_rec.taps);
             }
             cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
+            cmp.device_reference = ref_rec
+                .device
+                .unwrap_or_default()
+                .into_iter()
+                .map(|t| (t.id, t))
+                .collect();
             let fed = [rt];
             let batch = Batch {
                 cascade_split: split,
@@ -494,6 +654,7 @@ impl CompareSpec<'_> {
                 d.finish(&self.dump.unwrap().join("reference"), &meta)?;
             }
         }
+        cmp.flush();
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {

@@ -332,6 +332,9 @@ fn run(cli: Cli) -> Result<i32> {
                 },
                 start.elapsed().as_secs_f64() * 1e3
             );
+            if let Some(r) = engine.model.gpu().and_then(|g| g.profile_report()) {
+                eprint!("{r}");
+            }
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "{}", gen.text);
             Ok(EXIT_OK)
@@ -471,7 +474,10 @@ fn run(cli: Cli) -> Result<i32> {
                 max_new_tokens,
                 eos: &eos,
                 dump: staging.as_ref().map(|s| s.staging.as_path()),
-                memory_budget: COMPARE_MEMORY_BUDGET,
+                // A GPU reference holds its taps in GPU memory: half of what is free there.
+                memory_budget: ref_model
+                    .gpu()
+                    .map_or(COMPARE_MEMORY_BUDGET, |g| g.memory().0 / 2),
             };
             let auto = !fixed && tolerance == TolPolicy::Auto;
             let cross = targets
@@ -558,6 +564,13 @@ fn run(cli: Cli) -> Result<i32> {
                     .map(|g| format!(" (GPU: {})", g.name))
                     .unwrap_or_default()
             );
+            if let Some(r) = cuda_model
+                .as_ref()
+                .and_then(|m| m.gpu())
+                .and_then(|g| g.profile_report())
+            {
+                eprint!("{r}");
+            }
             if let Some(path) = &json {
                 let bytes = serde_json::to_vec_pretty(&report)
                     .map_err(|e| Error::Internal(e.to_string()))?;

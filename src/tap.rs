@@ -279,10 +279,31 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     pi == p.len()
 }
 
+/// A tap still in GPU memory: `rows` rows of `width` values, `stride` apart, starting at
+/// device address `ptr`; `rows_per_token` rows per entry of `positions` (heads, for
+/// `attn_probs`, whose columns are then cache entries at positions 0, 1, 2, ...).
+pub struct DeviceTap<'a> {
+    pub id: TapId,
+    pub positions: &'a [usize],
+    pub gpu: &'a std::sync::Arc<crate::cuda::Gpu>,
+    pub ptr: u64,
+    pub rows: usize,
+    pub width: usize,
+    pub stride: usize,
+    pub rows_per_token: usize,
+    /// The shape `record` would get.
+    pub shape: Vec<usize>,
+}
+
 /// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
 pub trait TapSink {
     fn table(&self) -> &TapTable;
     fn record(&mut self, step: usize, value: TapValue<'_>);
+    /// Offered first when a tap is on the GPU: a sink that keeps or compares it there returns
+    /// true; false (the default) asks for the host copy through `record`.
+    fn record_device(&mut self, _step: usize, _tap: &DeviceTap<'_>) -> bool {
+        false
+    }
     /// Called before a forward pass with the tokens it runs and their global positions.
     fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {}
 }
@@ -337,6 +358,8 @@ pub struct Recorded {
 pub struct Recorder {
     table: TapTable,
     pub taps: Vec<Recorded>,
+    /// Taps kept in GPU memory, when made with `on_device`.
+    pub device: Option<Vec<crate::cuda::DeviceRecorded>>,
 }
 
 impl Recorder {
@@ -344,6 +367,15 @@ impl Recorder {
         Recorder {
             table: filter.table(layers),
             taps: Vec::new(),
+            device: None,
+        }
+    }
+
+    /// A recorder that keeps GPU taps on the GPU (host taps still go to `taps`).
+    pub fn on_device(filter: &TapFilter, layers: usize) -> Self {
+        Recorder {
+            device: Some(Vec::new()),
+            ..Self::new(filter, layers)
         }
     }
 
@@ -355,6 +387,15 @@ impl Recorder {
 impl TapSink for Recorder {
     fn table(&self) -> &TapTable {
         &self.table
+    }
+    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
+        match &mut self.device {
+            Some(kept) => {
+                kept.push(crate::cuda::DeviceRecorded::copy(step, tap));
+                true
+            }
+            None => false,
+        }
     }
     fn record(&mut self, step: usize, v: TapValue<'_>) {
         self.taps.push(Recorded {

@@ -236,6 +236,12 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         }
     }
     assert_eq!(rows[1][1] as usize, 1234);
+    let differing = a[..w]
+        .iter()
+        .zip(&b[..w])
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    assert_eq!(rows[0][8] as usize, differing, "bitwise-different count");
 }
 
 /// Largest relative L2 between CPU and CUDA per tap kind, over a prefill and decode steps.
@@ -453,4 +459,75 @@ fn by_name_in(r: &serde_json::Value, n: &str) -> serde_json::Value {
         .find(|p| p["path"] == n)
         .unwrap()
         .clone()
+}
+
+/// Comparing on the GPU (reference taps kept there, only row summaries read back) reports
+/// what comparing on the host reports: `--dump` forces the host path.
+#[test]
+fn device_side_diff_reports_what_the_host_diff_reports() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    let run = |name: &str, extra: &[&str]| {
+        let json = tmp.path().join(format!("{name}.json"));
+        let mut args = vec![
+            "compare",
+            "--backend",
+            "cuda",
+            "--paths",
+            "cascade,chunk-reuse:rerotate,chunk-reuse:local",
+            "--tolerance",
+            "fixed",
+            "--rtol",
+            "1e-3",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            json.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        args.push(prompt.to_str().unwrap());
+        let out = kvdiff(&args, &[]);
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        v
+    };
+    let device = run("device", &[]);
+    let dump = tmp.path().join("dump");
+    let host = run("host", &["--dump", dump.to_str().unwrap()]);
+    for (d, h) in device["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(host["paths"].as_array().unwrap())
+    {
+        let name = d["path"].as_str().unwrap();
+        assert_eq!(d["diverged"], h["diverged"], "{name}");
+        assert_eq!(d["tokens"], h["tokens"], "{name}");
+        let (fd, fh) = (&d["first_divergence"], &h["first_divergence"]);
+        for key in ["step", "tap", "position", "head", "index", "kind"] {
+            assert_eq!(fd[key], fh[key], "{name}: {key}: {fd} vs {fh}");
+        }
+        for (ld, lh) in d["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(h["layers"].as_array().unwrap())
+        {
+            assert_eq!(ld["rows_compared"], lh["rows_compared"], "{name}");
+            assert_eq!(ld["rows_diverged"], lh["rows_diverged"], "{name}");
+            assert_eq!(ld["first_tap"], lh["first_tap"], "{name}");
+            let (a, b) = (
+                ld["max_rel_l2"].as_f64().unwrap(),
+                lh["max_rel_l2"].as_f64().unwrap(),
+            );
+            assert!((a - b).abs() <= 1e-4 * b.max(1e-3), "{name}: {a} vs {b}");
+        }
+    }
 }

@@ -37,6 +37,7 @@ const KERNELS: &[&str] = &[
     "to_bf16",
     "argmax",
     "diff_rows",
+    "copy_rows",
 ];
 
 const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
@@ -69,6 +70,9 @@ pub struct Gpu {
     pub blas: CudaBlas,
     kernels: Vec<CudaFunction>,
     pub name: String,
+    /// Per operation: calls and seconds, when `KVDIFF_CUDA_PROFILE` is set (each operation is
+    /// then synchronised, so totals are exact but the run is slower).
+    profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -119,7 +123,44 @@ impl Gpu {
             blas,
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
+            profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
         }))
+    }
+
+    /// Runs `f` as operation `name`, timed when profiling.
+    fn timed<R>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> R) -> R {
+        let Some(p) = &self.profile else { return f() };
+        self.sync();
+        let t = std::time::Instant::now();
+        let r = f();
+        self.sync();
+        let dt = t.elapsed().as_secs_f64();
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(name()).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += dt;
+        r
+    }
+
+    /// The profile table, when profiling.
+    pub fn profile_report(&self) -> Option<String> {
+        let p = self.profile.as_ref()?.lock().ok()?;
+        let total: f64 = p.values().map(|v| v.1).sum();
+        let mut rows: Vec<_> = p.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let mut s = format!(
+            "CUDA profile: {:.1} ms in {} operations\n",
+            total * 1e3,
+            p.values().map(|v| v.0).sum::<u64>()
+        );
+        for (k, (n, t)) in rows {
+            s += &format!(
+                "  {k:<28} {n:>7} calls {:>9.2} ms {:>8.1} us/call\n",
+                t * 1e3,
+                t * 1e6 / *n as f64
+            );
+        }
+        Some(s)
     }
 
     pub fn kernel(&self, name: &str) -> &CudaFunction {
@@ -185,6 +226,16 @@ impl Gpu {
     /// `y[n, m] (f32) = x[n, k] (bf16) · w[m, k]ᵀ (bf16)`, f32 accumulation. Pointers are raw
     /// device addresses so callers can pass offsets into larger buffers.
     pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        let shape = || {
+            format!(
+                "gemm n={} {k}x{m}",
+                if n == 1 { "1".into() } else { n.to_string() }
+            )
+        };
+        self.timed(shape, || self.gemm_bf16_now(x, w, y, n, k, m));
+    }
+
+    fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (k×m col-major, transposed),
         // B = x (k×n col-major).
@@ -232,7 +283,20 @@ impl Gpu {
             shared_mem_bytes: shared,
         };
         // Safety: each call site passes the arguments its kernel's signature lists.
-        unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
+        self.timed(
+            || {
+                format!(
+                    "{kernel}{}",
+                    if grid == 1 || kernel == "attention" && grid < 64 {
+                        " (decode)"
+                    } else {
+                        ""
+                    }
+                )
+            },
+            || unsafe { b.launch(cfg) },
+        )
+        .unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
     }
 }
 

@@ -226,12 +226,15 @@ pub fn argmax(gpu: &Gpu, x: &[f32]) -> usize {
     gpu.download(&out, 1)[0] as usize
 }
 
-/// Per row of width `w`: [max|a-b|, its index, max|b|, Σ(a-b)², Σb², Σab, Σa², first
-/// non-finite index or -1].
-pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 8]> {
+/// Per row of width `w`: the 12 summaries of `kernels/diff.cu` (max|a-b|, its index, max|b|,
+/// Σ(a-b)², Σb², Σab, Σa², first non-finite index or -1, bitwise-different count, a and b at
+/// the reported index).
+pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 12]> {
     let rows = a.len() / w;
     let (da, db) = (gpu.upload(a), gpu.upload(b));
-    let out = poison_f32(gpu, rows * 8);
+    let idx: Vec<i32> = (0..rows as i32).collect();
+    let didx = gpu.upload(&idx);
+    let out = poison_f32(gpu, rows * 12);
     gpu.launch(
         "diff_rows",
         rows as u32,
@@ -239,13 +242,18 @@ pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 8]> {
         0,
         &[
             Arg::Ptr(ptr(gpu, &da, 0)),
+            Arg::I32(w as i32),
+            Arg::I32(w as i32),
             Arg::Ptr(ptr(gpu, &db, 0)),
             Arg::I32(w as i32),
+            Arg::I32(w as i32),
+            Arg::Ptr(ptr(gpu, &didx, 0)),
+            Arg::I32(0),
             Arg::Ptr(ptr(gpu, &out, 0)),
         ],
     );
-    gpu.download(&out, rows * 8)
-        .chunks_exact(8)
+    gpu.download(&out, rows * 12)
+        .chunks_exact(12)
         .map(|c| c.try_into().unwrap())
         .collect()
 }

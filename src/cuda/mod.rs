@@ -6,7 +6,9 @@ mod gpu;
 pub mod host_ops;
 mod kv;
 mod model;
+mod tap_diff;
 
 pub use gpu::{unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
 pub use model::{weight_bytes, CudaModel};
+pub use tap_diff::{combine_rows, DeviceDiffs, DeviceRecorded};

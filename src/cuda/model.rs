@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{emit, Batch, HostWeights};
-use crate::tap::{LayerTap, TapId, TapSink};
+use crate::tap::{DeviceTap, LayerTap, TapId, TapSink};
 
 struct Layer {
     input_norm: CudaSlice<u16>,
@@ -196,9 +196,7 @@ impl CudaModel {
                 Arg::I32(h as i32),
             ],
         );
-        if wants(sink, TapId::Embed) {
-            emit(sink, step, TapId::Embed, pos, &[n, h], &fetch(&x, n * h));
-        }
+        offer(sink, step, &self.gpu, TapId::Embed, pos, &[n, h], &x, n * h);
         let add_norm = |x: u64, add: u64, resid: u64, w: u64, out: u64, out_bf: u64| {
             g.launch(
                 "add_rms_norm",
@@ -228,26 +226,26 @@ impl CudaModel {
 
         for (l, w) in self.layers.iter().enumerate() {
             let tap = |t| TapId::Layer(l, t);
-            if wants(sink, tap(LayerTap::ResidIn)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::ResidIn),
-                    pos,
-                    &[n, h],
-                    &fetch(&x, n * h),
-                );
-            }
-            if wants(sink, tap(LayerTap::AttnNorm)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::AttnNorm),
-                    pos,
-                    &[n, h],
-                    &fetch(&xn, n * h),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::ResidIn),
+                pos,
+                &[n, h],
+                &x,
+                n * h,
+            );
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::AttnNorm),
+                pos,
+                &[n, h],
+                &xn,
+                n * h,
+            );
             g.gemm_bf16(pb(&xn_bf), pb(&w.qkv), p(&qkv), n, h, qkvd);
             for (col, nh, weight, normed, rotated, rp) in [
                 (0, heads, &w.q_norm, &q_n, &q_r, &rope_pos),
@@ -273,54 +271,68 @@ impl CudaModel {
                     ],
                 );
             }
-            if wants(sink, tap(LayerTap::Q)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::Q),
-                    pos,
-                    &[n, heads, hd],
-                    &fetch(&q_n, n * qd),
-                );
-            }
-            if wants(sink, tap(LayerTap::K)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::K),
-                    pos,
-                    &[n, kvh, hd],
-                    &fetch(&k_n, n * kvd),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::Q),
+                pos,
+                &[n, heads, hd],
+                &q_n,
+                n * qd,
+            );
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::K),
+                pos,
+                &[n, kvh, hd],
+                &k_n,
+                n * kvd,
+            );
             if wants(sink, tap(LayerTap::V)) {
-                let all = fetch(&qkv, n * qkvd);
-                let v: Vec<f32> = all
-                    .chunks_exact(qkvd)
-                    .flat_map(|r| r[qd + kvd..].iter().copied())
-                    .collect();
-                emit(sink, step, tap(LayerTap::V), pos, &[n, kvh, hd], &v);
+                let id = tap(LayerTap::V);
+                let t = DeviceTap {
+                    id,
+                    positions: pos,
+                    gpu: &self.gpu,
+                    ptr: ptr(g, &qkv, qd + kvd),
+                    rows: n,
+                    width: kvd,
+                    stride: qkvd,
+                    rows_per_token: 1,
+                    shape: vec![n, kvh, hd],
+                };
+                if !sink.record_device(step, &t) {
+                    let all = fetch(&qkv, n * qkvd);
+                    let v: Vec<f32> = all
+                        .chunks_exact(qkvd)
+                        .flat_map(|r| r[qd + kvd..].iter().copied())
+                        .collect();
+                    emit(sink, step, id, pos, &[n, kvh, hd], &v);
+                }
             }
-            if wants(sink, tap(LayerTap::QRope)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::QRope),
-                    pos,
-                    &[n, heads, hd],
-                    &fetch(&q_r, n * qd),
-                );
-            }
-            if wants(sink, tap(LayerTap::KRope)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::KRope),
-                    pos,
-                    &[n, kvh, hd],
-                    &fetch(&k_r, n * kvd),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::QRope),
+                pos,
+                &[n, heads, hd],
+                &q_r,
+                n * qd,
+            );
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::KRope),
+                pos,
+                &[n, kvh, hd],
+                &k_r,
+                n * kvd,
+            );
             g.launch(
                 "append_kv",
                 n as u32,
@@ -358,8 +370,24 @@ impl CudaModel {
                     Arg::F32(1.0 / (hd as f32).sqrt()),
                 ],
             );
-            if wants(sink, tap(LayerTap::AttnProbs)) {
-                // Rows over cache entries, re-indexed by the entries' global positions.
+            // Rows over cache entries; when entry e holds position e they are already indexed
+            // by global position and can stay on the GPU.
+            let identity = positions_now.iter().enumerate().all(|(e, &p)| e == p);
+            let probs_tap = DeviceTap {
+                id: tap(LayerTap::AttnProbs),
+                positions: pos,
+                gpu: &self.gpu,
+                ptr: p(&probs),
+                rows: n * heads,
+                width: span,
+                stride: span,
+                rows_per_token: heads,
+                shape: vec![n, heads, span],
+            };
+            if wants(sink, tap(LayerTap::AttnProbs))
+                && !(identity && sink.record_device(step, &probs_tap))
+            {
+                // Re-indexed by the entries' global positions.
                 let rows = fetch(&probs, n * heads * span);
                 let width = positions_now.iter().max().map_or(0, |m| m + 1);
                 let mut out = vec![0f32; n * heads * width];
@@ -378,48 +406,48 @@ impl CudaModel {
                     &out,
                 );
             }
-            if wants(sink, tap(LayerTap::AttnOut)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::AttnOut),
-                    pos,
-                    &[n, qd],
-                    &fetch(&attn, n * qd),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::AttnOut),
+                pos,
+                &[n, qd],
+                &attn,
+                n * qd,
+            );
             g.gemm_bf16(pb(&attn_bf), pb(&w.o), p(&o), n, qd, h);
-            if wants(sink, tap(LayerTap::OProj)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::OProj),
-                    pos,
-                    &[n, h],
-                    &fetch(&o, n * h),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::OProj),
+                pos,
+                &[n, h],
+                &o,
+                n * h,
+            );
             add_norm(p(&x), p(&o), p(&mid), pb(&w.post_norm), p(&xn), pb(&xn_bf));
-            if wants(sink, tap(LayerTap::ResidMid)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::ResidMid),
-                    pos,
-                    &[n, h],
-                    &fetch(&mid, n * h),
-                );
-            }
-            if wants(sink, tap(LayerTap::MlpNorm)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::MlpNorm),
-                    pos,
-                    &[n, h],
-                    &fetch(&xn, n * h),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::ResidMid),
+                pos,
+                &[n, h],
+                &mid,
+                n * h,
+            );
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::MlpNorm),
+                pos,
+                &[n, h],
+                &xn,
+                n * h,
+            );
             g.gemm_bf16(pb(&xn_bf), pb(&w.gate_up), p(&gu), n, h, 2 * inter);
             let total = n * inter;
             g.launch(
@@ -435,45 +463,45 @@ impl CudaModel {
                 ],
             );
             g.gemm_bf16(pb(&act_bf), pb(&w.down), p(&mlp), n, inter, h);
-            if wants(sink, tap(LayerTap::MlpOut)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::MlpOut),
-                    pos,
-                    &[n, h],
-                    &fetch(&mlp, n * h),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::MlpOut),
+                pos,
+                &[n, h],
+                &mlp,
+                n * h,
+            );
             // The residual leaving this layer, normed for the next one (or the final norm).
             let next_norm = self
                 .layers
                 .get(l + 1)
                 .map_or(&self.norm, |nl| &nl.input_norm);
             add_norm(p(&mid), p(&mlp), p(&x), pb(next_norm), p(&xn), pb(&xn_bf));
-            if wants(sink, tap(LayerTap::ResidOut)) {
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::ResidOut),
-                    pos,
-                    &[n, h],
-                    &fetch(&x, n * h),
-                );
-            }
+            offer(
+                sink,
+                step,
+                &self.gpu,
+                tap(LayerTap::ResidOut),
+                pos,
+                &[n, h],
+                &x,
+                n * h,
+            );
         }
         kv.len += n;
 
-        if wants(sink, TapId::FinalNorm) {
-            emit(
-                sink,
-                step,
-                TapId::FinalNorm,
-                pos,
-                &[n, h],
-                &fetch(&xn, n * h),
-            );
-        }
+        offer(
+            sink,
+            step,
+            &self.gpu,
+            TapId::FinalNorm,
+            pos,
+            &[n, h],
+            &xn,
+            n * h,
+        );
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if wants(sink, TapId::Logits) {
             let logits = g.alloc::<f32>(n * vocab);
@@ -493,5 +521,38 @@ impl CudaModel {
             );
             fetch(&logits, vocab)
         }
+    }
+}
+
+/// Offers a GPU buffer as a tap (`len` values, one row per position): kept or compared on the
+/// GPU if the sink can, else copied to the host.
+#[allow(clippy::too_many_arguments)]
+fn offer(
+    sink: &mut dyn TapSink,
+    step: usize,
+    gpu: &Arc<Gpu>,
+    id: TapId,
+    pos: &[usize],
+    shape: &[usize],
+    buf: &CudaSlice<f32>,
+    len: usize,
+) {
+    if !sink.table().wants(id) {
+        return;
+    }
+    let width = len / pos.len();
+    let tap = DeviceTap {
+        id,
+        positions: pos,
+        gpu,
+        ptr: ptr(gpu, buf, 0),
+        rows: pos.len(),
+        width,
+        stride: width,
+        rows_per_token: 1,
+        shape: shape.to_vec(),
+    };
+    if !sink.record_device(step, &tap) {
+        emit(sink, step, id, pos, shape, &gpu.download(buf, len));
     }
 }
