@@ -56,12 +56,29 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     for (int e = threadIdx.x; e < visible; e += blockDim.x) row[e] *= e < cut ? norm_a : norm_b;
     __syncthreads();
 
-    // Output: threads across the head dimension, keys in order.
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    // Output: the block splits into groups of head_dim threads; group g sums keys g, g + G,
+    // ... with two accumulators (more loads in flight), then the groups' partial sums are
+    // added in a fixed order.
+    int groups = blockDim.x / head_dim;
+    int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    if (g < groups) {
         const float* v = values + kvh * head_dim + d;
+        int e = g;
+        for (; e + groups < visible; e += 2 * groups) {
+            acc0 += row[e] * v[(size_t)e * kv_dim];
+            acc1 += row[e + groups] * v[(size_t)(e + groups) * kv_dim];
+        }
+        if (e < visible) acc0 += row[e] * v[(size_t)e * kv_dim];
+    }
+    __syncthreads();
+    float* part = qs + head_dim;  // dynamic shared memory: head_dim + blockDim.x floats
+    if (g < groups) part[g * head_dim + d] = acc0 + acc1;
+    __syncthreads();
+    if (threadIdx.x < head_dim) {
         float acc = 0.0f;
-        for (int e = 0; e < visible; e++) acc += row[e] * v[(size_t)e * kv_dim];
-        size_t o = ((size_t)t * heads + h) * head_dim + d;
+        for (int k = 0; k < groups; k++) acc += part[k * head_dim + threadIdx.x];
+        size_t o = ((size_t)t * heads + h) * head_dim + threadIdx.x;
         out[o] = acc;
         out_bf16[o] = f32_to_bf16(acc);
     }

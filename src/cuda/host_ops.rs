@@ -132,11 +132,12 @@ pub fn attention(
     let probs = poison_f32(gpu, n * heads * entries);
     let out = poison_f32(gpu, n * heads * hd);
     let out_bf = poison_bf16(gpu, n * heads * hd);
+    let block = super::model::attention_block(n * heads, hd);
     gpu.launch(
         "attention",
         (n * heads) as u32,
-        256,
-        (hd * 4) as u32,
+        block,
+        (hd as u32 + block) * 4,
         &[
             Arg::Ptr(ptr(gpu, &dq, 0)),
             Arg::Ptr(ptr(gpu, &dk, 0)),

@@ -65,6 +65,16 @@ pub fn weight_bytes(c: &Config) -> u64 {
 impl CudaModel {
     /// Uploads the weights as bf16, failing before any allocation if they cannot fit.
     pub(crate) fn upload(gpu: Arc<Gpu>, config: &Config, w: &HostWeights<'_>) -> Result<Self> {
+        if config.head_dim > 1024 {
+            return Err(Error::usage(
+                "--backend cuda",
+                format!(
+                    "head_dim {} is above the 1024 the CUDA kernels handle",
+                    config.head_dim
+                ),
+                "use --backend cpu for this model",
+            ));
+        }
         let need = weight_bytes(config);
         let (free, _) = gpu.memory();
         // Room for activations and caches on top of the weights.
@@ -349,11 +359,12 @@ impl CudaModel {
                     Arg::I32(kvd as i32),
                 ],
             );
+            let block = attention_block(n * heads, hd);
             g.launch(
                 "attention",
                 (n * heads) as u32,
-                256,
-                (hd * 4) as u32,
+                block,
+                (hd as u32 + block) * 4,
                 &[
                     Arg::Ptr(p(&q_r)),
                     Arg::Ptr(kv.key_ptr(l)),
@@ -555,4 +566,11 @@ fn offer(
     if !sink.record_device(step, &tap) {
         emit(sink, step, id, pos, shape, &gpu.download(buf, len));
     }
+}
+
+/// Threads per attention block: few blocks (decode) get 1024 threads so one block's keys are
+/// spread over many warps; many blocks (prefill) get 256. At least one head's width.
+pub(crate) fn attention_block(blocks: usize, head_dim: usize) -> u32 {
+    let t = if blocks < 264 { 1024 } else { 256 };
+    t.max(head_dim as u32)
 }
