@@ -25,5 +25,7 @@ for t in "${targets[@]}"; do
         cmp -s "$f" "$corpus/$(basename "$f")" 2>/dev/null || cp "$f" "$corpus/"
     done
     rm -rf "$work"
+    # Keep the repository lean: the 300 smallest inputs besides the seeds.
+    ls -S -r "$corpus" | grep -v '^seed-' | tail -n +301 | sed "s|^|$corpus/|" | xargs -r rm -f
     echo "== $t: corpus $(ls "$corpus" | wc -l) files"
 done
