@@ -334,6 +334,17 @@ struct PendingDiff {
 }
 
 impl Comparator<'_> {
+    /// The reference's taps of the step about to be compared, on the host or the GPU.
+    fn set_reference(&mut self, rec: Recorder) {
+        self.reference = rec.taps.into_iter().map(|t| (t.id, t)).collect();
+        self.device_reference = rec
+            .device
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| (t.id, t))
+            .collect();
+    }
+
     /// Reads back the queued GPU diffs and books them.
     fn flush(&mut self) {
         if self.pending.is_empty() {
@@ -562,13 +573,7 @@ impl CompareSpec<'_> {
             let positions: Vec<usize> = (0..n).collect();
             dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.taps);
         }
-        cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
-        cmp.device_reference = ref_rec
-            .device
-            .unwrap_or_default()
-            .into_iter()
-            .map(|t| (t.id, t))
-            .collect();
+        cmp.set_reference(ref_rec);
         let mut store = ChunkStore::default();
         let path_model = self.path_model;
         let (mut cache, mut logits) = match &mut dumps {
@@ -621,13 +626,7 @@ impl CompareSpec<'_> {
             if let Some((_, Some(d))) = &mut dumps {
                 dump_recorded(d, step, &[rt], &pos, &ref_rec.taps);
             }
-            cmp.reference = ref_rec.taps.into_iter().map(|t| (t.id, t)).collect();
-            cmp.device_reference = ref_rec
-                .device
-                .unwrap_or_default()
-                .into_iter()
-                .map(|t| (t.id, t))
-                .collect();
+            cmp.set_reference(ref_rec);
             let fed = [rt];
             let batch = Batch {
                 cascade_split: split,
