@@ -138,10 +138,21 @@ proptest! {
         prop_assert!(!r.diverged, "cascade diverged: {:?}", r.first_divergence);
         // A reused chunk that is not the first and not the query exists only with 3+ chunks.
         let second = (prompt.chunks.len() >= 3).then(|| prompt.chunks[1].start);
+        let last = prompt.chunks.len() - 1;
+        let repeats = (1..last).any(|i| {
+            (0..i).any(|j| prompt.tokens(&prompt.chunks[i]) == prompt.tokens(&prompt.chunks[j]))
+        });
         for mode in [Reuse::Local, Reuse::Global, Reuse::Rerotate] {
             let r = compare(&m, &tok, &prompt, &ROUNDING, PathSpec::ChunkReuse(mode));
             match second {
                 None => prop_assert!(r.first_divergence.is_none(), "{mode:?} with <3 chunks: {:?}", r.first_divergence),
+                // A middle chunk whose tokens repeat an earlier chunk's is a content-hash hit
+                // under local and rerotate: it emits no taps, so the first divergence shows
+                // later; only its lower bound is asserted then.
+                Some(pos) if mode != Reuse::Global && repeats => {
+                    let d = r.first_divergence.expect("a reused chunk after the first must diverge");
+                    prop_assert!(d.step == 0 && d.position >= pos, "{:?}: {:?}", mode, d);
+                }
                 Some(pos) => {
                     let d = r.first_divergence.expect("a reused chunk after the first must diverge");
                     prop_assert_eq!((d.step, d.layer, d.position), (0, Some(0), pos), "{:?}: {:?}", mode, d);
