@@ -147,11 +147,13 @@ proptest! {
             match second {
                 None => prop_assert!(r.first_divergence.is_none(), "{mode:?} with <3 chunks: {:?}", r.first_divergence),
                 // A middle chunk whose tokens repeat an earlier chunk's is a content-hash hit
-                // under local and rerotate: it emits no taps, so the first divergence shows
-                // later; only its lower bound is asserted then.
+                // under local and rerotate: it emits no taps, so a divergence shows later, if at
+                // all (a repeated token attending to copies of itself computes the same values
+                // wherever it stands); only the lower bound of the site is asserted then.
                 Some(pos) if mode != Reuse::Global && repeats => {
-                    let d = r.first_divergence.expect("a reused chunk after the first must diverge");
-                    prop_assert!(d.step == 0 && d.position >= pos, "{:?}: {:?}", mode, d);
+                    if let Some(d) = r.first_divergence {
+                        prop_assert!(d.position >= pos, "{:?}: {:?}", mode, d);
+                    }
                 }
                 Some(pos) => {
                     let d = r.first_divergence.expect("a reused chunk after the first must diverge");
