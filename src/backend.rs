@@ -81,15 +81,7 @@ impl fmt::Display for Target {
 
 /// Parses a comma-separated list of `PATH[@BACKEND]`.
 pub fn parse_targets(s: &str) -> Result<Vec<Target>, String> {
-    let targets: Vec<Target> = s
-        .split(',')
-        .filter(|p| !p.trim().is_empty())
-        .map(Target::parse)
-        .collect::<Result<_, _>>()?;
-    if targets.is_empty() {
-        return Err("no path given".into());
-    }
-    Ok(targets)
+    crate::paths::parse_comma_list(s, Target::parse)
 }
 
 #[cfg(test)]

@@ -158,15 +158,23 @@ fn prefill_query(
 
 /// Parses a comma-separated path list.
 pub fn parse_list(s: &str) -> Result<Vec<PathSpec>, String> {
-    let paths: Vec<PathSpec> = s
+    parse_comma_list(s, PathSpec::parse)
+}
+
+/// Parses a non-empty comma-separated list of paths (empty items are skipped) with `item`.
+pub fn parse_comma_list<T>(
+    s: &str,
+    item: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    let items: Vec<T> = s
         .split(',')
         .filter(|p| !p.trim().is_empty())
-        .map(PathSpec::parse)
+        .map(item)
         .collect::<Result<_, _>>()?;
-    if paths.is_empty() {
+    if items.is_empty() {
         return Err("no path given".into());
     }
-    Ok(paths)
+    Ok(items)
 }
 
 /// KV computed once per key and reused, with hit and miss counts for the report.
