@@ -2,19 +2,22 @@
 // sees entries 0..=base+t. With 0 < split < visible, entries [0, split) and [split, visible)
 // get separate softmaxes merged by log-sum-exp (cascade attention); the probabilities written
 // are the merged ones. KV may come from anywhere the path put it: the kernel only reads the
-// cache. One block per (token, head); `probs` is [n, heads, span] and doubles as scratch.
+// cache. `meta[0]` is base (the cache length before the batch), read on the device so that a
+// captured decode step replays at any length. One block per (token, head); `probs` is [n,
+// heads, stride] and doubles as scratch; columns visible..base+n of each row are zeroed.
 // Writes the output in f32 and bf16 (the o_proj GEMM's input).
 extern "C" __global__ void attention(const float* q, const float* keys, const float* values,
-                                     float* probs, float* out, bf16_t* out_bf16, int base,
-                                     int split, int heads, int kv_heads, int head_dim, int span,
+                                     float* probs, float* out, bf16_t* out_bf16, const int* meta,
+                                     int split, int heads, int kv_heads, int head_dim, int stride,
                                      float scale) {
     __shared__ float scratch[32];
     extern __shared__ float qs[];
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
+    int base = meta[0], span = base + gridDim.x / heads;
     int visible = base + t + 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float* row = probs + (size_t)blockIdx.x * span;
+    float* row = probs + (size_t)blockIdx.x * stride;
     const float* qv = q + ((size_t)t * heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
@@ -79,6 +82,132 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
         float acc = 0.0f;
         for (int k = 0; k < groups; k++) acc += part[k * head_dim + threadIdx.x];
         size_t o = ((size_t)t * heads + h) * head_dim + threadIdx.x;
+        out[o] = acc;
+        out_bf16[o] = f32_to_bf16(acc);
+    }
+}
+
+// Decode attention split over the keys (flash-decoding): one query, many keys, so one block per
+// head would leave most of the GPU idle. Block (head, c) takes chunk c of at most DECODE_CHUNK
+// keys (chunks never straddle the cascade split), keeps exp(score - chunk max) in `probs` and
+// writes [chunk max, chunk sum, partial output (head_dim)] to `part`; attention_merge then
+// rescales both. Blocks past the last key write an empty chunk. `meta[0]` is base.
+#define DECODE_CHUNK 64
+
+__device__ __forceinline__ void decode_chunk(int c, int visible, int cut, int* start, int* end) {
+    int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    if (c < na) {
+        *start = c * DECODE_CHUNK;
+        *end = min(*start + DECODE_CHUNK, cut);
+    } else {
+        *start = cut + (c - na) * DECODE_CHUNK;
+        *end = min(*start + DECODE_CHUNK, visible);
+    }
+}
+
+extern "C" __global__ void attention_decode(const float* q, const float* keys,
+                                            const float* values, float* probs, float* part,
+                                            const int* meta, int split, int heads, int kv_heads,
+                                            int head_dim, int stride, int chunks, float scale) {
+    __shared__ float scratch[32];
+    __shared__ float sc[DECODE_CHUNK];
+    extern __shared__ float qs[];
+    int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
+    int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
+    int visible = meta[0] + 1;
+    int cut = (split > 0 && split < visible) ? split : 0;
+    int start, end;
+    decode_chunk(c, visible, cut, &start, &end);
+    float* pm = part + ((size_t)h * chunks + c) * (head_dim + 2);
+    if (start >= end) {
+        if (threadIdx.x == 0) {
+            pm[0] = NEG_INF;
+            pm[1] = 0.0f;
+        }
+        return;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float* qv = q + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
+    __syncthreads();
+    for (int e = start + warp; e < end; e += warps) {
+        const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
+        float acc = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) acc += qs[d] * k[d];
+        acc = warp_sum(acc);
+        if (lane == 0) sc[e - start] = acc * scale;
+    }
+    __syncthreads();
+    int len = end - start;
+    float m = threadIdx.x < len ? sc[threadIdx.x] : NEG_INF;
+    m = block_max(m, scratch);
+    float p = threadIdx.x < len ? expf(sc[threadIdx.x] - m) : 0.0f;
+    float sum = block_sum(p, scratch);
+    if (threadIdx.x < len) {
+        sc[threadIdx.x] = p;
+        probs[(size_t)h * stride + start + threadIdx.x] = p;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        const float* v = values + kvh * head_dim + d;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        int e = 0;
+        for (; e + 1 < len; e += 2) {
+            acc0 += sc[e] * v[(size_t)(start + e) * kv_dim];
+            acc1 += sc[e + 1] * v[(size_t)(start + e + 1) * kv_dim];
+        }
+        if (e < len) acc0 += sc[e] * v[(size_t)(start + e) * kv_dim];
+        pm[2 + d] = acc0 + acc1;
+    }
+    if (threadIdx.x == 0) {
+        pm[0] = m;
+        pm[1] = sum;
+    }
+}
+
+// Merges attention_decode's chunks per head: per cascade segment the log-sum-exp of its chunks,
+// the segments weighted as in `attention`; rescales the probabilities in place and writes the
+// output in f32 and bf16. One block per head; dynamic shared memory holds `chunks` floats.
+extern "C" __global__ void attention_merge(float* probs, const float* part, float* out,
+                                           bf16_t* out_bf16, const int* meta, int split,
+                                           int head_dim, int stride, int chunks) {
+    extern __shared__ float factor[];
+    int h = blockIdx.x;
+    int visible = meta[0] + 1;
+    int cut = (split > 0 && split < visible) ? split : 0;
+    int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    const float* ph = part + (size_t)h * chunks * (head_dim + 2);
+    if (threadIdx.x == 0) {
+        float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
+        for (int c = 0; c < chunks; c++) {
+            int s = c < na ? 0 : 1;
+            mx[s] = fmaxf(mx[s], ph[(size_t)c * (head_dim + 2)]);
+        }
+        for (int c = 0; c < chunks; c++) {
+            const float* pc = ph + (size_t)c * (head_dim + 2);
+            int s = c < na ? 0 : 1;
+            if (pc[1] > 0.0f) tot[s] += pc[1] * expf(pc[0] - mx[s]);
+        }
+        float lse_a = na > 0 ? mx[0] + logf(tot[0]) : NEG_INF, lse_b = mx[1] + logf(tot[1]);
+        float m = fmaxf(lse_a, lse_b);
+        float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
+        float norm[2] = {na > 0 ? wa / (wa + wb) / tot[0] : 0.0f, wb / (wa + wb) / tot[1]};
+        for (int c = 0; c < chunks; c++) {
+            const float* pc = ph + (size_t)c * (head_dim + 2);
+            int s = c < na ? 0 : 1;
+            factor[c] = pc[1] > 0.0f ? expf(pc[0] - mx[s]) * norm[s] : 0.0f;
+        }
+    }
+    __syncthreads();
+    float* row = probs + (size_t)h * stride;
+    for (int e = threadIdx.x; e < visible; e += blockDim.x)
+        row[e] *= factor[e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        // Empty chunks wrote no partial output: skip them rather than multiply garbage by 0.
+        for (int c = 0; c < chunks; c++)
+            if (factor[c] != 0.0f) acc += factor[c] * ph[(size_t)c * (head_dim + 2) + 2 + d];
+        size_t o = (size_t)h * head_dim + d;
         out[o] = acc;
         out_bf16[o] = f32_to_bf16(acc);
     }

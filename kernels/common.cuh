@@ -50,3 +50,22 @@ __device__ float block_max(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : NEG_INF;
     return warp_max(v);
 }
+
+// The block's largest `v` with its index `i` (the smallest index among equals) into best_v[0]
+// and best_i[0]; the arrays hold blockDim.x entries, a power of two.
+__device__ void block_argmax(float v, int i, float* best_v, int* best_i) {
+    best_v[threadIdx.x] = v;
+    best_i[threadIdx.x] = i;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float w = best_v[threadIdx.x + s];
+            int j = best_i[threadIdx.x + s];
+            if (w > best_v[threadIdx.x] || (w == best_v[threadIdx.x] && j < best_i[threadIdx.x])) {
+                best_v[threadIdx.x] = w;
+                best_i[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+}

@@ -31,19 +31,6 @@ extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
         float v = x[i];
         if (v > bv) { bv = v; bi = i; }
     }
-    best_v[threadIdx.x] = bv;
-    best_i[threadIdx.x] = bi;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            float v = best_v[threadIdx.x + s];
-            int i = best_i[threadIdx.x + s];
-            if (v > best_v[threadIdx.x] || (v == best_v[threadIdx.x] && i < best_i[threadIdx.x])) {
-                best_v[threadIdx.x] = v;
-                best_i[threadIdx.x] = i;
-            }
-        }
-        __syncthreads();
-    }
+    block_argmax(bv, bi, best_v, best_i);
     if (threadIdx.x == 0) *out = best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }

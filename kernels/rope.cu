@@ -24,11 +24,11 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int ld, int col, const
 }
 
 // Appends a batch's rotated keys and its values (read from the fused QKV output) at entry
-// `base` of one layer's cache. One block per token.
+// `meta[0]` (base) of one layer's cache. One block per token.
 extern "C" __global__ void append_kv(const float* k_rot, const float* qkv, int ld, int v_col,
-                                     float* keys, float* values, int base, int kv_dim) {
+                                     float* keys, float* values, const int* meta, int kv_dim) {
     int t = blockIdx.x;
-    size_t dst = ((size_t)base + t) * kv_dim;
+    size_t dst = ((size_t)meta[0] + t) * kv_dim;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
         keys[dst + i] = k_rot[(size_t)t * kv_dim + i];
         values[dst + i] = qkv[(size_t)t * ld + v_col + i];

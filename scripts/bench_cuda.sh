@@ -38,11 +38,17 @@ run_timed() {  # name, repeats, command...: in-process ms and wall seconds per r
 }
 model=(--model "$work/model")
 run_timed generate 5 "$bin" generate --backend cuda "${model[@]}" --max-new-tokens 64 "$work/prompt.json"
-run_timed compare 2 "$bin" compare --backend cuda "${model[@]}" --reference standard \
+KVDIFF_CUDA_GRAPHS=0 run_timed generate_eager 3 "$bin" generate --backend cuda "${model[@]}" --max-new-tokens 64 "$work/prompt.json"
+run_timed compare 3 "$bin" compare --backend cuda "${model[@]}" --reference standard \
   --paths chunk-reuse:rerotate --taps 'L*' --tolerance fixed --rtol 0.05 --max-new-tokens 64 \
   --json "$work/compare.json" "$work/prompt.json"
 run_timed compare_auto 1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
   --paths chunk-reuse:rerotate --taps 'L*' --max-new-tokens 64 "$work/prompt.json"
+say "phase timings (KVDIFF_TIMING)"
+KVDIFF_TIMING=1 "$bin" generate --backend cuda "${model[@]}" --max-new-tokens 64 "$work/prompt.json" 2>&1 >/dev/null | grep -A12 "kvdiff timing" >&2
+KVDIFF_TIMING=1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
+  --paths chunk-reuse:rerotate --taps 'L*' --tolerance fixed --rtol 0.05 --max-new-tokens 64 \
+  "$work/prompt.json" 2>&1 >/dev/null | grep -A16 "kvdiff timing" >&2
 say "profiles (every operation synchronised)"
 KVDIFF_CUDA_PROFILE=1 "$bin" generate --backend cuda "${model[@]}" --max-new-tokens 64 "$work/prompt.json" 2>&1 >/dev/null | head -14 >&2
 KVDIFF_CUDA_PROFILE=1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
@@ -59,6 +65,7 @@ def times(name):
     rows = [l.split() for l in open(f"{work}/{name}.times") if l.strip()]
     return statistics.median(float(r[0]) / 1e3 for r in rows), statistics.median(float(r[1]) / 1e3 for r in rows)
 gen, gen_wall = times("generate")
+gen_eager, gen_eager_wall = times("generate_eager")
 cmp_, cmp_wall = times("compare")
 cmp_auto, cmp_auto_wall = times("compare_auto")
 h, L, i, v, qd, kvd = 1024, 28, 3072, 151936, 2048, 1024
@@ -71,6 +78,7 @@ floor_decode = 64 * weight_bytes / ceil["bandwidth_Bps"]
 floor = floor_prefill + floor_decode
 rows = [
     ("kvdiff generate (cuda)", gen, gen_wall),
+    ("  same, decode steps without CUDA graphs", gen_eager, gen_eager_wall),
     ("kvdiff compare std vs rerotate, L* taps", cmp_, cmp_wall),
     ("  same, with auto tolerance learning", cmp_auto, cmp_auto_wall),
     ("HF generate sdpa", hf["hf_sdpa_s"], None),
@@ -86,6 +94,7 @@ print(f"\nprompt {p} tokens + 64 greedy; bandwidth {ceil['bandwidth_Bps']/1e12:.
 print(f"{'what':44} {'in-process s':>12} {'wall s':>8} {'x floor':>8}")
 for n, s, w in rows:
     print(f"{n:44} {s:12.4f} {(w if w else float('nan')):8.3f} {s / floor:8.1f}")
+print(f"HF sdpa / kvdiff generate: {hf['hf_sdpa_s'] / gen:.2f}x   graphs speed-up: {gen_eager / gen:.2f}x")
 print(f"HF sdpa / kvdiff compare: {hf['hf_sdpa_s'] / cmp_:.2f}x   "
       f"HF eager+hidden / kvdiff compare: {hf['hf_eager_hidden_s'] / cmp_:.2f}x")
 PY

@@ -144,22 +144,35 @@ pub struct LogitsAgreement {
     pub rel_l2_max: f64,
 }
 
-/// Indices of the k largest values, largest first, ties by index: a selection, not a sort of
-/// the whole vocabulary.
+/// Indices of the k largest values, largest first, ties by index: one pass keeping the best k
+/// in order, not a sort of the whole vocabulary.
 fn top_k(x: &[f32], k: usize) -> Vec<usize> {
-    let order = |&a: &usize, &b: &usize| x[b].total_cmp(&x[a]).then(a.cmp(&b));
-    let mut idx: Vec<usize> = (0..x.len()).collect();
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k, order);
-        idx.truncate(k);
+    let before = |a: usize, b: usize| x[a].total_cmp(&x[b]).then(b.cmp(&a)).is_gt();
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..x.len() {
+        if best.len() == k && k > 0 && !before(i, best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|&b| before(b, i));
+        best.insert(at, i);
+        best.truncate(k);
     }
-    idx.sort_by(order);
-    idx
+    best
+}
+
+/// `f` of every element, computed in parallel: each value is what the sequential map gives,
+/// so sums taken over the result in order do not depend on the thread count.
+fn par_map(x: &[f32], f: impl Fn(usize, f32) -> f64 + Sync) -> Vec<f64> {
+    use rayon::prelude::*;
+    x.par_iter().enumerate().map(|(i, &v)| f(i, v)).collect()
 }
 
 fn log_softmax(x: &[f32]) -> Vec<f64> {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = m + x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+    let lse = m + par_map(x, |_, v| (v as f64 - m).exp())
+        .iter()
+        .sum::<f64>()
+        .ln();
     x.iter().map(|&v| v as f64 - lse).collect()
 }
 
@@ -180,7 +193,9 @@ impl LogitsAgreement {
             .topk_overlap_min
             .min(tp.iter().filter(|t| tr.contains(t)).count());
         let (lp, lr) = (log_softmax(path), log_softmax(reference));
-        let kl: f64 = lr.iter().zip(&lp).map(|(r, p)| r.exp() * (r - p)).sum();
+        let kl: f64 = par_map(reference, |i, _| lr[i].exp() * (lr[i] - lp[i]))
+            .iter()
+            .sum();
         self.kl_max = self.kl_max.max(kl.max(0.0));
         self.rel_l2_max = self.rel_l2_max.max(row_diff(path, reference).rel_l2);
     }

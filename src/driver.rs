@@ -129,9 +129,13 @@ fn group_of(id: TapId) -> (u8, usize) {
     }
 }
 
-fn kind_of(id: TapId) -> String {
-    let s = id.to_string();
-    s.rsplit('.').next().unwrap_or(&s).to_string()
+fn kind_of(id: TapId) -> &'static str {
+    match id {
+        TapId::Embed => "embed",
+        TapId::Layer(_, t) => t.name(),
+        TapId::FinalNorm => "final_norm",
+        TapId::Logits => "logits",
+    }
 }
 
 impl Comparator<'_> {
@@ -165,8 +169,13 @@ impl Comparator<'_> {
         layer.rows_compared += 1;
         layer.max_rel_l2 = layer.max_rel_l2.max(d.rel_l2);
         if d.max_ref > 0.0 {
-            let n = self.noise.entry(kind.to_string()).or_insert(0.0);
-            *n = n.max(d.max_abs / d.max_ref);
+            let r = d.max_abs / d.max_ref;
+            match self.noise.get_mut(kind) {
+                Some(n) => *n = n.max(r),
+                None => {
+                    self.noise.insert(kind.to_string(), r);
+                }
+            }
         }
         if !diverged(bitwise_equal, &d, self.tol, kind) {
             return;
@@ -250,7 +259,7 @@ impl TapSink for Comparator<'_> {
                 step,
                 v.id,
                 pos,
-                &kind,
+                kind,
                 d,
                 bitwise_equal,
                 a.len().max(b.len()),
@@ -268,6 +277,7 @@ impl TapSink for Comparator<'_> {
             return false;
         }
         let rpt = t.rows_per_token;
+        // Reference rows are usually consecutive positions: try the direct index first.
         let rrows: Vec<Option<usize>> = t
             .positions
             .iter()
@@ -277,44 +287,41 @@ impl TapSink for Comparator<'_> {
                     .or_else(|| r.positions.iter().position(|&p| p == pos))
             })
             .collect();
-        // Consecutive reference rows need no index upload.
-        let first = rrows[0];
-        let contiguous = first.is_some()
-            && rrows
-                .iter()
-                .enumerate()
-                .all(|(i, x)| *x == first.map(|f| f + i));
-        let b_rows: Vec<i32> = if contiguous {
-            Vec::new()
-        } else {
+        let b_rows = || {
             rrows
                 .iter()
-                .flat_map(|x| (0..rpt).map(move |h| x.map_or(-1, |x| (x * rpt + h) as i32)))
-                .collect()
+                .flat_map(|x| (0..rpt).map(move |h| x.map(|x| x * rpt + h)))
         };
-        let b_arg = (!contiguous).then_some(&b_rows[..]);
-        let b_row0 = first.unwrap_or(0) * rpt;
-        let offset = match self.diffs.enqueue(t, r, b_arg, b_row0) {
+        let offset = match self.diffs.enqueue(t, r, b_rows()) {
             Some(o) => o,
             None => {
                 self.flush();
                 let r = &self.device_reference[&t.id];
                 self.diffs
-                    .enqueue(t, r, b_arg, b_row0)
+                    .enqueue(t, r, b_rows())
                     .expect("an empty buffer holds any tap")
             }
         };
+        // A buffer the pass reuses must be read now; persistent ones wait for `end_pass`,
+        // so that a decode step's taps are diffed in one launch.
+        if !t.persistent {
+            self.diffs.launch();
+        }
         let r = &self.device_reference[&t.id];
         self.pending.push(PendingDiff {
             step,
             id: t.id,
             positions: t.positions.to_vec(),
             rows_per_token: rpt,
-            path_width: t.width,
-            ref_width: r.width,
+            path_width: t.lead + t.width,
+            ref_width: r.lead + r.width,
             offset,
         });
         true
+    }
+
+    fn end_pass(&mut self, _step: usize) {
+        self.diffs.launch();
     }
 
     fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
@@ -350,6 +357,7 @@ impl Comparator<'_> {
         if self.pending.is_empty() {
             return;
         }
+        let _span = crate::timing::span("compare: GPU diffs read back and booked");
         let sums = self.diffs.drain();
         for p in std::mem::take(&mut self.pending) {
             let kind = kind_of(p.id);
@@ -362,7 +370,7 @@ impl Comparator<'_> {
                 }
                 let (d, bits) = crate::cuda::combine_rows(rows, w);
                 let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
-                self.consider(p.step, p.id, pos, &kind, d, bitwise_equal, w * rpt);
+                self.consider(p.step, p.id, pos, kind, d, bitwise_equal, w * rpt);
             }
         }
     }
@@ -527,14 +535,22 @@ impl CompareSpec<'_> {
         let n = self.prompt.ids.len();
         let ref_split = self.reference.decode_split(self.prompt);
         // A GPU reference keeps its taps on the GPU unless they are to be dumped.
-        let recorder = || {
+        // A decode step's recorder sees one pass whose taps the path uses before the
+        // reference's next pass, so it may keep them by address.
+        let recorder = |decode: bool| {
             if model.gpu().is_some() && self.dump.is_none() {
-                Recorder::on_device(taps, layers)
+                let r = Recorder::on_device(taps, layers);
+                if decode {
+                    r.borrowing()
+                } else {
+                    r
+                }
             } else {
                 Recorder::new(taps, layers)
             }
         };
-        let mut ref_rec = recorder();
+        let mut ref_rec = recorder(false);
+        let span = crate::timing::span("compare: reference prefill");
         let (mut ref_cache, mut ref_logits) =
             self.reference
                 .prefill(model, self.prompt, &mut ChunkStore::default(), &mut ref_rec);
@@ -574,6 +590,8 @@ impl CompareSpec<'_> {
             dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.taps);
         }
         cmp.set_reference(ref_rec);
+        drop(span);
+        let span = crate::timing::span("compare: path prefill");
         let mut store = ChunkStore::default();
         let path_model = self.path_model;
         let (mut cache, mut logits) = match &mut dumps {
@@ -588,13 +606,26 @@ impl CompareSpec<'_> {
             ),
             None => prefill(path_model, self.prompt, &mut store, &mut cmp),
         };
+        drop(span);
         let mut report_tokens = Vec::new();
         let mut first_token = None;
-        let mut agreement = LogitsAgreement::new(5);
+        // Next-token agreement over the whole vocabulary is host work that needs nothing from
+        // later steps: a worker does it, in step order, while the next steps run.
+        let (to_agreement, steps) = std::sync::mpsc::channel::<(Vec<f32>, Vec<f32>)>();
+        let agreement = std::thread::spawn(move || {
+            let mut a = LogitsAgreement::new(5);
+            for (path, reference) in steps {
+                let _span = crate::timing::span("compare: logits agreement (worker)");
+                a.add(&path, &reference);
+            }
+            a
+        });
         let mut step = 0;
         while step < self.max_new_tokens {
-            agreement.add(&logits, &ref_logits);
             let (rt, pt) = (argmax(&ref_logits) as u32, argmax(&logits) as u32);
+            // Both are replaced by the next step's before they are read again.
+            let _ =
+                to_agreement.send((std::mem::take(&mut logits), std::mem::take(&mut ref_logits)));
             report_tokens.push(pt);
             if rt != pt && first_token.is_none() {
                 first_token = Some(TokenDivergence {
@@ -613,7 +644,8 @@ impl CompareSpec<'_> {
             }
             step += 1;
             let pos = [n + step - 1];
-            let mut ref_rec = recorder();
+            let mut ref_rec = recorder(true);
+            let span = crate::timing::span("compare: reference decode step");
             ref_logits = model.forward(
                 Batch {
                     cascade_split: ref_split,
@@ -627,6 +659,8 @@ impl CompareSpec<'_> {
                 dump_recorded(d, step, &[rt], &pos, &ref_rec.taps);
             }
             cmp.set_reference(ref_rec);
+            drop(span);
+            let _span = crate::timing::span("compare: path decode step");
             let fed = [rt];
             let batch = Batch {
                 cascade_split: split,
@@ -654,6 +688,8 @@ impl CompareSpec<'_> {
             }
         }
         cmp.flush();
+        drop(to_agreement);
+        let agreement = agreement.join().expect("the logits agreement worker");
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {

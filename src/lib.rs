@@ -24,5 +24,6 @@ pub mod prompt;
 pub mod report;
 pub mod resources;
 pub mod tap;
+pub mod timing;
 pub mod tokenizer;
 pub mod weights;

@@ -335,6 +335,9 @@ fn run(cli: Cli) -> Result<i32> {
             if let Some(r) = engine.model.gpu().and_then(|g| g.profile_report()) {
                 eprint!("{r}");
             }
+            if let Some(r) = kvdiff::timing::report() {
+                eprint!("{r}");
+            }
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "{}", gen.text);
             Ok(EXIT_OK)
@@ -569,6 +572,9 @@ fn run(cli: Cli) -> Result<i32> {
                 .and_then(|m| m.gpu())
                 .and_then(|g| g.profile_report())
             {
+                eprint!("{r}");
+            }
+            if let Some(r) = kvdiff::timing::report() {
                 eprint!("{r}");
             }
             if let Some(path) = &json {

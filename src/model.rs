@@ -76,6 +76,15 @@ impl<'a> Batch<'a> {
     }
 }
 
+/// Adds an attention row over cache entries into `dst`, indexed by the entries' global
+/// positions (the `attn_probs` tap's columns), so paths that order their caches differently
+/// still compare column by column.
+pub(crate) fn scatter_by_position(dst: &mut [f32], row: &[f32], positions: &[usize]) {
+    for (&p, &pr) in positions.iter().zip(row) {
+        dst[p] += pr;
+    }
+}
+
 /// Offers a tap to the sink only if it asked for it (no copy otherwise).
 pub(crate) fn emit(
     sink: &mut dyn TapSink,
@@ -398,9 +407,7 @@ impl Model {
                 if want_probs {
                     let dst =
                         &mut probs_tap[(t * heads + head) * span..(t * heads + head + 1) * span];
-                    for (e, &p) in row.iter().enumerate() {
-                        dst[positions[e]] += p;
-                    }
+                    scatter_by_position(dst, row, positions);
                 }
             },
         );

@@ -248,8 +248,14 @@ impl TapSink for Masked<'_> {
     fn record(&mut self, step: usize, value: TapValue<'_>) {
         self.inner.record(step, value);
     }
+    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
+        self.inner.record_device(step, tap)
+    }
     fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
         self.inner.begin_step(step, tokens, positions);
+    }
+    fn end_pass(&mut self, step: usize) {
+        self.inner.end_pass(step);
     }
 }
 
@@ -291,6 +297,14 @@ pub struct DeviceTap<'a> {
     pub width: usize,
     pub stride: usize,
     pub rows_per_token: usize,
+    /// Column at which each row starts among the tap's columns (0, except for `attn_probs`
+    /// over a cache whose entries hold positions lead, lead + 1, ...; columns before it are 0).
+    pub lead: usize,
+    /// The buffer keeps these values until the same cache's next forward pass (a decode
+    /// step's arena), so a sink may keep the address instead of a copy, and defer its work
+    /// to `end_pass`. Otherwise the buffer is reused within the pass: whatever reads it must
+    /// be enqueued on the GPU stream before `record_device` returns.
+    pub persistent: bool,
     /// The shape `record` would get.
     pub shape: Vec<usize>,
 }
@@ -306,6 +320,9 @@ pub trait TapSink {
     }
     /// Called before a forward pass with the tokens it runs and their global positions.
     fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {}
+    /// Called when a GPU forward pass has offered all its taps: work a sink deferred on
+    /// persistent taps must be enqueued now, before the next pass on any cache.
+    fn end_pass(&mut self, _step: usize) {}
 }
 
 /// Wants nothing; the forward pass then computes no tap.
@@ -342,6 +359,10 @@ impl TapSink for Tee<'_> {
         self.first.begin_step(step, tokens, positions);
         self.second.begin_step(step, tokens, positions);
     }
+    fn end_pass(&mut self, step: usize) {
+        self.first.end_pass(step);
+        self.second.end_pass(step);
+    }
 }
 
 /// An owned copy of a tap.
@@ -360,6 +381,8 @@ pub struct Recorder {
     pub taps: Vec<Recorded>,
     /// Taps kept in GPU memory, when made with `on_device`.
     pub device: Option<Vec<crate::cuda::DeviceRecorded>>,
+    /// Keep persistent GPU taps by address (see `borrowing`).
+    borrow: bool,
 }
 
 impl Recorder {
@@ -368,7 +391,16 @@ impl Recorder {
             table: filter.table(layers),
             taps: Vec::new(),
             device: None,
+            borrow: false,
         }
+    }
+
+    /// Keeps persistent GPU taps by address instead of copying them. Only for a recorder that
+    /// sees a single forward pass and whose taps are used before that cache's next pass (a
+    /// decode step of a lockstep reference): more passes could overwrite or free the buffers.
+    pub fn borrowing(mut self) -> Self {
+        self.borrow = true;
+        self
     }
 
     /// A recorder that keeps GPU taps on the GPU (host taps still go to `taps`).
@@ -391,7 +423,7 @@ impl TapSink for Recorder {
     fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
         match &mut self.device {
             Some(kept) => {
-                kept.push(crate::cuda::DeviceRecorded::copy(step, tap));
+                kept.push(crate::cuda::DeviceRecorded::keep(step, tap, self.borrow));
                 true
             }
             None => false,

@@ -32,6 +32,8 @@ const KERNELS: &[&str] = &[
     "qk_norm_rope",
     "append_kv",
     "attention",
+    "attention_decode",
+    "attention_merge",
     "embed",
     "swiglu",
     "to_bf16",
@@ -68,6 +70,8 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
+    /// cuBLAS's workspace, set explicitly so that GEMMs can be captured into CUDA graphs.
+    _blas_workspace: CudaSlice<u8>,
     kernels: Vec<CudaFunction>,
     pub name: String,
     /// Per operation: calls and seconds, when `KVDIFF_CUDA_PROFILE` is set (each operation is
@@ -98,11 +102,26 @@ impl Gpu {
                 CUDA_FIX,
             )
         })?;
-        // One stream only: cudarc's cross-stream event tracking would only add overhead.
+        // One stream only: cudarc's cross-stream event tracking would only add overhead. Not
+        // the legacy default stream, which cannot be captured into a graph.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        let stream = ctx.new_stream().map_err(internal("stream"))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
+        let workspace_bytes = 32 << 20;
+        let blas_workspace = stream
+            .alloc_zeros::<u8>(workspace_bytes)
+            .map_err(internal("cuBLAS workspace"))?;
+        {
+            let (p, _) = blas_workspace.device_ptr(&stream);
+            // Safety: the workspace outlives the handle's use (both live in `Gpu`).
+            let status = unsafe {
+                blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes)
+            };
+            if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(Error::Internal(format!("cuBLAS workspace: {status:?}")));
+            }
+        }
         let (major, minor) = ctx
             .compute_capability()
             .map_err(internal("compute capability"))?;
@@ -121,6 +140,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
@@ -140,6 +160,27 @@ impl Gpu {
         e.0 += 1;
         e.1 += dt;
         r
+    }
+
+    /// Whether decode steps are replayed from CUDA graphs: not when profiling (every operation
+    /// is timed on its own) nor with `KVDIFF_CUDA_GRAPHS=0`.
+    pub fn graphs(&self) -> bool {
+        self.profile.is_none() && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0")
+    }
+
+    /// Records what `f` enqueues on the stream as a graph instead of running it.
+    pub fn capture(&self, f: impl FnOnce()) -> Graph {
+        use cudarc::driver::sys;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("CUDA graph capture");
+        f();
+        let g = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .expect("CUDA graph instantiate")
+            .expect("a captured graph");
+        Graph(g)
     }
 
     /// The profile table, when profiling.
@@ -203,6 +244,21 @@ impl Gpu {
             self.stream
                 .memcpy_dtoh(&dev.slice(from..to), &mut out)
                 .expect("CUDA download");
+        }
+        out
+    }
+
+    /// `len` f32 values from a raw device address (an offset into a larger buffer).
+    pub fn download_raw(&self, at: u64, len: usize) -> Vec<f32> {
+        let mut out = vec![0f32; len];
+        if len > 0 {
+            // Safety: callers pass addresses inside live buffers of at least `len` values;
+            // the copy is ordered on the stream and waited for.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut out, at, self.stream.cu_stream())
+            }
+            .expect("CUDA download");
+            self.sync();
         }
         out
     }
@@ -297,6 +353,18 @@ impl Gpu {
             || unsafe { b.launch(cfg) },
         )
         .unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
+    }
+}
+
+/// A captured sequence of GPU work, replayed with `launch`.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// Like `Gpu`: used from one thread at a time.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    pub fn launch(&self) {
+        self.0.launch().expect("CUDA graph launch");
     }
 }
 

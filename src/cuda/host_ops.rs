@@ -129,30 +129,31 @@ pub fn attention(
     let entries = keys.len() / (kv_heads * hd);
     let base = entries - n;
     let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
+    let meta = gpu.upload(&[base as i32]);
+    let chunks = entries.div_ceil(super::model::DECODE_CHUNK) + 1;
+    let part = poison_f32(gpu, heads * chunks * (hd + 2));
     let probs = poison_f32(gpu, n * heads * entries);
     let out = poison_f32(gpu, n * heads * hd);
     let out_bf = poison_bf16(gpu, n * heads * hd);
-    let block = super::model::attention_block(n * heads, hd);
-    gpu.launch(
-        "attention",
-        (n * heads) as u32,
-        block,
-        (hd as u32 + block) * 4,
-        &[
-            Arg::Ptr(ptr(gpu, &dq, 0)),
-            Arg::Ptr(ptr(gpu, &dk, 0)),
-            Arg::Ptr(ptr(gpu, &dv, 0)),
-            Arg::Ptr(ptr(gpu, &probs, 0)),
-            Arg::Ptr(ptr(gpu, &out, 0)),
-            Arg::Ptr(ptr(gpu, &out_bf, 0)),
-            Arg::I32(base as i32),
-            Arg::I32(split as i32),
-            Arg::I32(heads as i32),
-            Arg::I32(kv_heads as i32),
-            Arg::I32(hd as i32),
-            Arg::I32(entries as i32),
-            Arg::F32(1.0 / (hd as f32).sqrt()),
-        ],
+    super::model::launch_attention(
+        gpu,
+        &super::model::Attention {
+            n,
+            q: ptr(gpu, &dq, 0),
+            keys: ptr(gpu, &dk, 0),
+            values: ptr(gpu, &dv, 0),
+            probs: ptr(gpu, &probs, 0),
+            stride: entries,
+            part: ptr(gpu, &part, 0),
+            chunks,
+            out: ptr(gpu, &out, 0),
+            out_bf: ptr(gpu, &out_bf, 0),
+            meta: ptr(gpu, &meta, 0),
+            split,
+            heads,
+            kv_heads,
+            head_dim: hd,
+        },
     );
     (
         gpu.download(&out, n * heads * hd),
@@ -233,25 +234,25 @@ pub fn argmax(gpu: &Gpu, x: &[f32]) -> usize {
 pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 12]> {
     let rows = a.len() / w;
     let (da, db) = (gpu.upload(a), gpu.upload(b));
-    let idx: Vec<i32> = (0..rows as i32).collect();
-    let didx = gpu.upload(&idx);
+    let jobs: Vec<u64> = (0..rows)
+        .flat_map(|r| {
+            let off = (r * w * 4) as u64;
+            [
+                ptr(gpu, &da, 0) + off,
+                ptr(gpu, &db, 0) + off,
+                w as u64 | (w as u64) << 32,
+                0,
+            ]
+        })
+        .collect();
+    let djobs = gpu.upload(&jobs);
     let out = poison_f32(gpu, rows * 12);
     gpu.launch(
         "diff_rows",
         rows as u32,
         256,
         0,
-        &[
-            Arg::Ptr(ptr(gpu, &da, 0)),
-            Arg::I32(w as i32),
-            Arg::I32(w as i32),
-            Arg::Ptr(ptr(gpu, &db, 0)),
-            Arg::I32(w as i32),
-            Arg::I32(w as i32),
-            Arg::Ptr(ptr(gpu, &didx, 0)),
-            Arg::I32(0),
-            Arg::Ptr(ptr(gpu, &out, 0)),
-        ],
+        &[Arg::Ptr(ptr(gpu, &djobs, 0)), Arg::Ptr(ptr(gpu, &out, 0))],
     );
     gpu.download(&out, rows * 12)
         .chunks_exact(12)

@@ -16,6 +16,9 @@ pub struct CudaKv {
     pub len: usize,
     cap: usize,
     kv_dim: usize,
+    /// The decode step's buffers and graph, built at the first decode step and whenever the
+    /// cache grows (they depend on its capacity and its buffers' addresses).
+    pub(crate) decode: Option<super::model::DecodeState>,
 }
 
 impl CudaKv {
@@ -53,6 +56,7 @@ impl CudaKv {
             len,
             cap,
             kv_dim,
+            decode: None,
         }
     }
 
@@ -74,6 +78,11 @@ impl CudaKv {
             *buf = grown;
         }
         self.cap = cap;
+    }
+
+    /// Entries the buffers hold before they must grow.
+    pub fn capacity(&self) -> usize {
+        self.cap
     }
 
     pub fn key_ptr(&self, layer: usize) -> u64 {

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::gpu::{ptr, Arg, Gpu};
+use super::gpu::{ptr, Arg, Gpu, Graph};
 use super::kv::CudaKv;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::model::{emit, Batch, HostWeights};
+use crate::model::{emit, scatter_by_position, Batch, HostWeights};
 use crate::tap::{DeviceTap, LayerTap, TapId, TapSink};
 
 struct Layer {
@@ -130,6 +130,12 @@ impl CudaModel {
 
     /// Runs `batch`, appending its K/V to the cache's device copy (created from the host
     /// entries if missing). Returns the last token's logits.
+    ///
+    /// A prefill works in buffers shared by all layers and offers each layer's taps before the
+    /// next layer overwrites them. A decode step (one token) works in the cache's own arena,
+    /// one slot per layer, so its taps stay valid until the cache's next pass; its kernels are
+    /// captured once into a CUDA graph and replayed, the step's token and length read from
+    /// device memory.
     pub fn forward(
         &self,
         batch: Batch<'_>,
@@ -140,16 +146,7 @@ impl CudaModel {
         let g = &*self.gpu;
         let c = &self.config;
         let n = batch.tokens.len();
-        let (h, hd, heads, kvh) = (
-            c.hidden_size,
-            c.head_dim,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-        );
-        let (qd, kvd, inter, vocab) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
-        let qkvd = qd + 2 * kvd;
         let pos = batch.positions;
-        let eps = c.rms_norm_eps;
         sink.begin_step(step, batch.tokens, pos);
 
         if cache.device_mut::<CudaKv>().is_none() {
@@ -158,413 +155,722 @@ impl CudaModel {
         }
         let base = cache.len();
         cache.positions.extend_from_slice(pos);
-        let positions_now = cache.positions.clone();
+        // Attention rows are over cache entries; when entry e holds position lead + e (a whole
+        // prompt, or one chunk's own cache) they are its columns from `lead` on and can stay on
+        // the GPU.
+        let first = cache.positions.first().copied().unwrap_or(0);
+        let contiguous = cache
+            .positions
+            .iter()
+            .enumerate()
+            .all(|(e, &p)| p == first + e);
+        let entry_positions = if contiguous {
+            Vec::new()
+        } else {
+            cache.positions.clone()
+        };
         let kv = cache.device_mut::<CudaKv>().expect("device cache");
         debug_assert_eq!(kv.len, base);
         kv.reserve(n);
+        let kv_ptrs: Vec<(u64, u64)> = (0..c.num_hidden_layers)
+            .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
+            .collect();
 
-        let tokens = g.upload(batch.tokens);
-        let rope_pos: Vec<i32> = batch.rope_positions.iter().map(|&p| p as i32).collect();
-        let rope_pos = g.upload(&rope_pos);
-        let key_pos = if self.fault_local_key_positions {
-            g.upload(&(0..n as i32).collect::<Vec<i32>>())
+        // The pass's inputs in one upload: tokens, RoPE positions, key positions, base.
+        let mut meta: Vec<i32> = batch.tokens.iter().map(|&t| t as i32).collect();
+        meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
+        if self.fault_local_key_positions {
+            meta.extend(0..n as i32);
         } else {
-            rope_pos.clone()
+            meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
+        }
+        meta.push(base as i32);
+        let taps = TapCtx {
+            step,
+            pos,
+            base,
+            lead: contiguous.then_some(first),
+            entry_positions: &entry_positions,
         };
-        let p = |s: &CudaSlice<f32>| ptr(g, s, 0);
-        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        let split = batch.cascade_split;
 
-        let x = g.alloc::<f32>(n * h);
-        let mid = g.alloc::<f32>(n * h);
-        let xn = g.alloc::<f32>(n * h);
-        let xn_bf = g.alloc::<u16>(n * h);
-        let qkv = g.alloc::<f32>(n * qkvd);
-        let (q_n, q_r) = (g.alloc::<f32>(n * qd), g.alloc::<f32>(n * qd));
-        let (k_n, k_r) = (g.alloc::<f32>(n * kvd), g.alloc::<f32>(n * kvd));
-        let span = base + n;
-        let probs = g.alloc::<f32>(n * heads * span);
-        let attn = g.alloc::<f32>(n * qd);
-        let attn_bf = g.alloc::<u16>(n * qd);
-        let o = g.alloc::<f32>(n * h);
-        let gu = g.alloc::<f32>(n * 2 * inter);
-        let act_bf = g.alloc::<u16>(n * inter);
-        let mlp = g.alloc::<f32>(n * h);
+        let logits = if n == 1 {
+            let kernels = crate::timing::span("cuda decode: enqueue or replay");
+            let cap = kv.capacity();
+            let key = (cap, split, kv_ptrs[0].0);
+            let state = match &mut kv.decode {
+                Some(s) if s.ws.probs_stride == cap => s,
+                slot => {
+                    *slot = Some(DecodeState {
+                        ws: Workspace::new(g, c, 1, cap, true),
+                        graph: None,
+                    });
+                    slot.as_mut().expect("just set")
+                }
+            };
+            g.stream
+                .memcpy_htod(&meta, &mut state.ws.meta)
+                .expect("CUDA upload");
+            let ws = &state.ws;
+            let run = || {
+                self.embed_and_norm(ws, 1);
+                for (l, &kvp) in kv_ptrs.iter().enumerate() {
+                    self.layer(l, ws, kvp, split);
+                }
+                self.lm_head(ws, 1, ws.logits_ptr(g));
+            };
+            if g.graphs() {
+                if state.graph.as_ref().is_none_or(|(k, _)| *k != key) {
+                    state.graph = Some((key, g.capture(run)));
+                }
+                state.graph.as_ref().expect("captured").1.launch();
+            } else {
+                run();
+            }
+            drop(kernels);
+            let offered = crate::timing::span("cuda decode: taps offered");
+            let ws = &state.ws;
+            self.offer_outer(sink, &taps, ws, TapId::Embed);
+            for l in 0..c.num_hidden_layers {
+                self.offer_layer(sink, &taps, ws, l);
+            }
+            self.offer_outer(sink, &taps, ws, TapId::FinalNorm);
+            drop(offered);
+            let _wait = crate::timing::span("cuda decode: logits download (GPU wait)");
+            let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
+            emit(sink, step, TapId::Logits, pos, &[1, c.vocab_size], &logits);
+            logits
+        } else {
+            let _span = crate::timing::span("cuda prefill pass (synchronous)");
+            let mut ws = Workspace::new(g, c, n, base + n, false);
+            ws.meta = g.upload(&meta);
+            self.embed_and_norm(&ws, n);
+            self.offer_outer(sink, &taps, &ws, TapId::Embed);
+            for (l, &kvp) in kv_ptrs.iter().enumerate() {
+                self.layer(l, &ws, kvp, split);
+                self.offer_layer(sink, &taps, &ws, l);
+            }
+            self.offer_outer(sink, &taps, &ws, TapId::FinalNorm);
+            let vocab = c.vocab_size;
+            if sink.table().wants(TapId::Logits) {
+                let logits = g.alloc::<f32>(n * vocab);
+                self.lm_head(&ws, n, ptr(g, &logits, 0));
+                let all = g.download(&logits, n * vocab);
+                emit(sink, step, TapId::Logits, pos, &[n, vocab], &all);
+                all[(n - 1) * vocab..].to_vec()
+            } else {
+                let logits = g.alloc::<f32>(vocab);
+                self.lm_head_rows(&ws, n - 1, 1, ptr(g, &logits, 0));
+                g.download(&logits, vocab)
+            }
+        };
+        kv.len += n;
+        sink.end_pass(step);
+        logits
+    }
 
-        let fetch = |s: &CudaSlice<f32>, len: usize| g.download(s, len);
-        let wants = |sink: &dyn TapSink, id: TapId| sink.table().wants(id);
-        let norm_block = 256u32.min(h.next_power_of_two() as u32).max(32);
-
+    /// Embedding gather and the first layer's input norm.
+    fn embed_and_norm(&self, ws: &Workspace, n: usize) {
+        let g = &*self.gpu;
+        let io = ws.io(g, 0);
         g.launch(
             "embed",
             n as u32,
             256,
             0,
             &[
-                Arg::Ptr(pb(&self.embed)),
-                Arg::Ptr(ptr(g, &tokens, 0)),
-                Arg::Ptr(p(&x)),
-                Arg::I32(h as i32),
+                Arg::Ptr(ptr(g, &self.embed, 0)),
+                Arg::Ptr(ws.meta_ptr(g, 0)),
+                Arg::Ptr(io.x_in),
+                Arg::I32(self.config.hidden_size as i32),
             ],
         );
-        offer(sink, step, &self.gpu, TapId::Embed, pos, &[n, h], &x, n * h);
-        let add_norm = |x: u64, add: u64, resid: u64, w: u64, out: u64, out_bf: u64| {
-            g.launch(
-                "add_rms_norm",
-                n as u32,
-                norm_block,
-                0,
-                &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(add),
-                    Arg::Ptr(resid),
-                    Arg::Ptr(w),
-                    Arg::Ptr(out),
-                    Arg::Ptr(out_bf),
-                    Arg::I32(h as i32),
-                    Arg::F32(eps),
-                ],
-            )
-        };
-        add_norm(
-            p(&x),
+        self.add_norm(
+            n,
+            io.x_in,
             0,
             0,
-            pb(&self.layers[0].input_norm),
-            p(&xn),
-            pb(&xn_bf),
+            ptr(g, &self.layers[0].input_norm, 0),
+            io.attn_norm,
+            ws.xn_bf(g),
         );
+    }
 
-        for (l, w) in self.layers.iter().enumerate() {
-            let tap = |t| TapId::Layer(l, t);
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::ResidIn),
-                pos,
-                &[n, h],
-                &x,
-                n * h,
-            );
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::AttnNorm),
-                pos,
-                &[n, h],
-                &xn,
-                n * h,
-            );
-            g.gemm_bf16(pb(&xn_bf), pb(&w.qkv), p(&qkv), n, h, qkvd);
-            for (col, nh, weight, normed, rotated, rp) in [
-                (0, heads, &w.q_norm, &q_n, &q_r, &rope_pos),
-                (qd, kvh, &w.k_norm, &k_n, &k_r, &key_pos),
-            ] {
-                g.launch(
-                    "qk_norm_rope",
-                    (n * nh) as u32,
-                    hd as u32,
-                    (hd * 4) as u32,
-                    &[
-                        Arg::Ptr(p(&qkv)),
-                        Arg::I32(qkvd as i32),
-                        Arg::I32(col as i32),
-                        Arg::Ptr(pb(weight)),
-                        Arg::Ptr(ptr(g, rp, 0)),
-                        Arg::Ptr(p(&self.inv_freq)),
-                        Arg::Ptr(p(normed)),
-                        Arg::Ptr(p(rotated)),
-                        Arg::I32(nh as i32),
-                        Arg::I32(hd as i32),
-                        Arg::F32(eps),
-                    ],
-                );
-            }
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::Q),
-                pos,
-                &[n, heads, hd],
-                &q_n,
-                n * qd,
-            );
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::K),
-                pos,
-                &[n, kvh, hd],
-                &k_n,
-                n * kvd,
-            );
-            if wants(sink, tap(LayerTap::V)) {
-                let id = tap(LayerTap::V);
-                let t = DeviceTap {
-                    id,
-                    positions: pos,
-                    gpu: &self.gpu,
-                    ptr: ptr(g, &qkv, qd + kvd),
-                    rows: n,
-                    width: kvd,
-                    stride: qkvd,
-                    rows_per_token: 1,
-                    shape: vec![n, kvh, hd],
-                };
-                if !sink.record_device(step, &t) {
-                    let all = fetch(&qkv, n * qkvd);
-                    let v: Vec<f32> = all
-                        .chunks_exact(qkvd)
-                        .flat_map(|r| r[qd + kvd..].iter().copied())
-                        .collect();
-                    emit(sink, step, id, pos, &[n, kvh, hd], &v);
-                }
-            }
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::QRope),
-                pos,
-                &[n, heads, hd],
-                &q_r,
-                n * qd,
-            );
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::KRope),
-                pos,
-                &[n, kvh, hd],
-                &k_r,
-                n * kvd,
-            );
+    /// `resid = x + add` (when `add` is not null) and its RMSNorm in f32 and bf16.
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm(&self, n: usize, x: u64, add: u64, resid: u64, w: u64, out: u64, out_bf: u64) {
+        let h = self.config.hidden_size;
+        self.gpu.launch(
+            "add_rms_norm",
+            n as u32,
+            256u32.min(h.next_power_of_two() as u32).max(32),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(add),
+                Arg::Ptr(resid),
+                Arg::Ptr(w),
+                Arg::Ptr(out),
+                Arg::Ptr(out_bf),
+                Arg::I32(h as i32),
+                Arg::F32(self.config.rms_norm_eps),
+            ],
+        );
+    }
+
+    /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
+    /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
+    fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = ws.n;
+        let io = ws.io(g, l);
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let qkvd = qd + 2 * kvd;
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, n, h, qkvd);
+        for (col, nh, weight, normed, rotated, rp) in [
+            (0, heads, &w.q_norm, io.q_n, io.q_r, ws.meta_ptr(g, n)),
+            (qd, kvh, &w.k_norm, io.k_n, io.k_r, ws.meta_ptr(g, 2 * n)),
+        ] {
             g.launch(
-                "append_kv",
-                n as u32,
-                256,
-                0,
+                "qk_norm_rope",
+                (n * nh) as u32,
+                hd as u32,
+                (hd * 4) as u32,
                 &[
-                    Arg::Ptr(p(&k_r)),
-                    Arg::Ptr(p(&qkv)),
+                    Arg::Ptr(io.qkv),
                     Arg::I32(qkvd as i32),
-                    Arg::I32((qd + kvd) as i32),
-                    Arg::Ptr(kv.key_ptr(l)),
-                    Arg::Ptr(kv.value_ptr(l)),
-                    Arg::I32(base as i32),
-                    Arg::I32(kvd as i32),
-                ],
-            );
-            let block = attention_block(n * heads, hd);
-            g.launch(
-                "attention",
-                (n * heads) as u32,
-                block,
-                (hd as u32 + block) * 4,
-                &[
-                    Arg::Ptr(p(&q_r)),
-                    Arg::Ptr(kv.key_ptr(l)),
-                    Arg::Ptr(kv.value_ptr(l)),
-                    Arg::Ptr(p(&probs)),
-                    Arg::Ptr(p(&attn)),
-                    Arg::Ptr(pb(&attn_bf)),
-                    Arg::I32(base as i32),
-                    Arg::I32(batch.cascade_split as i32),
-                    Arg::I32(heads as i32),
-                    Arg::I32(kvh as i32),
+                    Arg::I32(col as i32),
+                    Arg::Ptr(pb(weight)),
+                    Arg::Ptr(rp),
+                    Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                    Arg::Ptr(normed),
+                    Arg::Ptr(rotated),
+                    Arg::I32(nh as i32),
                     Arg::I32(hd as i32),
-                    Arg::I32(span as i32),
-                    Arg::F32(1.0 / (hd as f32).sqrt()),
+                    Arg::F32(c.rms_norm_eps),
                 ],
             );
-            // Rows over cache entries; when entry e holds position e they are already indexed
-            // by global position and can stay on the GPU.
-            let identity = positions_now.iter().enumerate().all(|(e, &p)| e == p);
-            let probs_tap = DeviceTap {
-                id: tap(LayerTap::AttnProbs),
-                positions: pos,
-                gpu: &self.gpu,
-                ptr: p(&probs),
+        }
+        let base_ptr = ws.meta_ptr(g, 3 * n);
+        g.launch(
+            "append_kv",
+            n as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(io.k_r),
+                Arg::Ptr(io.qkv),
+                Arg::I32(qkvd as i32),
+                Arg::I32((qd + kvd) as i32),
+                Arg::Ptr(kvp.0),
+                Arg::Ptr(kvp.1),
+                Arg::Ptr(base_ptr),
+                Arg::I32(kvd as i32),
+            ],
+        );
+        launch_attention(
+            g,
+            &Attention {
+                n,
+                q: io.q_r,
+                keys: kvp.0,
+                values: kvp.1,
+                probs: io.probs,
+                stride: ws.probs_stride,
+                part: io.part,
+                chunks: ws.chunks,
+                out: io.attn,
+                out_bf: ws.attn_bf(g),
+                meta: base_ptr,
+                split,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+            },
+        );
+        g.gemm_bf16(ws.attn_bf(g), pb(&w.o), io.o, n, qd, h);
+        self.add_norm(
+            n,
+            io.x_in,
+            io.o,
+            io.mid,
+            pb(&w.post_norm),
+            io.mlp_norm,
+            ws.xn_bf(g),
+        );
+        g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, n, h, 2 * inter);
+        g.launch(
+            "swiglu",
+            (n * inter).div_ceil(256) as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(io.gu),
+                Arg::Ptr(ws.act_bf(g)),
+                Arg::I32(inter as i32),
+                Arg::I32(n as i32),
+            ],
+        );
+        g.gemm_bf16(ws.act_bf(g), pb(&w.down), io.mlp, n, inter, h);
+        // The residual leaving this layer, normed for the next one (or the final norm).
+        let next_norm = self
+            .layers
+            .get(l + 1)
+            .map_or(&self.norm, |nl| &nl.input_norm);
+        self.add_norm(
+            n,
+            io.mid,
+            io.mlp,
+            io.x_out,
+            pb(next_norm),
+            io.norm_out,
+            ws.xn_bf(g),
+        );
+    }
+
+    /// Logits of every row of the batch into `out` ([n, vocab]).
+    fn lm_head(&self, ws: &Workspace, n: usize, out: u64) {
+        self.lm_head_rows(ws, 0, n, out);
+    }
+
+    /// Logits of rows `first..first + count` (their final-norm bf16 rows are in `xn_bf`).
+    fn lm_head_rows(&self, ws: &Workspace, first: usize, count: usize, out: u64) {
+        let g = &*self.gpu;
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        g.gemm_bf16(
+            ws.xn_bf(g) + (first * h * 2) as u64,
+            ptr(g, head, 0),
+            out,
+            count,
+            h,
+            vocab,
+        );
+    }
+
+    /// Offers `embed` (the first layer's input) or `final_norm`.
+    fn offer_outer(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, id: TapId) {
+        let g = &self.gpu;
+        let last = ws.io(g, self.config.num_hidden_layers - 1);
+        let at = match id {
+            TapId::Embed => ws.io(g, 0).x_in,
+            _ => last.norm_out,
+        };
+        offer(sink, t, ws, g, id, &[ws.n, self.config.hidden_size], at, 0);
+    }
+
+    /// Offers one layer's taps, in forward order, from the buffers it wrote.
+    fn offer_layer(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, l: usize) {
+        let g = &self.gpu;
+        let c = &self.config;
+        let io = ws.io(g, l);
+        let n = ws.n;
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let tap = |x| TapId::Layer(l, x);
+        let o = |sink: &mut dyn TapSink, x, shape: &[usize], at, stride| {
+            offer(sink, t, ws, g, tap(x), shape, at, stride)
+        };
+        o(sink, LayerTap::ResidIn, &[n, h], io.x_in, 0);
+        o(sink, LayerTap::AttnNorm, &[n, h], io.attn_norm, 0);
+        o(sink, LayerTap::Q, &[n, heads, hd], io.q_n, 0);
+        o(sink, LayerTap::K, &[n, kvh, hd], io.k_n, 0);
+        let v = io.qkv + ((qd + kvd) * 4) as u64;
+        o(sink, LayerTap::V, &[n, kvh, hd], v, qd + 2 * kvd);
+        o(sink, LayerTap::QRope, &[n, heads, hd], io.q_r, 0);
+        o(sink, LayerTap::KRope, &[n, kvh, hd], io.k_r, 0);
+        let id = tap(LayerTap::AttnProbs);
+        if sink.table().wants(id) {
+            let span = t.base + n;
+            let probs = DeviceTap {
+                id,
+                positions: t.pos,
+                gpu: g,
+                ptr: io.probs,
                 rows: n * heads,
                 width: span,
-                stride: span,
+                stride: ws.probs_stride,
                 rows_per_token: heads,
+                lead: t.lead.unwrap_or(0),
+                persistent: ws.per_layer,
                 shape: vec![n, heads, span],
             };
-            if wants(sink, tap(LayerTap::AttnProbs))
-                && !(identity && sink.record_device(step, &probs_tap))
-            {
-                // Re-indexed by the entries' global positions.
-                let rows = fetch(&probs, n * heads * span);
-                let width = positions_now.iter().max().map_or(0, |m| m + 1);
+            if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
+                let rows = g.download_raw(io.probs, n * heads * ws.probs_stride);
+                // Each row's first `span` columns are its probabilities.
+                let positions = match t.lead {
+                    Some(first) => (first..first + span).collect(),
+                    None => t.entry_positions.to_vec(),
+                };
+                let width = positions.iter().max().map_or(0, |m| m + 1);
                 let mut out = vec![0f32; n * heads * width];
-                for (r, row) in rows.chunks_exact(span).enumerate() {
-                    let dst = &mut out[r * width..(r + 1) * width];
-                    for (e, &pr) in row.iter().enumerate() {
-                        dst[positions_now[e]] += pr;
-                    }
+                for (r, row) in rows.chunks_exact(ws.probs_stride).enumerate() {
+                    scatter_by_position(
+                        &mut out[r * width..(r + 1) * width],
+                        &row[..span],
+                        &positions,
+                    );
                 }
-                emit(
-                    sink,
-                    step,
-                    tap(LayerTap::AttnProbs),
-                    pos,
-                    &[n, heads, width],
-                    &out,
-                );
+                emit(sink, t.step, id, t.pos, &[n, heads, width], &out);
             }
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::AttnOut),
-                pos,
-                &[n, qd],
-                &attn,
-                n * qd,
-            );
-            g.gemm_bf16(pb(&attn_bf), pb(&w.o), p(&o), n, qd, h);
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::OProj),
-                pos,
-                &[n, h],
-                &o,
-                n * h,
-            );
-            add_norm(p(&x), p(&o), p(&mid), pb(&w.post_norm), p(&xn), pb(&xn_bf));
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::ResidMid),
-                pos,
-                &[n, h],
-                &mid,
-                n * h,
-            );
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::MlpNorm),
-                pos,
-                &[n, h],
-                &xn,
-                n * h,
-            );
-            g.gemm_bf16(pb(&xn_bf), pb(&w.gate_up), p(&gu), n, h, 2 * inter);
-            let total = n * inter;
-            g.launch(
-                "swiglu",
-                total.div_ceil(256) as u32,
-                256,
-                0,
-                &[
-                    Arg::Ptr(p(&gu)),
-                    Arg::Ptr(pb(&act_bf)),
-                    Arg::I32(inter as i32),
-                    Arg::I32(n as i32),
-                ],
-            );
-            g.gemm_bf16(pb(&act_bf), pb(&w.down), p(&mlp), n, inter, h);
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::MlpOut),
-                pos,
-                &[n, h],
-                &mlp,
-                n * h,
-            );
-            // The residual leaving this layer, normed for the next one (or the final norm).
-            let next_norm = self
-                .layers
-                .get(l + 1)
-                .map_or(&self.norm, |nl| &nl.input_norm);
-            add_norm(p(&mid), p(&mlp), p(&x), pb(next_norm), p(&xn), pb(&xn_bf));
-            offer(
-                sink,
-                step,
-                &self.gpu,
-                tap(LayerTap::ResidOut),
-                pos,
-                &[n, h],
-                &x,
-                n * h,
-            );
         }
-        kv.len += n;
-
-        offer(
-            sink,
-            step,
-            &self.gpu,
-            TapId::FinalNorm,
-            pos,
-            &[n, h],
-            &xn,
-            n * h,
-        );
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        if wants(sink, TapId::Logits) {
-            let logits = g.alloc::<f32>(n * vocab);
-            g.gemm_bf16(pb(&xn_bf), pb(head), p(&logits), n, h, vocab);
-            let all = fetch(&logits, n * vocab);
-            emit(sink, step, TapId::Logits, pos, &[n, vocab], &all);
-            all[(n - 1) * vocab..].to_vec()
-        } else {
-            let logits = g.alloc::<f32>(vocab);
-            g.gemm_bf16(
-                ptr(g, &xn_bf, (n - 1) * h),
-                pb(head),
-                p(&logits),
-                1,
-                h,
-                vocab,
-            );
-            fetch(&logits, vocab)
-        }
+        o(sink, LayerTap::AttnOut, &[n, qd], io.attn, 0);
+        o(sink, LayerTap::OProj, &[n, h], io.o, 0);
+        o(sink, LayerTap::ResidMid, &[n, h], io.mid, 0);
+        o(sink, LayerTap::MlpNorm, &[n, h], io.mlp_norm, 0);
+        o(sink, LayerTap::MlpOut, &[n, h], io.mlp, 0);
+        o(sink, LayerTap::ResidOut, &[n, h], io.x_out, 0);
     }
 }
 
-/// Offers a GPU buffer as a tap (`len` values, one row per position): kept or compared on the
-/// GPU if the sink can, else copied to the host.
+/// What every tap of a pass shares.
+struct TapCtx<'a> {
+    step: usize,
+    pos: &'a [usize],
+    base: usize,
+    /// Some(p) when cache entry e holds position p + e; else the entries' positions are in
+    /// `entry_positions`.
+    lead: Option<usize>,
+    entry_positions: &'a [usize],
+}
+
+/// A decode step's arena and its captured graph, kept with the cache they belong to.
+pub struct DecodeState {
+    ws: Workspace,
+    /// The graph and what it was captured for: (KV capacity, cascade split, first key buffer).
+    graph: Option<((usize, usize, u64), Graph)>,
+}
+
+/// Device addresses one layer reads and writes.
+struct LayerIo {
+    x_in: u64,
+    attn_norm: u64,
+    qkv: u64,
+    q_n: u64,
+    q_r: u64,
+    k_n: u64,
+    k_r: u64,
+    probs: u64,
+    part: u64,
+    attn: u64,
+    o: u64,
+    mid: u64,
+    mlp_norm: u64,
+    gu: u64,
+    mlp: u64,
+    x_out: u64,
+    norm_out: u64,
+}
+
+/// The buffers of one forward pass, in one f32 allocation. The residual stream and its norms
+/// have a slot per layer boundary (`per_layer`: slots 0..=layers) or two used in turn; every
+/// other activation has one block per layer or one block shared by all layers.
+struct Workspace {
+    f: CudaSlice<f32>,
+    bf: CudaSlice<u16>,
+    /// Tokens, RoPE positions, key positions (n each), then base.
+    meta: CudaSlice<i32>,
+    n: usize,
+    per_layer: bool,
+    probs_stride: usize,
+    chunks: usize,
+    /// Offsets (in floats) of the residual slots, the norm slots, the layer blocks, and the
+    /// decode logits; block lengths.
+    xs: usize,
+    ns: usize,
+    body: usize,
+    body_len: usize,
+    logits: usize,
+    shape: Shape,
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    h: usize,
+    qd: usize,
+    kvd: usize,
+    heads: usize,
+    hd: usize,
+    inter: usize,
+}
+
+impl Workspace {
+    /// Buffers for `n` tokens over at most `entries` cache entries.
+    fn new(g: &Gpu, c: &Config, n: usize, entries: usize, per_layer: bool) -> Workspace {
+        let shape = Shape {
+            h: c.hidden_size,
+            qd: c.q_dim(),
+            kvd: c.kv_dim(),
+            heads: c.num_attention_heads,
+            hd: c.head_dim,
+            inter: c.intermediate_size,
+        };
+        let Shape {
+            h,
+            qd,
+            kvd,
+            heads,
+            hd,
+            inter,
+        } = shape;
+        let layers = c.num_hidden_layers;
+        let chunks = if n == 1 {
+            entries.div_ceil(DECODE_CHUNK) + 1
+        } else {
+            0
+        };
+        let slots = if per_layer { layers + 1 } else { 2 };
+        let body_len = n
+            * (qd + 2 * kvd + 2 * qd + 2 * kvd + heads * entries + qd + 4 * h + 2 * inter)
+            + heads * chunks * (hd + 2);
+        let copies = if per_layer { layers } else { 1 };
+        let xs = 0;
+        let ns = xs + slots * n * h;
+        let body = ns + slots * n * h;
+        let logits = body + copies * body_len;
+        let total = logits + if per_layer { c.vocab_size } else { 0 };
+        Workspace {
+            f: g.alloc::<f32>(total),
+            bf: g.alloc::<u16>(n * (h + qd + inter)),
+            meta: g.alloc::<i32>(3 * n + 1),
+            n,
+            per_layer,
+            probs_stride: entries,
+            chunks,
+            xs,
+            ns,
+            body,
+            body_len,
+            logits,
+            shape,
+        }
+    }
+
+    fn io(&self, g: &Gpu, l: usize) -> LayerIo {
+        let Shape {
+            h,
+            qd,
+            kvd,
+            heads,
+            inter,
+            ..
+        } = self.shape;
+        let n = self.n;
+        let at = |floats: usize| ptr(g, &self.f, floats);
+        let (slot_in, slot_out) = if self.per_layer {
+            (l, l + 1)
+        } else {
+            (l % 2, (l + 1) % 2)
+        };
+        let mut b = self.body + if self.per_layer { l * self.body_len } else { 0 };
+        let mut next = |len: usize| {
+            let p = at(b);
+            b += len;
+            p
+        };
+        let qkv = next(n * (qd + 2 * kvd));
+        let q_n = next(n * qd);
+        let q_r = next(n * qd);
+        let k_n = next(n * kvd);
+        let k_r = next(n * kvd);
+        let probs = next(n * heads * self.probs_stride);
+        let attn = next(n * qd);
+        let o = next(n * h);
+        let mid = next(n * h);
+        let mlp_norm = next(n * h);
+        let gu = next(n * 2 * inter);
+        let mlp = next(n * h);
+        let part = next(0);
+        LayerIo {
+            x_in: at(self.xs + slot_in * n * h),
+            x_out: at(self.xs + slot_out * n * h),
+            attn_norm: at(self.ns + slot_in * n * h),
+            norm_out: at(self.ns + slot_out * n * h),
+            qkv,
+            q_n,
+            q_r,
+            k_n,
+            k_r,
+            probs,
+            part,
+            attn,
+            o,
+            mid,
+            mlp_norm,
+            gu,
+            mlp,
+        }
+    }
+
+    fn meta_ptr(&self, g: &Gpu, index: usize) -> u64 {
+        ptr(g, &self.meta, index)
+    }
+
+    fn logits_ptr(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.f, self.logits)
+    }
+
+    fn xn_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, 0)
+    }
+
+    fn attn_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, self.n * self.shape.h)
+    }
+
+    fn act_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, self.n * (self.shape.h + self.shape.qd))
+    }
+}
+
+/// Keys per block of the split decode attention (`DECODE_CHUNK` in kernels/attention.cu).
+pub(crate) const DECODE_CHUNK: usize = 64;
+
+/// One attention call: `n` queries (rotated, `[n, heads, head_dim]`) over a layer's cache.
+pub(crate) struct Attention {
+    pub n: usize,
+    pub q: u64,
+    pub keys: u64,
+    pub values: u64,
+    /// `[n, heads, stride]`.
+    pub probs: u64,
+    pub stride: usize,
+    /// Decode only: `[heads, chunks, head_dim + 2]` partial results.
+    pub part: u64,
+    pub chunks: usize,
+    pub out: u64,
+    pub out_bf: u64,
+    /// Device address of base (the cache length before these queries).
+    pub meta: u64,
+    pub split: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Launches attention: one block per (query, head) for a batch, or the split-over-keys pair
+/// `attention_decode` + `attention_merge` for a single query, whose one block per head would
+/// leave most of the GPU idle.
+pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
+    let scale = 1.0 / (a.head_dim as f32).sqrt();
+    if a.n == 1 {
+        g.launch(
+            "attention_decode",
+            (a.heads * a.chunks) as u32,
+            128,
+            (a.head_dim * 4) as u32,
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.keys),
+                Arg::Ptr(a.values),
+                Arg::Ptr(a.probs),
+                Arg::Ptr(a.part),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.heads as i32),
+                Arg::I32(a.kv_heads as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
+                Arg::I32(a.chunks as i32),
+                Arg::F32(scale),
+            ],
+        );
+        g.launch(
+            "attention_merge",
+            a.heads as u32,
+            128,
+            (a.chunks * 4) as u32,
+            &[
+                Arg::Ptr(a.probs),
+                Arg::Ptr(a.part),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
+                Arg::I32(a.chunks as i32),
+            ],
+        );
+        return;
+    }
+    let block = attention_block(a.n * a.heads, a.head_dim);
+    g.launch(
+        "attention",
+        (a.n * a.heads) as u32,
+        block,
+        (a.head_dim as u32 + block) * 4,
+        &[
+            Arg::Ptr(a.q),
+            Arg::Ptr(a.keys),
+            Arg::Ptr(a.values),
+            Arg::Ptr(a.probs),
+            Arg::Ptr(a.out),
+            Arg::Ptr(a.out_bf),
+            Arg::Ptr(a.meta),
+            Arg::I32(a.split as i32),
+            Arg::I32(a.heads as i32),
+            Arg::I32(a.kv_heads as i32),
+            Arg::I32(a.head_dim as i32),
+            Arg::I32(a.stride as i32),
+            Arg::F32(scale),
+        ],
+    );
+}
+
+/// Offers a GPU buffer as a tap (one row per position, `stride` apart, 0: contiguous): kept or
+/// compared on the GPU if the sink can, else copied to the host.
 #[allow(clippy::too_many_arguments)]
 fn offer(
     sink: &mut dyn TapSink,
-    step: usize,
+    t: &TapCtx<'_>,
+    ws: &Workspace,
     gpu: &Arc<Gpu>,
     id: TapId,
-    pos: &[usize],
     shape: &[usize],
-    buf: &CudaSlice<f32>,
-    len: usize,
+    at: u64,
+    stride: usize,
 ) {
     if !sink.table().wants(id) {
         return;
     }
-    let width = len / pos.len();
+    let rows = t.pos.len();
+    let width: usize = shape[1..].iter().product();
+    let stride = if stride == 0 { width } else { stride };
     let tap = DeviceTap {
         id,
-        positions: pos,
+        positions: t.pos,
         gpu,
-        ptr: ptr(gpu, buf, 0),
-        rows: pos.len(),
+        ptr: at,
+        rows,
         width,
-        stride: width,
+        stride,
         rows_per_token: 1,
+        lead: 0,
+        persistent: ws.per_layer,
         shape: shape.to_vec(),
     };
-    if !sink.record_device(step, &tap) {
-        emit(sink, step, id, pos, shape, &gpu.download(buf, len));
+    if !sink.record_device(t.step, &tap) {
+        // Rows `stride` apart; the last one ends at its width.
+        let all = gpu.download_raw(at, (rows - 1) * stride + width);
+        let data: Vec<f32> = (0..rows)
+            .flat_map(|r| all[r * stride..r * stride + width].iter().copied())
+            .collect();
+        emit(sink, t.step, id, t.pos, shape, &data);
     }
 }
 

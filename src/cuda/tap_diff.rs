@@ -9,7 +9,8 @@ use super::gpu::{ptr, Arg, Gpu};
 use crate::diff::RowDiff;
 use crate::tap::{DeviceTap, Recorded, TapId};
 
-/// A reference tap copied to contiguous GPU memory.
+/// A reference tap on the GPU: copied to contiguous memory, or, for a persistent tap, the
+/// address of the buffer that holds it until its cache's next pass.
 pub struct DeviceRecorded {
     pub step: usize,
     pub id: TapId,
@@ -17,26 +18,36 @@ pub struct DeviceRecorded {
     pub shape: Vec<usize>,
     pub rows_per_token: usize,
     pub width: usize,
-    pub data: CudaSlice<f32>,
+    pub lead: usize,
+    /// Address of row 0; rows are `stride` apart.
+    pub ptr: u64,
+    pub stride: usize,
+    _copy: Option<CudaSlice<f32>>,
     gpu: Arc<Gpu>,
 }
 
 impl DeviceRecorded {
-    pub fn copy(step: usize, t: &DeviceTap<'_>) -> Self {
+    /// Keeps `t`: by address when it is persistent and `borrow` allows, else as a copy.
+    pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool) -> Self {
         let g = t.gpu;
-        let data = g.alloc::<f32>(t.rows * t.width);
-        g.launch(
-            "copy_rows",
-            t.rows as u32,
-            256,
-            0,
-            &[
-                Arg::Ptr(t.ptr),
-                Arg::I32(t.stride as i32),
-                Arg::I32(t.width as i32),
-                Arg::Ptr(ptr(g, &data, 0)),
-            ],
-        );
+        let (ptr_, stride, copy) = if t.persistent && borrow {
+            (t.ptr, t.stride, None)
+        } else {
+            let data = g.alloc::<f32>(t.rows * t.width);
+            g.launch(
+                "copy_rows",
+                t.rows as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(t.ptr),
+                    Arg::I32(t.stride as i32),
+                    Arg::I32(t.width as i32),
+                    Arg::Ptr(ptr(g, &data, 0)),
+                ],
+            );
+            (ptr(g, &data, 0), t.width, Some(data))
+        };
         DeviceRecorded {
             step,
             id: t.id,
@@ -44,81 +55,120 @@ impl DeviceRecorded {
             shape: t.shape.clone(),
             rows_per_token: t.rows_per_token,
             width: t.width,
-            data,
+            lead: t.lead,
+            ptr: ptr_,
+            stride,
+            _copy: copy,
             gpu: g.clone(),
         }
     }
 
-    /// The same tap on the host.
+    /// Address of row `r`.
+    pub fn row(&self, r: usize) -> u64 {
+        self.ptr + (r * self.stride * 4) as u64
+    }
+
+    /// The same tap on the host (rows widened to lead + width, zeros first).
     pub fn to_host(&self) -> Recorded {
+        let rows = self.positions.len() * self.rows_per_token;
+        let all = self
+            .gpu
+            .download_raw(self.ptr, (rows.max(1) - 1) * self.stride + self.width);
+        let mut shape = self.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last += self.lead;
+        }
+        let zeros = vec![0f32; self.lead];
         Recorded {
             step: self.step,
             id: self.id,
             positions: self.positions.clone(),
-            shape: self.shape.clone(),
-            data: self.gpu.download(
-                &self.data,
-                self.positions.len() * self.rows_per_token * self.width,
-            ),
+            shape,
+            data: (0..rows)
+                .flat_map(|r| {
+                    zeros
+                        .iter()
+                        .chain(&all[r * self.stride..r * self.stride + self.width])
+                        .copied()
+                })
+                .collect(),
         }
     }
 }
 
-/// Diff summaries of many taps gathered in one GPU buffer and read back in one copy.
+/// Diff jobs (one per row: path row, reference row, widths, leads) gathered on the host, run by one
+/// `diff_rows` launch each time `launch` is called, their summaries read back in one copy.
 #[derive(Default)]
 pub struct DeviceDiffs {
     out: Option<CudaSlice<f32>>,
     gpu: Option<Arc<Gpu>>,
     cap: usize,
+    /// Rows whose summaries are in `out` or queued.
     used: usize,
+    /// Queued jobs, four words each, for rows `used - jobs.len() / 3..used`.
+    jobs: Vec<u64>,
 }
 
 impl DeviceDiffs {
-    /// Queues the diff of the path tap's rows against reference rows: `b_rows` per row (-1:
-    /// none), or rows `b_row0..` when `None`. Returns the first output row, or `None` when the
-    /// buffer is full (drain it, then queue again).
+    /// Queues the diff of the path tap's rows against reference rows (`b_rows[r]`: the
+    /// reference row of path row r, `None`: no reference, row skipped). Returns the first
+    /// output row, or `None` when the buffer is full (drain it, then queue again).
     pub fn enqueue(
         &mut self,
         t: &DeviceTap<'_>,
         r: &DeviceRecorded,
-        b_rows: Option<&[i32]>,
-        b_row0: usize,
+        b_rows: impl Iterator<Item = Option<usize>>,
     ) -> Option<usize> {
-        let g = t.gpu;
         if self.out.is_none() {
             self.cap = (1 << 20).max(t.rows);
-            self.out = Some(g.alloc::<f32>(self.cap * 12));
-            self.gpu = Some(g.clone());
+            self.out = Some(t.gpu.alloc::<f32>(self.cap * 12));
+            self.gpu = Some(t.gpu.clone());
         }
         if self.used + t.rows > self.cap {
             return None;
         }
-        let out = self.out.as_ref().expect("allocated");
-        let idx = b_rows.map(|b| g.upload(b));
-        g.launch(
-            "diff_rows",
-            t.rows as u32,
-            256,
-            0,
-            &[
-                Arg::Ptr(t.ptr),
-                Arg::I32(t.stride as i32),
-                Arg::I32(t.width as i32),
-                Arg::Ptr(ptr(g, &r.data, 0)),
-                Arg::I32(r.width as i32),
-                Arg::I32(r.width as i32),
-                Arg::Ptr(idx.as_ref().map_or(0, |i| ptr(g, i, 0))),
-                Arg::I32(b_row0 as i32),
-                Arg::Ptr(ptr(g, out, self.used * 12)),
-            ],
-        );
+        let widths = t.width as u64 | (r.width as u64) << 32;
+        let leads = t.lead as u64 | (r.lead as u64) << 32;
+        for (i, b) in b_rows.enumerate().take(t.rows) {
+            self.jobs.extend([
+                t.ptr + (i * t.stride * 4) as u64,
+                b.map_or(0, |b| r.row(b)),
+                widths,
+                leads,
+            ]);
+        }
         let at = self.used;
         self.used += t.rows;
         Some(at)
     }
 
+    /// Runs the queued jobs (one launch).
+    pub fn launch(&mut self) {
+        if self.jobs.is_empty() {
+            return;
+        }
+        let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
+            return;
+        };
+        let rows = self.jobs.len() / 4;
+        let first = self.used - rows;
+        let jobs = g.upload(&self.jobs);
+        g.launch(
+            "diff_rows",
+            rows as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(g, &jobs, 0)),
+                Arg::Ptr(ptr(g, out, first * 12)),
+            ],
+        );
+        self.jobs.clear();
+    }
+
     /// Every queued row's summaries, in queue order; empties the buffer.
     pub fn drain(&mut self) -> Vec<[f32; 12]> {
+        self.launch();
         let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
             return Vec::new();
         };
