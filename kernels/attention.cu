@@ -93,6 +93,9 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 // writes [chunk max, chunk sum, partial output (head_dim)] to `part`; attention_merge then
 // rescales both. Blocks past the last key write an empty chunk. `meta[0]` is base.
 #define DECODE_CHUNK 64
+#define DECODE_THREADS 256
+#define DECODE_WARPS (DECODE_THREADS / 32)
+#define DECODE_KEYS_PER_WARP (DECODE_CHUNK / DECODE_WARPS)
 
 __device__ __forceinline__ void decode_chunk(int c, int visible, int cut, int* start, int* end) {
     int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
@@ -105,13 +108,74 @@ __device__ __forceinline__ void decode_chunk(int c, int visible, int cut, int* s
     }
 }
 
+// Merges a head's chunks: per cascade segment the log-sum-exp of its chunks, the segments
+// weighted as in `attention`; rescales the probabilities in place and writes the output in
+// f32 and bf16. Run by the last block of the head to finish; `factor` holds `chunks` floats.
+// Other blocks' results are read past L1 (__ldcg): they were written by other SMs.
+__device__ void merge_head(int h, float* probs, const float* part, float* out, bf16_t* out_bf16,
+                           int visible, int cut, int head_dim, int stride, int chunks,
+                           float* factor) {
+    int lane = threadIdx.x & 31;
+    int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    const float* ph = part + (size_t)h * chunks * (head_dim + 2);
+    if (threadIdx.x < 32) {
+        // Lanes over chunks: per segment the largest chunk max, then the rescaled sums.
+        float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
+        for (int c = lane; c < chunks; c += 32) {
+            int s = c < na ? 0 : 1;
+            mx[s] = fmaxf(mx[s], __ldcg(ph + (size_t)c * (head_dim + 2)));
+        }
+        mx[0] = warp_max(mx[0]);
+        mx[1] = warp_max(mx[1]);
+        for (int c = lane; c < chunks; c += 32) {
+            const float* pc = ph + (size_t)c * (head_dim + 2);
+            int s = c < na ? 0 : 1;
+            float sum = __ldcg(pc + 1);
+            if (sum > 0.0f) tot[s] += sum * expf(__ldcg(pc) - mx[s]);
+        }
+        tot[0] = warp_sum(tot[0]);
+        tot[1] = warp_sum(tot[1]);
+        float lse_a = na > 0 ? mx[0] + logf(tot[0]) : NEG_INF, lse_b = mx[1] + logf(tot[1]);
+        float m = fmaxf(lse_a, lse_b);
+        float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
+        float norm[2] = {na > 0 ? wa / (wa + wb) / tot[0] : 0.0f, wb / (wa + wb) / tot[1]};
+        for (int c = lane; c < chunks; c += 32) {
+            const float* pc = ph + (size_t)c * (head_dim + 2);
+            int s = c < na ? 0 : 1;
+            float sum = __ldcg(pc + 1);
+            factor[c] = sum > 0.0f ? expf(__ldcg(pc) - mx[s]) * norm[s] : 0.0f;
+        }
+    }
+    __syncthreads();
+    float* row = probs + (size_t)h * stride;
+    for (int e = threadIdx.x; e < visible; e += blockDim.x)
+        row[e] = __ldcg(row + e) * factor[e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        // Empty chunks wrote no partial output: skip them rather than multiply garbage by 0.
+        for (int c = 0; c < chunks; c++)
+            if (factor[c] != 0.0f) acc += factor[c] * __ldcg(ph + (size_t)c * (head_dim + 2) + 2 + d);
+        size_t o = (size_t)h * head_dim + d;
+        out[o] = acc;
+        out_bf16[o] = f32_to_bf16(acc);
+    }
+}
+
+// Decode attention: block (head, c) scores chunk c's keys, keeps exp(score - chunk max) in
+// `probs` and writes [chunk max, chunk sum, partial output] to `part`; the last block of a head
+// to finish (counted in `counters`, which it resets for the next step) merges them, so a step
+// is one launch. Dynamic shared memory: max(head_dim + max(blockDim.x, head_dim), chunks)
+// floats.
 extern "C" __global__ void attention_decode(const float* q, const float* keys,
                                             const float* values, float* probs, float* part,
-                                            const int* meta, int split, int heads, int kv_heads,
-                                            int head_dim, int stride, int chunks, float scale) {
+                                            float* out, bf16_t* out_bf16,
+                                            unsigned int* counters, const int* meta, int split,
+                                            int heads, int kv_heads, int head_dim, int stride,
+                                            int chunks, float scale) {
     __shared__ float scratch[32];
     __shared__ float sc[DECODE_CHUNK];
-    extern __shared__ float qs[];
+    __shared__ bool last;
+    extern __shared__ float qs[];  // head_dim, then max(blockDim.x, head_dim) partial sums
     int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int visible = meta[0] + 1;
@@ -124,91 +188,84 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
             pm[0] = NEG_INF;
             pm[1] = 0.0f;
         }
-        return;
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const float* qv = q + (size_t)h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
-    __syncthreads();
-    for (int e = start + warp; e < end; e += warps) {
-        const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
-        float acc = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) acc += qs[d] * k[d];
-        acc = warp_sum(acc);
-        if (lane == 0) sc[e - start] = acc * scale;
-    }
-    __syncthreads();
-    int len = end - start;
-    float m = threadIdx.x < len ? sc[threadIdx.x] : NEG_INF;
-    m = block_max(m, scratch);
-    float p = threadIdx.x < len ? expf(sc[threadIdx.x] - m) : 0.0f;
-    float sum = block_sum(p, scratch);
-    if (threadIdx.x < len) {
-        sc[threadIdx.x] = p;
-        probs[(size_t)h * stride + start + threadIdx.x] = p;
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        const float* v = values + kvh * head_dim + d;
-        float acc0 = 0.0f, acc1 = 0.0f;
-        int e = 0;
-        for (; e + 1 < len; e += 2) {
-            acc0 += sc[e] * v[(size_t)(start + e) * kv_dim];
-            acc1 += sc[e + 1] * v[(size_t)(start + e + 1) * kv_dim];
-        }
-        if (e < len) acc0 += sc[e] * v[(size_t)(start + e) * kv_dim];
-        pm[2 + d] = acc0 + acc1;
-    }
-    if (threadIdx.x == 0) {
-        pm[0] = m;
-        pm[1] = sum;
-    }
-}
+    } else {
+        int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const float* qv = q + (size_t)h * head_dim;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
+        __syncthreads();
 
-// Merges attention_decode's chunks per head: per cascade segment the log-sum-exp of its chunks,
-// the segments weighted as in `attention`; rescales the probabilities in place and writes the
-// output in f32 and bf16. One block per head; dynamic shared memory holds `chunks` floats.
-extern "C" __global__ void attention_merge(float* probs, const float* part, float* out,
-                                           bf16_t* out_bf16, const int* meta, int split,
-                                           int head_dim, int stride, int chunks) {
-    extern __shared__ float factor[];
-    int h = blockIdx.x;
-    int visible = meta[0] + 1;
-    int cut = (split > 0 && split < visible) ? split : 0;
-    int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
-    const float* ph = part + (size_t)h * chunks * (head_dim + 2);
-    if (threadIdx.x == 0) {
-        float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
-        for (int c = 0; c < chunks; c++) {
-            int s = c < na ? 0 : 1;
-            mx[s] = fmaxf(mx[s], ph[(size_t)c * (head_dim + 2)]);
+        // Scores: warp w takes keys start + w + j * DECODE_WARPS, lanes across the head
+        // dimension; the loads for all of a warp's keys are in flight before any reduction.
+        float acc[DECODE_KEYS_PER_WARP];
+        const float* kbase = keys + kvh * head_dim;
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) acc[j] = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) {
+            float qd = qs[d];
+#pragma unroll
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                int e = start + warp + j * DECODE_WARPS;
+                if (e < end) acc[j] += qd * kbase[(size_t)e * kv_dim + d];
+            }
         }
-        for (int c = 0; c < chunks; c++) {
-            const float* pc = ph + (size_t)c * (head_dim + 2);
-            int s = c < na ? 0 : 1;
-            if (pc[1] > 0.0f) tot[s] += pc[1] * expf(pc[0] - mx[s]);
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+            float s = warp_sum(acc[j]);
+            int e = start + warp + j * DECODE_WARPS;
+            if (lane == 0 && e < end) sc[e - start] = s * scale;
         }
-        float lse_a = na > 0 ? mx[0] + logf(tot[0]) : NEG_INF, lse_b = mx[1] + logf(tot[1]);
-        float m = fmaxf(lse_a, lse_b);
-        float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
-        float norm[2] = {na > 0 ? wa / (wa + wb) / tot[0] : 0.0f, wb / (wa + wb) / tot[1]};
-        for (int c = 0; c < chunks; c++) {
-            const float* pc = ph + (size_t)c * (head_dim + 2);
-            int s = c < na ? 0 : 1;
-            factor[c] = pc[1] > 0.0f ? expf(pc[0] - mx[s]) * norm[s] : 0.0f;
+        __syncthreads();
+        int len = end - start;
+        float m = threadIdx.x < len ? sc[threadIdx.x] : NEG_INF;
+        m = block_max(m, scratch);
+        float p = threadIdx.x < len ? expf(sc[threadIdx.x] - m) : 0.0f;
+        float sum = block_sum(p, scratch);
+        if (threadIdx.x < len) {
+            sc[threadIdx.x] = p;
+            probs[(size_t)h * stride + start + threadIdx.x] = p;
+        }
+        __syncthreads();
+
+        // Partial output: `groups` groups of head_dim threads split the chunk's keys, four
+        // independent loads in flight per thread; their sums meet in shared memory.
+        bool fits = head_dim <= (int)blockDim.x;
+        int groups = fits ? blockDim.x / head_dim : 1;
+        int g = fits ? threadIdx.x / head_dim : 0;
+        int dstep = fits ? head_dim : blockDim.x;
+        float* red = qs + head_dim;
+        if (g < groups) {
+            for (int d = fits ? threadIdx.x % head_dim : threadIdx.x; d < head_dim; d += dstep) {
+                const float* v = values + (size_t)start * kv_dim + kvh * head_dim + d;
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+                int e = g;
+                for (; e + 3 * groups < len; e += 4 * groups) {
+                    a0 += sc[e] * v[(size_t)e * kv_dim];
+                    a1 += sc[e + groups] * v[(size_t)(e + groups) * kv_dim];
+                    a2 += sc[e + 2 * groups] * v[(size_t)(e + 2 * groups) * kv_dim];
+                    a3 += sc[e + 3 * groups] * v[(size_t)(e + 3 * groups) * kv_dim];
+                }
+                for (; e < len; e += groups) a0 += sc[e] * v[(size_t)e * kv_dim];
+                red[g * head_dim + d] = (a0 + a1) + (a2 + a3);
+            }
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float s = 0.0f;
+            for (int j = 0; j < groups; j++) s += red[j * head_dim + d];
+            pm[2 + d] = s;
+        }
+        if (threadIdx.x == 0) {
+            pm[0] = m;
+            pm[1] = sum;
         }
     }
+    // Count this chunk in; the head's last one merges.
+    __threadfence();
     __syncthreads();
-    float* row = probs + (size_t)h * stride;
-    for (int e = threadIdx.x; e < visible; e += blockDim.x)
-        row[e] *= factor[e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK];
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        // Empty chunks wrote no partial output: skip them rather than multiply garbage by 0.
-        for (int c = 0; c < chunks; c++)
-            if (factor[c] != 0.0f) acc += factor[c] * ph[(size_t)c * (head_dim + 2) + 2 + d];
-        size_t o = (size_t)h * head_dim + d;
-        out[o] = acc;
-        out_bf16[o] = f32_to_bf16(acc);
-    }
+    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == (unsigned int)chunks - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) counters[h] = 0;
+    __threadfence();
+    merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }

@@ -1,36 +1,54 @@
-// Qwen3's per-head RMSNorm of q or k followed by RoPE ("rotate half": pairs (i, i + d/2) turn
-// by position * inv_freq[i]). Reads heads from a row of the fused QKV output (row stride `ld`,
-// first head at column `col`); writes the normalised heads and the rotated ones, contiguous
-// [token, head, head_dim]. One block of head_dim threads per (token, head).
-extern "C" __global__ void qk_norm_rope(const float* qkv, int ld, int col, const bf16_t* weight,
-                                        const int* rope_pos, const float* inv_freq,
-                                        float* normed, float* rotated, int heads, int head_dim,
+// Qwen3's per-head RMSNorm of q and k followed by RoPE ("rotate half": pairs (i, i + d/2) turn
+// by position * inv_freq[i]), and the KV-cache append, in one launch. Reads a row of the fused
+// QKV output ([q heads | k heads | v heads] per token); writes the normalised and rotated heads,
+// contiguous [token, head, head_dim], and puts each token's rotated key and its value at cache
+// entry base + t. `meta` holds the RoPE positions (n), the key positions (n), then base.
+// One block of head_dim threads per (token, q or k head).
+extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_heads, int head_dim,
+                                        const bf16_t* q_weight, const bf16_t* k_weight,
+                                        const int* meta, int n, const float* inv_freq,
+                                        float* q_normed, float* q_rotated, float* k_normed,
+                                        float* k_rotated, float* keys, float* values,
                                         float eps) {
     __shared__ float scratch[32];
     extern __shared__ float row[];
-    int t = blockIdx.x / heads, h = blockIdx.x % heads, i = threadIdx.x;
-    float v = qkv[(size_t)t * ld + col + h * head_dim + i];
+    int per_token = heads + kv_heads, ld = (heads + 2 * kv_heads) * head_dim;
+    int t = blockIdx.x / per_token, hh = blockIdx.x % per_token, i = threadIdx.x;
+    bool is_k = hh >= heads;
+    int head = is_k ? hh - heads : hh, nh = is_k ? kv_heads : heads;
+    int col = is_k ? heads * head_dim + head * head_dim : head * head_dim;
+    float v = qkv[(size_t)t * ld + col + i];
     float ss = block_sum(v * v, scratch);
+    const bf16_t* weight = is_k ? k_weight : q_weight;
     float y = bf16_to_f32(weight[i]) * (v * (1.0f / sqrtf(ss / head_dim + eps)));
-    size_t out = ((size_t)t * heads + h) * head_dim + i;
-    normed[out] = y;
+    size_t out = ((size_t)t * nh + head) * head_dim + i;
+    (is_k ? k_normed : q_normed)[out] = y;
     row[i] = y;
     __syncthreads();
     int half = head_dim / 2, j = i < half ? i : i - half;
-    float angle = (float)rope_pos[t] * inv_freq[j];
+    float angle = (float)meta[is_k ? n + t : t] * inv_freq[j];
     float s, c;
     sincosf(angle, &s, &c);
-    rotated[out] = i < half ? row[i] * c - row[i + half] * s : row[i] * c + row[i - half] * s;
+    float r = i < half ? row[i] * c - row[i + half] * s : row[i] * c + row[i - half] * s;
+    (is_k ? k_rotated : q_rotated)[out] = r;
+    if (is_k) {
+        int kv_dim = kv_heads * head_dim;
+        size_t dst = ((size_t)meta[2 * n] + t) * kv_dim + head * head_dim + i;
+        keys[dst] = r;
+        values[dst] = qkv[(size_t)t * ld + (heads + kv_heads) * head_dim + head * head_dim + i];
+    }
 }
 
-// Appends a batch's rotated keys and its values (read from the fused QKV output) at entry
-// `meta[0]` (base) of one layer's cache. One block per token.
-extern "C" __global__ void append_kv(const float* k_rot, const float* qkv, int ld, int v_col,
-                                     float* keys, float* values, const int* meta, int kv_dim) {
-    int t = blockIdx.x;
-    size_t dst = ((size_t)meta[0] + t) * kv_dim;
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        keys[dst + i] = k_rot[(size_t)t * kv_dim + i];
-        values[dst + i] = qkv[(size_t)t * ld + v_col + i];
-    }
+// Turns `n` cached keys (entries first.., every head) further by `delta` positions: RoPE
+// composes, so keys rotated at local positions 0..n land at delta..delta + n (chunk-reuse
+// "rerotate"). Same angle arithmetic as qk_norm_rope. Grid: n * kv_heads; head_dim / 2 threads.
+extern "C" __global__ void rotate_keys(float* keys, int first, int kv_heads, int head_dim,
+                                       int delta, const float* inv_freq) {
+    int half = head_dim / 2, i = threadIdx.x;
+    float* k = keys + ((size_t)first * kv_heads + blockIdx.x) * head_dim;
+    float s, c;
+    sincosf((float)delta * inv_freq[i], &s, &c);
+    float a = k[i], b = k[i + half];
+    k[i] = a * c - b * s;
+    k[i + half] = b * c + a * s;
 }

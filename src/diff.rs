@@ -160,20 +160,22 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     best
 }
 
-/// `f` of every element, computed in parallel: each value is what the sequential map gives,
-/// so sums taken over the result in order do not depend on the thread count.
-fn par_map(x: &[f32], f: impl Fn(usize, f32) -> f64 + Sync) -> Vec<f64> {
+/// `Σ f(i)` over `0..n` in f64, in parallel over fixed blocks whose partial sums are added in
+/// order: the result does not depend on the thread count.
+fn block_sum(n: usize, f: impl Fn(usize) -> f64 + Sync) -> f64 {
     use rayon::prelude::*;
-    x.par_iter().enumerate().map(|(i, &v)| f(i, v)).collect()
+    const BLOCK: usize = 8192;
+    let parts: Vec<f64> = (0..n.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|b| (b * BLOCK..((b + 1) * BLOCK).min(n)).map(&f).sum())
+        .collect();
+    parts.iter().sum()
 }
 
-fn log_softmax(x: &[f32]) -> Vec<f64> {
+/// log Σ exp(x), in f64.
+fn log_sum_exp(x: &[f32]) -> f64 {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = m + par_map(x, |_, v| (v as f64 - m).exp())
-        .iter()
-        .sum::<f64>()
-        .ln();
-    x.iter().map(|&v| v as f64 - lse).collect()
+    m + block_sum(x.len(), |i| (x[i] as f64 - m).exp()).ln()
 }
 
 impl LogitsAgreement {
@@ -192,10 +194,13 @@ impl LogitsAgreement {
         self.topk_overlap_min = self
             .topk_overlap_min
             .min(tp.iter().filter(|t| tr.contains(t)).count());
-        let (lp, lr) = (log_softmax(path), log_softmax(reference));
-        let kl: f64 = par_map(reference, |i, _| lr[i].exp() * (lr[i] - lp[i]))
-            .iter()
-            .sum();
+        // KL(reference ‖ path) over log-softmaxes in f64: near-equal distributions differ far
+        // below f32's resolution.
+        let (zp, zr) = (log_sum_exp(path), log_sum_exp(reference));
+        let kl = block_sum(reference.len(), |i| {
+            let (lr, lp) = (reference[i] as f64 - zr, path[i] as f64 - zp);
+            lr.exp() * (lr - lp)
+        });
         self.kl_max = self.kl_max.max(kl.max(0.0));
         self.rel_l2_max = self.rel_l2_max.max(row_diff(path, reference).rel_l2);
     }

@@ -222,6 +222,7 @@ impl TapSink for Comparator<'_> {
     }
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
+        let _span = crate::timing::span("compare: host-side tap diff");
         // A reference kept on the GPU, met by a tap the path computed on the host.
         if !self.reference.contains_key(&v.id) {
             let Some(r) = self.device_reference.get(&v.id) else {

@@ -24,6 +24,10 @@ pub trait DeviceKv: Send {
     }
     /// Entries `from..to` of `layer` as host vectors (keys, values).
     fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>);
+    /// A copy on the same device.
+    fn clone_box(&self) -> Box<dyn DeviceKv>;
+    /// Appends `other`'s entries on the device; false when `other` is of another kind.
+    fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -48,22 +52,15 @@ impl std::fmt::Debug for KvCache {
 }
 
 impl Clone for KvCache {
-    /// A host-only copy holding every entry.
+    /// A copy with the same split between host and device (a device copy is copied on the
+    /// device, not brought back).
     fn clone(&self) -> Self {
-        let mut layers = self.layers.clone();
-        if let Some(d) = &self.device {
-            for (l, layer) in layers.iter_mut().enumerate() {
-                let (k, v) = d.download(l, self.host_len, d.len());
-                layer.keys.extend(k);
-                layer.values.extend(v);
-            }
-        }
         KvCache {
-            layers,
+            layers: self.layers.clone(),
             positions: self.positions.clone(),
             kv_dim: self.kv_dim,
-            host_len: self.positions.len(),
-            device: None,
+            host_len: self.host_len,
+            device: self.device.as_ref().map(|d| d.clone_box()),
         }
     }
 }
@@ -101,6 +98,7 @@ impl KvCache {
         if let Some(d) = &self.device {
             let to = d.len();
             if self.host_len < to {
+                let _span = crate::timing::span("kv cache: device to host");
                 for (l, layer) in self.layers.iter_mut().enumerate() {
                     let (k, v) = d.download(l, self.host_len, to);
                     layer.keys.extend(k);
@@ -132,6 +130,18 @@ impl KvCache {
 
     /// Appends another cache's entries after this one's.
     pub fn append(&mut self, mut other: KvCache) {
+        // Into an empty cache: take the other as it is, wherever its entries live.
+        if self.positions.is_empty() && self.device.is_none() {
+            *self = other;
+            return;
+        }
+        // Both on the device: copy there; the host prefix stays valid.
+        if let (Some(d), Some(o)) = (&mut self.device, &mut other.device) {
+            if d.append_from(&mut **o) {
+                self.positions.extend(other.positions);
+                return;
+            }
+        }
         other.sync();
         let layers = std::mem::take(&mut other.layers);
         for (a, b) in self.layers_mut().iter_mut().zip(layers) {
@@ -140,6 +150,17 @@ impl KvCache {
         }
         self.positions.extend(other.positions);
         self.host_len = self.positions.len();
+    }
+
+    /// After the device copy's entries were edited in place: the host copy is stale, so it
+    /// is dropped and read back from the device when next needed.
+    pub fn device_edited(&mut self) {
+        debug_assert!(self.device.is_some());
+        for l in &mut self.layers {
+            l.keys.clear();
+            l.values.clear();
+        }
+        self.host_len = 0;
     }
 
     /// Entries the host holds.

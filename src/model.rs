@@ -282,6 +282,35 @@ impl Model {
         }
     }
 
+    /// Turns every key of `cache` (entries rotated at local positions 0..n) by `delta`
+    /// positions, so they stand at `delta..delta + n` (RoPE composes), and offers them as the
+    /// `k_rope` taps of `positions`: chunk-reuse's re-rotation, on the cache's own backend.
+    pub fn rerotate(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        if let Some(cm) = &self.cuda {
+            return cm.rerotate(cache, delta, positions, sink);
+        }
+        let c = &self.config;
+        let deltas = vec![delta; cache.len()];
+        let shape = [positions.len(), c.num_key_value_heads, c.head_dim];
+        for (l, layer) in cache.layers_mut().iter_mut().enumerate() {
+            crate::ops::rope(
+                &mut layer.keys,
+                &deltas,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rope_theta,
+            );
+            let id = TapId::Layer(l, LayerTap::KRope);
+            emit(sink, 0, id, positions, &shape, &layer.keys);
+        }
+    }
+
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config.num_hidden_layers, self.config.kv_dim())
     }

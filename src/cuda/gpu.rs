@@ -25,21 +25,23 @@ const SOURCES: &[(&str, &str)] = &[
         include_str!("../../kernels/elementwise.cu"),
     ),
     ("diff.cu", include_str!("../../kernels/diff.cu")),
+    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
 ];
 
 const KERNELS: &[&str] = &[
     "add_rms_norm",
     "qk_norm_rope",
-    "append_kv",
+    "rotate_keys",
     "attention",
     "attention_decode",
-    "attention_merge",
     "embed",
     "swiglu",
     "to_bf16",
     "argmax",
     "diff_rows",
     "copy_rows",
+    "gemv_bf16",
+    "gemv_swiglu_bf16",
 ];
 
 const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
@@ -136,7 +138,7 @@ impl Gpu {
             })
             .collect::<Result<Vec<_>>>()?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        Ok(Arc::new(Gpu {
+        let gpu = Arc::new(Gpu {
             ctx,
             stream,
             blas,
@@ -144,7 +146,20 @@ impl Gpu {
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
-        }))
+        });
+        // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
+        // opening the device, not inside the first forward pass.
+        let (x, y) = (gpu.zeros::<u16>(64), gpu.zeros::<f32>(16));
+        gpu.gemm_bf16_now(
+            ptr(&gpu, &x, 0),
+            ptr(&gpu, &x, 0),
+            ptr(&gpu, &y, 0),
+            2,
+            8,
+            8,
+        );
+        gpu.sync();
+        Ok(gpu)
     }
 
     /// Runs `f` as operation `name`, timed when profiling.
@@ -280,8 +295,26 @@ impl Gpu {
     }
 
     /// `y[n, m] (f32) = x[n, k] (bf16) · w[m, k]ᵀ (bf16)`, f32 accumulation. Pointers are raw
-    /// device addresses so callers can pass offsets into larger buffers.
+    /// device addresses so callers can pass offsets into larger buffers. One row (a decode
+    /// step) goes to `kernels/gemv.cu`, which reads the weights near bandwidth; cuBLAS's
+    /// general kernels do not for n = 1.
     pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        if n == 1 && k % 8 == 0 && (x | w) % 16 == 0 {
+            self.launch(
+                "gemv_bf16",
+                m.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w),
+                    Arg::Ptr(y),
+                    Arg::I32(k as i32),
+                    Arg::I32(m as i32),
+                ],
+            );
+            return;
+        }
         let shape = || {
             format!(
                 "gemm n={} {k}x{m}",

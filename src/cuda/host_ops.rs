@@ -78,14 +78,18 @@ pub fn qk_norm_rope(
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|i| 1.0 / (theta.powf((2 * i) as f64 / hd as f64)) as f32)
         .collect();
-    let pos: Vec<i32> = rope_positions.iter().map(|&p| p as i32).collect();
+    // Query heads only (no key heads, so nothing is appended): meta is the RoPE positions,
+    // unused key positions, and base 0.
+    let mut meta: Vec<i32> = rope_positions.iter().map(|&p| p as i32).collect();
+    meta.extend(std::iter::repeat_n(0, n + 1));
     let (dx, dw, dp, df) = (
         gpu.upload(x),
         gpu.upload(&bits(w)),
-        gpu.upload(&pos),
+        gpu.upload(&meta),
         gpu.upload(&inv_freq),
     );
     let (normed, rotated) = (poison_f32(gpu, x.len()), poison_f32(gpu, x.len()));
+    let unused = ptr(gpu, &normed, 0);
     gpu.launch(
         "qk_norm_rope",
         (n * heads) as u32,
@@ -93,15 +97,20 @@ pub fn qk_norm_rope(
         (hd * 4) as u32,
         &[
             Arg::Ptr(ptr(gpu, &dx, 0)),
-            Arg::I32((heads * hd) as i32),
+            Arg::I32(heads as i32),
             Arg::I32(0),
+            Arg::I32(hd as i32),
+            Arg::Ptr(ptr(gpu, &dw, 0)),
             Arg::Ptr(ptr(gpu, &dw, 0)),
             Arg::Ptr(ptr(gpu, &dp, 0)),
+            Arg::I32(n as i32),
             Arg::Ptr(ptr(gpu, &df, 0)),
             Arg::Ptr(ptr(gpu, &normed, 0)),
             Arg::Ptr(ptr(gpu, &rotated, 0)),
-            Arg::I32(heads as i32),
-            Arg::I32(hd as i32),
+            Arg::Ptr(unused),
+            Arg::Ptr(unused),
+            Arg::Ptr(unused),
+            Arg::Ptr(unused),
             Arg::F32(eps),
         ],
     );
@@ -132,6 +141,7 @@ pub fn attention(
     let meta = gpu.upload(&[base as i32]);
     let chunks = entries.div_ceil(super::model::DECODE_CHUNK) + 1;
     let part = poison_f32(gpu, heads * chunks * (hd + 2));
+    let counters = gpu.zeros::<u32>(heads);
     let probs = poison_f32(gpu, n * heads * entries);
     let out = poison_f32(gpu, n * heads * hd);
     let out_bf = poison_bf16(gpu, n * heads * hd);
@@ -146,6 +156,7 @@ pub fn attention(
             stride: entries,
             part: ptr(gpu, &part, 0),
             chunks,
+            counters: ptr(gpu, &counters, 0),
             out: ptr(gpu, &out, 0),
             out_bf: ptr(gpu, &out_bf, 0),
             meta: ptr(gpu, &meta, 0),

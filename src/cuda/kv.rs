@@ -24,6 +24,7 @@ pub struct CudaKv {
 impl CudaKv {
     /// A device copy of `cache`'s host entries, with room for `extra` more.
     pub fn upload(gpu: &Arc<Gpu>, cache: &mut KvCache, extra: usize) -> CudaKv {
+        let _span = crate::timing::span("kv cache: host to device");
         let kv_dim = cache.kv_dim();
         let len = cache.host_len();
         let cap = (len + extra).next_power_of_two().max(64);
@@ -105,6 +106,52 @@ impl DeviceKv for CudaKv {
             self.gpu.download_range(&self.keys[layer], a, b),
             self.gpu.download_range(&self.values[layer], a, b),
         )
+    }
+
+    fn clone_box(&self) -> Box<dyn DeviceKv> {
+        let used = self.len * self.kv_dim;
+        let copy = |src: &CudaSlice<f32>| {
+            let mut dst = self.gpu.alloc::<f32>(self.cap * self.kv_dim);
+            if used > 0 {
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src.slice(..used), &mut dst.slice_mut(..used))
+                    .expect("CUDA copy");
+            }
+            dst
+        };
+        Box::new(CudaKv {
+            gpu: self.gpu.clone(),
+            keys: self.keys.iter().map(copy).collect(),
+            values: self.values.iter().map(copy).collect(),
+            len: self.len,
+            cap: self.cap,
+            kv_dim: self.kv_dim,
+            decode: None,
+        })
+    }
+
+    fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool {
+        let Some(o) = other.as_any_mut().downcast_mut::<CudaKv>() else {
+            return false;
+        };
+        self.reserve(o.len);
+        let (at, n) = (self.len * self.kv_dim, o.len * self.kv_dim);
+        if n > 0 {
+            for (dst, src) in self
+                .keys
+                .iter_mut()
+                .zip(&o.keys)
+                .chain(self.values.iter_mut().zip(&o.values))
+            {
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n))
+                    .expect("CUDA copy");
+            }
+        }
+        self.len += o.len;
+        true
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {

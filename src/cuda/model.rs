@@ -269,6 +269,58 @@ impl CudaModel {
         logits
     }
 
+    /// Turns every key of `cache` by `delta` positions on the device and offers them as the
+    /// `k_rope` taps of `positions` (see `Model::rerotate`).
+    pub fn rerotate(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        if cache.device_mut::<CudaKv>().is_none() {
+            let kv = CudaKv::upload(&self.gpu, cache, 0);
+            cache.set_device(Box::new(kv));
+        }
+        let n = cache.len();
+        let kv = cache.device_mut::<CudaKv>().expect("device cache");
+        let keys: Vec<u64> = (0..c.num_hidden_layers).map(|l| kv.key_ptr(l)).collect();
+        let (kvh, hd) = (c.num_key_value_heads, c.head_dim);
+        for (l, &k) in keys.iter().enumerate() {
+            if n > 0 {
+                g.launch(
+                    "rotate_keys",
+                    (n * kvh) as u32,
+                    (hd / 2) as u32,
+                    0,
+                    &[
+                        Arg::Ptr(k),
+                        Arg::I32(0),
+                        Arg::I32(kvh as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(delta as i32),
+                        Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                    ],
+                );
+            }
+            let id = TapId::Layer(l, LayerTap::KRope);
+            offer_at(
+                sink,
+                0,
+                &self.gpu,
+                id,
+                positions,
+                &[n, kvh, hd],
+                k,
+                0,
+                false,
+            );
+        }
+        cache.device_edited();
+    }
+
     /// Embedding gather and the first layer's input norm.
     fn embed_and_norm(&self, ws: &Workspace, n: usize) {
         let g = &*self.gpu;
@@ -336,47 +388,31 @@ impl CudaModel {
         let qkvd = qd + 2 * kvd;
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
         g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, n, h, qkvd);
-        for (col, nh, weight, normed, rotated, rp) in [
-            (0, heads, &w.q_norm, io.q_n, io.q_r, ws.meta_ptr(g, n)),
-            (qd, kvh, &w.k_norm, io.k_n, io.k_r, ws.meta_ptr(g, 2 * n)),
-        ] {
-            g.launch(
-                "qk_norm_rope",
-                (n * nh) as u32,
-                hd as u32,
-                (hd * 4) as u32,
-                &[
-                    Arg::Ptr(io.qkv),
-                    Arg::I32(qkvd as i32),
-                    Arg::I32(col as i32),
-                    Arg::Ptr(pb(weight)),
-                    Arg::Ptr(rp),
-                    Arg::Ptr(ptr(g, &self.inv_freq, 0)),
-                    Arg::Ptr(normed),
-                    Arg::Ptr(rotated),
-                    Arg::I32(nh as i32),
-                    Arg::I32(hd as i32),
-                    Arg::F32(c.rms_norm_eps),
-                ],
-            );
-        }
-        let base_ptr = ws.meta_ptr(g, 3 * n);
         g.launch(
-            "append_kv",
-            n as u32,
-            256,
-            0,
+            "qk_norm_rope",
+            (n * (heads + kvh)) as u32,
+            hd as u32,
+            (hd * 4) as u32,
             &[
-                Arg::Ptr(io.k_r),
                 Arg::Ptr(io.qkv),
-                Arg::I32(qkvd as i32),
-                Arg::I32((qd + kvd) as i32),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::Ptr(pb(&w.q_norm)),
+                Arg::Ptr(pb(&w.k_norm)),
+                Arg::Ptr(ws.meta_ptr(g, n)),
+                Arg::I32(n as i32),
+                Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                Arg::Ptr(io.q_n),
+                Arg::Ptr(io.q_r),
+                Arg::Ptr(io.k_n),
+                Arg::Ptr(io.k_r),
                 Arg::Ptr(kvp.0),
                 Arg::Ptr(kvp.1),
-                Arg::Ptr(base_ptr),
-                Arg::I32(kvd as i32),
+                Arg::F32(c.rms_norm_eps),
             ],
         );
+        let base_ptr = ws.meta_ptr(g, 3 * n);
         launch_attention(
             g,
             &Attention {
@@ -388,6 +424,7 @@ impl CudaModel {
                 stride: ws.probs_stride,
                 part: io.part,
                 chunks: ws.chunks,
+                counters: ptr(g, &ws.counters, 0),
                 out: io.attn,
                 out_bf: ws.attn_bf(g),
                 meta: base_ptr,
@@ -407,19 +444,36 @@ impl CudaModel {
             io.mlp_norm,
             ws.xn_bf(g),
         );
-        g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, n, h, 2 * inter);
-        g.launch(
-            "swiglu",
-            (n * inter).div_ceil(256) as u32,
-            256,
-            0,
-            &[
-                Arg::Ptr(io.gu),
-                Arg::Ptr(ws.act_bf(g)),
-                Arg::I32(inter as i32),
-                Arg::I32(n as i32),
-            ],
-        );
+        if n == 1 && h % 8 == 0 {
+            // One token: gate/up rows and SwiGLU in one pass over the weights.
+            g.launch(
+                "gemv_swiglu_bf16",
+                inter.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::Ptr(pb(&w.gate_up)),
+                    Arg::Ptr(ws.act_bf(g)),
+                    Arg::I32(h as i32),
+                    Arg::I32(inter as i32),
+                ],
+            );
+        } else {
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, n, h, 2 * inter);
+            g.launch(
+                "swiglu",
+                (n * inter).div_ceil(256) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(io.gu),
+                    Arg::Ptr(ws.act_bf(g)),
+                    Arg::I32(inter as i32),
+                    Arg::I32(n as i32),
+                ],
+            );
+        }
         g.gemm_bf16(ws.act_bf(g), pb(&w.down), io.mlp, n, inter, h);
         // The residual leaving this layer, normed for the next one (or the final norm).
         let next_norm = self
@@ -584,6 +638,8 @@ struct Workspace {
     bf: CudaSlice<u16>,
     /// Tokens, RoPE positions, key positions (n each), then base.
     meta: CudaSlice<i32>,
+    /// Per head, decode attention's count of finished chunks (zero between launches).
+    counters: CudaSlice<u32>,
     n: usize,
     per_layer: bool,
     probs_stride: usize,
@@ -647,6 +703,7 @@ impl Workspace {
             f: g.alloc::<f32>(total),
             bf: g.alloc::<u16>(n * (h + qd + inter)),
             meta: g.alloc::<i32>(3 * n + 1),
+            counters: g.zeros::<u32>(shape.heads),
             n,
             per_layer,
             probs_stride: entries,
@@ -737,8 +794,10 @@ impl Workspace {
     }
 }
 
-/// Keys per block of the split decode attention (`DECODE_CHUNK` in kernels/attention.cu).
+/// Keys per block of the split decode attention, and its threads per block
+/// (`DECODE_CHUNK`, `DECODE_THREADS` in kernels/attention.cu).
 pub(crate) const DECODE_CHUNK: usize = 64;
+const DECODE_THREADS: u32 = 256;
 
 /// One attention call: `n` queries (rotated, `[n, heads, head_dim]`) over a layer's cache.
 pub(crate) struct Attention {
@@ -749,9 +808,11 @@ pub(crate) struct Attention {
     /// `[n, heads, stride]`.
     pub probs: u64,
     pub stride: usize,
-    /// Decode only: `[heads, chunks, head_dim + 2]` partial results.
+    /// Decode only: `[heads, chunks, head_dim + 2]` partial results, and `heads` zeroed
+    /// counters of finished chunks.
     pub part: u64,
     pub chunks: usize,
+    pub counters: u64,
     pub out: u64,
     pub out_bf: u64,
     /// Device address of base (the cache length before these queries).
@@ -762,23 +823,27 @@ pub(crate) struct Attention {
     pub head_dim: usize,
 }
 
-/// Launches attention: one block per (query, head) for a batch, or the split-over-keys pair
-/// `attention_decode` + `attention_merge` for a single query, whose one block per head would
-/// leave most of the GPU idle.
+/// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
+/// over the keys, for a single query, whose one block per head would leave most of the GPU
+/// idle.
 pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     let scale = 1.0 / (a.head_dim as f32).sqrt();
     if a.n == 1 {
+        let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize)).max(a.chunks) * 4;
         g.launch(
             "attention_decode",
             (a.heads * a.chunks) as u32,
-            128,
-            (a.head_dim * 4) as u32,
+            DECODE_THREADS,
+            shared as u32,
             &[
                 Arg::Ptr(a.q),
                 Arg::Ptr(a.keys),
                 Arg::Ptr(a.values),
                 Arg::Ptr(a.probs),
                 Arg::Ptr(a.part),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.counters),
                 Arg::Ptr(a.meta),
                 Arg::I32(a.split as i32),
                 Arg::I32(a.heads as i32),
@@ -787,23 +852,6 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
                 Arg::I32(a.stride as i32),
                 Arg::I32(a.chunks as i32),
                 Arg::F32(scale),
-            ],
-        );
-        g.launch(
-            "attention_merge",
-            a.heads as u32,
-            128,
-            (a.chunks * 4) as u32,
-            &[
-                Arg::Ptr(a.probs),
-                Arg::Ptr(a.part),
-                Arg::Ptr(a.out),
-                Arg::Ptr(a.out_bf),
-                Arg::Ptr(a.meta),
-                Arg::I32(a.split as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.stride as i32),
-                Arg::I32(a.chunks as i32),
             ],
         );
         return;
@@ -832,8 +880,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     );
 }
 
-/// Offers a GPU buffer as a tap (one row per position, `stride` apart, 0: contiguous): kept or
-/// compared on the GPU if the sink can, else copied to the host.
+/// Offers a pass's GPU buffer as a tap (one row per position, `stride` apart, 0: contiguous).
 #[allow(clippy::too_many_arguments)]
 fn offer(
     sink: &mut dyn TapSink,
@@ -845,15 +892,42 @@ fn offer(
     at: u64,
     stride: usize,
 ) {
+    offer_at(
+        sink,
+        t.step,
+        gpu,
+        id,
+        t.pos,
+        shape,
+        at,
+        stride,
+        ws.per_layer,
+    );
+}
+
+/// Offers a GPU buffer as a tap: kept or compared on the GPU if the sink can, else copied to
+/// the host.
+#[allow(clippy::too_many_arguments)]
+fn offer_at(
+    sink: &mut dyn TapSink,
+    step: usize,
+    gpu: &Arc<Gpu>,
+    id: TapId,
+    positions: &[usize],
+    shape: &[usize],
+    at: u64,
+    stride: usize,
+    persistent: bool,
+) {
     if !sink.table().wants(id) {
         return;
     }
-    let rows = t.pos.len();
+    let rows = positions.len();
     let width: usize = shape[1..].iter().product();
     let stride = if stride == 0 { width } else { stride };
     let tap = DeviceTap {
         id,
-        positions: t.pos,
+        positions,
         gpu,
         ptr: at,
         rows,
@@ -861,16 +935,16 @@ fn offer(
         stride,
         rows_per_token: 1,
         lead: 0,
-        persistent: ws.per_layer,
+        persistent,
         shape: shape.to_vec(),
     };
-    if !sink.record_device(t.step, &tap) {
+    if !sink.record_device(step, &tap) {
         // Rows `stride` apart; the last one ends at its width.
         let all = gpu.download_raw(at, (rows - 1) * stride + width);
         let data: Vec<f32> = (0..rows)
             .flat_map(|r| all[r * stride..r * stride + width].iter().copied())
             .collect();
-        emit(sink, t.step, id, t.pos, shape, &data);
+        emit(sink, step, id, positions, shape, &data);
     }
 }
 

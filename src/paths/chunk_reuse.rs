@@ -11,8 +11,7 @@ use super::ChunkStore;
 use crate::chunks::ChunkedPrompt;
 use crate::kv_cache::KvCache;
 use crate::model::{Batch, Model};
-use crate::ops::rope;
-use crate::tap::{LayerTap, Masked, TapId, TapSink, TapValue};
+use crate::tap::{LayerTap, Masked, TapSink};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reuse {
@@ -50,7 +49,6 @@ pub fn reused_prefix(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> KvCache {
-    let c = &model.config;
     let mut cache = model.new_cache();
     let last = prompt.chunks.len() - 1;
     for chunk in &prompt.chunks[..last] {
@@ -98,29 +96,8 @@ pub fn reused_prefix(
             }
         };
         if mode == Reuse::Rerotate {
-            let delta = vec![chunk.start; local.len()];
-            for (l, layer) in alone.layers_mut().iter_mut().enumerate() {
-                rope(
-                    &mut layer.keys,
-                    &delta,
-                    c.num_key_value_heads,
-                    c.head_dim,
-                    c.rope_theta,
-                );
-                let id = TapId::Layer(l, LayerTap::KRope);
-                if sink.table().wants(id) {
-                    let shape = vec![global.len(), c.num_key_value_heads, c.head_dim];
-                    sink.record(
-                        0,
-                        TapValue {
-                            id,
-                            positions: &global,
-                            shape,
-                            data: &layer.keys,
-                        },
-                    );
-                }
-            }
+            let _span = crate::timing::span("chunk-reuse: re-rotation");
+            model.rerotate(&mut alone, chunk.start, &global, sink);
         }
         alone.positions = global;
         cache.append(alone);
