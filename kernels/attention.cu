@@ -90,8 +90,9 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 // Decode attention split over the keys (flash-decoding): one query, many keys, so one block per
 // head would leave most of the GPU idle. Block (head, c) takes chunk c of at most DECODE_CHUNK
 // keys (chunks never straddle the cascade split), keeps exp(score - chunk max) in `probs` and
-// writes [chunk max, chunk sum, partial output (head_dim)] to `part`; attention_merge then
-// rescales both. Blocks past the last key write an empty chunk. `meta[0]` is base.
+// writes [chunk max, chunk sum, partial output (head_dim)] to `part`; the head's last block
+// then merges them (merge_head). Blocks past the last key write an empty chunk. `meta[0]` is
+// base.
 #define DECODE_CHUNK 64
 #define DECODE_THREADS 256
 #define DECODE_WARPS (DECODE_THREADS / 32)
@@ -110,7 +111,8 @@ __device__ __forceinline__ void decode_chunk(int c, int visible, int cut, int* s
 
 // Merges a head's chunks: per cascade segment the log-sum-exp of its chunks, the segments
 // weighted as in `attention`; rescales the probabilities in place and writes the output in
-// f32 and bf16. Run by the last block of the head to finish; `factor` holds `chunks` floats.
+// f32 and bf16. Run by the last block of the head to finish; `factor` holds `chunks` + 2 *
+// head_dim floats.
 // Other blocks' results are read past L1 (__ldcg): they were written by other SMs.
 __device__ void merge_head(int h, float* probs, const float* part, float* out, bf16_t* out_bf16,
                            int visible, int cut, int head_dim, int stride, int chunks,
@@ -150,11 +152,28 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
     float* row = probs + (size_t)h * stride;
     for (int e = threadIdx.x; e < visible; e += blockDim.x)
         row[e] = __ldcg(row + e) * factor[e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK];
+    // Output: each column's chunks are split between `halves` thread groups (more loads in
+    // flight), whose sums meet in shared memory after the factors.
+    int halves = head_dim * 2 <= (int)blockDim.x ? 2 : 1;
+    int half = threadIdx.x / head_dim, d0 = threadIdx.x % head_dim;
+    float* sums = factor + chunks;
+    for (int d = halves == 2 ? d0 : threadIdx.x; d < head_dim && half < halves;
+         d += halves == 2 ? head_dim : blockDim.x) {
+        const float* col = ph + 2 + d;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        int c = halves == 2 ? half : 0, step = halves;
+        for (; c + 3 * step < chunks; c += 4 * step) {
+            a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
+            a1 += factor[c + step] * __ldcg(col + (size_t)(c + step) * (head_dim + 2));
+            a2 += factor[c + 2 * step] * __ldcg(col + (size_t)(c + 2 * step) * (head_dim + 2));
+            a3 += factor[c + 3 * step] * __ldcg(col + (size_t)(c + 3 * step) * (head_dim + 2));
+        }
+        for (; c < chunks; c += step) a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
+        sums[(halves == 2 ? half : 0) * head_dim + d] = (a0 + a1) + (a2 + a3);
+    }
+    __syncthreads();
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        // Empty chunks wrote no partial output: skip them rather than multiply garbage by 0.
-        for (int c = 0; c < chunks; c++)
-            if (factor[c] != 0.0f) acc += factor[c] * __ldcg(ph + (size_t)c * (head_dim + 2) + 2 + d);
+        float acc = halves == 2 ? sums[d] + sums[head_dim + d] : sums[d];
         size_t o = (size_t)h * head_dim + d;
         out[o] = acc;
         out_bf16[o] = f32_to_bf16(acc);
@@ -164,8 +183,8 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
 // Decode attention: block (head, c) scores chunk c's keys, keeps exp(score - chunk max) in
 // `probs` and writes [chunk max, chunk sum, partial output] to `part`; the last block of a head
 // to finish (counted in `counters`, which it resets for the next step) merges them, so a step
-// is one launch. Dynamic shared memory: max(head_dim + max(blockDim.x, head_dim), chunks)
-// floats.
+// is one launch. Dynamic shared memory: max(head_dim + max(blockDim.x, head_dim), chunks + 2 *
+// head_dim) floats.
 extern "C" __global__ void attention_decode(const float* q, const float* keys,
                                             const float* values, float* probs, float* part,
                                             float* out, bf16_t* out_bf16,
@@ -184,6 +203,8 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
     decode_chunk(c, visible, cut, &start, &end);
     float* pm = part + ((size_t)h * chunks + c) * (head_dim + 2);
     if (start >= end) {
+        // An empty chunk: weight 0 in the merge, and zeros so the merge needs no branch.
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) pm[2 + d] = 0.0f;
         if (threadIdx.x == 0) {
             pm[0] = NEG_INF;
             pm[1] = 0.0f;
@@ -226,7 +247,7 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
         }
         __syncthreads();
 
-        // Partial output: `groups` groups of head_dim threads split the chunk's keys, four
+        // Partial output: `groups` groups of head_dim threads split the chunk's keys, eight
         // independent loads in flight per thread; their sums meet in shared memory.
         bool fits = head_dim <= (int)blockDim.x;
         int groups = fits ? blockDim.x / head_dim : 1;
@@ -236,16 +257,16 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
         if (g < groups) {
             for (int d = fits ? threadIdx.x % head_dim : threadIdx.x; d < head_dim; d += dstep) {
                 const float* v = values + (size_t)start * kv_dim + kvh * head_dim + d;
-                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+                float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
                 int e = g;
-                for (; e + 3 * groups < len; e += 4 * groups) {
-                    a0 += sc[e] * v[(size_t)e * kv_dim];
-                    a1 += sc[e + groups] * v[(size_t)(e + groups) * kv_dim];
-                    a2 += sc[e + 2 * groups] * v[(size_t)(e + 2 * groups) * kv_dim];
-                    a3 += sc[e + 3 * groups] * v[(size_t)(e + 3 * groups) * kv_dim];
+                for (; e + 7 * groups < len; e += 8 * groups) {
+#pragma unroll
+                    for (int u = 0; u < 8; u++)
+                        a[u] += sc[e + u * groups] * v[(size_t)(e + u * groups) * kv_dim];
                 }
-                for (; e < len; e += groups) a0 += sc[e] * v[(size_t)e * kv_dim];
-                red[g * head_dim + d] = (a0 + a1) + (a2 + a3);
+                for (; e < len; e += groups) a[0] += sc[e] * v[(size_t)e * kv_dim];
+                red[g * head_dim + d] =
+                    ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
             }
         }
         __syncthreads();

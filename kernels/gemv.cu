@@ -51,3 +51,41 @@ extern "C" __global__ void gemv_swiglu_bf16(const bf16_t* __restrict__ x,
     float u = warp_row_dot(w + (size_t)(inter + j) * k, x, k);
     if ((threadIdx.x & 31) == 0) out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
+
+// A decode step's o_proj or down_proj together with the residual add and RMSNorm that follow
+// it (as add_rms_norm): the GEMV's last block to finish (counted in `counter`, which it resets
+// for the next step) adds the residual and normalises the row, saving a launch per GEMM.
+extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
+                                              const bf16_t* __restrict__ w, float* y, int k,
+                                              int m, const float* resid, float* resid_out,
+                                              const bf16_t* norm_weight, float* out,
+                                              bf16_t* out_bf16, float eps,
+                                              unsigned int* counter) {
+    __shared__ float scratch[32];
+    __shared__ bool last;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row < m) {
+        float acc = warp_row_dot(w + (size_t)row * k, x, k);
+        if ((threadIdx.x & 31) == 0) y[row] = acc;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) *counter = 0;
+    __threadfence();
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        float v = resid[i] + __ldcg(y + i);
+        resid_out[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / m + eps);
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        float o = bf16_to_f32(norm_weight[i]) * (resid_out[i] * inv);
+        out[i] = o;
+        out_bf16[i] = f32_to_bf16(o);
+    }
+}

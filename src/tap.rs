@@ -223,6 +223,11 @@ impl TapTable {
         TapFilter::none().table(layers)
     }
 
+    /// Whether any per-layer tap is selected.
+    pub fn wants_layers(&self) -> bool {
+        self.layer.iter().flatten().any(|&w| w)
+    }
+
     /// The same selection less some per-layer taps.
     pub fn without(&self, taps: &[LayerTap]) -> Self {
         let mut t = self.clone();

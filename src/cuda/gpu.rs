@@ -42,6 +42,7 @@ const KERNELS: &[&str] = &[
     "copy_rows",
     "gemv_bf16",
     "gemv_swiglu_bf16",
+    "gemv_add_norm_bf16",
 ];
 
 const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";

@@ -19,6 +19,9 @@ pub struct CudaKv {
     /// The decode step's buffers and graph, built at the first decode step and whenever the
     /// cache grows (they depend on its capacity and its buffers' addresses).
     pub(crate) decode: Option<super::model::DecodeState>,
+    /// The last prefill's buffers when its taps were offered as persistent: they must stay
+    /// valid until the cache's next pass.
+    pub(crate) last_pass: Option<super::model::Workspace>,
 }
 
 impl CudaKv {
@@ -58,6 +61,7 @@ impl CudaKv {
             cap,
             kv_dim,
             decode: None,
+            last_pass: None,
         }
     }
 
@@ -128,6 +132,7 @@ impl DeviceKv for CudaKv {
             cap: self.cap,
             kv_dim: self.kv_dim,
             decode: None,
+            last_pass: None,
         })
     }
 

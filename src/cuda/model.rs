@@ -115,7 +115,7 @@ impl CudaModel {
                     .powf((2 * i) as f64 / config.head_dim as f64)) as f32
             })
             .collect();
-        Ok(CudaModel {
+        let model = CudaModel {
             embed: up(&[w.embed_tokens]),
             lm_head: w.lm_head.map(|h| up(&[h])),
             norm: up(&[w.norm]),
@@ -125,7 +125,9 @@ impl CudaModel {
             layers,
             config: config.clone(),
             gpu,
-        })
+        };
+        model.warm_up();
+        Ok(model)
     }
 
     /// Runs `batch`, appending its K/V to the cache's device copy (created from the host
@@ -172,6 +174,8 @@ impl CudaModel {
         let kv = cache.device_mut::<CudaKv>().expect("device cache");
         debug_assert_eq!(kv.len, base);
         kv.reserve(n);
+        // The previous pass's taps are no longer promised (their diffs are already enqueued).
+        kv.last_pass = None;
         let kv_ptrs: Vec<(u64, u64)> = (0..c.num_hidden_layers)
             .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
             .collect();
@@ -242,7 +246,12 @@ impl CudaModel {
             logits
         } else {
             let _span = crate::timing::span("cuda prefill pass (synchronous)");
-            let mut ws = Workspace::new(g, c, n, base + n, false);
+            // With layer taps wanted, a slot per layer when it fits: the taps then stay valid
+            // until the cache's next pass (the workspace is kept with it), so a comparing sink
+            // diffs them all in one launch.
+            let per_layer = sink.table().wants_layers()
+                && Workspace::bytes(c, n, base + n, true) <= (g.memory().0 / 8).min(2 << 30);
+            let mut ws = Workspace::new(g, c, n, base + n, per_layer);
             ws.meta = g.upload(&meta);
             self.embed_and_norm(&ws, n);
             self.offer_outer(sink, &taps, &ws, TapId::Embed);
@@ -252,7 +261,7 @@ impl CudaModel {
             }
             self.offer_outer(sink, &taps, &ws, TapId::FinalNorm);
             let vocab = c.vocab_size;
-            if sink.table().wants(TapId::Logits) {
+            let logits = if sink.table().wants(TapId::Logits) {
                 let logits = g.alloc::<f32>(n * vocab);
                 self.lm_head(&ws, n, ptr(g, &logits, 0));
                 let all = g.download(&logits, n * vocab);
@@ -262,11 +271,43 @@ impl CudaModel {
                 let logits = g.alloc::<f32>(vocab);
                 self.lm_head_rows(&ws, n - 1, 1, ptr(g, &logits, 0));
                 g.download(&logits, vocab)
+            };
+            if per_layer {
+                kv.last_pass = Some(ws);
             }
+            logits
         };
         kv.len += n;
         sink.end_pass(step);
         logits
+    }
+
+    /// Runs every layer GEMM shape once per row count of `WARM_ROWS`: cuBLAS picks and loads
+    /// a kernel the first time it meets a shape (milliseconds each), which belongs with
+    /// loading the model rather than inside the first passes of a run.
+    fn warm_up(&self) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let Some(w) = self.layers.first() else {
+            return;
+        };
+        let rows = WARM_ROWS[WARM_ROWS.len() - 1];
+        let widest = h.max(qd).max(inter);
+        let x = g.zeros::<u16>(rows * widest);
+        let y = g.alloc::<f32>(rows * (qd + 2 * kvd).max(2 * inter).max(h));
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        for &n in &WARM_ROWS {
+            for (weights, k, m) in [
+                (&w.qkv, h, qd + 2 * kvd),
+                (&w.o, qd, h),
+                (&w.gate_up, h, 2 * inter),
+                (&w.down, inter, h),
+            ] {
+                g.gemm_bf16(pb(&x), pb(weights), ptr(g, &y, 0), n, k, m);
+            }
+        }
+        g.sync();
     }
 
     /// Turns every key of `cache` by `delta` positions on the device and offers them as the
@@ -387,7 +428,8 @@ impl CudaModel {
         let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
         let qkvd = qd + 2 * kvd;
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
-        g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, n, h, qkvd);
+        let rows = ws.rows;
+        g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
         g.launch(
             "qk_norm_rope",
             (n * (heads + kvh)) as u32,
@@ -434,15 +476,16 @@ impl CudaModel {
                 head_dim: hd,
             },
         );
-        g.gemm_bf16(ws.attn_bf(g), pb(&w.o), io.o, n, qd, h);
-        self.add_norm(
-            n,
-            io.x_in,
+        self.project_add_norm(
+            ws,
+            ws.attn_bf(g),
+            pb(&w.o),
             io.o,
+            qd,
+            io.x_in,
             io.mid,
             pb(&w.post_norm),
             io.mlp_norm,
-            ws.xn_bf(g),
         );
         if n == 1 && h % 8 == 0 {
             // One token: gate/up rows and SwiGLU in one pass over the weights.
@@ -460,7 +503,7 @@ impl CudaModel {
                 ],
             );
         } else {
-            g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, n, h, 2 * inter);
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, rows, h, 2 * inter);
             g.launch(
                 "swiglu",
                 (n * inter).div_ceil(256) as u32,
@@ -474,21 +517,66 @@ impl CudaModel {
                 ],
             );
         }
-        g.gemm_bf16(ws.act_bf(g), pb(&w.down), io.mlp, n, inter, h);
         // The residual leaving this layer, normed for the next one (or the final norm).
         let next_norm = self
             .layers
             .get(l + 1)
             .map_or(&self.norm, |nl| &nl.input_norm);
-        self.add_norm(
-            n,
-            io.mid,
+        self.project_add_norm(
+            ws,
+            ws.act_bf(g),
+            pb(&w.down),
             io.mlp,
+            inter,
+            io.mid,
             io.x_out,
             pb(next_norm),
             io.norm_out,
-            ws.xn_bf(g),
         );
+    }
+
+    /// `y = x · wᵀ` (k inputs, hidden outputs), then `resid_out = resid + y` and its RMSNorm
+    /// into `out` and the bf16 GEMM input: one fused launch for a decode step.
+    #[allow(clippy::too_many_arguments)]
+    fn project_add_norm(
+        &self,
+        ws: &Workspace,
+        x: u64,
+        w: u64,
+        y: u64,
+        k: usize,
+        resid: u64,
+        resid_out: u64,
+        norm_w: u64,
+        out: u64,
+    ) {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        if ws.rows == 1 && k % 8 == 0 && (x | w) % 16 == 0 {
+            g.launch(
+                "gemv_add_norm_bf16",
+                h.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w),
+                    Arg::Ptr(y),
+                    Arg::I32(k as i32),
+                    Arg::I32(h as i32),
+                    Arg::Ptr(resid),
+                    Arg::Ptr(resid_out),
+                    Arg::Ptr(norm_w),
+                    Arg::Ptr(out),
+                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::F32(self.config.rms_norm_eps),
+                    Arg::Ptr(ptr(g, &ws.counters, self.config.num_attention_heads)),
+                ],
+            );
+            return;
+        }
+        g.gemm_bf16(x, w, y, ws.rows, k, h);
+        self.add_norm(ws.n, resid, y, resid_out, norm_w, out, ws.xn_bf(g));
     }
 
     /// Logits of every row of the batch into `out` ([n, vocab]).
@@ -633,19 +721,35 @@ struct LayerIo {
 /// The buffers of one forward pass, in one f32 allocation. The residual stream and its norms
 /// have a slot per layer boundary (`per_layer`: slots 0..=layers) or two used in turn; every
 /// other activation has one block per layer or one block shared by all layers.
-struct Workspace {
+pub(crate) struct Workspace {
     f: CudaSlice<f32>,
     bf: CudaSlice<u16>,
     /// Tokens, RoPE positions, key positions (n each), then base.
     meta: CudaSlice<i32>,
-    /// Per head, decode attention's count of finished chunks (zero between launches).
+    /// Per head, decode attention's count of finished chunks, then the fused GEMV's count of
+    /// finished blocks (all zero between launches).
     counters: CudaSlice<u32>,
     n: usize,
+    /// Rows every buffer has room for (GEMMs run over all of them).
+    rows: usize,
     per_layer: bool,
     probs_stride: usize,
     chunks: usize,
     /// Offsets (in floats) of the residual slots, the norm slots, the layer blocks, and the
     /// decode logits; block lengths.
+    xs: usize,
+    ns: usize,
+    body: usize,
+    body_len: usize,
+    logits: usize,
+    shape: Shape,
+}
+
+/// A workspace's sizes and offsets (see `Workspace`).
+struct Layout {
+    total: usize,
+    rows: usize,
+    chunks: usize,
     xs: usize,
     ns: usize,
     body: usize,
@@ -665,8 +769,39 @@ struct Shape {
 }
 
 impl Workspace {
-    /// Buffers for `n` tokens over at most `entries` cache entries.
+    /// Bytes `new` allocates.
+    fn bytes(c: &Config, n: usize, entries: usize, per_layer: bool) -> usize {
+        let w = Self::layout(c, n, entries, per_layer);
+        4 * w.total + 2 * w.rows * (c.hidden_size + c.q_dim() + c.intermediate_size)
+    }
+
+    /// Buffers for `n` tokens over at most `entries` cache entries; GEMMs run over
+    /// `gemm_rows(n)` rows (the rows past n are scratch).
     fn new(g: &Gpu, c: &Config, n: usize, entries: usize, per_layer: bool) -> Workspace {
+        let w = Self::layout(c, n, entries, per_layer);
+        let Shape { h, qd, inter, .. } = w.shape;
+        Workspace {
+            f: g.alloc::<f32>(w.total),
+            bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
+            meta: g.alloc::<i32>(3 * n + 1),
+            counters: g.zeros::<u32>(w.shape.heads + 1),
+            n,
+            rows: w.rows,
+            per_layer,
+            probs_stride: entries,
+            chunks: w.chunks,
+            xs: w.xs,
+            ns: w.ns,
+            body: w.body,
+            body_len: w.body_len,
+            logits: w.logits,
+            shape: w.shape,
+        }
+    }
+
+    /// Sizes and offsets, with empty buffers.
+    fn layout(c: &Config, n: usize, entries: usize, per_layer: bool) -> Layout {
+        let rows = gemm_rows(n);
         let shape = Shape {
             h: c.hidden_size,
             qd: c.q_dim(),
@@ -690,23 +825,17 @@ impl Workspace {
             0
         };
         let slots = if per_layer { layers + 1 } else { 2 };
-        let body_len = n
+        let body_len = rows
             * (qd + 2 * kvd + 2 * qd + 2 * kvd + heads * entries + qd + 4 * h + 2 * inter)
             + heads * chunks * (hd + 2);
         let copies = if per_layer { layers } else { 1 };
         let xs = 0;
-        let ns = xs + slots * n * h;
-        let body = ns + slots * n * h;
+        let ns = xs + slots * rows * h;
+        let body = ns + slots * rows * h;
         let logits = body + copies * body_len;
-        let total = logits + if per_layer { c.vocab_size } else { 0 };
-        Workspace {
-            f: g.alloc::<f32>(total),
-            bf: g.alloc::<u16>(n * (h + qd + inter)),
-            meta: g.alloc::<i32>(3 * n + 1),
-            counters: g.zeros::<u32>(shape.heads),
-            n,
-            per_layer,
-            probs_stride: entries,
+        Layout {
+            total: logits + if per_layer { c.vocab_size } else { 0 },
+            rows,
             chunks,
             xs,
             ns,
@@ -726,7 +855,7 @@ impl Workspace {
             inter,
             ..
         } = self.shape;
-        let n = self.n;
+        let n = self.rows;
         let at = |floats: usize| ptr(g, &self.f, floats);
         let (slot_in, slot_out) = if self.per_layer {
             (l, l + 1)
@@ -786,13 +915,27 @@ impl Workspace {
     }
 
     fn attn_bf(&self, g: &Gpu) -> u64 {
-        ptr(g, &self.bf, self.n * self.shape.h)
+        ptr(g, &self.bf, self.rows * self.shape.h)
     }
 
     fn act_bf(&self, g: &Gpu) -> u64 {
-        ptr(g, &self.bf, self.n * (self.shape.h + self.shape.qd))
+        ptr(g, &self.bf, self.rows * (self.shape.h + self.shape.qd))
     }
 }
+
+/// Rows a pass of `n` tokens runs its GEMMs over: a power of two up to 1024 (then a multiple of
+/// 256), so that the few shapes cuBLAS sees are chosen and loaded once, when the model is
+/// uploaded (`CudaModel::warm_up`), not in the middle of a run.
+fn gemm_rows(n: usize) -> usize {
+    match n {
+        0 | 1 => 1,
+        2..=1024 => n.next_power_of_two().max(16),
+        _ => n.div_ceil(256) * 256,
+    }
+}
+
+/// The row counts `warm_up` runs.
+const WARM_ROWS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 
 /// Keys per block of the split decode attention, and its threads per block
 /// (`DECODE_CHUNK`, `DECODE_THREADS` in kernels/attention.cu).
@@ -829,7 +972,9 @@ pub(crate) struct Attention {
 pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     let scale = 1.0 / (a.head_dim as f32).sqrt();
     if a.n == 1 {
-        let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize)).max(a.chunks) * 4;
+        let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
+            .max(a.chunks + 2 * a.head_dim)
+            * 4;
         g.launch(
             "attention_decode",
             (a.heads * a.chunks) as u32,
