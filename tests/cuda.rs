@@ -183,6 +183,41 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             .collect();
         assert!(rel_l2(&y, &want) < F32_TOL, "gemm {}", rel_l2(&y, &want));
     }
+    // The decode step's fused GEMVs: gate/up + SwiGLU (bf16 out), and projection + residual
+    // add + RMSNorm (f32 out), against f64 dot products on the same rounded operands.
+    let dot = |x: &[f32], w: &[f32], row: usize| -> f32 {
+        let k = x.len();
+        (0..k)
+            .map(|j| x[j] as f64 * w[row * k + j] as f64)
+            .sum::<f64>() as f32
+    };
+    let (k, inter) = (1024, 3072);
+    let x = round_bf16(&rng.vec(k, 1.0));
+    let w = round_bf16(&rng.vec(2 * inter * k, 0.05));
+    let got = host_ops::gemv_swiglu(&g, &x, &w, inter);
+    assert_written("gemv_swiglu", &got);
+    let want: Vec<f32> = (0..inter)
+        .map(|j| ops::silu(dot(&x, &w, j)) * dot(&x, &w, inter + j))
+        .collect();
+    assert!(
+        rel_l2(&got, &round_bf16(&want)) < 1e-2,
+        "gemv_swiglu {}",
+        rel_l2(&got, &round_bf16(&want))
+    );
+    for &(k, m) in &[(3072usize, 1024usize), (2048, 1001)] {
+        let x = round_bf16(&rng.vec(k, 1.0));
+        let w = round_bf16(&rng.vec(m * k, 0.05));
+        let resid = rng.vec(m, 1.0);
+        let norm_w = round_bf16(&rng.vec(m, 1.0));
+        let (y, r, o) = host_ops::gemv_add_norm(&g, &x, &w, &resid, &norm_w, 1e-6);
+        assert_written("gemv_add_norm", &o);
+        let want_y: Vec<f32> = (0..m).map(|i| dot(&x, &w, i)).collect();
+        let want_r: Vec<f32> = resid.iter().zip(&want_y).map(|(a, b)| a + b).collect();
+        let want_o = ops::rms_norm(&want_r, &norm_w, 1e-6);
+        assert!(rel_l2(&y, &want_y) < F32_TOL, "gemv_add_norm y");
+        assert!(rel_l2(&r, &want_r) < F32_TOL, "gemv_add_norm resid");
+        assert!(rel_l2(&o, &want_o) < F32_TOL, "gemv_add_norm out");
+    }
     // SwiGLU, output bf16: equal to the rounded f32 result except at rounding ties.
     let (n, inter) = (3, 3072);
     let gu = rng.vec(n * 2 * inter, 2.0);
@@ -449,6 +484,40 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
         (Some(0), Some("L0.k_rope"), Some(7)),
         "{d}"
     );
+}
+
+/// Chunk reuse on the GPU (chunk caches copied and concatenated on the device, keys re-rotated
+/// there, chunk attention rows diffed from the chunk's first position) matches the same path on
+/// the CPU.
+#[test]
+fn chunk_reuse_on_cuda_matches_chunk_reuse_on_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("r.json");
+    let prompt = fixture("prompts/task.json");
+    let out = kvdiff(
+        &[
+            "compare",
+            "--reference",
+            "chunk-reuse:rerotate@cpu",
+            "--paths",
+            "chunk-reuse:rerotate@cuda",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            json.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let p = by_name_in(&r, "chunk-reuse:rerotate@cuda");
+    assert_eq!(p["diverged"], false, "{p}");
+    assert!(p["chunk_misses"].as_u64().unwrap() > 0, "{p}");
 }
 
 fn by_name_in(r: &serde_json::Value, n: &str) -> serde_json::Value {

@@ -270,3 +270,79 @@ pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 12]> {
         .map(|c| c.try_into().unwrap())
         .collect()
 }
+
+/// The decode step's fused gate/up GEMV + SwiGLU: `x[k]` against `w[2·inter, k]` (gate rows
+/// over up rows), both rounded to bf16; returns silu(gate)·up as f32 from its bf16 output.
+pub fn gemv_swiglu(gpu: &Gpu, x: &[f32], w: &[f32], inter: usize) -> Vec<f32> {
+    let k = x.len();
+    let (dx, dw) = (gpu.upload(&bits(x)), gpu.upload(&bits(w)));
+    let out = poison_bf16(gpu, inter);
+    gpu.launch(
+        "gemv_swiglu_bf16",
+        inter.div_ceil(8) as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(gpu, &dx, 0)),
+            Arg::Ptr(ptr(gpu, &dw, 0)),
+            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::I32(k as i32),
+            Arg::I32(inter as i32),
+        ],
+    );
+    gpu.download(&out, inter)
+        .into_iter()
+        .map(|b| bf16::from_bits(b).to_f32())
+        .collect()
+}
+
+/// The decode step's fused projection + residual add + RMSNorm: `y = x · wᵀ` (bf16 operands),
+/// `resid_out = resid + y`, `out = rmsnorm(resid_out) · norm_w`. Runs twice, so the
+/// completion counter is seen to reset. Returns (y, resid_out, out).
+pub fn gemv_add_norm(
+    gpu: &Gpu,
+    x: &[f32],
+    w: &[f32],
+    resid: &[f32],
+    norm_w: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (k, m) = (x.len(), resid.len());
+    let (dx, dw) = (gpu.upload(&bits(x)), gpu.upload(&bits(w)));
+    let (dr, dn) = (gpu.upload(resid), gpu.upload(&bits(norm_w)));
+    let counter = gpu.zeros::<u32>(1);
+    let (y, r, o, o_bf) = (
+        poison_f32(gpu, m),
+        poison_f32(gpu, m),
+        poison_f32(gpu, m),
+        poison_bf16(gpu, m),
+    );
+    for _ in 0..2 {
+        gpu.launch(
+            "gemv_add_norm_bf16",
+            m.div_ceil(8) as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(gpu, &dx, 0)),
+                Arg::Ptr(ptr(gpu, &dw, 0)),
+                Arg::Ptr(ptr(gpu, &y, 0)),
+                Arg::I32(k as i32),
+                Arg::I32(m as i32),
+                Arg::Ptr(ptr(gpu, &dr, 0)),
+                Arg::Ptr(ptr(gpu, &r, 0)),
+                Arg::Ptr(ptr(gpu, &dn, 0)),
+                Arg::Ptr(ptr(gpu, &o, 0)),
+                Arg::Ptr(ptr(gpu, &o_bf, 0)),
+                Arg::F32(eps),
+                Arg::Ptr(ptr(gpu, &counter, 0)),
+            ],
+        );
+    }
+    assert_eq!(gpu.download(&counter, 1)[0], 0, "completion counter reset");
+    (
+        gpu.download(&y, m),
+        gpu.download(&r, m),
+        gpu.download(&o, m),
+    )
+}
