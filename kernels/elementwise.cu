@@ -15,12 +15,6 @@ extern "C" __global__ void swiglu(const float* gate_up, bf16_t* out, int inter, 
     out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
 
-// f32 -> bf16.
-extern "C" __global__ void to_bf16(const float* x, bf16_t* out, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f32_to_bf16(x[i]);
-}
-
 // Index of the largest value (the first of equals, as the CPU's argmax). One block.
 extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
     __shared__ float best_v[1024];

@@ -36,7 +36,6 @@ const KERNELS: &[&str] = &[
     "attention_decode",
     "embed",
     "swiglu",
-    "to_bf16",
     "argmax",
     "diff_rows",
     "copy_rows",
@@ -80,6 +79,7 @@ pub struct Gpu {
     /// Per operation: calls and seconds, when `KVDIFF_CUDA_PROFILE` is set (each operation is
     /// then synchronised, so totals are exact but the run is slower).
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
+    graphs: bool,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -147,6 +147,8 @@ impl Gpu {
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
+            graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
+                && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
         });
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
@@ -181,7 +183,7 @@ impl Gpu {
     /// Whether decode steps are replayed from CUDA graphs: not when profiling (every operation
     /// is timed on its own) nor with `KVDIFF_CUDA_GRAPHS=0`.
     pub fn graphs(&self) -> bool {
-        self.profile.is_none() && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0")
+        self.graphs
     }
 
     /// Records what `f` enqueues on the stream as a graph instead of running it.
