@@ -134,7 +134,8 @@ impl CudaModel {
     /// entries if missing). Returns the last token's logits.
     ///
     /// A prefill works in buffers shared by all layers and offers each layer's taps before the
-    /// next layer overwrites them. A decode step (one token) works in the cache's own arena,
+    /// next layer overwrites them (or, when layer taps are wanted and memory allows, in a slot
+    /// per layer kept with the cache until its next pass). A decode step (one token) works in the cache's own arena,
     /// one slot per layer, so its taps stay valid until the cache's next pass; its kernels are
     /// captured once into a CUDA graph and replayed, the step's token and length read from
     /// device memory.
