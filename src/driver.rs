@@ -102,6 +102,8 @@ struct Comparator<'a> {
     device_reference: HashMap<TapId, crate::cuda::DeviceRecorded>,
     diffs: crate::cuda::DeviceDiffs,
     pending: Vec<PendingDiff>,
+    /// Diffs whose summaries are being copied back (see `start_flush`).
+    reading: Vec<PendingDiff>,
     first: Option<Divergence>,
     layers: BTreeMap<(u8, usize), LayerRow>,
     noise: BTreeMap<String, f32>,
@@ -322,11 +324,15 @@ impl TapSink for Comparator<'_> {
     }
 
     fn end_pass(&mut self, _step: usize) {
+        self.finish_flush();
         self.diffs.launch();
     }
 
     fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
-        self.flush();
+        // The previous passes' summaries are copied back while this pass runs, and booked at
+        // its end (`end_pass`), so the host's booking overlaps the GPU's work.
+        self.finish_flush();
+        self.start_flush();
     }
 }
 
@@ -353,14 +359,30 @@ impl Comparator<'_> {
             .collect();
     }
 
-    /// Reads back the queued GPU diffs and books them.
+    /// Reads back every queued GPU diff and books it.
     fn flush(&mut self) {
+        self.finish_flush();
+        self.start_flush();
+        self.finish_flush();
+    }
+
+    /// Starts copying the queued diffs' summaries back, without waiting.
+    fn start_flush(&mut self) {
         if self.pending.is_empty() {
             return;
         }
+        self.diffs.start_readback();
+        self.reading = std::mem::take(&mut self.pending);
+    }
+
+    /// Books the diffs `start_flush` is copying back, once they have arrived.
+    fn finish_flush(&mut self) {
+        if self.reading.is_empty() {
+            return;
+        }
         let _span = crate::timing::span("compare: GPU diffs read back and booked");
-        let sums = self.diffs.drain();
-        for p in std::mem::take(&mut self.pending) {
+        let sums = self.diffs.finish_readback();
+        for p in std::mem::take(&mut self.reading) {
             let kind = kind_of(p.id);
             let w = p.path_width.max(p.ref_width);
             let rpt = p.rows_per_token;
@@ -561,6 +583,7 @@ impl CompareSpec<'_> {
             device_reference: HashMap::new(),
             diffs: Default::default(),
             pending: Vec::new(),
+            reading: Vec::new(),
             tol: self.tolerance,
             tokens: self.prompt.ids.clone(),
             tok: self.tokenizer,

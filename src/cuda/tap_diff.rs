@@ -105,14 +105,18 @@ pub struct DeviceDiffs {
     cap: usize,
     /// Rows whose summaries are in `out` or queued.
     used: usize,
-    /// Queued jobs, four words each, for rows `used - jobs.len() / 3..used`.
+    /// Queued jobs, four words each, for rows `used - jobs.len() / 4..used`.
     jobs: Vec<u64>,
+    /// Pinned host memory for read-back, the rows being copied, and the copy's event.
+    host: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    copied: usize,
+    copy_done: Option<cudarc::driver::CudaEvent>,
 }
 
 impl DeviceDiffs {
     /// Queues the diff of the path tap's rows against reference rows (`b_rows[r]`: the
     /// reference row of path row r, `None`: no reference, row skipped). Returns the first
-    /// output row, or `None` when the buffer is full (drain it, then queue again).
+    /// output row, or `None` when the buffer is full (read it back, then queue again).
     pub fn enqueue(
         &mut self,
         t: &DeviceTap<'_>,
@@ -166,23 +170,53 @@ impl DeviceDiffs {
         self.jobs.clear();
     }
 
-    /// Every queued row's summaries, in queue order; empties the buffer.
-    pub fn drain(&mut self) -> Vec<[f32; 12]> {
+    /// Runs the queued jobs and starts copying every row's summaries to the host without
+    /// waiting, so GPU work queued next overlaps the wait; empties the buffer (later jobs may
+    /// reuse it: they run after the copy). `finish_readback` returns the rows.
+    pub fn start_readback(&mut self) {
+        assert!(
+            self.copy_done.is_none(),
+            "finish the previous read-back first"
+        );
         self.launch();
         let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
+            return;
+        };
+        let len = self.used * 12;
+        self.copied = self.used;
+        self.used = 0;
+        if len == 0 {
+            return;
+        }
+        if self.host.as_ref().is_none_or(|h| h.len() < len) {
+            // Safety: the buffer is only read after the copy into it has completed.
+            let pinned = unsafe { g.ctx.alloc_pinned_with_flags::<f32>(len.max(1 << 16), 0) };
+            self.host = Some(pinned.expect("CUDA pinned allocation"));
+        }
+        let host = self.host.as_mut().expect("allocated");
+        let dst = &mut host.as_mut_slice().expect("pinned buffer")[..len];
+        // Safety: `out` holds at least `len` values; the copy is ordered on the stream and
+        // `finish_readback` waits for its event before reading `dst`.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, ptr(g, out, 0), g.stream.cu_stream())
+        }
+        .expect("CUDA download");
+        self.copy_done = Some(g.stream.record_event(None).expect("CUDA event"));
+    }
+
+    /// The rows `start_readback` copied, once the copy has completed.
+    pub fn finish_readback(&mut self) -> Vec<[f32; 12]> {
+        let Some(done) = self.copy_done.take() else {
             return Vec::new();
         };
-        let rows = g
-            .download(out, self.used * 12)
+        done.synchronize().expect("CUDA event");
+        let host = self.host.as_ref().expect("allocated");
+        let rows = host.as_slice().expect("pinned buffer")[..self.copied * 12]
             .chunks_exact(12)
             .map(|c| c.try_into().expect("12 values"))
             .collect();
-        self.used = 0;
+        self.copied = 0;
         rows
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.used == 0
     }
 }
 
