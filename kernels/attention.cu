@@ -22,27 +22,13 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
 
-    // Scores: each warp takes 8 keys at a time (e, e + warps, ...), lanes across the head
-    // dimension, with all 8 keys' loads in flight before the reductions.
-    const float* kbase = keys + kvh * head_dim;
-    for (int e0 = warp; e0 < visible; e0 += 8 * warps) {
-        float acc[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) {
-            float qd = qs[d];
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                int e = e0 + j * warps;
-                if (e < visible) acc[j] += qd * kbase[(size_t)e * kv_dim + d];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float sc = warp_sum(acc[j]);
-            int e = e0 + j * warps;
-            if (lane == 0 && e < visible) row[e] = sc * scale;
-        }
+    // Scores: one warp per key, lanes across the head dimension.
+    for (int e = warp; e < visible; e += warps) {
+        const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
+        float acc = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) acc += qs[d] * k[d];
+        acc = warp_sum(acc);
+        if (lane == 0) row[e] = acc * scale;
     }
     for (int e = visible + threadIdx.x; e < span; e += blockDim.x) row[e] = 0.0f;
     __syncthreads();
@@ -74,23 +60,23 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     __syncthreads();
 
     // Output: the block splits into groups of head_dim threads; group g sums keys g, g + G,
-    // ... with eight accumulators (more loads in flight), then the groups' partial sums are
+    // ... with two accumulators (more loads in flight), then the groups' partial sums are
     // added in a fixed order.
     int groups = blockDim.x / head_dim;
     int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
-    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float acc0 = 0.0f, acc1 = 0.0f;
     if (g < groups) {
         const float* v = values + kvh * head_dim + d;
         int e = g;
-        for (; e + 7 * groups < visible; e += 8 * groups) {
-#pragma unroll
-            for (int u = 0; u < 8; u++) a[u] += row[e + u * groups] * v[(size_t)(e + u * groups) * kv_dim];
+        for (; e + groups < visible; e += 2 * groups) {
+            acc0 += row[e] * v[(size_t)e * kv_dim];
+            acc1 += row[e + groups] * v[(size_t)(e + groups) * kv_dim];
         }
-        for (; e < visible; e += groups) a[0] += row[e] * v[(size_t)e * kv_dim];
+        if (e < visible) acc0 += row[e] * v[(size_t)e * kv_dim];
     }
     __syncthreads();
     float* part = qs + head_dim;  // dynamic shared memory: head_dim + blockDim.x floats
-    if (g < groups) part[g * head_dim + d] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    if (g < groups) part[g * head_dim + d] = acc0 + acc1;
     __syncthreads();
     if (threadIdx.x < head_dim) {
         float acc = 0.0f;

@@ -67,6 +67,24 @@ pub struct RowDiff {
     pub non_finite: Option<usize>,
 }
 
+/// Relative L2 (‖a − b‖ / ‖b‖, or ‖a − b‖ when b is 0) and cosine similarity from the sums
+/// Σ(a − b)², Σb², Σab and Σa² (1 when both rows are 0).
+pub fn rel_l2_and_cosine(d2: f64, b2: f64, ab: f64, a2: f64) -> (f64, f64) {
+    let rel_l2 = if b2 > 0.0 {
+        (d2 / b2).sqrt()
+    } else {
+        d2.sqrt()
+    };
+    let cosine = if a2 > 0.0 && b2 > 0.0 {
+        ab / (a2.sqrt() * b2.sqrt())
+    } else if a2 == b2 {
+        1.0
+    } else {
+        0.0
+    };
+    (rel_l2, cosine)
+}
+
 /// Compares a row of the path (`a`) with the reference's (`b`); a shorter row is read as
 /// zero-padded (attention rows over fewer keys).
 pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
@@ -91,18 +109,7 @@ pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
         nb += (y as f64).powi(2);
         dotp += x as f64 * y as f64;
     }
-    let rel_l2 = if nb > 0.0 {
-        (num / nb).sqrt()
-    } else {
-        num.sqrt()
-    };
-    let cosine = if na > 0.0 && nb > 0.0 {
-        dotp / (na.sqrt() * nb.sqrt())
-    } else if na == nb {
-        1.0
-    } else {
-        0.0
-    };
+    let (rel_l2, cosine) = rel_l2_and_cosine(num, nb, dotp, na);
     // The values shown are at the index a report names: the first non-finite one, if any.
     let shown = non_finite.unwrap_or(index);
     RowDiff {

@@ -266,19 +266,25 @@ impl Gpu {
         out
     }
 
-    /// `len` f32 values from a raw device address (an offset into a larger buffer).
-    pub fn download_raw(&self, at: u64, len: usize) -> Vec<f32> {
-        let mut out = vec![0f32; len];
-        if len > 0 {
-            // Safety: callers pass addresses inside live buffers of at least `len` values;
-            // the copy is ordered on the stream and waited for.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(&mut out, at, self.stream.cu_stream())
-            }
-            .expect("CUDA download");
-            self.sync();
+    /// `rows` rows of `width` f32 values, `stride` apart from raw device address `at` (an
+    /// offset into a larger buffer), as one contiguous host vector.
+    pub fn download_rows(&self, at: u64, rows: usize, width: usize, stride: usize) -> Vec<f32> {
+        if rows == 0 || width == 0 {
+            return Vec::new();
         }
-        out
+        // Rows `stride` apart; the last one ends at its width.
+        let mut all = vec![0f32; (rows - 1) * stride + width];
+        // Safety: callers pass rows inside live buffers; the copy is ordered on the stream
+        // and waited for.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut all, at, self.stream.cu_stream()) }
+            .expect("CUDA download");
+        self.sync();
+        if stride == width {
+            return all;
+        }
+        (0..rows)
+            .flat_map(|r| all[r * stride..r * stride + width].iter().copied())
+            .collect()
     }
 
     /// Uninitialised device memory (at least one element, so pointers are never null).

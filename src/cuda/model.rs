@@ -653,20 +653,15 @@ impl CudaModel {
                 shape: vec![n, heads, span],
             };
             if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
-                let rows = g.download_raw(io.probs, n * heads * ws.probs_stride);
-                // Each row's first `span` columns are its probabilities.
+                let rows = g.download_rows(io.probs, n * heads, span, ws.probs_stride);
                 let positions = match t.lead {
                     Some(first) => (first..first + span).collect(),
                     None => t.entry_positions.to_vec(),
                 };
                 let width = positions.iter().max().map_or(0, |m| m + 1);
                 let mut out = vec![0f32; n * heads * width];
-                for (r, row) in rows.chunks_exact(ws.probs_stride).enumerate() {
-                    scatter_by_position(
-                        &mut out[r * width..(r + 1) * width],
-                        &row[..span],
-                        &positions,
-                    );
+                for (r, row) in rows.chunks_exact(span).enumerate() {
+                    scatter_by_position(&mut out[r * width..(r + 1) * width], row, &positions);
                 }
                 emit(sink, t.step, id, t.pos, &[n, heads, width], &out);
             }
@@ -835,7 +830,8 @@ impl Workspace {
         let body = ns + slots * rows * h;
         let logits = body + copies * body_len;
         Layout {
-            total: logits + if per_layer { c.vocab_size } else { 0 },
+            // A decode step keeps its logits in the arena too.
+            total: logits + if n == 1 { c.vocab_size } else { 0 },
             rows,
             chunks,
             xs,
@@ -1085,11 +1081,7 @@ fn offer_at(
         shape: shape.to_vec(),
     };
     if !sink.record_device(step, &tap) {
-        // Rows `stride` apart; the last one ends at its width.
-        let all = gpu.download_raw(at, (rows - 1) * stride + width);
-        let data: Vec<f32> = (0..rows)
-            .flat_map(|r| all[r * stride..r * stride + width].iter().copied())
-            .collect();
+        let data = gpu.download_rows(at, rows, width, stride);
         emit(sink, step, id, positions, shape, &data);
     }
 }

@@ -73,7 +73,7 @@ impl DeviceRecorded {
         let rows = self.positions.len() * self.rows_per_token;
         let all = self
             .gpu
-            .download_raw(self.ptr, (rows.max(1) - 1) * self.stride + self.width);
+            .download_rows(self.ptr, rows, self.width, self.stride);
         let mut shape = self.shape.clone();
         if let Some(last) = shape.last_mut() {
             *last += self.lead;
@@ -84,13 +84,9 @@ impl DeviceRecorded {
             id: self.id,
             positions: self.positions.clone(),
             shape,
-            data: (0..rows)
-                .flat_map(|r| {
-                    zeros
-                        .iter()
-                        .chain(&all[r * self.stride..r * self.stride + self.width])
-                        .copied()
-                })
+            data: all
+                .chunks_exact(self.width.max(1))
+                .flat_map(|row| zeros.iter().chain(row).copied())
                 .collect(),
         }
     }
@@ -250,18 +246,7 @@ pub fn combine_rows(rows: &[[f32; 12]], w: usize) -> (RowDiff, f32) {
     if max_abs == 0.0 && non_finite.is_none() {
         (value, reference) = (rows[0][9], rows[0][10]);
     }
-    let rel_l2 = if b2 > 0.0 {
-        (d2 / b2).sqrt()
-    } else {
-        d2.sqrt()
-    };
-    let cosine = if a2 > 0.0 && b2 > 0.0 {
-        ab / (a2.sqrt() * b2.sqrt())
-    } else if a2 == b2 {
-        1.0
-    } else {
-        0.0
-    };
+    let (rel_l2, cosine) = crate::diff::rel_l2_and_cosine(d2, b2, ab, a2);
     (
         RowDiff {
             index,
