@@ -10,6 +10,7 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
                                      float* probs, float* out, bf16_t* out_bf16, const int* meta,
                                      int split, int heads, int kv_heads, int head_dim, int stride,
                                      float scale) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     extern __shared__ float qs[];
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
@@ -191,6 +192,7 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
                                             unsigned int* counters, const int* meta, int split,
                                             int heads, int kv_heads, int head_dim, int stride,
                                             int chunks, float scale) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     __shared__ float sc[DECODE_CHUNK];
     __shared__ bool last;

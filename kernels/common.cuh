@@ -69,3 +69,28 @@ __device__ void block_argmax(float v, int i, float* best_v, int* best_i) {
         __syncthreads();
     }
 }
+
+// Programmatic dependent launch (sm_90 and later; kvdiff launches every kernel with it there).
+// A kernel may then start while the one before it in the stream is still running: its blocks
+// take the free SMs and load what no kernel writes (weights) early. Before touching anything
+// else, and before writing anything, a kernel calls pdl_wait(), which returns once the kernel
+// before it has finished and its writes are visible; as every kernel waits, "finished" then
+// holds for all earlier ones. pdl_trigger() lets the next kernel start launching.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The prologue of a kernel with nothing to load early.
+#define PDL_ENTER() \
+    do {            \
+        pdl_trigger(); \
+        pdl_wait();    \
+    } while (0)

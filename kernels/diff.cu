@@ -7,6 +7,7 @@
 //   7 first index with a NaN/Inf in either row, -1 if none (-2: row skipped)
 //   8 count of bitwise-different elements   9 a and 10 b at the non-finite index, else at 1
 extern "C" __global__ void diff_rows(const unsigned long long* jobs, float* out) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     __shared__ float best_v[256];
     __shared__ int best_i[256];
@@ -70,6 +71,7 @@ extern "C" __global__ void diff_rows(const unsigned long long* jobs, float* out)
 // Copies `rows` rows of `width` values from a strided source into a contiguous buffer (keeps
 // a reference tap on the device). Grid: rows.
 extern "C" __global__ void copy_rows(const float* src, int stride, int width, float* dst) {
+    PDL_ENTER();
     size_t r = blockIdx.x;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[r * width + i] = src[r * stride + i];
 }

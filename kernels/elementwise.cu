@@ -1,6 +1,7 @@
 // Embedding gather: rows of the bf16 table, as f32. One block per token.
 extern "C" __global__ void embed(const bf16_t* table, const unsigned int* tokens, float* out,
                                  int hidden) {
+    PDL_ENTER();
     size_t src = (size_t)tokens[blockIdx.x] * hidden, dst = (size_t)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[dst + i] = bf16_to_f32(table[src + i]);
 }
@@ -8,6 +9,7 @@ extern "C" __global__ void embed(const bf16_t* table, const unsigned int* tokens
 // SwiGLU over the fused gate|up GEMM output [n, 2 * inter]: silu(gate) * up, in bf16 for the
 // down projection.
 extern "C" __global__ void swiglu(const float* gate_up, bf16_t* out, int inter, int n) {
+    PDL_ENTER();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * inter) return;
     size_t t = i / inter, j = i % inter;
@@ -15,13 +17,23 @@ extern "C" __global__ void swiglu(const float* gate_up, bf16_t* out, int inter, 
     out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
 
-// Index of the largest value (the first of equals, as the CPU's argmax). One block.
+// Index of the largest value (the first of equals, as the CPU's argmax). One block; four
+// loads in flight per thread.
 extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
+    PDL_ENTER();
     __shared__ float best_v[1024];
     __shared__ int best_i[1024];
     float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    int bi = 0x7fffffff, step = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {
+        float v0 = x[i], v1 = x[i + step], v2 = x[i + 2 * step], v3 = x[i + 3 * step];
+        if (v0 > bv) { bv = v0; bi = i; }
+        if (v1 > bv) { bv = v1; bi = i + step; }
+        if (v2 > bv) { bv = v2; bi = i + 2 * step; }
+        if (v3 > bv) { bv = v3; bi = i + 3 * step; }
+    }
+    for (; i < n; i += step) {
         float v = x[i];
         if (v > bv) { bv = v; bi = i; }
     }

@@ -1,6 +1,6 @@
 // y[m] (f32) = w[m, k] (bf16) · x[k] (bf16), f32 accumulation: the GEMMs of a decode step, where
 // one token makes every GEMM a matrix-vector product bound by reading the weights. One warp
-// per output row, 16-byte loads (8 bf16), four in flight per lane; needs k % 8 == 0 and
+// per output row, 16-byte loads (8 bf16); needs k % 8 == 0 and
 // 16-byte aligned rows. Blocks of 256 threads (8 rows).
 __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     const unsigned int* pa = (const unsigned int*)&a;
@@ -14,29 +14,57 @@ __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     return acc;
 }
 
-// One row's dot product with x, summed over the warp (every lane gets it).
-__device__ __forceinline__ float warp_row_dot(const bf16_t* __restrict__ row,
-                                              const bf16_t* __restrict__ x, int k) {
-    const uint4* wr = (const uint4*)row;
-    const uint4* xv = (const uint4*)x;
-    int vecs = k >> 3, i = threadIdx.x & 31;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    for (; i + 96 < vecs; i += 128) {
-        uint4 w0 = wr[i], w1 = wr[i + 32], w2 = wr[i + 64], w3 = wr[i + 96];
-        a0 += dot8_bf16(w0, xv[i]);
-        a1 += dot8_bf16(w1, xv[i + 32]);
-        a2 += dot8_bf16(w2, xv[i + 64]);
-        a3 += dot8_bf16(w3, xv[i + 96]);
+// A warp's row of w, its first PRE * 32 16-byte vectors held in registers: loaded before
+// pdl_wait() (weights are never written), so the loads overlap the previous kernel's tail. The
+// rest of the row is asked into L2 at the same time. dot() then reads x and sums, lane l taking
+// vectors l, l + 32, ... into four accumulators.
+template <int PRE>
+struct Row {
+    uint4 w[PRE];
+    const uint4* wr;
+    int vecs;
+
+    __device__ __forceinline__ void load(const bf16_t* row, int k) {
+        wr = (const uint4*)row;
+        vecs = k >> 3;
+        int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int j = 0; j < PRE; j++)
+            if (lane + 32 * j < vecs) w[j] = wr[lane + 32 * j];
+        for (int i = 32 * PRE + lane * 8; i < vecs; i += 256)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + i));
     }
-    for (; i < vecs; i += 32) a0 += dot8_bf16(wr[i], xv[i]);
-    return warp_sum((a0 + a1) + (a2 + a3));
-}
+
+    // The dot product with x, summed over the warp (every lane gets it).
+    __device__ __forceinline__ float dot(const bf16_t* __restrict__ x) const {
+        const uint4* xv = (const uint4*)x;
+        int lane = threadIdx.x & 31;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < PRE; j++)
+            if (lane + 32 * j < vecs) a[j & 3] += dot8_bf16(w[j], xv[lane + 32 * j]);
+        int i = lane + 32 * PRE;
+        for (; i + 96 < vecs; i += 128) {
+            uint4 w0 = wr[i], w1 = wr[i + 32], w2 = wr[i + 64], w3 = wr[i + 96];
+            a[0] += dot8_bf16(w0, xv[i]);
+            a[1] += dot8_bf16(w1, xv[i + 32]);
+            a[2] += dot8_bf16(w2, xv[i + 64]);
+            a[3] += dot8_bf16(w3, xv[i + 96]);
+        }
+        for (int j = 0; i < vecs; i += 32, j++) a[j & 3] += dot8_bf16(wr[i], xv[i]);
+        return warp_sum((a[0] + a[1]) + (a[2] + a[3]));
+    }
+};
 
 extern "C" __global__ void gemv_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                      float* __restrict__ y, int k, int m) {
+    pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
     if (row >= m) return;
-    float acc = warp_row_dot(w + (size_t)row * k, x, k);
+    float acc = r.dot(x);
     if ((threadIdx.x & 31) == 0) y[row] = acc;
 }
 
@@ -45,10 +73,17 @@ extern "C" __global__ void gemv_bf16(const bf16_t* __restrict__ x, const bf16_t*
 extern "C" __global__ void gemv_swiglu_bf16(const bf16_t* __restrict__ x,
                                             const bf16_t* __restrict__ w,
                                             bf16_t* __restrict__ out, int k, int inter) {
+    pdl_trigger();
     int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> gate, up;
+    if (j < inter) {
+        gate.load(w + (size_t)j * k, k);
+        up.load(w + (size_t)(inter + j) * k, k);
+    }
+    pdl_wait();
     if (j >= inter) return;
-    float g = warp_row_dot(w + (size_t)j * k, x, k);
-    float u = warp_row_dot(w + (size_t)(inter + j) * k, x, k);
+    float g = gate.dot(x);
+    float u = up.dot(x);
     if ((threadIdx.x & 31) == 0) out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
 
@@ -63,9 +98,13 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
                                               unsigned int* counter) {
     __shared__ float scratch[32];
     __shared__ bool last;
+    pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<8> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
     if (row < m) {
-        float acc = warp_row_dot(w + (size_t)row * k, x, k);
+        float acc = r.dot(x);
         if ((threadIdx.x & 31) == 0) y[row] = acc;
     }
     __threadfence();

@@ -5,6 +5,7 @@
 extern "C" __global__ void add_rms_norm(const float* x, const float* add, float* resid,
                                         const bf16_t* weight, float* out, bf16_t* out_bf16,
                                         int dim, float eps) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     size_t row = (size_t)blockIdx.x * dim;
     float ss = 0.0f;

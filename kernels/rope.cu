@@ -10,6 +10,7 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
                                         float* q_normed, float* q_rotated, float* k_normed,
                                         float* k_rotated, float* keys, float* values,
                                         float eps) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     extern __shared__ float row[];
     int per_token = heads + kv_heads, ld = (heads + 2 * kv_heads) * head_dim;
@@ -44,6 +45,7 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
 // "rerotate"). Same angle arithmetic as qk_norm_rope. Grid: n * kv_heads; head_dim / 2 threads.
 extern "C" __global__ void rotate_keys(float* keys, int first, int kv_heads, int head_dim,
                                        int delta, const float* inv_freq) {
+    PDL_ENTER();
     int half = head_dim / 2, i = threadIdx.x;
     float* k = keys + ((size_t)first * kv_heads + blockIdx.x) * head_dim;
     float s, c;

@@ -195,12 +195,7 @@ impl LogitsAgreement {
     }
 
     pub fn add(&mut self, path: &[f32], reference: &[f32]) {
-        self.steps += 1;
         let (tp, tr) = (top_k(path, self.k), top_k(reference, self.k));
-        self.top1_agree += (tp.first() == tr.first()) as usize;
-        self.topk_overlap_min = self
-            .topk_overlap_min
-            .min(tp.iter().filter(|t| tr.contains(t)).count());
         // KL(reference ‖ path) over log-softmaxes in f64: near-equal distributions differ far
         // below f32's resolution.
         let (zp, zr) = (log_sum_exp(path), log_sum_exp(reference));
@@ -208,8 +203,22 @@ impl LogitsAgreement {
             let (lr, lp) = (reference[i] as f64 - zr, path[i] as f64 - zp);
             lr.exp() * (lr - lp)
         });
+        self.add_summary(
+            tp.first() == tr.first(),
+            tp.iter().filter(|t| tr.contains(t)).count(),
+            kl,
+            row_diff(path, reference).rel_l2,
+        );
+    }
+
+    /// Counts a step from its summary: whether the top-1 tokens agree, the top-k overlap,
+    /// KL(reference ‖ path) and the relative L2 of the logits.
+    pub fn add_summary(&mut self, top1: bool, overlap: usize, kl: f64, rel_l2: f64) {
+        self.steps += 1;
+        self.top1_agree += top1 as usize;
+        self.topk_overlap_min = self.topk_overlap_min.min(overlap);
         self.kl_max = self.kl_max.max(kl.max(0.0));
-        self.rel_l2_max = self.rel_l2_max.max(row_diff(path, reference).rel_l2);
+        self.rel_l2_max = self.rel_l2_max.max(rel_l2);
     }
 }
 

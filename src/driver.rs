@@ -4,6 +4,7 @@
 //! so later steps stay comparable.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -12,8 +13,7 @@ use crate::diff::{diverged, row_diff, LogitsAgreement, RowDiff, Tolerance};
 use crate::dump::Dumper;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
-use crate::ops::argmax;
+use crate::model::{Batch, Model, StepLogits};
 use crate::paths::{ChunkStore, PathSpec};
 use crate::tap::{
     DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue, Tee,
@@ -432,6 +432,83 @@ pub struct CompareSpec<'a> {
 }
 
 /// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
+/// Next-token agreement of every step, computed where the logits are: on the GPU when both
+/// rows are there (four numbers a step come back, at the end), else on a host worker, in step
+/// order, while the next steps run.
+struct Agreement {
+    worker: Option<AgreementWorker>,
+    device: Option<crate::cuda::DeviceAgreement>,
+    max_steps: usize,
+}
+
+/// The host worker's queue of (path, reference) logits and its thread.
+type AgreementWorker = (
+    std::sync::mpsc::Sender<(Vec<f32>, Vec<f32>)>,
+    std::thread::JoinHandle<LogitsAgreement>,
+);
+
+impl Agreement {
+    const TOP_K: usize = 5;
+
+    fn new(max_steps: usize) -> Self {
+        Agreement {
+            worker: None,
+            device: None,
+            max_steps,
+        }
+    }
+
+    fn add(&mut self, path: StepLogits, reference: StepLogits) {
+        if let (
+            StepLogits::Device {
+                at: p, len, gpu, ..
+            },
+            StepLogits::Device {
+                at: r, gpu: rg, ..
+            },
+        ) = (&path, &reference)
+        {
+            if Arc::ptr_eq(gpu, rg) {
+                let d = self.device.get_or_insert_with(|| {
+                    crate::cuda::DeviceAgreement::new(gpu, Self::TOP_K, self.max_steps)
+                });
+                if d.has_room() {
+                    d.add(*p, *r, *len);
+                    return;
+                }
+            }
+        }
+        let (to, _) = self.worker.get_or_insert_with(|| {
+            let (to, steps) = std::sync::mpsc::channel::<(Vec<f32>, Vec<f32>)>();
+            let worker = std::thread::spawn(move || {
+                let mut a = LogitsAgreement::new(Self::TOP_K);
+                for (path, reference) in steps {
+                    let _span = crate::timing::span("compare: logits agreement (host worker)");
+                    a.add(&path, &reference);
+                }
+                a
+            });
+            (to, worker)
+        });
+        let _ = to.send((path.into_host(), reference.into_host()));
+    }
+
+    fn finish(self) -> LogitsAgreement {
+        let mut a = match self.worker {
+            Some((to, worker)) => {
+                drop(to);
+                worker.join().expect("the logits agreement worker")
+            }
+            None => LogitsAgreement::new(Self::TOP_K),
+        };
+        if let Some(d) = self.device {
+            let _span = crate::timing::span("compare: logits agreement (GPU, read back)");
+            d.finish(&mut a);
+        }
+        a
+    }
+}
+
 pub fn dump_dir_name(path: &str) -> String {
     path.chars()
         .map(|c| {
@@ -574,7 +651,7 @@ impl CompareSpec<'_> {
         };
         let mut ref_rec = recorder(false);
         let span = crate::timing::span("compare: reference prefill");
-        let (mut ref_cache, mut ref_logits) =
+        let (mut ref_cache, ref_logits) =
             self.reference
                 .prefill(model, self.prompt, &mut ChunkStore::default(), &mut ref_rec);
         let mut cmp = Comparator {
@@ -618,7 +695,7 @@ impl CompareSpec<'_> {
         let span = crate::timing::span("compare: path prefill");
         let mut store = ChunkStore::default();
         let path_model = self.path_model;
-        let (mut cache, mut logits) = match &mut dumps {
+        let (mut cache, logits) = match &mut dumps {
             Some((d, _)) => prefill(
                 path_model,
                 self.prompt,
@@ -633,23 +710,14 @@ impl CompareSpec<'_> {
         drop(span);
         let mut report_tokens = Vec::new();
         let mut first_token = None;
-        // Next-token agreement over the whole vocabulary is host work that needs nothing from
-        // later steps: a worker does it, in step order, while the next steps run.
-        let (to_agreement, steps) = std::sync::mpsc::channel::<(Vec<f32>, Vec<f32>)>();
-        let agreement = std::thread::spawn(move || {
-            let mut a = LogitsAgreement::new(5);
-            for (path, reference) in steps {
-                let _span = crate::timing::span("compare: logits agreement (worker)");
-                a.add(&path, &reference);
-            }
-            a
-        });
+        let mut agreement = Agreement::new(self.max_new_tokens);
+        let (mut logits, mut ref_logits) = (StepLogits::Host(logits), StepLogits::Host(ref_logits));
         let mut step = 0;
         while step < self.max_new_tokens {
-            let (rt, pt) = (argmax(&ref_logits) as u32, argmax(&logits) as u32);
+            let (rt, pt) = (ref_logits.argmax(), logits.argmax());
             // Both are replaced by the next step's before they are read again.
-            let _ =
-                to_agreement.send((std::mem::take(&mut logits), std::mem::take(&mut ref_logits)));
+            let taken = |l: &mut StepLogits| std::mem::replace(l, StepLogits::Host(Vec::new()));
+            agreement.add(taken(&mut logits), taken(&mut ref_logits));
             report_tokens.push(pt);
             if rt != pt && first_token.is_none() {
                 first_token = Some(TokenDivergence {
@@ -670,7 +738,7 @@ impl CompareSpec<'_> {
             let pos = [n + step - 1];
             let mut ref_rec = recorder(true);
             let span = crate::timing::span("compare: reference decode step");
-            ref_logits = model.forward(
+            ref_logits = model.forward_step(
                 Batch {
                     cascade_split: ref_split,
                     ..Batch::new(&[rt], &pos)
@@ -691,7 +759,7 @@ impl CompareSpec<'_> {
                 ..Batch::new(&fed, &pos)
             };
             logits = match &mut dumps {
-                Some((d, _)) => path_model.forward(
+                Some((d, _)) => path_model.forward_step(
                     batch,
                     &mut cache,
                     step,
@@ -700,7 +768,7 @@ impl CompareSpec<'_> {
                         second: d,
                     },
                 ),
-                None => path_model.forward(batch, &mut cache, step, &mut cmp),
+                None => path_model.forward_step(batch, &mut cache, step, &mut cmp),
             };
         }
         if let Some((path_dump, ref_dump)) = dumps {
@@ -712,8 +780,7 @@ impl CompareSpec<'_> {
             }
         }
         cmp.flush();
-        drop(to_agreement);
-        let agreement = agreement.join().expect("the logits agreement worker");
+        let agreement = agreement.finish();
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {

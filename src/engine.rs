@@ -6,7 +6,6 @@ use crate::chunks::ChunkedPrompt;
 use crate::error::{Error, Result};
 use crate::model::{Batch, Model};
 use crate::model_source::ModelSource;
-use crate::ops::argmax;
 use crate::prompt::Prompt;
 use crate::tap::TapSink;
 use crate::tokenizer::ChatTokenizer;
@@ -133,9 +132,12 @@ impl Engine {
         if max_new > 0 {
             let mut logits =
                 self.model
-                    .forward(Batch::new(prompt_ids, &positions), &mut cache, 0, sink);
+                    .forward_step(Batch::new(prompt_ids, &positions), &mut cache, 0, sink);
             loop {
-                let next = argmax(&logits) as u32;
+                let next = {
+                    let _span = crate::timing::span("generate: argmax");
+                    logits.argmax()
+                };
                 tokens.push(next);
                 if eos.contains(&next) {
                     stopped_at_eos = true;
@@ -145,11 +147,15 @@ impl Engine {
                     break;
                 }
                 let pos = [prompt_ids.len() + tokens.len() - 1];
-                logits =
-                    self.model
-                        .forward(Batch::new(&[next], &pos), &mut cache, tokens.len(), sink);
+                logits = self.model.forward_step(
+                    Batch::new(&[next], &pos),
+                    &mut cache,
+                    tokens.len(),
+                    sink,
+                );
             }
         }
+        let _span = crate::timing::span("generate: detokenize");
         let text = self.tokenizer.decode(&tokens, true);
         Generation {
             tokens,

@@ -51,6 +51,38 @@ pub struct Model {
     bf16_matmul_inputs: bool,
 }
 
+/// A pass's last-token logits: on the host, or left on the GPU with only their argmax read
+/// back (a CUDA decode step nobody tapped the logits of).
+pub enum StepLogits {
+    Host(Vec<f32>),
+    /// `len` floats at device address `at`, in the cache's decode arena: valid until that
+    /// cache's next pass.
+    Device {
+        argmax: u32,
+        at: u64,
+        len: usize,
+        gpu: Arc<Gpu>,
+    },
+}
+
+impl StepLogits {
+    /// The index of the largest logit (the first of equals).
+    pub fn argmax(&self) -> u32 {
+        match self {
+            StepLogits::Host(v) => crate::ops::argmax(v) as u32,
+            StepLogits::Device { argmax, .. } => *argmax,
+        }
+    }
+
+    /// The logits on the host, downloaded if they are on the GPU.
+    pub fn into_host(self) -> Vec<f32> {
+        match self {
+            StepLogits::Host(v) => v,
+            StepLogits::Device { at, len, gpu, .. } => gpu.download_rows(at, 1, len, len),
+        }
+    }
+}
+
 /// Tokens to run through the model in one pass.
 #[derive(Clone, Copy, Debug)]
 pub struct Batch<'a> {
@@ -313,6 +345,21 @@ impl Model {
 
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config.num_hidden_layers, self.config.kv_dim())
+    }
+
+    /// As `forward`, for a decode step whose logits are wanted for their argmax and for a
+    /// comparison that may run where they are: on the GPU they stay there (see `StepLogits`).
+    pub fn forward_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        match &self.cuda {
+            Some(cm) => cm.forward_step(batch, cache, step, sink),
+            None => StepLogits::Host(self.forward(batch, cache, step, sink)),
+        }
     }
 
     /// Runs `batch` through the model, appending its K/V to `cache` and attending to everything

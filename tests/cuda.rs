@@ -279,6 +279,64 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
     assert_eq!(rows[0][8] as usize, differing, "bitwise-different count");
 }
 
+#[test]
+fn logits_agreement_on_the_gpu_matches_the_host() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let vocab = 151_936;
+    let mut steps = Vec::new();
+    // Near-equal rows (bf16-like noise), a row whose top tokens swap, exact ties, rows of a
+    // width that leaves blocks partly empty, and one far-off row.
+    for (noise, width) in [(1e-3, vocab), (1e-2, vocab), (0.0, vocab), (0.5, 1001), (3.0, vocab)] {
+        let r = rng.vec(width, 4.0);
+        let e = rng.vec(width, noise);
+        let p: Vec<f32> = r.iter().zip(&e).map(|(a, b)| a + b).collect();
+        steps.push((p, r));
+    }
+    let (p, r) = &mut steps[1];
+    let top = kvdiff::ops::argmax(r);
+    p[top] = -50.0;
+    r[7] = 40.0;
+    r[70_000] = 40.0;
+    let (p, r) = &mut steps[2];
+    p[123] = 30.0;
+    p[456] = 30.0;
+    r[123] = 30.0;
+    for k in [1, 5, 8] {
+        let mut host = kvdiff::diff::LogitsAgreement::new(k);
+        for (p, r) in &steps {
+            host.add(p, r);
+        }
+        let dev = host_ops::logits_agreement(&g, &steps, k);
+        assert_eq!(dev.steps, host.steps);
+        assert_eq!(dev.top1_agree, host.top1_agree, "top-1, k = {k}");
+        assert_eq!(dev.topk_overlap_min, host.topk_overlap_min, "top-k overlap, k = {k}");
+        let close = |a: f64, b: f64, what: &str| {
+            // f64 on both sides, summed in different orders and forms.
+            assert!((a - b).abs() <= 1e-9 * b.abs() + 1e-12, "{what}: GPU {a} vs host {b}");
+        };
+        close(dev.kl_max, host.kl_max, "KL");
+        close(dev.rel_l2_max, host.rel_l2_max, "relative L2");
+    }
+    // Each step on its own, so the maxima do not hide a wrong small value.
+    for (i, step) in steps.iter().enumerate() {
+        let mut host = kvdiff::diff::LogitsAgreement::new(5);
+        host.add(&step.0, &step.1);
+        let dev = host_ops::logits_agreement(&g, std::slice::from_ref(step), 5);
+        assert_eq!(
+            (dev.top1_agree, dev.topk_overlap_min),
+            (host.top1_agree, host.topk_overlap_min),
+            "step {i}"
+        );
+        assert!(
+            (dev.kl_max - host.kl_max).abs() <= 1e-9 * host.kl_max + 1e-12,
+            "step {i} KL: GPU {} vs host {}",
+            dev.kl_max,
+            host.kl_max
+        );
+    }
+}
+
 /// Largest relative L2 between CPU and CUDA per tap kind, over a prefill and decode steps.
 fn conformance(model_dir: Option<&str>, prompts: &[&str], steps: usize) -> BTreeMap<String, f64> {
     let source = ModelSource::from_arg(model_dir.map(std::path::Path::new)).unwrap();

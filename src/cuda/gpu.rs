@@ -26,6 +26,7 @@ const SOURCES: &[(&str, &str)] = &[
     ),
     ("diff.cu", include_str!("../../kernels/diff.cu")),
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+    ("agreement.cu", include_str!("../../kernels/agreement.cu")),
 ];
 
 const KERNELS: &[&str] = &[
@@ -42,6 +43,7 @@ const KERNELS: &[&str] = &[
     "gemv_bf16",
     "gemv_swiglu_bf16",
     "gemv_add_norm_bf16",
+    "logits_agreement",
 ];
 
 const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
@@ -80,6 +82,9 @@ pub struct Gpu {
     /// then synchronised, so totals are exact but the run is slower).
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
     graphs: bool,
+    /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless
+    /// `KVDIFF_CUDA_PDL=0`): see `pdl_wait` in kernels/common.cuh.
+    pdl: bool,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -149,6 +154,7 @@ impl Gpu {
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
+            pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
         });
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
@@ -366,35 +372,84 @@ impl Gpu {
     /// Launches `kernel` with `args` (raw pointers as u64, scalars as i32/u32/f32).
     pub fn launch(&self, kernel: &str, grid: u32, block: u32, shared: u32, args: &[Arg]) {
         let f = self.kernel(kernel);
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I32(v) => b.arg(v),
-                Arg::U32(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: shared,
+        let name = || {
+            format!(
+                "{kernel}{}",
+                if grid == 1 || kernel == "attention" && grid < 64 {
+                    " (decode)"
+                } else {
+                    ""
+                }
+            )
         };
-        // Safety: each call site passes the arguments its kernel's signature lists.
-        self.timed(
-            || {
-                format!(
-                    "{kernel}{}",
-                    if grid == 1 || kernel == "attention" && grid < 64 {
-                        " (decode)"
-                    } else {
-                        ""
-                    }
-                )
-            },
-            || unsafe { b.launch(cfg) },
+        let result = if self.pdl {
+            // Safety: each call site passes the arguments its kernel's signature lists, and
+            // `params` points into `args`, which outlives the call.
+            self.timed(name, || unsafe { self.launch_pdl(f, grid, block, shared, args) })
+        } else {
+            let mut b = self.stream.launch_builder(f);
+            for a in args {
+                match a {
+                    Arg::Ptr(p) => b.arg(p),
+                    Arg::I32(v) => b.arg(v),
+                    Arg::U32(v) => b.arg(v),
+                    Arg::F32(v) => b.arg(v),
+                };
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: shared,
+            };
+            // Safety: as above.
+            self.timed(name, || unsafe { b.launch(cfg) }.map(|_| ()))
+        };
+        result.unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
+    }
+
+    /// `cuLaunchKernelEx` with programmatic stream serialisation allowed, which cudarc's
+    /// launch builder does not offer.
+    unsafe fn launch_pdl(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(p) => p as *const u64 as *mut _,
+                Arg::I32(v) => v as *const i32 as *mut _,
+                Arg::U32(v) => v as *const u32 as *mut _,
+                Arg::F32(v) => v as *const f32 as *mut _,
+            })
+            .collect();
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
         )
-        .unwrap_or_else(|e| panic!("CUDA launch of {kernel}: {e}"));
+        .result()
     }
 }
 

@@ -346,3 +346,23 @@ pub fn gemv_add_norm(
         gpu.download(&o, m),
     )
 }
+
+/// `logits_agreement` over step pairs (path row, reference row), folded as the compare driver
+/// folds them.
+pub fn logits_agreement(
+    gpu: &std::sync::Arc<Gpu>,
+    steps: &[(Vec<f32>, Vec<f32>)],
+    k: usize,
+) -> crate::diff::LogitsAgreement {
+    let mut d = super::DeviceAgreement::new(gpu, k, steps.len());
+    let uploaded: Vec<_> = steps
+        .iter()
+        .map(|(p, r)| (gpu.upload(p), gpu.upload(r), p.len()))
+        .collect();
+    for (p, r, n) in &uploaded {
+        d.add(ptr(gpu, p, 0), ptr(gpu, r, 0), *n);
+    }
+    let mut a = crate::diff::LogitsAgreement::new(k);
+    d.finish(&mut a);
+    a
+}

@@ -8,6 +8,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gpu::{ptr, Arg, Gpu, Graph};
+use crate::model::StepLogits;
 use super::kv::CudaKv;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -146,6 +147,29 @@ impl CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> Vec<f32> {
+        self.pass(batch, cache, step, sink, false).into_host()
+    }
+
+    /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
+    /// their argmax is read back.
+    pub fn forward_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        self.pass(batch, cache, step, sink, true)
+    }
+
+    fn pass(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+        keep_on_device: bool,
+    ) -> StepLogits {
         let g = &*self.gpu;
         let c = &self.config;
         let n = batch.tokens.len();
@@ -223,6 +247,17 @@ impl CudaModel {
                     self.layer(l, ws, kvp, split);
                 }
                 self.lm_head(ws, 1, ws.logits_ptr(g));
+                g.launch(
+                    "argmax",
+                    1,
+                    1024,
+                    0,
+                    &[
+                        Arg::Ptr(ws.logits_ptr(g)),
+                        Arg::I32(c.vocab_size as i32),
+                        Arg::Ptr(ptr(g, &ws.pick, 0)),
+                    ],
+                );
             };
             if g.graphs() {
                 if state.graph.as_ref().is_none_or(|(k, _)| *k != key) {
@@ -241,10 +276,20 @@ impl CudaModel {
             }
             self.offer_outer(sink, &taps, ws, TapId::FinalNorm);
             drop(offered);
-            let _wait = crate::timing::span("cuda decode: logits download (GPU wait)");
-            let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
-            emit(sink, step, TapId::Logits, pos, &[1, c.vocab_size], &logits);
-            logits
+            if keep_on_device && !sink.table().wants(TapId::Logits) {
+                let _wait = crate::timing::span("cuda decode: argmax download (GPU wait)");
+                StepLogits::Device {
+                    argmax: g.download(&ws.pick, 1)[0],
+                    at: ws.logits_ptr(g),
+                    len: c.vocab_size,
+                    gpu: self.gpu.clone(),
+                }
+            } else {
+                let _wait = crate::timing::span("cuda decode: logits download (GPU wait)");
+                let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
+                emit(sink, step, TapId::Logits, pos, &[1, c.vocab_size], &logits);
+                StepLogits::Host(logits)
+            }
         } else {
             let _span = crate::timing::span("cuda prefill pass (synchronous)");
             // With layer taps wanted, a slot per layer when it fits: the taps then stay valid
@@ -276,7 +321,7 @@ impl CudaModel {
             if per_layer {
                 kv.last_pass = Some(ws);
             }
-            logits
+            StepLogits::Host(logits)
         };
         kv.len += n;
         sink.end_pass(step);
@@ -725,6 +770,8 @@ pub(crate) struct Workspace {
     /// Per head, decode attention's count of finished chunks, then the fused GEMV's count of
     /// finished blocks (all zero between launches).
     counters: CudaSlice<u32>,
+    /// A decode step's argmax of its logits.
+    pick: CudaSlice<u32>,
     n: usize,
     /// Rows every buffer has room for (GEMMs run over all of them).
     rows: usize,
@@ -781,6 +828,7 @@ impl Workspace {
             bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
             meta: g.alloc::<i32>(3 * n + 1),
             counters: g.zeros::<u32>(w.shape.heads + 1),
+            pick: g.zeros::<u32>(1),
             n,
             rows: w.rows,
             per_layer,

@@ -1,0 +1,79 @@
+//! Next-token agreement on the GPU (`kernels/agreement.cu`): a decode step's logits rows are
+//! compared where they are, and only four numbers a step come back, all at the end.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{ptr, Arg, Gpu};
+use crate::diff::LogitsAgreement;
+
+/// Blocks of one comparison, and the f64 words of the kernel's `Agree` state.
+const BLOCKS: usize = 128;
+const STATE_WORDS: usize = 23;
+/// The kernel's AGREE_KMAX.
+pub const MAX_K: usize = 8;
+
+pub struct DeviceAgreement {
+    gpu: Arc<Gpu>,
+    k: usize,
+    /// Per step: top-1 agrees, top-k overlap, KL, relative L2.
+    out: CudaSlice<f64>,
+    partials: CudaSlice<f64>,
+    counter: CudaSlice<u32>,
+    steps: usize,
+}
+
+impl DeviceAgreement {
+    /// Room for `max_steps` comparisons of top-`k` (k <= MAX_K).
+    pub fn new(gpu: &Arc<Gpu>, k: usize, max_steps: usize) -> Self {
+        assert!((1..=MAX_K).contains(&k), "top-k of at most {MAX_K}");
+        DeviceAgreement {
+            gpu: gpu.clone(),
+            k,
+            out: gpu.zeros::<f64>(4 * max_steps.max(1)),
+            partials: gpu.zeros::<f64>(BLOCKS * STATE_WORDS),
+            counter: gpu.zeros::<u32>(1),
+            steps: 0,
+        }
+    }
+
+    /// Whether another step fits.
+    pub fn has_room(&self) -> bool {
+        4 * (self.steps + 1) <= self.out.len()
+    }
+
+    /// Enqueues the comparison of two `n`-wide rows at device addresses `path` and `reference`
+    /// (read before anything enqueued after this call overwrites them).
+    pub fn add(&mut self, path: u64, reference: u64, n: usize) {
+        assert!(self.has_room(), "DeviceAgreement sized for fewer steps");
+        let g = &*self.gpu;
+        g.launch(
+            "logits_agreement",
+            BLOCKS as u32,
+            128,
+            0,
+            &[
+                Arg::Ptr(path),
+                Arg::Ptr(reference),
+                Arg::I32(n as i32),
+                Arg::I32(self.k as i32),
+                Arg::Ptr(ptr(g, &self.partials, 0)),
+                Arg::Ptr(ptr(g, &self.counter, 0)),
+                Arg::Ptr(ptr(g, &self.out, 4 * self.steps)),
+            ],
+        );
+        self.steps += 1;
+    }
+
+    /// Waits for the enqueued comparisons and folds them into `into`.
+    pub fn finish(self, into: &mut LogitsAgreement) {
+        if self.steps == 0 {
+            return;
+        }
+        let all = self.gpu.download(&self.out, 4 * self.steps);
+        for s in all.chunks(4) {
+            into.add_summary(s[0] != 0.0, s[1] as usize, s[2], s[3]);
+        }
+    }
+}
