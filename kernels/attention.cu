@@ -292,3 +292,192 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
     __threadfence();
     merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }
+
+// Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes
+// TILE_Q queries and walks the keys they see in tiles of TILE_K held in shared memory, so each
+// key is read once per tile of queries, not once per query. Per query, both cascade segments
+// keep a running max and sum and their own output; the end merges them as `attention` does.
+// With `probs` non-null, a second walk recomputes the scores and writes the merged
+// probabilities (columns visible..base+n zeroed), as `attention`; without, nothing is written
+// there. Needs head_dim % 4 == 0 and head_dim <= TILE_THREADS. `meta[0]` is base.
+// Dynamic shared memory: TILE_SHARED(head_dim) floats.
+#define TILE_Q 16
+#define TILE_K 32
+#define TILE_THREADS 128
+#define TILE_SHARED(hd) ((TILE_Q + TILE_K) * ((hd) + 1) + TILE_K * (hd) + 2 * TILE_Q * TILE_K)
+
+extern "C" __global__ void attention_tiled(const float* q, const float* keys, const float* values,
+                                           float* probs, float* out, bf16_t* out_bf16,
+                                           const int* meta, int n, int split, int heads,
+                                           int kv_heads, int head_dim, int stride, float scale) {
+    PDL_ENTER();
+    extern __shared__ float sm[];
+    __shared__ float alpha[TILE_Q][2], fin[TILE_Q][2], mfin[TILE_Q][2];
+    __shared__ int cuts[TILE_Q];
+    int hp = head_dim + 1;  // padded rows: the lanes of a warp read different rows
+    float* qs = sm;
+    float* ks = qs + TILE_Q * hp;
+    float* vs = ks + TILE_K * hp;
+    float* pa = vs + TILE_K * head_dim;
+    float* pb = pa + TILE_Q * TILE_K;
+    int tiles_q = (n + TILE_Q - 1) / TILE_Q;
+    int h = blockIdx.x / tiles_q, q0 = (blockIdx.x % tiles_q) * TILE_Q;
+    int nq = min(TILE_Q, n - q0);
+    int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
+    int base = meta[0];
+    int kend = base + q0 + nq;  // keys the block's last query sees
+    int tid = threadIdx.x, vec = head_dim / 4;
+    for (int i = tid; i < TILE_Q * head_dim; i += blockDim.x) {
+        int r = i / head_dim, d = i % head_dim;
+        qs[r * hp + d] = r < nq ? q[((size_t)(q0 + r) * heads + h) * head_dim + d] : 0.0f;
+    }
+    if (tid < TILE_Q) {
+        int vis = base + q0 + tid + 1;
+        cuts[tid] = (split > 0 && split < vis) ? split : 0;
+    }
+    bool cascade = split > 0 && split < kend;
+    // Scores: thread (sq, sj) takes query sq and keys sj, sj + 8, sj + 16, sj + 24 of a tile;
+    // the 8 threads of a query are neighbouring lanes and reduce by shuffles.
+    int sq = tid / 8, sj = tid % 8;
+    int vis_s = base + q0 + sq + 1;
+    int cut_s = (split > 0 && split < vis_s) ? split : 0;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float acc0[TILE_Q], acc1[TILE_Q];
+#pragma unroll
+    for (int i = 0; i < TILE_Q; i++) acc0[i] = acc1[i] = 0.0f;
+    __syncthreads();
+    for (int k0 = 0; k0 < kend; k0 += TILE_K) {
+        for (int i = tid; i < TILE_K * vec; i += blockDim.x) {
+            int r = i / vec, c = (i % vec) * 4;
+            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
+            if (k0 + r < kend) {
+                size_t off = (size_t)(k0 + r) * kv_dim + kvh * head_dim + c;
+                kk = *(const float4*)(keys + off);
+                vv = *(const float4*)(values + off);
+            }
+            float* kr = ks + r * hp + c;
+            kr[0] = kk.x;
+            kr[1] = kk.y;
+            kr[2] = kk.z;
+            kr[3] = kk.w;
+            *(float4*)(vs + r * head_dim + c) = vv;
+        }
+        __syncthreads();
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int d = 0; d < head_dim; d++) {
+            float qd = qs[sq * hp + d];
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[i] += qd * ks[(sj + 8 * i) * hp + d];
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int e = k0 + sj + 8 * i;
+            s[i] = sq < nq && e < vis_s ? s[i] * scale : NEG_INF;
+            if (e < cut_s) mx[0] = fmaxf(mx[0], s[i]);
+            else mx[1] = fmaxf(mx[1], s[i]);
+        }
+        float al[2], ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            for (int o = 1; o < 8; o <<= 1) mx[g] = fmaxf(mx[g], __shfl_xor_sync(0xffffffffu, mx[g], o));
+            float mn = fmaxf(m[g], mx[g]);
+            al[g] = m[g] == NEG_INF ? 0.0f : expf(m[g] - mn);
+            m[g] = mn;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = sj + 8 * i, e = k0 + j;
+            int g = e < cut_s ? 0 : 1;
+            float p = s[i] == NEG_INF ? 0.0f : expf(s[i] - m[g]);
+            ps[g] += p;
+            pa[sq * TILE_K + j] = g == 0 ? p : 0.0f;
+            pb[sq * TILE_K + j] = g == 1 ? p : 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            for (int o = 1; o < 8; o <<= 1) ps[g] += __shfl_xor_sync(0xffffffffu, ps[g], o);
+            l[g] = l[g] * al[g] + ps[g];
+        }
+        if (sj == 0) {
+            alpha[sq][0] = al[0];
+            alpha[sq][1] = al[1];
+        }
+        __syncthreads();
+        if (tid < head_dim) {
+            int jmax = min(TILE_K, kend - k0);
+#pragma unroll
+            for (int r = 0; r < TILE_Q; r++) {
+                acc0[r] *= alpha[r][0];
+                acc1[r] *= alpha[r][1];
+            }
+            for (int j = 0; j < jmax; j++) {
+                float v = vs[j * head_dim + tid];
+#pragma unroll
+                for (int r = 0; r < TILE_Q; r++) acc1[r] += pb[r * TILE_K + j] * v;
+                if (cascade) {
+#pragma unroll
+                    for (int r = 0; r < TILE_Q; r++) acc0[r] += pa[r * TILE_K + j] * v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Segment weights as in `attention`: exp(lse_segment - lse_all), over each segment's sum.
+    if (sj == 0) {
+        float fa = 0.0f, fb = 0.0f;
+        if (sq < nq) {
+            float lse_a = l[0] > 0.0f ? m[0] + logf(l[0]) : NEG_INF, lse_b = m[1] + logf(l[1]);
+            float mm = fmaxf(lse_a, lse_b);
+            float wa = l[0] > 0.0f ? expf(lse_a - mm) : 0.0f, wb = expf(lse_b - mm);
+            fa = l[0] > 0.0f ? wa / (wa + wb) / l[0] : 0.0f;
+            fb = wb / (wa + wb) / l[1];
+        }
+        fin[sq][0] = fa;
+        fin[sq][1] = fb;
+        mfin[sq][0] = m[0];
+        mfin[sq][1] = m[1];
+    }
+    __syncthreads();
+    if (tid < head_dim) {
+        for (int r = 0; r < nq; r++) {
+            float o = acc0[r] * fin[r][0] + acc1[r] * fin[r][1];
+            size_t at = ((size_t)(q0 + r) * heads + h) * head_dim + tid;
+            out[at] = o;
+            out_bf16[at] = f32_to_bf16(o);
+        }
+    }
+    if (!probs) return;
+    // Probabilities: lane pj takes key pj of the tile, warps take queries, so each row is
+    // written 32 floats at a time.
+    int span = base + n, pj = tid % 32, pw = tid / 32, warps = blockDim.x / 32;
+    for (int k0 = 0; k0 < span; k0 += TILE_K) {
+        if (k0 < kend) {
+            __syncthreads();
+            for (int i = tid; i < TILE_K * vec; i += blockDim.x) {
+                int r = i / vec, c = (i % vec) * 4;
+                float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (k0 + r < kend) kk = *(const float4*)(keys + (size_t)(k0 + r) * kv_dim + kvh * head_dim + c);
+                float* kr = ks + r * hp + c;
+                kr[0] = kk.x;
+                kr[1] = kk.y;
+                kr[2] = kk.z;
+                kr[3] = kk.w;
+            }
+            __syncthreads();
+        }
+        int e = k0 + pj;
+        if (e >= span) continue;
+        for (int r = pw; r < nq; r += warps) {
+            int vis = base + q0 + r + 1;
+            float val = 0.0f;
+            if (e < vis) {
+                float acc = 0.0f;
+                for (int d = 0; d < head_dim; d++) acc += qs[r * hp + d] * ks[pj * hp + d];
+                int g = e < cuts[r] ? 0 : 1;
+                val = expf(acc * scale - mfin[r][g]) * fin[r][g];
+            }
+            probs[((size_t)(q0 + r) * heads + h) * stride + e] = val;
+        }
+    }
+}

@@ -42,6 +42,9 @@ KVDIFF_CUDA_GRAPHS=0 run_timed generate_eager 3 "$bin" generate --backend cuda "
 run_timed compare 3 "$bin" compare --backend cuda "${model[@]}" --reference standard \
   --paths chunk-reuse:rerotate --taps 'L*' --tolerance fixed --rtol 0.05 --max-new-tokens 64 \
   --json "$work/compare.json" "$work/prompt.json"
+KVDIFF_CUDA_SIDE_STREAM=0 run_timed compare_one_stream 3 "$bin" compare --backend cuda "${model[@]}" \
+  --reference standard --paths chunk-reuse:rerotate --taps 'L*' --tolerance fixed --rtol 0.05 \
+  --max-new-tokens 64 "$work/prompt.json"
 run_timed compare_auto 1 "$bin" compare --backend cuda "${model[@]}" --reference standard \
   --paths chunk-reuse:rerotate --taps 'L*' --max-new-tokens 64 "$work/prompt.json"
 say "phase timings (KVDIFF_TIMING)"
@@ -68,6 +71,7 @@ gen, gen_wall = times("generate")
 gen_eager, gen_eager_wall = times("generate_eager")
 cmp_, cmp_wall = times("compare")
 cmp_auto, cmp_auto_wall = times("compare_auto")
+cmp_one, cmp_one_wall = times("compare_one_stream")
 h, L, i, v, qd, kvd = 1024, 28, 3072, 151936, 2048, 1024
 params_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h
 weight_bytes = 2 * (L * params_layer + v * h)
@@ -80,6 +84,7 @@ rows = [
     ("kvdiff generate (cuda)", gen, gen_wall),
     ("  same, decode steps without CUDA graphs", gen_eager, gen_eager_wall),
     ("kvdiff compare std vs rerotate, L* taps", cmp_, cmp_wall),
+    ("  same, reference steps on the main stream", cmp_one, cmp_one_wall),
     ("  same, with auto tolerance learning", cmp_auto, cmp_auto_wall),
     ("HF generate sdpa", hf["hf_sdpa_s"], None),
     ("HF generate eager + hidden states", hf["hf_eager_hidden_s"], None),
@@ -94,7 +99,7 @@ print(f"\nprompt {p} tokens + 64 greedy; bandwidth {ceil['bandwidth_Bps']/1e12:.
 print(f"{'what':44} {'in-process s':>12} {'wall s':>8} {'x floor':>8}")
 for n, s, w in rows:
     print(f"{n:44} {s:12.4f} {(w if w else float('nan')):8.3f} {s / floor:8.1f}")
-print(f"HF sdpa / kvdiff generate: {hf['hf_sdpa_s'] / gen:.2f}x   graphs speed-up: {gen_eager / gen:.2f}x")
+print(f"HF sdpa / kvdiff generate: {hf['hf_sdpa_s'] / gen:.2f}x   graphs speed-up: {gen_eager / gen:.2f}x   side-stream speed-up: {cmp_one / cmp_:.2f}x")
 print(f"HF sdpa / kvdiff compare: {hf['hf_sdpa_s'] / cmp_:.2f}x   "
       f"HF eager+hidden / kvdiff compare: {hf['hf_eager_hidden_s'] / cmp_:.2f}x")
 PY

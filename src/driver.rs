@@ -324,6 +324,7 @@ impl TapSink for Comparator<'_> {
     }
 
     fn end_pass(&mut self, _step: usize) {
+        let _span = crate::timing::span("compare: end of pass (book, launch diffs)");
         self.finish_flush();
         self.diffs.launch();
     }
@@ -431,7 +432,6 @@ pub struct CompareSpec<'a> {
     pub dump: Option<&'a std::path::Path>,
 }
 
-/// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
 /// Next-token agreement of every step, computed where the logits are: on the GPU when both
 /// rows are there (four numbers a step come back, at the end), else on a host worker, in step
 /// order, while the next steps run.
@@ -463,9 +463,7 @@ impl Agreement {
             StepLogits::Device {
                 at: p, len, gpu, ..
             },
-            StepLogits::Device {
-                at: r, gpu: rg, ..
-            },
+            StepLogits::Device { at: r, gpu: rg, .. },
         ) = (&path, &reference)
         {
             if Arc::ptr_eq(gpu, rg) {
@@ -509,6 +507,7 @@ impl Agreement {
     }
 }
 
+/// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
 pub fn dump_dir_name(path: &str) -> String {
     path.chars()
         .map(|c| {
@@ -691,6 +690,8 @@ impl CompareSpec<'_> {
             dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.taps);
         }
         cmp.set_reference(ref_rec);
+        // The reference's decode steps run beside the path's on the GPU.
+        model.decode_on_side_stream(&mut ref_cache);
         drop(span);
         let span = crate::timing::span("compare: path prefill");
         let mut store = ChunkStore::default();

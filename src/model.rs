@@ -58,7 +58,9 @@ pub enum StepLogits {
     /// `len` floats at device address `at`, in the cache's decode arena: valid until that
     /// cache's next pass.
     Device {
-        argmax: u32,
+        /// Read from `pick` on first use when the step ran on the side stream.
+        argmax: std::cell::OnceCell<u32>,
+        pick: u64,
         at: u64,
         len: usize,
         gpu: Arc<Gpu>,
@@ -70,7 +72,9 @@ impl StepLogits {
     pub fn argmax(&self) -> u32 {
         match self {
             StepLogits::Host(v) => crate::ops::argmax(v) as u32,
-            StepLogits::Device { argmax, .. } => *argmax,
+            StepLogits::Device {
+                argmax, pick, gpu, ..
+            } => *argmax.get_or_init(|| gpu.download_u32_on_side(*pick)),
         }
     }
 
@@ -359,6 +363,14 @@ impl Model {
         match &self.cuda {
             Some(cm) => cm.forward_step(batch, cache, step, sink),
             None => StepLogits::Host(self.forward(batch, cache, step, sink)),
+        }
+    }
+
+    /// Has `cache`'s decode steps run on the GPU's side stream, beside the main stream's (a
+    /// comparison's reference beside the compared path). No effect on the CPU.
+    pub fn decode_on_side_stream(&self, cache: &mut KvCache) {
+        if let Some(kv) = cache.device_mut::<crate::cuda::CudaKv>() {
+            kv.side = true;
         }
     }
 

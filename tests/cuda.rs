@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use common::{fixture, rel_l2};
 use half::bf16;
-use kvdiff::cuda::{host_ops, Gpu};
+use kvdiff::cuda::{host_ops, Gpu, PrefillAttention};
 use kvdiff::engine::Engine;
 use kvdiff::model::{attention, Batch, Model};
 use kvdiff::model_source::ModelSource;
@@ -136,6 +136,13 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         (1, 300, 0, 16, 8, 128),
         (5, 77, 50, 16, 2, 128),
         (1, 64, 63, 4, 1, 64),
+        // Several query and key tiles; a split inside a query tile (some of its queries see
+        // two segments, some one); a head_dim the tiled kernel leaves to the per-query one.
+        (40, 100, 30, 16, 8, 128),
+        (20, 50, 35, 4, 2, 64),
+        (33, 33, 0, 4, 4, 32),
+        (7, 19, 5, 2, 1, 24),
+        (3, 10, 0, 2, 2, 200),
     ] {
         let q = rng.vec(n * heads * hd, 1.0);
         let k = rng.vec(entries * kvh * hd, 1.0);
@@ -153,15 +160,26 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             hd,
             |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
         );
-        let (out, probs) = host_ops::attention(&g, &q, &k, &v, n, split, heads, kvh, hd);
-        assert_written("attention", &out);
-        assert_written("attention probs", &probs);
-        assert!(
-            rel_l2(&out, &want) < F32_TOL,
-            "attention n={n} entries={entries} split={split}: {}",
-            rel_l2(&out, &want)
-        );
-        assert!(rel_l2(&probs, &want_probs) < F32_TOL, "attention probs");
+        for kernel in [PrefillAttention::Tiled, PrefillAttention::PerQuery] {
+            if kernel == PrefillAttention::Tiled && PrefillAttention::for_head_dim(hd) != kernel {
+                continue;
+            }
+            let (out, probs) =
+                host_ops::attention(&g, kernel, &q, &k, &v, n, split, heads, kvh, hd);
+            let what = format!("attention {kernel:?} n={n} entries={entries} split={split}");
+            assert_written(&what, &out);
+            assert_written(&what, &probs);
+            assert!(
+                rel_l2(&out, &want) < F32_TOL,
+                "{what}: {}",
+                rel_l2(&out, &want)
+            );
+            assert!(
+                rel_l2(&probs, &want_probs) < F32_TOL,
+                "{what} probs: {}",
+                rel_l2(&probs, &want_probs)
+            );
+        }
     }
     // GEMM with bf16 operands, f32 accumulation: against f64 on the same rounded operands.
     for &(n, k, m) in &[
@@ -287,7 +305,13 @@ fn logits_agreement_on_the_gpu_matches_the_host() {
     let mut steps = Vec::new();
     // Near-equal rows (bf16-like noise), a row whose top tokens swap, exact ties, rows of a
     // width that leaves blocks partly empty, and one far-off row.
-    for (noise, width) in [(1e-3, vocab), (1e-2, vocab), (0.0, vocab), (0.5, 1001), (3.0, vocab)] {
+    for (noise, width) in [
+        (1e-3, vocab),
+        (1e-2, vocab),
+        (0.0, vocab),
+        (0.5, 1001),
+        (3.0, vocab),
+    ] {
         let r = rng.vec(width, 4.0);
         let e = rng.vec(width, noise);
         let p: Vec<f32> = r.iter().zip(&e).map(|(a, b)| a + b).collect();
@@ -310,10 +334,16 @@ fn logits_agreement_on_the_gpu_matches_the_host() {
         let dev = host_ops::logits_agreement(&g, &steps, k);
         assert_eq!(dev.steps, host.steps);
         assert_eq!(dev.top1_agree, host.top1_agree, "top-1, k = {k}");
-        assert_eq!(dev.topk_overlap_min, host.topk_overlap_min, "top-k overlap, k = {k}");
+        assert_eq!(
+            dev.topk_overlap_min, host.topk_overlap_min,
+            "top-k overlap, k = {k}"
+        );
         let close = |a: f64, b: f64, what: &str| {
             // f64 on both sides, summed in different orders and forms.
-            assert!((a - b).abs() <= 1e-9 * b.abs() + 1e-12, "{what}: GPU {a} vs host {b}");
+            assert!(
+                (a - b).abs() <= 1e-9 * b.abs() + 1e-12,
+                "{what}: GPU {a} vs host {b}"
+            );
         };
         close(dev.kl_max, host.kl_max, "KL");
         close(dev.rel_l2_max, host.rel_l2_max, "relative L2");

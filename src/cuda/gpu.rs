@@ -35,6 +35,7 @@ const KERNELS: &[&str] = &[
     "rotate_keys",
     "attention",
     "attention_decode",
+    "attention_tiled",
     "embed",
     "swiglu",
     "argmax",
@@ -72,7 +73,15 @@ pub fn unavailable_reason() -> Option<String> {
 /// A device, its stream, cuBLAS and the compiled kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
-    pub stream: Arc<CudaStream>,
+    /// The main stream: everything but reference decode steps (see `side`).
+    stream: Arc<CudaStream>,
+    /// A second stream for one cache's decode steps (a comparison's reference), so that they
+    /// run beside the compared path's steps on the main stream. Main-stream work reached
+    /// through `stream()` waits for what was enqueued here (`join`).
+    side: Arc<CudaStream>,
+    side_pending: std::sync::atomic::AtomicBool,
+    /// Whether `replay_on_side` uses the side stream (not with `KVDIFF_CUDA_SIDE_STREAM=0`).
+    side_enabled: bool,
     pub blas: CudaBlas,
     /// cuBLAS's workspace, set explicitly so that GEMMs can be captured into CUDA graphs.
     _blas_workspace: CudaSlice<u8>,
@@ -114,6 +123,7 @@ impl Gpu {
         // the legacy default stream, which cannot be captured into a graph.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(internal("stream"))?;
+        let side = ctx.new_stream().map_err(internal("stream"))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
         let workspace_bytes = 32 << 20;
@@ -147,6 +157,9 @@ impl Gpu {
         let gpu = Arc::new(Gpu {
             ctx,
             stream,
+            side,
+            side_pending: false.into(),
+            side_enabled: std::env::var("KVDIFF_CUDA_SIDE_STREAM").as_deref() != Ok("0"),
             blas,
             _blas_workspace: blas_workspace,
             kernels,
@@ -195,7 +208,8 @@ impl Gpu {
     /// Records what `f` enqueues on the stream as a graph instead of running it.
     pub fn capture(&self, f: impl FnOnce()) -> Graph {
         use cudarc::driver::sys;
-        self.stream
+        // Joined before capture starts: a captured stream cannot wait on outside events.
+        self.stream()
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .expect("CUDA graph capture");
         f();
@@ -241,8 +255,58 @@ impl Gpu {
         self.ctx.mem_get_info().unwrap_or((usize::MAX, usize::MAX))
     }
 
+    /// The main stream, once it waits for work enqueued on the side stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        if self
+            .side_pending
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.stream
+                .join(&self.side)
+                .expect("CUDA stream synchronisation");
+        }
+        &self.stream
+    }
+
+    /// The main stream without waiting for the side stream: for work that touches nothing
+    /// of the side stream's cache (the compared path's own decode step, diff read-back).
+    pub(crate) fn stream_unjoined(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Whether decode steps of caches that ask for it run on the side stream.
+    pub fn side_enabled(&self) -> bool {
+        self.side_enabled && self.graphs
+    }
+
+    /// Uploads `meta` into `dst` and replays `graph` on the side stream, after everything
+    /// enqueued on the main stream so far; main-stream work reached through `stream()` waits
+    /// for it.
+    pub fn replay_on_side(&self, graph: &Graph, meta: &[i32], dst: &mut CudaSlice<i32>) {
+        let s = &self.side;
+        s.join(&self.stream).expect("CUDA stream synchronisation");
+        s.memcpy_htod(meta, dst).expect("CUDA upload");
+        // Safety: the graph's buffers live with the cache it was captured for.
+        unsafe {
+            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), s.cu_stream()).result()
+        }
+        .expect("CUDA graph launch");
+        self.side_pending
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// One u32 at device address `at`, read on the side stream (waiting for it alone).
+    pub fn download_u32_on_side(&self, at: u64) -> u32 {
+        let mut v = [0u32];
+        // Safety: `at` is a live u32 written by side-stream work; waited for below.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, self.side.cu_stream()) }
+            .expect("CUDA download");
+        self.side.synchronize().expect("CUDA synchronize");
+        v[0]
+    }
+
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
-        self.stream.clone_htod(host).expect("CUDA upload")
+        self.stream().clone_htod(host).expect("CUDA upload")
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(
@@ -251,7 +315,7 @@ impl Gpu {
         len: usize,
     ) -> Vec<T> {
         let mut out = vec![T::default(); len];
-        self.stream
+        self.stream()
             .memcpy_dtoh(&dev.slice(..len), &mut out)
             .expect("CUDA download");
         out
@@ -265,7 +329,7 @@ impl Gpu {
     ) -> Vec<T> {
         let mut out = vec![T::default(); to - from];
         if to > from {
-            self.stream
+            self.stream()
                 .memcpy_dtoh(&dev.slice(from..to), &mut out)
                 .expect("CUDA download");
         }
@@ -282,8 +346,10 @@ impl Gpu {
         let mut all = vec![0f32; (rows - 1) * stride + width];
         // Safety: callers pass rows inside live buffers; the copy is ordered on the stream
         // and waited for.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut all, at, self.stream.cu_stream()) }
-            .expect("CUDA download");
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut all, at, self.stream().cu_stream())
+        }
+        .expect("CUDA download");
         self.sync();
         if stride == width {
             return all;
@@ -296,17 +362,17 @@ impl Gpu {
     /// Uninitialised device memory (at least one element, so pointers are never null).
     pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
         // Safety: every buffer is written by a kernel or a copy before it is read.
-        unsafe { self.stream.alloc::<T>(len.max(1)) }.expect("CUDA allocation")
+        unsafe { self.stream().alloc::<T>(len.max(1)) }.expect("CUDA allocation")
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
-        self.stream
+        self.stream()
             .alloc_zeros::<T>(len.max(1))
             .expect("CUDA allocation")
     }
 
     pub fn sync(&self) {
-        self.stream.synchronize().expect("CUDA synchronize");
+        self.stream().synchronize().expect("CUDA synchronize");
     }
 
     /// `y[n, m] (f32) = x[n, k] (bf16) · w[m, k]ᵀ (bf16)`, f32 accumulation. Pointers are raw
@@ -341,6 +407,8 @@ impl Gpu {
 
     fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
         let (alpha, beta) = (1.0f32, 0.0f32);
+        // cuBLAS runs on the main stream: after any side-stream work it may read.
+        self.stream();
         // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (k×m col-major, transposed),
         // B = x (k×n col-major).
         unsafe {
@@ -385,9 +453,11 @@ impl Gpu {
         let result = if self.pdl {
             // Safety: each call site passes the arguments its kernel's signature lists, and
             // `params` points into `args`, which outlives the call.
-            self.timed(name, || unsafe { self.launch_pdl(f, grid, block, shared, args) })
+            self.timed(name, || unsafe {
+                self.launch_pdl(f, grid, block, shared, args)
+            })
         } else {
-            let mut b = self.stream.launch_builder(f);
+            let mut b = self.stream().launch_builder(f);
             for a in args {
                 match a {
                     Arg::Ptr(p) => b.arg(p),
@@ -439,7 +509,7 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: shared,
-            hStream: self.stream.cu_stream(),
+            hStream: self.stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };
@@ -475,7 +545,7 @@ pub enum Arg {
 
 /// The raw device address of element `offset` of `s`.
 pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>, offset: usize) -> u64 {
-    let (p, _) = s.device_ptr(&gpu.stream);
+    let (p, _) = s.device_ptr(gpu.stream_unjoined());
     p + (offset * std::mem::size_of::<T>()) as u64
 }
 

@@ -121,11 +121,12 @@ pub fn qk_norm_rope(
 }
 
 /// Attention of `n` queries `[n, heads, hd]` over `entries` cache rows `[entries, kv_heads, hd]`
-/// (query t sees `0..=base + t`, `base = entries - n`): returns (output, probs `[n, heads,
-/// entries]`).
+/// (query t sees `0..=base + t`, `base = entries - n`) with prefill kernel `kernel`: returns
+/// (output, probs `[n, heads, entries]`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
+    kernel: super::model::PrefillAttention,
     q: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -164,6 +165,8 @@ pub fn attention(
             heads,
             kv_heads,
             head_dim: hd,
+            prefill: kernel,
+            write_probs: true,
         },
     );
     (

@@ -22,6 +22,8 @@ pub struct CudaKv {
     /// The last prefill's buffers when its taps were offered as persistent: they must stay
     /// valid until the cache's next pass.
     pub(crate) last_pass: Option<super::model::Workspace>,
+    /// Decode steps replay on the side stream (`Model::decode_on_side_stream`).
+    pub side: bool,
 }
 
 impl CudaKv {
@@ -37,13 +39,13 @@ impl CudaKv {
             let mut k = gpu.alloc::<f32>(cap * kv_dim);
             let mut v = gpu.alloc::<f32>(cap * kv_dim);
             if len > 0 {
-                gpu.stream
+                gpu.stream()
                     .memcpy_htod(
                         &layer.keys[..len * kv_dim],
                         &mut k.slice_mut(..len * kv_dim),
                     )
                     .expect("CUDA upload");
-                gpu.stream
+                gpu.stream()
                     .memcpy_htod(
                         &layer.values[..len * kv_dim],
                         &mut v.slice_mut(..len * kv_dim),
@@ -62,6 +64,7 @@ impl CudaKv {
             kv_dim,
             decode: None,
             last_pass: None,
+            side: false,
         }
     }
 
@@ -76,7 +79,7 @@ impl CudaKv {
             let mut grown = self.gpu.alloc::<f32>(cap * self.kv_dim);
             if used > 0 {
                 self.gpu
-                    .stream
+                    .stream()
                     .memcpy_dtod(&buf.slice(..used), &mut grown.slice_mut(..used))
                     .expect("CUDA copy");
             }
@@ -118,7 +121,7 @@ impl DeviceKv for CudaKv {
             let mut dst = self.gpu.alloc::<f32>(self.cap * self.kv_dim);
             if used > 0 {
                 self.gpu
-                    .stream
+                    .stream()
                     .memcpy_dtod(&src.slice(..used), &mut dst.slice_mut(..used))
                     .expect("CUDA copy");
             }
@@ -133,6 +136,7 @@ impl DeviceKv for CudaKv {
             kv_dim: self.kv_dim,
             decode: None,
             last_pass: None,
+            side: false,
         })
     }
 
@@ -150,7 +154,7 @@ impl DeviceKv for CudaKv {
                 .chain(self.values.iter_mut().zip(&o.values))
             {
                 self.gpu
-                    .stream
+                    .stream()
                     .memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n))
                     .expect("CUDA copy");
             }

@@ -12,5 +12,5 @@ mod tap_diff;
 pub use agreement::{DeviceAgreement, MAX_K as AGREEMENT_MAX_K};
 pub use gpu::{unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
-pub use model::{weight_bytes, CudaModel};
+pub use model::{weight_bytes, CudaModel, PrefillAttention};
 pub use tap_diff::{combine_rows, DeviceDiffs, DeviceRecorded};

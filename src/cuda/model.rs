@@ -8,12 +8,11 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gpu::{ptr, Arg, Gpu, Graph};
-use crate::model::StepLogits;
 use super::kv::CudaKv;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::model::{emit, scatter_by_position, Batch, HostWeights};
+use crate::model::{emit, scatter_by_position, Batch, HostWeights, StepLogits};
 use crate::tap::{DeviceTap, LayerTap, TapId, TapSink};
 
 struct Layer {
@@ -237,9 +236,23 @@ impl CudaModel {
                     slot.as_mut().expect("just set")
                 }
             };
-            g.stream
-                .memcpy_htod(&meta, &mut state.ws.meta)
-                .expect("CUDA upload");
+            let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
+            let on_side = kv.side && g.side_enabled() && !fresh;
+            if on_side {
+                let graph = &state.graph.as_ref().expect("captured").1;
+                g.replay_on_side(graph, &meta, &mut state.ws.meta);
+            } else {
+                // A replay touches only this cache and its arena: it need not wait for the
+                // side stream (a reference's step), so the two run side by side.
+                let stream = if g.graphs() && !fresh {
+                    g.stream_unjoined()
+                } else {
+                    g.stream()
+                };
+                stream
+                    .memcpy_htod(&meta, &mut state.ws.meta)
+                    .expect("CUDA upload");
+            }
             let ws = &state.ws;
             let run = || {
                 self.embed_and_norm(ws, 1);
@@ -259,13 +272,13 @@ impl CudaModel {
                     ],
                 );
             };
-            if g.graphs() {
-                if state.graph.as_ref().is_none_or(|(k, _)| *k != key) {
-                    state.graph = Some((key, g.capture(run)));
-                }
-                state.graph.as_ref().expect("captured").1.launch();
-            } else {
+            if !g.graphs() {
                 run();
+            } else if fresh {
+                state.graph = Some((key, g.capture(run)));
+                state.graph.as_ref().expect("captured").1.launch();
+            } else if !on_side {
+                state.graph.as_ref().expect("captured").1.launch();
             }
             drop(kernels);
             let offered = crate::timing::span("cuda decode: taps offered");
@@ -277,13 +290,26 @@ impl CudaModel {
             self.offer_outer(sink, &taps, ws, TapId::FinalNorm);
             drop(offered);
             if keep_on_device && !sink.table().wants(TapId::Logits) {
+                // Before waiting: what the sink does at the end of a pass (booking earlier
+                // diffs) overlaps this one on the GPU.
+                sink.end_pass(step);
                 let _wait = crate::timing::span("cuda decode: argmax download (GPU wait)");
-                StepLogits::Device {
-                    argmax: g.download(&ws.pick, 1)[0],
+                let pick = ptr(g, &ws.pick, 0);
+                // A side-stream step's argmax is read when asked for, so that the caller can
+                // enqueue the next pass first.
+                let argmax = if on_side {
+                    std::cell::OnceCell::new()
+                } else {
+                    std::cell::OnceCell::from(g.download(&ws.pick, 1)[0])
+                };
+                kv.len += n;
+                return StepLogits::Device {
+                    argmax,
+                    pick,
                     at: ws.logits_ptr(g),
                     len: c.vocab_size,
                     gpu: self.gpu.clone(),
-                }
+                };
             } else {
                 let _wait = crate::timing::span("cuda decode: logits download (GPU wait)");
                 let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
@@ -297,7 +323,11 @@ impl CudaModel {
             // diffs them all in one launch.
             let per_layer = sink.table().wants_layers()
                 && Workspace::bytes(c, n, base + n, true) <= (g.memory().0 / 8).min(2 << 30);
+            let ws_span = crate::timing::span("cuda prefill: workspace allocation");
             let mut ws = Workspace::new(g, c, n, base + n, per_layer);
+            ws.probs_wanted = (0..c.num_hidden_layers)
+                .any(|l| sink.table().wants(TapId::Layer(l, LayerTap::AttnProbs)));
+            drop(ws_span);
             ws.meta = g.upload(&meta);
             self.embed_and_norm(&ws, n);
             self.offer_outer(sink, &taps, &ws, TapId::Embed);
@@ -520,6 +550,8 @@ impl CudaModel {
                 heads,
                 kv_heads: kvh,
                 head_dim: hd,
+                prefill: PrefillAttention::for_head_dim(hd),
+                write_probs: ws.probs_wanted,
             },
         );
         self.project_add_norm(
@@ -772,6 +804,8 @@ pub(crate) struct Workspace {
     counters: CudaSlice<u32>,
     /// A decode step's argmax of its logits.
     pick: CudaSlice<u32>,
+    /// Whether a tap wants attention probabilities (kernels that need no scratch skip them).
+    probs_wanted: bool,
     n: usize,
     /// Rows every buffer has room for (GEMMs run over all of them).
     rows: usize,
@@ -829,6 +863,7 @@ impl Workspace {
             meta: g.alloc::<i32>(3 * n + 1),
             counters: g.zeros::<u32>(w.shape.heads + 1),
             pick: g.zeros::<u32>(1),
+            probs_wanted: true,
             n,
             rows: w.rows,
             per_layer,
@@ -1009,6 +1044,37 @@ pub(crate) struct Attention {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Prefill only: which kernel, and whether it must write `probs` (the per-query kernel
+    /// always does: they are its scratch).
+    pub prefill: PrefillAttention,
+    pub write_probs: bool,
+}
+
+/// The prefill attention kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// `attention_tiled`: key tiles in shared memory, shared by a tile of queries.
+    Tiled,
+    /// `attention`: one block per (query, head); any head_dim.
+    PerQuery,
+}
+
+impl PrefillAttention {
+    /// The tiled kernel where it applies (head_dim a multiple of 4, at most 128).
+    pub fn for_head_dim(head_dim: usize) -> Self {
+        if head_dim % 4 == 0 && head_dim <= 128 {
+            PrefillAttention::Tiled
+        } else {
+            PrefillAttention::PerQuery
+        }
+    }
+}
+
+/// `TILE_THREADS` and `TILE_SHARED` of kernels/attention.cu.
+const TILE_THREADS: u32 = 128;
+const TILE_Q: usize = 16;
+fn tile_shared_bytes(head_dim: usize) -> u32 {
+    (((16 + 32) * (head_dim + 1) + 32 * head_dim + 2 * 16 * 32) * 4) as u32
 }
 
 /// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
@@ -1041,6 +1107,31 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
                 Arg::I32(a.head_dim as i32),
                 Arg::I32(a.stride as i32),
                 Arg::I32(a.chunks as i32),
+                Arg::F32(scale),
+            ],
+        );
+        return;
+    }
+    if a.prefill == PrefillAttention::Tiled {
+        g.launch(
+            "attention_tiled",
+            (a.n.div_ceil(TILE_Q) * a.heads) as u32,
+            TILE_THREADS,
+            tile_shared_bytes(a.head_dim),
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.keys),
+                Arg::Ptr(a.values),
+                Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.n as i32),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.heads as i32),
+                Arg::I32(a.kv_heads as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
                 Arg::F32(scale),
             ],
         );

@@ -194,10 +194,14 @@ impl DeviceDiffs {
         // Safety: `out` holds at least `len` values; the copy is ordered on the stream and
         // `finish_readback` waits for its event before reading `dst`.
         unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(dst, ptr(g, out, 0), g.stream.cu_stream())
+            cudarc::driver::result::memcpy_dtoh_async(
+                dst,
+                ptr(g, out, 0),
+                g.stream_unjoined().cu_stream(),
+            )
         }
         .expect("CUDA download");
-        self.copy_done = Some(g.stream.record_event(None).expect("CUDA event"));
+        self.copy_done = Some(g.stream_unjoined().record_event(None).expect("CUDA event"));
     }
 
     /// The rows `start_readback` copied, once the copy has completed.

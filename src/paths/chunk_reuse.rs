@@ -91,6 +91,7 @@ pub fn reused_prefix(
                 } else {
                     model.forward(batch, &mut kv, 0, sink);
                 }
+                let _span = crate::timing::span("chunk-reuse: chunk KV stored and appended");
                 store.put(key, kv.clone());
                 kv
             }
@@ -99,6 +100,7 @@ pub fn reused_prefix(
             let _span = crate::timing::span("chunk-reuse: re-rotation");
             model.rerotate(&mut alone, chunk.start, &global, sink);
         }
+        let _span = crate::timing::span("chunk-reuse: chunk KV stored and appended");
         alone.positions = global;
         cache.append(alone);
     }

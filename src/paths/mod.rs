@@ -147,6 +147,7 @@ fn prefill_query(
 ) -> (KvCache, Vec<f32>) {
     let q = &prompt.chunks[prompt.chunks.len() - 1];
     let positions: Vec<usize> = (q.start..q.end).collect();
+    let _span = crate::timing::span("paths: query chunk prefill");
     let logits = model.forward(
         crate::model::Batch::new(prompt.tokens(q), &positions),
         &mut cache,
