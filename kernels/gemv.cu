@@ -68,27 +68,8 @@ extern "C" __global__ void gemv_bf16(const bf16_t* __restrict__ x, const bf16_t*
     if ((threadIdx.x & 31) == 0) y[row] = acc;
 }
 
-// The decode step's gate/up projection and SwiGLU in one launch: w is gate_proj over up_proj
-// ([2 * inter, k]); output j is silu(gate_j) * up_j in bf16 (the down projection's input).
-extern "C" __global__ void gemv_swiglu_bf16(const bf16_t* __restrict__ x,
-                                            const bf16_t* __restrict__ w,
-                                            bf16_t* __restrict__ out, int k, int inter) {
-    pdl_trigger();
-    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> gate, up;
-    if (j < inter) {
-        gate.load(w + (size_t)j * k, k);
-        up.load(w + (size_t)(inter + j) * k, k);
-    }
-    pdl_wait();
-    if (j >= inter) return;
-    float g = gate.dot(x);
-    float u = up.dot(x);
-    if ((threadIdx.x & 31) == 0) out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
-}
-
-// A decode step's o_proj or down_proj together with the residual add and RMSNorm that follow
-// it (as add_rms_norm): the GEMV's last block to finish (counted in `counter`, which it resets
+// The last layer's down_proj together with the residual add and final RMSNorm that follow it
+// (as add_rms_norm), whose bf16 output is the LM head's input: the GEMV's last block to finish (counted in `counter`, which it resets
 // for the next step) adds the residual and normalises the row, saving a launch per GEMM.
 extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ w, float* y, int k,
@@ -126,5 +107,86 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
         float o = bf16_to_f32(norm_weight[i]) * (resid_out[i] * inv);
         out[i] = o;
         out_bf16[i] = f32_to_bf16(o);
+    }
+}
+
+// The fused RMSNorm + projection of a decode step (QKV, gate/up): every block normalises the
+// residual row itself (k values, a few KB from L2) into shared memory as the bf16 GEMV input,
+// so no launch and no last-block wait sits between the residual add and the projection after
+// its norm. Same arithmetic as add_rms_norm (its 256-thread sum order); block 0 writes the
+// normalised row in f32 (the norm's tap). Dynamic shared memory: k bf16.
+__device__ void rms_norm_to_shared(const float* resid, const bf16_t* weight, int k, float eps,
+                                   bf16_t* xs, float* norm_out, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float v = resid[i];
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / k + eps);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float o = bf16_to_f32(weight[i]) * (resid[i] * inv);
+        xs[i] = f32_to_bf16(o);
+        if (blockIdx.x == 0) norm_out[i] = o;
+    }
+    __syncthreads();
+}
+
+// y[m] = w[m, k] · rmsnorm(resid) (f32 out). Blocks of 256 threads (8 rows).
+extern "C" __global__ void gemv_norm_bf16(const float* resid, const bf16_t* norm_weight,
+                                          float eps, const bf16_t* __restrict__ w,
+                                          float* __restrict__ y, int k, int m,
+                                          float* norm_out) {
+    __shared__ float scratch[32];
+    extern __shared__ __align__(16) bf16_t xs[];
+    pdl_trigger();
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch);
+    if (row >= m) return;
+    float acc = r.dot(xs);
+    if ((threadIdx.x & 31) == 0) y[row] = acc;
+}
+
+// The MLP's RMSNorm, gate/up projection and SwiGLU in one launch: w is gate_proj over up_proj
+// ([2 * inter, k]); output j is silu(gate_j) * up_j in bf16 (the down projection's input).
+extern "C" __global__ void gemv_norm_swiglu_bf16(const float* resid, const bf16_t* norm_weight,
+                                                 float eps, const bf16_t* __restrict__ w,
+                                                 bf16_t* __restrict__ out, int k, int inter,
+                                                 float* norm_out) {
+    __shared__ float scratch[32];
+    extern __shared__ __align__(16) bf16_t xs[];
+    pdl_trigger();
+    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> gate, up;
+    if (j < inter) {
+        gate.load(w + (size_t)j * k, k);
+        up.load(w + (size_t)(inter + j) * k, k);
+    }
+    pdl_wait();
+    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch);
+    if (j >= inter) return;
+    float g = gate.dot(xs);
+    float u = up.dot(xs);
+    if ((threadIdx.x & 31) == 0) out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+}
+
+// A projection and the residual add after it (o_proj, down_proj), row by row: y = w · x,
+// resid_out = resid + y. The norm that follows is left to the next projection's kernel.
+extern "C" __global__ void gemv_add_bf16(const bf16_t* __restrict__ x,
+                                         const bf16_t* __restrict__ w, float* y, int k, int m,
+                                         const float* resid, float* resid_out) {
+    pdl_trigger();
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<8> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    if (row >= m) return;
+    float acc = r.dot(x);
+    if ((threadIdx.x & 31) == 0) {
+        y[row] = acc;
+        resid_out[row] = resid[row] + acc;
     }
 }

@@ -127,10 +127,15 @@ pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
 /// Whether a row pair diverged under `tol` for tap `kind`.
 /// `bitwise_equal`: the rows have the same length and bits (what `exact` asks for).
 pub fn diverged(bitwise_equal: bool, d: &RowDiff, tol: &Tolerance, kind: &str) -> bool {
+    diverged_within(bitwise_equal, d, tol.bounds(kind))
+}
+
+/// `diverged` with the tap kind's bounds already looked up (`Tolerance::bounds`).
+pub fn diverged_within(bitwise_equal: bool, d: &RowDiff, bounds: Option<(f32, f32)>) -> bool {
     if d.non_finite.is_some() {
         return true;
     }
-    match tol.bounds(kind) {
+    match bounds {
         None => !bitwise_equal,
         Some((atol, rtol)) => d.max_abs > atol + rtol * d.max_ref,
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::chunks::ChunkedPrompt;
-use crate::diff::{diverged, row_diff, LogitsAgreement, RowDiff, Tolerance};
+use crate::diff::{diverged_within, row_diff, LogitsAgreement, RowDiff, Tolerance};
 use crate::dump::Dumper;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -149,29 +149,48 @@ impl Comparator<'_> {
         }
     }
 
-    /// Books one compared row: per-layer statistics, learned noise, and the first divergence.
-    /// `width` is the compared row width (per head for head-shaped taps: `width / heads`).
-    #[allow(clippy::too_many_arguments)]
-    fn consider(
+    /// Books the compared rows of one tap, each (position, diff, bitwise equal, compared
+    /// width; per head for head-shaped taps: `width / heads`): per-layer statistics, learned
+    /// noise, and the first divergence. Per tap, not per row, so that the lookups are paid
+    /// once for the tens of thousands of rows of a prefill.
+    fn book(
         &mut self,
         step: usize,
         id: TapId,
-        pos: usize,
-        kind: &str,
-        d: RowDiff,
-        bitwise_equal: bool,
-        width: usize,
+        rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
+        let kind = kind_of(id);
+        let bounds = self.tol.bounds(kind);
+        let (mut compared, mut diverged_rows, mut max_rel_l2) = (0, 0, 0f64);
+        let mut noise: Option<f32> = None;
+        let mut first: Option<(usize, RowDiff, usize)> = None;
+        for (pos, d, bitwise_equal, width) in rows {
+            compared += 1;
+            max_rel_l2 = max_rel_l2.max(d.rel_l2);
+            if d.max_ref > 0.0 {
+                let r = d.max_abs / d.max_ref;
+                noise = Some(noise.map_or(r, |n| n.max(r)));
+            }
+            if diverged_within(bitwise_equal, &d, bounds) {
+                diverged_rows += 1;
+                if first.as_ref().is_none_or(|f| pos < f.0) {
+                    first = Some((pos, d, width));
+                }
+            }
+        }
+        if compared == 0 {
+            return;
+        }
         let layer = self.layers.entry(group_of(id)).or_insert_with(|| LayerRow {
             layer: id
                 .layer()
                 .map_or_else(|| id.to_string(), |l| format!("L{l}")),
             ..Default::default()
         });
-        layer.rows_compared += 1;
-        layer.max_rel_l2 = layer.max_rel_l2.max(d.rel_l2);
-        if d.max_ref > 0.0 {
-            let r = d.max_abs / d.max_ref;
+        layer.rows_compared += compared;
+        layer.rows_diverged += diverged_rows;
+        layer.max_rel_l2 = layer.max_rel_l2.max(max_rel_l2);
+        if let Some(r) = noise {
             match self.noise.get_mut(kind) {
                 Some(n) => *n = n.max(r),
                 None => {
@@ -179,13 +198,12 @@ impl Comparator<'_> {
                 }
             }
         }
-        if !diverged(bitwise_equal, &d, self.tol, kind) {
+        let Some((pos, d, width)) = first else {
             return;
-        }
-        layer.rows_diverged += 1;
-        let order = (step, id, pos);
+        };
         let ft = self.first_tap.entry(group_of(id)).or_insert(id);
         *ft = (*ft).min(id);
+        let order = (step, id, pos);
         if self.first.as_ref().is_some_and(|f| f.order <= order) {
             return;
         }
@@ -237,20 +255,19 @@ impl TapSink for Comparator<'_> {
         let kind = kind_of(v.id);
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
-        for (row, &pos) in v.positions.iter().enumerate() {
+        let heads = self.heads;
+        let rows = v.positions.iter().enumerate().filter_map(|(row, &pos)| {
             // Reference rows are usually consecutive positions: try the direct index first.
             let direct = pos
                 .checked_sub(r.positions[0])
                 .filter(|&i| r.positions.get(i) == Some(&pos));
-            let Some(rrow) = direct.or_else(|| r.positions.iter().position(|&p| p == pos)) else {
-                continue;
-            };
+            let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
             let a = &v.data[row * width..(row + 1) * width];
             let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
             // Attention rows over fewer keys: pad each head's row to the reference's key span.
             let padded;
             let a = if kind == "attn_probs" && width != rwidth {
-                padded = pad_heads(a, self.heads, rwidth / self.heads);
+                padded = pad_heads(a, heads, rwidth / heads);
                 &padded[..]
             } else {
                 a
@@ -258,16 +275,10 @@ impl TapSink for Comparator<'_> {
             let d = row_diff(a, b);
             let bitwise_equal =
                 a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            self.consider(
-                step,
-                v.id,
-                pos,
-                kind,
-                d,
-                bitwise_equal,
-                a.len().max(b.len()),
-            );
-        }
+            Some((pos, d, bitwise_equal, a.len().max(b.len())))
+        });
+        let rows: Vec<_> = rows.collect();
+        self.book(step, v.id, rows);
         self.reference.insert(v.id, r);
     }
 
@@ -384,18 +395,18 @@ impl Comparator<'_> {
         let _span = crate::timing::span("compare: GPU diffs read back and booked");
         let sums = self.diffs.finish_readback();
         for p in std::mem::take(&mut self.reading) {
-            let kind = kind_of(p.id);
             let w = p.path_width.max(p.ref_width);
             let rpt = p.rows_per_token;
-            for (i, &pos) in p.positions.iter().enumerate() {
+            let rows = p.positions.iter().enumerate().filter_map(|(i, &pos)| {
                 let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
                 if rows[0][7] == -2.0 {
-                    continue;
+                    return None;
                 }
                 let (d, bits) = crate::cuda::combine_rows(rows, w);
                 let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
-                self.consider(p.step, p.id, pos, kind, d, bitwise_equal, w * rpt);
-            }
+                Some((pos, d, bitwise_equal, w * rpt))
+            });
+            self.book(p.step, p.id, rows);
         }
     }
 }

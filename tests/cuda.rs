@@ -201,27 +201,54 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             .collect();
         assert!(rel_l2(&y, &want) < F32_TOL, "gemm {}", rel_l2(&y, &want));
     }
-    // The decode step's fused GEMVs: gate/up + SwiGLU (bf16 out), and projection + residual
-    // add + RMSNorm (f32 out), against f64 dot products on the same rounded operands.
+    // The decode step's fused GEMVs against f64 dot products on the same rounded operands:
+    // RMSNorm + projection (f32 out), RMSNorm + gate/up + SwiGLU (bf16 out), projection +
+    // residual add, and projection + residual add + RMSNorm.
     let dot = |x: &[f32], w: &[f32], row: usize| -> f32 {
         let k = x.len();
         (0..k)
             .map(|j| x[j] as f64 * w[row * k + j] as f64)
             .sum::<f64>() as f32
     };
-    let (k, inter) = (1024, 3072);
-    let x = round_bf16(&rng.vec(k, 1.0));
-    let w = round_bf16(&rng.vec(2 * inter * k, 0.05));
-    let got = host_ops::gemv_swiglu(&g, &x, &w, inter);
-    assert_written("gemv_swiglu", &got);
-    let want: Vec<f32> = (0..inter)
-        .map(|j| ops::silu(dot(&x, &w, j)) * dot(&x, &w, inter + j))
-        .collect();
-    assert!(
-        rel_l2(&got, &round_bf16(&want)) < 1e-2,
-        "gemv_swiglu {}",
-        rel_l2(&got, &round_bf16(&want))
-    );
+    for &(k, m) in &[(1024usize, 4096usize), (1024, 1001), (64, 200)] {
+        let resid = rng.vec(k, 1.0);
+        let norm_w = round_bf16(&rng.vec(k, 1.0));
+        let w = round_bf16(&rng.vec(2 * m * k, 0.05));
+        // The input the kernel rounds to bf16: the CPU's norm of the same row.
+        let want_norm = ops::rms_norm(&resid, &norm_w, 1e-6);
+        let x = round_bf16(&want_norm);
+        let (y, norm) = host_ops::gemv_norm(&g, &resid, &norm_w, &w[..m * k], false, 1e-6);
+        assert_written("gemv_norm", &y);
+        assert!(rel_l2(&norm, &want_norm) < F32_TOL, "gemv_norm norm");
+        let want_y: Vec<f32> = (0..m).map(|i| dot(&x, &w, i)).collect();
+        assert!(
+            rel_l2(&y, &want_y) < 1e-3,
+            "gemv_norm y {}",
+            rel_l2(&y, &want_y)
+        );
+        let (got, norm) = host_ops::gemv_norm(&g, &resid, &norm_w, &w, true, 1e-6);
+        assert_written("gemv_norm_swiglu", &got);
+        assert!(rel_l2(&norm, &want_norm) < F32_TOL, "gemv_norm_swiglu norm");
+        let want: Vec<f32> = (0..m)
+            .map(|j| ops::silu(dot(&x, &w, j)) * dot(&x, &w, m + j))
+            .collect();
+        assert!(
+            rel_l2(&got, &round_bf16(&want)) < 1e-2,
+            "gemv_norm_swiglu {}",
+            rel_l2(&got, &round_bf16(&want))
+        );
+    }
+    for &(k, m) in &[(3072usize, 1024usize), (2048, 1001)] {
+        let x = round_bf16(&rng.vec(k, 1.0));
+        let w = round_bf16(&rng.vec(m * k, 0.05));
+        let resid = rng.vec(m, 1.0);
+        let (y, r) = host_ops::gemv_add(&g, &x, &w, &resid);
+        assert_written("gemv_add", &r);
+        let want_y: Vec<f32> = (0..m).map(|i| dot(&x, &w, i)).collect();
+        let want_r: Vec<f32> = resid.iter().zip(&want_y).map(|(a, b)| a + b).collect();
+        assert!(rel_l2(&y, &want_y) < F32_TOL, "gemv_add y");
+        assert!(rel_l2(&r, &want_r) < F32_TOL, "gemv_add resid");
+    }
     for &(k, m) in &[(3072usize, 1024usize), (2048, 1001)] {
         let x = round_bf16(&rng.vec(k, 1.0));
         let w = round_bf16(&rng.vec(m * k, 0.05));

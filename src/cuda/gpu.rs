@@ -42,8 +42,10 @@ const KERNELS: &[&str] = &[
     "diff_rows",
     "copy_rows",
     "gemv_bf16",
-    "gemv_swiglu_bf16",
     "gemv_add_norm_bf16",
+    "gemv_norm_bf16",
+    "gemv_norm_swiglu_bf16",
+    "gemv_add_bf16",
     "logits_agreement",
 ];
 
@@ -122,6 +124,24 @@ impl Gpu {
         // One stream only: cudarc's cross-stream event tracking would only add overhead. Not
         // the legacy default stream, which cannot be captured into a graph.
         unsafe { ctx.disable_event_tracking() };
+        // Freed device memory stays in the allocator's pool instead of going back to the
+        // driver at each synchronisation, so the next pass's buffers come from the pool.
+        // Best effort: without a pool, allocations are only slower.
+        unsafe {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                .result()
+                .is_ok()
+            {
+                let mut keep = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut _,
+                );
+            }
+        }
         let stream = ctx.new_stream().map_err(internal("stream"))?;
         let side = ctx.new_stream().map_err(internal("stream"))?;
         let blas = CudaBlas::new(stream.clone())

@@ -274,29 +274,87 @@ pub fn diff_rows(gpu: &Gpu, a: &[f32], b: &[f32], w: usize) -> Vec<[f32; 12]> {
         .collect()
 }
 
-/// The decode step's fused gate/up GEMV + SwiGLU: `x[k]` against `w[2·inter, k]` (gate rows
-/// over up rows), both rounded to bf16; returns silu(gate)·up as f32 from its bf16 output.
-pub fn gemv_swiglu(gpu: &Gpu, x: &[f32], w: &[f32], inter: usize) -> Vec<f32> {
-    let k = x.len();
-    let (dx, dw) = (gpu.upload(&bits(x)), gpu.upload(&bits(w)));
-    let out = poison_bf16(gpu, inter);
+/// The decode step's fused RMSNorm + projections: `rmsnorm(resid) · norm_w` as the bf16
+/// input of `w` (`[m, k]`, or gate over up `[2 · inter, k]` with SwiGLU). Returns (the f32
+/// outputs, or SwiGLU's bf16 ones as f32, and the f32 norm block 0 writes).
+pub fn gemv_norm(
+    gpu: &Gpu,
+    resid: &[f32],
+    norm_w: &[f32],
+    w: &[f32],
+    swiglu: bool,
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let k = resid.len();
+    let rows = w.len() / k;
+    let m = if swiglu { rows / 2 } else { rows };
+    let (dr, dn, dw) = (
+        gpu.upload(resid),
+        gpu.upload(&bits(norm_w)),
+        gpu.upload(&bits(w)),
+    );
+    let (y, y_bf, norm) = (poison_f32(gpu, m), poison_bf16(gpu, m), poison_f32(gpu, k));
     gpu.launch(
-        "gemv_swiglu_bf16",
-        inter.div_ceil(8) as u32,
+        if swiglu {
+            "gemv_norm_swiglu_bf16"
+        } else {
+            "gemv_norm_bf16"
+        },
+        m.div_ceil(8) as u32,
+        256,
+        (k * 2) as u32,
+        &[
+            Arg::Ptr(ptr(gpu, &dr, 0)),
+            Arg::Ptr(ptr(gpu, &dn, 0)),
+            Arg::F32(eps),
+            Arg::Ptr(ptr(gpu, &dw, 0)),
+            Arg::Ptr(if swiglu {
+                ptr(gpu, &y_bf, 0)
+            } else {
+                ptr(gpu, &y, 0)
+            }),
+            Arg::I32(k as i32),
+            Arg::I32(m as i32),
+            Arg::Ptr(ptr(gpu, &norm, 0)),
+        ],
+    );
+    let out = if swiglu {
+        gpu.download(&y_bf, m)
+            .into_iter()
+            .map(|b| bf16::from_bits(b).to_f32())
+            .collect()
+    } else {
+        gpu.download(&y, m)
+    };
+    (out, gpu.download(&norm, k))
+}
+
+/// The decode step's projection + residual add: `y = x · wᵀ` (bf16 operands), `resid_out =
+/// resid + y`. Returns (y, resid_out).
+pub fn gemv_add(gpu: &Gpu, x: &[f32], w: &[f32], resid: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (k, m) = (x.len(), resid.len());
+    let (dx, dw, dr) = (
+        gpu.upload(&bits(x)),
+        gpu.upload(&bits(w)),
+        gpu.upload(resid),
+    );
+    let (y, r) = (poison_f32(gpu, m), poison_f32(gpu, m));
+    gpu.launch(
+        "gemv_add_bf16",
+        m.div_ceil(8) as u32,
         256,
         0,
         &[
             Arg::Ptr(ptr(gpu, &dx, 0)),
             Arg::Ptr(ptr(gpu, &dw, 0)),
-            Arg::Ptr(ptr(gpu, &out, 0)),
+            Arg::Ptr(ptr(gpu, &y, 0)),
             Arg::I32(k as i32),
-            Arg::I32(inter as i32),
+            Arg::I32(m as i32),
+            Arg::Ptr(ptr(gpu, &dr, 0)),
+            Arg::Ptr(ptr(gpu, &r, 0)),
         ],
     );
-    gpu.download(&out, inter)
-        .into_iter()
-        .map(|b| bf16::from_bits(b).to_f32())
-        .collect()
+    (gpu.download(&y, m), gpu.download(&r, m))
 }
 
 /// The decode step's fused projection + residual add + RMSNorm: `y = x · wᵀ` (bf16 operands),

@@ -314,6 +314,7 @@ impl CudaModel {
                 let _wait = crate::timing::span("cuda decode: logits download (GPU wait)");
                 let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
                 emit(sink, step, TapId::Logits, pos, &[1, c.vocab_size], &logits);
+                sink.end_pass(step);
                 StepLogits::Host(logits)
             }
         } else {
@@ -336,6 +337,8 @@ impl CudaModel {
                 self.offer_layer(sink, &taps, &ws, l);
             }
             self.offer_outer(sink, &taps, &ws, TapId::FinalNorm);
+            // The pass is enqueued: the sink's end-of-pass host work overlaps it.
+            sink.end_pass(step);
             let vocab = c.vocab_size;
             let logits = if sink.table().wants(TapId::Logits) {
                 let logits = g.alloc::<f32>(n * vocab);
@@ -354,7 +357,6 @@ impl CudaModel {
             StepLogits::Host(logits)
         };
         kv.len += n;
-        sink.end_pass(step);
         logits
     }
 
@@ -454,6 +456,10 @@ impl CudaModel {
                 Arg::I32(self.config.hidden_size as i32),
             ],
         );
+        if self.fused_decode(ws) {
+            // The first layer's projection normalises its input itself.
+            return;
+        }
         self.add_norm(
             n,
             io.x_in,
@@ -505,7 +511,29 @@ impl CudaModel {
         let qkvd = qd + 2 * kvd;
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
         let rows = ws.rows;
-        g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
+        let fused = self.fused_decode(ws);
+        let eps = c.rms_norm_eps;
+        if fused {
+            // The fused RMSNorm + QKV projection.
+            g.launch(
+                "gemv_norm_bf16",
+                qkvd.div_ceil(8) as u32,
+                256,
+                (h * 2) as u32,
+                &[
+                    Arg::Ptr(io.x_in),
+                    Arg::Ptr(pb(&w.input_norm)),
+                    Arg::F32(eps),
+                    Arg::Ptr(pb(&w.qkv)),
+                    Arg::Ptr(io.qkv),
+                    Arg::I32(h as i32),
+                    Arg::I32(qkvd as i32),
+                    Arg::Ptr(io.attn_norm),
+                ],
+            );
+        } else {
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
+        }
         g.launch(
             "qk_norm_rope",
             (n * (heads + kvh)) as u32,
@@ -554,33 +582,42 @@ impl CudaModel {
                 write_probs: ws.probs_wanted,
             },
         );
-        self.project_add_norm(
-            ws,
-            ws.attn_bf(g),
-            pb(&w.o),
-            io.o,
-            qd,
-            io.x_in,
-            io.mid,
-            pb(&w.post_norm),
-            io.mlp_norm,
-        );
-        if n == 1 && h % 8 == 0 {
-            // One token: gate/up rows and SwiGLU in one pass over the weights.
+        if fused {
+            self.project_add(ws.attn_bf(g), pb(&w.o), io.o, qd, io.x_in, io.mid);
+            // The fused RMSNorm + gate/up projection + SwiGLU.
             g.launch(
-                "gemv_swiglu_bf16",
+                "gemv_norm_swiglu_bf16",
                 inter.div_ceil(8) as u32,
                 256,
-                0,
+                (h * 2) as u32,
                 &[
-                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::Ptr(io.mid),
+                    Arg::Ptr(pb(&w.post_norm)),
+                    Arg::F32(eps),
                     Arg::Ptr(pb(&w.gate_up)),
                     Arg::Ptr(ws.act_bf(g)),
                     Arg::I32(h as i32),
                     Arg::I32(inter as i32),
+                    Arg::Ptr(io.mlp_norm),
                 ],
             );
+            if l + 1 < self.layers.len() {
+                // The next layer's projection normalises this layer's output.
+                self.project_add(ws.act_bf(g), pb(&w.down), io.mlp, inter, io.mid, io.x_out);
+                return;
+            }
         } else {
+            self.project_add_norm(
+                ws,
+                ws.attn_bf(g),
+                pb(&w.o),
+                io.o,
+                qd,
+                io.x_in,
+                io.mid,
+                pb(&w.post_norm),
+                io.mlp_norm,
+            );
             g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, rows, h, 2 * inter);
             g.launch(
                 "swiglu",
@@ -610,6 +647,36 @@ impl CudaModel {
             io.x_out,
             pb(next_norm),
             io.norm_out,
+        );
+    }
+
+    /// Whether a pass runs the fused decode kernels: one token, and every projection's input
+    /// a whole number of 16-byte vectors.
+    fn fused_decode(&self, ws: &Workspace) -> bool {
+        let c = &self.config;
+        ws.rows == 1
+            && [c.hidden_size, c.q_dim(), c.intermediate_size]
+                .iter()
+                .all(|k| k % 8 == 0)
+    }
+
+    /// A decode step's `y = x · wᵀ` (k inputs, hidden outputs) and `resid_out = resid + y`.
+    fn project_add(&self, x: u64, w: u64, y: u64, k: usize, resid: u64, resid_out: u64) {
+        let h = self.config.hidden_size;
+        self.gpu.launch(
+            "gemv_add_bf16",
+            h.div_ceil(8) as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(y),
+                Arg::I32(k as i32),
+                Arg::I32(h as i32),
+                Arg::Ptr(resid),
+                Arg::Ptr(resid_out),
+            ],
         );
     }
 
