@@ -1137,11 +1137,12 @@ impl PrefillAttention {
     }
 }
 
-/// `TILE_THREADS` and `TILE_SHARED` of kernels/attention.cu.
+/// `TILE_THREADS`, `TILE_Q`, `TILE_K` and `TILE_SHARED` of kernels/attention.cu.
 const TILE_THREADS: u32 = 128;
 const TILE_Q: usize = 16;
+const TILE_K: usize = 32;
 fn tile_shared_bytes(head_dim: usize) -> u32 {
-    (((16 + 32) * (head_dim + 1) + 32 * head_dim + 2 * 16 * 32) * 4) as u32
+    (((TILE_Q + TILE_K) * (head_dim + 1) + TILE_K * head_dim + 2 * TILE_Q * TILE_K) * 4) as u32
 }
 
 /// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
