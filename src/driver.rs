@@ -277,7 +277,6 @@ impl TapSink for Comparator<'_> {
                 a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             Some((pos, d, bitwise_equal, a.len().max(b.len())))
         });
-        let rows: Vec<_> = rows.collect();
         self.book(step, v.id, rows);
         self.reference.insert(v.id, r);
     }
