@@ -72,7 +72,7 @@ pub fn unavailable_reason() -> Option<String> {
     }
 }
 
-/// A device, its stream, cuBLAS and the compiled kernels.
+/// A device, its streams, cuBLAS and the compiled kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     /// The main stream: everything but reference decode steps (see `side`).
@@ -121,8 +121,9 @@ impl Gpu {
                 CUDA_FIX,
             )
         })?;
-        // One stream only: cudarc's cross-stream event tracking would only add overhead. Not
-        // the legacy default stream, which cannot be captured into a graph.
+        // The two streams are ordered explicitly (`stream()`, `replay_on_side`): cudarc's
+        // per-buffer event tracking would only add overhead. Neither is the legacy default
+        // stream, which cannot be captured into a graph.
         unsafe { ctx.disable_event_tracking() };
         // Freed device memory stays in the allocator's pool instead of going back to the
         // driver at each synchronisation, so the next pass's buffers come from the pool.
