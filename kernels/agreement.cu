@@ -127,7 +127,6 @@ extern "C" __global__ void logits_agreement(const float* path, const float* ref,
                                             double* out) {
     PDL_ENTER();
     __shared__ Agree all[AGREE_THREADS];
-    __shared__ bool last;
     Agree s;
     agree_empty(&s, k);
     int per = (n + gridDim.x - 1) / gridDim.x;
@@ -136,13 +135,7 @@ extern "C" __global__ void logits_agreement(const float* path, const float* ref,
     all[threadIdx.x] = s;
     agree_reduce(all, k);
     if (threadIdx.x == 0) partials[blockIdx.x] = all[0];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    if (threadIdx.x == 0) *counter = 0;
-    __threadfence();
+    if (!last_block_done(counter, gridDim.x)) return;
     agree_empty(&s, k);
     for (int b = threadIdx.x; b < (int)gridDim.x; b += AGREE_THREADS) {
         Agree o;

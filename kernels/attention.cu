@@ -195,7 +195,6 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
     PDL_ENTER();
     __shared__ float scratch[32];
     __shared__ float sc[DECODE_CHUNK];
-    __shared__ bool last;
     extern __shared__ float qs[];  // head_dim, then max(blockDim.x, head_dim) partial sums
     int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
@@ -283,13 +282,7 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
         }
     }
     // Count this chunk in; the head's last one merges.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == (unsigned int)chunks - 1;
-    __syncthreads();
-    if (!last) return;
-    if (threadIdx.x == 0) counters[h] = 0;
-    __threadfence();
+    if (!last_block_done(&counters[h], chunks)) return;
     merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }
 
@@ -305,6 +298,28 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
 #define TILE_K 32
 #define TILE_THREADS 128
 #define TILE_SHARED(hd) ((TILE_Q + TILE_K) * ((hd) + 1) + TILE_K * (hd) + 2 * TILE_Q * TILE_K)
+
+// Keys k0..k0 + TILE_K of KV head kvh into `ks` (rows of hp floats), and their values into `vs`
+// (rows of head_dim) unless it is null; zeros past kend.
+__device__ void load_kv_tile(const float* keys, const float* values, float* ks, float* vs,
+                             int k0, int kend, int kv_dim, int kvh, int head_dim, int hp) {
+    int vec = head_dim / 4;
+    for (int i = threadIdx.x; i < TILE_K * vec; i += blockDim.x) {
+        int r = i / vec, c = (i % vec) * 4;
+        float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
+        if (k0 + r < kend) {
+            size_t off = (size_t)(k0 + r) * kv_dim + kvh * head_dim + c;
+            kk = *(const float4*)(keys + off);
+            if (vs) vv = *(const float4*)(values + off);
+        }
+        float* kr = ks + r * hp + c;
+        kr[0] = kk.x;
+        kr[1] = kk.y;
+        kr[2] = kk.z;
+        kr[3] = kk.w;
+        if (vs) *(float4*)(vs + r * head_dim + c) = vv;
+    }
+}
 
 extern "C" __global__ void attention_tiled(const float* q, const float* keys, const float* values,
                                            float* probs, float* out, bf16_t* out_bf16,
@@ -326,7 +341,7 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int base = meta[0];
     int kend = base + q0 + nq;  // keys the block's last query sees
-    int tid = threadIdx.x, vec = head_dim / 4;
+    int tid = threadIdx.x;
     for (int i = tid; i < TILE_Q * head_dim; i += blockDim.x) {
         int r = i / head_dim, d = i % head_dim;
         qs[r * hp + d] = r < nq ? q[((size_t)(q0 + r) * heads + h) * head_dim + d] : 0.0f;
@@ -347,21 +362,7 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
     for (int i = 0; i < TILE_Q; i++) acc0[i] = acc1[i] = 0.0f;
     __syncthreads();
     for (int k0 = 0; k0 < kend; k0 += TILE_K) {
-        for (int i = tid; i < TILE_K * vec; i += blockDim.x) {
-            int r = i / vec, c = (i % vec) * 4;
-            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
-            if (k0 + r < kend) {
-                size_t off = (size_t)(k0 + r) * kv_dim + kvh * head_dim + c;
-                kk = *(const float4*)(keys + off);
-                vv = *(const float4*)(values + off);
-            }
-            float* kr = ks + r * hp + c;
-            kr[0] = kk.x;
-            kr[1] = kk.y;
-            kr[2] = kk.z;
-            kr[3] = kk.w;
-            *(float4*)(vs + r * head_dim + c) = vv;
-        }
+        load_kv_tile(keys, values, ks, vs, k0, kend, kv_dim, kvh, head_dim, hp);
         __syncthreads();
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int d = 0; d < head_dim; d++) {
@@ -454,16 +455,7 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
     for (int k0 = 0; k0 < span; k0 += TILE_K) {
         if (k0 < kend) {
             __syncthreads();
-            for (int i = tid; i < TILE_K * vec; i += blockDim.x) {
-                int r = i / vec, c = (i % vec) * 4;
-                float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (k0 + r < kend) kk = *(const float4*)(keys + (size_t)(k0 + r) * kv_dim + kvh * head_dim + c);
-                float* kr = ks + r * hp + c;
-                kr[0] = kk.x;
-                kr[1] = kk.y;
-                kr[2] = kk.z;
-                kr[3] = kk.w;
-            }
+            load_kv_tile(keys, values, ks, nullptr, k0, kend, kv_dim, kvh, head_dim, hp);
             __syncthreads();
         }
         int e = k0 + pj;

@@ -70,6 +70,22 @@ __device__ void block_argmax(float v, int i, float* best_v, int* best_i) {
     }
 }
 
+// Counts this block in at `counter` once its writes are visible device-wide, and says whether
+// it is the last of `blocks` to finish. The last one resets the counter for the next launch
+// and then sees every other block's writes (read them past L1: __ldcg). Every thread calls it.
+__device__ bool last_block_done(unsigned int* counter, unsigned int blocks) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == blocks - 1;
+    __syncthreads();
+    if (last) {
+        if (threadIdx.x == 0) *counter = 0;
+        __threadfence();
+    }
+    return last;
+}
+
 // Programmatic dependent launch (sm_90 and later; kvdiff launches every kernel with it there).
 // A kernel may then start while the one before it in the stream is still running: its blocks
 // take the free SMs and load what no kernel writes (weights) early. Before touching anything

@@ -68,9 +68,9 @@ extern "C" __global__ void gemv_bf16(const bf16_t* __restrict__ x, const bf16_t*
     if ((threadIdx.x & 31) == 0) y[row] = acc;
 }
 
-// The last layer's down_proj together with the residual add and final RMSNorm that follow it
-// (as add_rms_norm), whose bf16 output is the LM head's input: the GEMV's last block to finish (counted in `counter`, which it resets
-// for the next step) adds the residual and normalises the row, saving a launch per GEMM.
+// The last layer's down_proj together with the residual add and the final RMSNorm after it
+// (as add_rms_norm), whose bf16 output is the LM head's input: the GEMV's last block to finish
+// (counted in `counter`) adds the residual and normalises the row, saving a launch.
 extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ w, float* y, int k,
                                               int m, const float* resid, float* resid_out,
@@ -78,7 +78,6 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
                                               bf16_t* out_bf16, float eps,
                                               unsigned int* counter) {
     __shared__ float scratch[32];
-    __shared__ bool last;
     pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     Row<8> r;
@@ -88,13 +87,7 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
         float acc = r.dot(x);
         if ((threadIdx.x & 31) == 0) y[row] = acc;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    if (threadIdx.x == 0) *counter = 0;
-    __threadfence();
+    if (!last_block_done(counter, gridDim.x)) return;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         float v = resid[i] + __ldcg(y + i);
