@@ -82,6 +82,10 @@ pub struct Gpu {
     /// through `stream()` waits for what was enqueued here (`join`).
     side: Arc<CudaStream>,
     side_pending: std::sync::atomic::AtomicBool,
+    /// Recorded on the side stream for main to wait on, and on main for the side stream: made
+    /// once, re-recorded at each join (a wait keeps the state recorded when it was enqueued).
+    side_done: cudarc::driver::CudaEvent,
+    main_done: cudarc::driver::CudaEvent,
     /// Whether `replay_on_side` uses the side stream (not with `KVDIFF_CUDA_SIDE_STREAM=0`).
     side_enabled: bool,
     pub blas: CudaBlas,
@@ -145,6 +149,8 @@ impl Gpu {
         }
         let stream = ctx.new_stream().map_err(internal("stream"))?;
         let side = ctx.new_stream().map_err(internal("stream"))?;
+        let side_done = ctx.new_event(None).map_err(internal("event"))?;
+        let main_done = ctx.new_event(None).map_err(internal("event"))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
         let workspace_bytes = 32 << 20;
@@ -180,6 +186,8 @@ impl Gpu {
             stream,
             side,
             side_pending: false.into(),
+            side_done,
+            main_done,
             side_enabled: std::env::var("KVDIFF_CUDA_SIDE_STREAM").as_deref() != Ok("0"),
             blas,
             _blas_workspace: blas_workspace,
@@ -282,8 +290,9 @@ impl Gpu {
             .side_pending
             .swap(false, std::sync::atomic::Ordering::Relaxed)
         {
-            self.stream
-                .join(&self.side)
+            self.side_done
+                .record(&self.side)
+                .and_then(|_| self.stream.wait(&self.side_done))
                 .expect("CUDA stream synchronisation");
         }
         &self.stream
@@ -305,7 +314,10 @@ impl Gpu {
     /// for it.
     pub fn replay_on_side(&self, graph: &Graph, meta: &[i32], dst: &mut CudaSlice<i32>) {
         let s = &self.side;
-        s.join(&self.stream).expect("CUDA stream synchronisation");
+        self.main_done
+            .record(&self.stream)
+            .and_then(|_| s.wait(&self.main_done))
+            .expect("CUDA stream synchronisation");
         s.memcpy_htod(meta, dst).expect("CUDA upload");
         // Safety: the graph's buffers live with the cache it was captured for.
         unsafe {

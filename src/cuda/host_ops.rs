@@ -294,29 +294,23 @@ pub fn gemv_norm(
         gpu.upload(&bits(w)),
     );
     let (y, y_bf, norm) = (poison_f32(gpu, m), poison_bf16(gpu, m), poison_f32(gpu, k));
-    gpu.launch(
-        if swiglu {
-            "gemv_norm_swiglu_bf16"
-        } else {
-            "gemv_norm_bf16"
-        },
-        m.div_ceil(8) as u32,
-        256,
-        (k * 2) as u32,
-        &[
-            Arg::Ptr(ptr(gpu, &dr, 0)),
-            Arg::Ptr(ptr(gpu, &dn, 0)),
-            Arg::F32(eps),
-            Arg::Ptr(ptr(gpu, &dw, 0)),
-            Arg::Ptr(if swiglu {
+    super::model::launch_gemv_norm(
+        gpu,
+        &super::model::GemvNorm {
+            resid: ptr(gpu, &dr, 0),
+            norm_w: ptr(gpu, &dn, 0),
+            eps,
+            w: ptr(gpu, &dw, 0),
+            out: if swiglu {
                 ptr(gpu, &y_bf, 0)
             } else {
                 ptr(gpu, &y, 0)
-            }),
-            Arg::I32(k as i32),
-            Arg::I32(m as i32),
-            Arg::Ptr(ptr(gpu, &norm, 0)),
-        ],
+            },
+            k,
+            m,
+            norm_out: ptr(gpu, &norm, 0),
+            swiglu,
+        },
     );
     let out = if swiglu {
         gpu.download(&y_bf, m)
@@ -339,20 +333,15 @@ pub fn gemv_add(gpu: &Gpu, x: &[f32], w: &[f32], resid: &[f32]) -> (Vec<f32>, Ve
         gpu.upload(resid),
     );
     let (y, r) = (poison_f32(gpu, m), poison_f32(gpu, m));
-    gpu.launch(
-        "gemv_add_bf16",
-        m.div_ceil(8) as u32,
-        256,
-        0,
-        &[
-            Arg::Ptr(ptr(gpu, &dx, 0)),
-            Arg::Ptr(ptr(gpu, &dw, 0)),
-            Arg::Ptr(ptr(gpu, &y, 0)),
-            Arg::I32(k as i32),
-            Arg::I32(m as i32),
-            Arg::Ptr(ptr(gpu, &dr, 0)),
-            Arg::Ptr(ptr(gpu, &r, 0)),
-        ],
+    super::model::launch_gemv_add(
+        gpu,
+        ptr(gpu, &dx, 0),
+        ptr(gpu, &dw, 0),
+        ptr(gpu, &y, 0),
+        k,
+        m,
+        ptr(gpu, &dr, 0),
+        ptr(gpu, &r, 0),
     );
     (gpu.download(&y, m), gpu.download(&r, m))
 }

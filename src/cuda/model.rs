@@ -515,21 +515,19 @@ impl CudaModel {
         let eps = c.rms_norm_eps;
         if fused {
             // The fused RMSNorm + QKV projection.
-            g.launch(
-                "gemv_norm_bf16",
-                qkvd.div_ceil(8) as u32,
-                256,
-                (h * 2) as u32,
-                &[
-                    Arg::Ptr(io.x_in),
-                    Arg::Ptr(pb(&w.input_norm)),
-                    Arg::F32(eps),
-                    Arg::Ptr(pb(&w.qkv)),
-                    Arg::Ptr(io.qkv),
-                    Arg::I32(h as i32),
-                    Arg::I32(qkvd as i32),
-                    Arg::Ptr(io.attn_norm),
-                ],
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.x_in,
+                    norm_w: pb(&w.input_norm),
+                    eps,
+                    w: pb(&w.qkv),
+                    out: io.qkv,
+                    k: h,
+                    m: qkvd,
+                    norm_out: io.attn_norm,
+                    swiglu: false,
+                },
             );
         } else {
             g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
@@ -583,27 +581,34 @@ impl CudaModel {
             },
         );
         if fused {
-            self.project_add(ws.attn_bf(g), pb(&w.o), io.o, qd, io.x_in, io.mid);
+            launch_gemv_add(g, ws.attn_bf(g), pb(&w.o), io.o, qd, h, io.x_in, io.mid);
             // The fused RMSNorm + gate/up projection + SwiGLU.
-            g.launch(
-                "gemv_norm_swiglu_bf16",
-                inter.div_ceil(8) as u32,
-                256,
-                (h * 2) as u32,
-                &[
-                    Arg::Ptr(io.mid),
-                    Arg::Ptr(pb(&w.post_norm)),
-                    Arg::F32(eps),
-                    Arg::Ptr(pb(&w.gate_up)),
-                    Arg::Ptr(ws.act_bf(g)),
-                    Arg::I32(h as i32),
-                    Arg::I32(inter as i32),
-                    Arg::Ptr(io.mlp_norm),
-                ],
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.mid,
+                    norm_w: pb(&w.post_norm),
+                    eps,
+                    w: pb(&w.gate_up),
+                    out: ws.act_bf(g),
+                    k: h,
+                    m: inter,
+                    norm_out: io.mlp_norm,
+                    swiglu: true,
+                },
             );
             if l + 1 < self.layers.len() {
                 // The next layer's projection normalises this layer's output.
-                self.project_add(ws.act_bf(g), pb(&w.down), io.mlp, inter, io.mid, io.x_out);
+                launch_gemv_add(
+                    g,
+                    ws.act_bf(g),
+                    pb(&w.down),
+                    io.mlp,
+                    inter,
+                    h,
+                    io.mid,
+                    io.x_out,
+                );
                 return;
             }
         } else {
@@ -658,26 +663,6 @@ impl CudaModel {
             && [c.hidden_size, c.q_dim(), c.intermediate_size]
                 .iter()
                 .all(|k| k % 8 == 0)
-    }
-
-    /// A decode step's `y = x · wᵀ` (k inputs, hidden outputs) and `resid_out = resid + y`.
-    fn project_add(&self, x: u64, w: u64, y: u64, k: usize, resid: u64, resid_out: u64) {
-        let h = self.config.hidden_size;
-        self.gpu.launch(
-            "gemv_add_bf16",
-            h.div_ceil(8) as u32,
-            256,
-            0,
-            &[
-                Arg::Ptr(x),
-                Arg::Ptr(w),
-                Arg::Ptr(y),
-                Arg::I32(k as i32),
-                Arg::I32(h as i32),
-                Arg::Ptr(resid),
-                Arg::Ptr(resid_out),
-            ],
-        );
     }
 
     /// `y = x · wᵀ` (k inputs, hidden outputs), then `resid_out = resid + y` and its RMSNorm
@@ -1225,6 +1210,76 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             Arg::I32(a.head_dim as i32),
             Arg::I32(a.stride as i32),
             Arg::F32(scale),
+        ],
+    );
+}
+
+/// A decode step's `y = x · wᵀ` (`[m, k]` bf16 weights, k bf16 inputs) and `resid_out = resid
+/// + y`, row by row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_gemv_add(
+    g: &Gpu,
+    x: u64,
+    w: u64,
+    y: u64,
+    k: usize,
+    m: usize,
+    resid: u64,
+    resid_out: u64,
+) {
+    g.launch(
+        "gemv_add_bf16",
+        m.div_ceil(8) as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(x),
+            Arg::Ptr(w),
+            Arg::Ptr(y),
+            Arg::I32(k as i32),
+            Arg::I32(m as i32),
+            Arg::Ptr(resid),
+            Arg::Ptr(resid_out),
+        ],
+    );
+}
+
+/// A fused RMSNorm + projection of a decode step (`kernels/gemv.cu`).
+pub(crate) struct GemvNorm {
+    /// The residual row (k f32) and the norm's bf16 weight.
+    pub resid: u64,
+    pub norm_w: u64,
+    pub eps: f32,
+    /// `[m, k]` bf16, or gate over up (`[2m, k]`) with `swiglu`.
+    pub w: u64,
+    /// m f32 outputs, or with `swiglu` m bf16 ones.
+    pub out: u64,
+    pub k: usize,
+    pub m: usize,
+    /// The f32 normalised row (the norm's tap).
+    pub norm_out: u64,
+    pub swiglu: bool,
+}
+
+pub(crate) fn launch_gemv_norm(g: &Gpu, a: &GemvNorm) {
+    g.launch(
+        if a.swiglu {
+            "gemv_norm_swiglu_bf16"
+        } else {
+            "gemv_norm_bf16"
+        },
+        a.m.div_ceil(8) as u32,
+        256,
+        (a.k * 2) as u32,
+        &[
+            Arg::Ptr(a.resid),
+            Arg::Ptr(a.norm_w),
+            Arg::F32(a.eps),
+            Arg::Ptr(a.w),
+            Arg::Ptr(a.out),
+            Arg::I32(a.k as i32),
+            Arg::I32(a.m as i32),
+            Arg::Ptr(a.norm_out),
         ],
     );
 }
