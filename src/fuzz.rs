@@ -8,12 +8,12 @@ use std::sync::OnceLock;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
-use crate::config::Config;
+use crate::engine::config::Config;
+use crate::engine::weights::Weights;
 use crate::engine::Engine;
-use crate::model_source::ModelSource;
-use crate::prompt::Prompt;
+use crate::io::model_source::ModelSource;
+use crate::io::prompt::Prompt;
 use crate::tap::TapFilter;
-use crate::weights::Weights;
 
 /// A fuzz target: any bytes in, no panic out.
 pub type Target = fn(&[u8]);
@@ -168,9 +168,9 @@ pub fn spec(data: &[u8]) {
             assert_eq!(crate::paths::PathSpec::parse(&p.to_string()), Ok(p));
         }
     }
-    if let Ok(list) = crate::backend::parse_targets(&text) {
+    if let Ok(list) = crate::compare::target::parse_targets(&text) {
         for t in list {
-            assert_eq!(crate::backend::Target::parse(&t.to_string()), Ok(t));
+            assert_eq!(crate::compare::target::Target::parse(&t.to_string()), Ok(t));
         }
     }
     let _ = TapFilter::parse(&text, 4);

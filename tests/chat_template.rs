@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use kvdiff::model_source::ModelSource;
-use kvdiff::tokenizer::ChatTokenizer;
+use kvdiff::engine::tokenizer::ChatTokenizer;
+use kvdiff::io::model_source::ModelSource;
 
 fn check(tokenizer_dir: std::path::PathBuf, reference: &str) -> usize {
     let tok = ChatTokenizer::load(&ModelSource::Dir(tokenizer_dir)).unwrap();

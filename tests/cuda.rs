@@ -12,10 +12,11 @@ use std::sync::Arc;
 use common::{fixture, rel_l2};
 use half::bf16;
 use kvdiff::cuda::{host_ops, Gpu, PrefillAttention};
+use kvdiff::engine::attention;
+use kvdiff::engine::model::{Batch, Model};
+use kvdiff::engine::ops;
 use kvdiff::engine::Engine;
-use kvdiff::model::{attention, Batch, Model};
-use kvdiff::model_source::ModelSource;
-use kvdiff::ops;
+use kvdiff::io::model_source::ModelSource;
 use kvdiff::tap::{Recorder, TapFilter};
 
 /// Says a test was skipped on the terminal itself: libtest captures `eprintln!`, not writes to
@@ -300,7 +301,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
     b[2 * w + 17] = f32::NAN;
     let rows = host_ops::diff_rows(&g, &a, &b, w);
     for (r, got) in rows.iter().enumerate() {
-        let d = kvdiff::diff::row_diff(&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
+        let d = kvdiff::compare::diff::row_diff(&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
         match d.non_finite {
             Some(i) => assert_eq!(got[7] as usize, i, "non-finite index"),
             None => {
@@ -345,7 +346,7 @@ fn logits_agreement_on_the_gpu_matches_the_host() {
         steps.push((p, r));
     }
     let (p, r) = &mut steps[1];
-    let top = kvdiff::ops::argmax(r);
+    let top = kvdiff::engine::ops::argmax(r);
     p[top] = -50.0;
     r[7] = 40.0;
     r[70_000] = 40.0;
@@ -354,11 +355,11 @@ fn logits_agreement_on_the_gpu_matches_the_host() {
     p[456] = 30.0;
     r[123] = 30.0;
     for k in [1, 5, 8] {
-        let mut host = kvdiff::diff::LogitsAgreement::new(k);
+        let mut host = kvdiff::compare::diff::LogitsAgreement::new(k);
         for (p, r) in &steps {
             host.add(p, r);
         }
-        let dev = host_ops::logits_agreement(&g, &steps, k);
+        let dev = kvdiff::compare::gpu::logits_agreement(&g, &steps, k);
         assert_eq!(dev.steps, host.steps);
         assert_eq!(dev.top1_agree, host.top1_agree, "top-1, k = {k}");
         assert_eq!(
@@ -377,9 +378,9 @@ fn logits_agreement_on_the_gpu_matches_the_host() {
     }
     // Each step on its own, so the maxima do not hide a wrong small value.
     for (i, step) in steps.iter().enumerate() {
-        let mut host = kvdiff::diff::LogitsAgreement::new(5);
+        let mut host = kvdiff::compare::diff::LogitsAgreement::new(5);
         host.add(&step.0, &step.1);
-        let dev = host_ops::logits_agreement(&g, std::slice::from_ref(step), 5);
+        let dev = kvdiff::compare::gpu::logits_agreement(&g, std::slice::from_ref(step), 5);
         assert_eq!(
             (dev.top1_agree, dev.topk_overlap_min),
             (host.top1_agree, host.topk_overlap_min),
@@ -399,12 +400,12 @@ fn conformance(model_dir: Option<&str>, prompts: &[&str], steps: usize) -> BTree
     let source = ModelSource::from_arg(model_dir.map(std::path::Path::new)).unwrap();
     let engine = Engine::load(source).unwrap();
     let cpu = &engine.model;
-    let cuda = cpu.to_cuda().unwrap();
+    let cuda = kvdiff::cuda::to_cuda(cpu).unwrap();
     let layers = cpu.config.num_hidden_layers;
     let mut worst: BTreeMap<String, f64> = BTreeMap::new();
     for p in prompts {
         let path = fixture(p);
-        let prompt = kvdiff::prompt::Prompt::load(&path).unwrap();
+        let prompt = kvdiff::io::prompt::Prompt::load(&path).unwrap();
         let ids = engine.encode(&prompt, &path, steps).unwrap().ids;
         let run = |m: &Model| {
             let mut cache = m.new_cache();

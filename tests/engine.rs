@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use common::*;
+use kvdiff::engine::model::Batch;
 use kvdiff::engine::Engine;
 use kvdiff::error::Error;
-use kvdiff::model::Batch;
-use kvdiff::model_source::ModelSource;
+use kvdiff::io::model_source::ModelSource;
 use kvdiff::tap::{NullSink, Recorder, TapFilter, TapId};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -54,8 +54,8 @@ fn write_single(dir: &Path, tensors: &HashMap<String, (Dtype, Vec<usize>, Vec<u8
 }
 
 fn prompt_ids(engine: &Engine) -> Vec<u32> {
-    let msgs = vec![kvdiff::prompt::Message::new(
-        kvdiff::prompt::Role::User,
+    let msgs = vec![kvdiff::io::prompt::Message::new(
+        kvdiff::io::prompt::Role::User,
         "Anna's pet is cat. What is Anna's pet?",
     )];
     engine
@@ -86,7 +86,7 @@ fn f32_single_file_equals_f16_shards() {
     let f32_tensors: HashMap<_, _> = tensors
         .iter()
         .map(|(n, (d, s, b))| {
-            let data: Vec<u8> = kvdiff::weights::to_f32(*d, b)
+            let data: Vec<u8> = kvdiff::engine::weights::to_f32(*d, b)
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
                 .collect();

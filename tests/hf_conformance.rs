@@ -6,9 +6,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
+use kvdiff::engine::model::Batch;
 use kvdiff::engine::Engine;
-use kvdiff::model::Batch;
-use kvdiff::model_source::ModelSource;
+use kvdiff::io::model_source::ModelSource;
 use kvdiff::tap::{Recorder, TapFilter, TapId};
 
 const TOLERANCE: f64 = 1e-5;

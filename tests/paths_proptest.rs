@@ -5,15 +5,16 @@
 mod common;
 
 use common::*;
-use kvdiff::chunks::ChunkedPrompt;
-use kvdiff::config::Config;
-use kvdiff::diff::Tolerance;
-use kvdiff::driver::{CompareSpec, PathReport};
-use kvdiff::model::{Batch, Model};
-use kvdiff::model_source::ModelSource;
+use kvdiff::compare::diff::Tolerance;
+use kvdiff::compare::driver::CompareSpec;
+use kvdiff::compare::report::PathReport;
+use kvdiff::engine::chunks::ChunkedPrompt;
+use kvdiff::engine::config::Config;
+use kvdiff::engine::model::{Batch, Model};
+use kvdiff::engine::tokenizer::ChatTokenizer;
+use kvdiff::io::model_source::ModelSource;
 use kvdiff::paths::{PathSpec, Reuse};
 use kvdiff::tap::{TapFilter, TapSink};
-use kvdiff::tokenizer::ChatTokenizer;
 use proptest::prelude::*;
 
 const ROUNDING: Tolerance = Tolerance::Fixed {
@@ -207,19 +208,27 @@ proptest! {
 
 /// Runs a planted-bug prefill against standard on the default model's task prompt.
 fn planted(
-    bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
+    bug: impl Fn(
+        &Model,
+        &ChunkedPrompt,
+        &mut dyn TapSink,
+    ) -> (kvdiff::engine::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
     planted_with(&ROUNDING, bug)
 }
 
 fn planted_with(
     tolerance: &Tolerance,
-    bug: impl Fn(&Model, &ChunkedPrompt, &mut dyn TapSink) -> (kvdiff::kv_cache::KvCache, Vec<f32>),
+    bug: impl Fn(
+        &Model,
+        &ChunkedPrompt,
+        &mut dyn TapSink,
+    ) -> (kvdiff::engine::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
     let path = fixture("prompts/task.json");
     let prompt = engine
-        .chunked(&kvdiff::prompt::Prompt::load(&path).unwrap(), &path, 8)
+        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
         .unwrap();
     let taps = TapFilter::all();
     let spec = CompareSpec {
@@ -353,7 +362,7 @@ fn passes_under_a_small_memory_budget_give_the_same_report() {
     let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
     let path = fixture("prompts/two-contexts.txt");
     let prompt = engine
-        .chunked(&kvdiff::prompt::Prompt::load(&path).unwrap(), &path, 8)
+        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
         .unwrap();
     let taps = TapFilter::all();
     let eos = engine.eos_ids();

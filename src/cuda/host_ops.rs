@@ -1,5 +1,5 @@
 //! Each kernel run once on host data, host data back: what the kernel tests hold against the
-//! CPU reference (`crate::ops`, `crate::model::attention`, `crate::diff::row_diff`).
+//! CPU reference (`crate::engine::ops`, `crate::engine::attention`, `crate::compare::diff::row_diff`).
 
 use half::bf16;
 
@@ -126,7 +126,7 @@ pub fn qk_norm_rope(
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
-    kernel: super::model::PrefillAttention,
+    kernel: super::launch::PrefillAttention,
     q: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -140,15 +140,15 @@ pub fn attention(
     let base = entries - n;
     let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
     let meta = gpu.upload(&[base as i32]);
-    let chunks = entries.div_ceil(super::model::DECODE_CHUNK) + 1;
+    let chunks = entries.div_ceil(super::launch::DECODE_CHUNK) + 1;
     let part = poison_f32(gpu, heads * chunks * (hd + 2));
     let counters = gpu.zeros::<u32>(heads);
     let probs = poison_f32(gpu, n * heads * entries);
     let out = poison_f32(gpu, n * heads * hd);
     let out_bf = poison_bf16(gpu, n * heads * hd);
-    super::model::launch_attention(
+    super::launch::launch_attention(
         gpu,
-        &super::model::Attention {
+        &super::launch::Attention {
             n,
             q: ptr(gpu, &dq, 0),
             keys: ptr(gpu, &dk, 0),
@@ -294,9 +294,9 @@ pub fn gemv_norm(
         gpu.upload(&bits(w)),
     );
     let (y, y_bf, norm) = (poison_f32(gpu, m), poison_bf16(gpu, m), poison_f32(gpu, k));
-    super::model::launch_gemv_norm(
+    super::launch::launch_gemv_norm(
         gpu,
-        &super::model::GemvNorm {
+        &super::launch::GemvNorm {
             resid: ptr(gpu, &dr, 0),
             norm_w: ptr(gpu, &dn, 0),
             eps,
@@ -333,7 +333,7 @@ pub fn gemv_add(gpu: &Gpu, x: &[f32], w: &[f32], resid: &[f32]) -> (Vec<f32>, Ve
         gpu.upload(resid),
     );
     let (y, r) = (poison_f32(gpu, m), poison_f32(gpu, m));
-    super::model::launch_gemv_add(
+    super::launch::launch_gemv_add(
         gpu,
         ptr(gpu, &dx, 0),
         ptr(gpu, &dw, 0),
@@ -395,24 +395,4 @@ pub fn gemv_add_norm(
         gpu.download(&r, m),
         gpu.download(&o, m),
     )
-}
-
-/// `logits_agreement` over step pairs (path row, reference row), folded as the compare driver
-/// folds them.
-pub fn logits_agreement(
-    gpu: &std::sync::Arc<Gpu>,
-    steps: &[(Vec<f32>, Vec<f32>)],
-    k: usize,
-) -> crate::diff::LogitsAgreement {
-    let mut d = super::DeviceAgreement::new(gpu, k, steps.len());
-    let uploaded: Vec<_> = steps
-        .iter()
-        .map(|(p, r)| (gpu.upload(p), gpu.upload(r), p.len()))
-        .collect();
-    for (p, r, n) in &uploaded {
-        d.add(ptr(gpu, p, 0), ptr(gpu, r, 0), *n);
-    }
-    let mut a = crate::diff::LogitsAgreement::new(k);
-    d.finish(&mut a);
-    a
 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Gpu};
-use crate::kv_cache::{DeviceKv, KvCache};
+use crate::engine::device::DeviceKv;
+use crate::engine::kv_cache::KvCache;
 
 pub struct CudaKv {
     gpu: Arc<Gpu>,
@@ -18,10 +19,10 @@ pub struct CudaKv {
     kv_dim: usize,
     /// The decode step's buffers and graph, built at the first decode step and whenever the
     /// cache grows (they depend on its capacity and its buffers' addresses).
-    pub(crate) decode: Option<super::model::DecodeState>,
+    pub(crate) decode: Option<super::workspace::DecodeState>,
     /// The last prefill's buffers when its taps were offered as persistent: they must stay
     /// valid until the cache's next pass.
-    pub(crate) last_pass: Option<super::model::Workspace>,
+    pub(crate) last_pass: Option<super::workspace::Workspace>,
     /// Decode steps replay on the side stream (`Model::decode_on_side_stream`).
     pub side: bool,
 }
@@ -29,7 +30,7 @@ pub struct CudaKv {
 impl CudaKv {
     /// A device copy of `cache`'s host entries, with room for `extra` more.
     pub fn upload(gpu: &Arc<Gpu>, cache: &mut KvCache, extra: usize) -> CudaKv {
-        let _span = crate::timing::span("kv cache: host to device");
+        let _span = crate::support::timing::span("kv cache: host to device");
         let kv_dim = cache.kv_dim();
         let len = cache.host_len();
         let cap = (len + extra).next_power_of_two().max(64);

@@ -1,16 +1,26 @@
-//! The CUDA backend: the same forward pass and taps as the CPU reference, on an NVIDIA GPU.
-//! Everything CUDA is loaded at run time, so kvdiff builds and runs its CPU features on
-//! machines without it; asking for CUDA there is a one-line error.
+//! The CUDA backend: the same forward pass and taps as the CPU reference, on an NVIDIA GPU,
+//! plugged into the engine as a `DeviceModel`. Everything CUDA is loaded at run time, so
+//! kvdiff builds and runs its CPU features on machines without it; asking for CUDA there is
+//! a one-line error.
+//!
+//! - `gpu.rs`: the device, kernel modules, cuBLAS, streams and graphs;
+//! - `upload.rs`: the weights on the device;
+//! - `forward.rs`: the forward pass (prefill and graph-replayed decode steps);
+//! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
+//! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
+//! - `host_ops.rs`: each kernel on host data, for the tests.
 
-mod agreement;
+mod forward;
 mod gpu;
 pub mod host_ops;
 mod kv;
-mod model;
-mod tap_diff;
+mod launch;
+mod taps;
+mod upload;
+mod workspace;
 
-pub use agreement::{DeviceAgreement, MAX_K as AGREEMENT_MAX_K};
-pub use gpu::{unavailable_reason, Arg, Gpu};
+pub use forward::{logits_on_gpu, LogitsOnGpu};
+pub use gpu::{ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
-pub use model::{weight_bytes, CudaModel, PrefillAttention};
-pub use tap_diff::{combine_rows, DeviceDiffs, DeviceRecorded};
+pub use launch::PrefillAttention;
+pub use upload::{gpu_of, to_cuda, weight_bytes, CudaModel};

@@ -7,9 +7,9 @@
 
 use super::chunk_reuse::{reused_prefix, Reuse};
 use super::ChunkStore;
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::{NullSink, TapSink};
 
 pub fn prefill(

@@ -3,9 +3,9 @@
 //! merged by log-sum-exp — the way cascade / shared-prefix kernels split the work. Exact up to
 //! rounding.
 
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::TapSink;
 
 /// Tokens in the shared part: every chunk but the query.

@@ -8,9 +8,9 @@
 //! - `rerotate`: rotated at 0..n, keys rotated by the position delta on reuse.
 
 use super::ChunkStore;
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::{LayerTap, Masked, TapSink};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,16 +91,17 @@ pub fn reused_prefix(
                 } else {
                     model.forward(batch, &mut kv, 0, sink);
                 }
-                let _span = crate::timing::span("chunk-reuse: chunk KV stored and appended");
+                let _span =
+                    crate::support::timing::span("chunk-reuse: chunk KV stored and appended");
                 store.put(key, kv.clone());
                 kv
             }
         };
         if mode == Reuse::Rerotate {
-            let _span = crate::timing::span("chunk-reuse: re-rotation");
+            let _span = crate::support::timing::span("chunk-reuse: re-rotation");
             model.rerotate(&mut alone, chunk.start, &global, sink);
         }
-        let _span = crate::timing::span("chunk-reuse: chunk KV stored and appended");
+        let _span = crate::support::timing::span("chunk-reuse: chunk KV stored and appended");
         alone.positions = global;
         cache.append(alone);
     }

@@ -1,8 +1,8 @@
 //! `chunked-prefill:N`: the prompt in N-token pieces, each attending to the cache so far. Exact.
 
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::TapSink;
 
 pub fn prefill(

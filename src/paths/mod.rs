@@ -12,9 +12,9 @@ mod standard;
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::Model;
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::Model;
 use crate::tap::TapSink;
 
 pub use chunk_reuse::Reuse;
@@ -147,9 +147,9 @@ fn prefill_query(
 ) -> (KvCache, Vec<f32>) {
     let q = &prompt.chunks[prompt.chunks.len() - 1];
     let positions: Vec<usize> = (q.start..q.end).collect();
-    let _span = crate::timing::span("paths: query chunk prefill");
+    let _span = crate::support::timing::span("paths: query chunk prefill");
     let logits = model.forward(
-        crate::model::Batch::new(prompt.tokens(q), &positions),
+        crate::engine::model::Batch::new(prompt.tokens(q), &positions),
         &mut cache,
         0,
         sink,

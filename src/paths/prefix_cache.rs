@@ -2,9 +2,9 @@
 //! token up to the chunk's end; a later prompt sharing that prefix starts from it. Exact.
 
 use super::ChunkStore;
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::TapSink;
 
 pub fn prefill(

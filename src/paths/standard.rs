@@ -1,8 +1,8 @@
 //! `standard`: one prefill of the whole prompt — the reference every other path is held to.
 
-use crate::chunks::ChunkedPrompt;
-use crate::kv_cache::KvCache;
-use crate::model::{Batch, Model};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model};
 use crate::tap::TapSink;
 
 pub fn prefill(

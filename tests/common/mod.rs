@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use kvdiff::prompt::{Message, Role};
+use kvdiff::io::prompt::{Message, Role};
 
 /// The repository root; `KVDIFF_ROOT` overrides it where test binaries run from another
 /// checkout (the GPU machine).
@@ -43,7 +43,7 @@ pub fn read_safetensors(path: &Path) -> HashMap<String, RefTensor> {
                 name,
                 RefTensor {
                     shape,
-                    data: kvdiff::weights::to_f32(v.dtype(), v.data()),
+                    data: kvdiff::engine::weights::to_f32(v.dtype(), v.data()),
                 },
             )
         })

@@ -4,7 +4,7 @@
 use minijinja::{Environment, ErrorKind, Value};
 use serde::Serialize;
 
-use crate::prompt::Message;
+use crate::io::prompt::Message;
 
 pub struct ChatTemplate {
     env: Environment<'static>,

@@ -1,12 +1,83 @@
 //! Reports of a comparison: text for people (verdict and first divergence on top, then a
 //! per-layer table) and versioned JSON for machines.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::diff::Tolerance;
-use crate::driver::PathReport;
+use crate::compare::diff::LogitsAgreement;
+use crate::compare::diff::Tolerance;
+use crate::tap::TapId;
+
+/// Where a path first left the reference, with the numbers.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Divergence {
+    pub step: usize,
+    pub layer: Option<usize>,
+    pub tap: String,
+    pub position: usize,
+    pub token: u32,
+    pub token_text: String,
+    pub head: Option<usize>,
+    pub index: usize,
+    /// `value` (over tolerance) or `non_finite` (NaN/Inf seen, never compared as a number).
+    pub kind: &'static str,
+    pub reference: f32,
+    pub value: f32,
+    pub max_abs: f32,
+    pub rel_l2: f64,
+    pub cosine: f64,
+    pub tolerance: String,
+    pub policy: &'static str,
+    #[serde(skip)]
+    pub(crate) order: (usize, TapId, usize),
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TokenDivergence {
+    pub step: usize,
+    pub position: usize,
+    pub reference_token: u32,
+    pub path_token: u32,
+    pub reference_text: String,
+    pub path_text: String,
+}
+
+/// One line of the per-layer table.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct LayerRow {
+    pub layer: String,
+    pub max_rel_l2: f64,
+    pub rows_compared: usize,
+    pub rows_diverged: usize,
+    pub first_tap: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PathReport {
+    pub path: String,
+    pub exact: bool,
+    pub diverged: bool,
+    pub first_divergence: Option<Divergence>,
+    pub first_token_divergence: Option<TokenDivergence>,
+    pub teacher_forced: bool,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    /// Largest relative L2 of the next-token logits over all steps.
+    pub logits_rel_l2_max: f64,
+    /// Top-1 agreement, top-5 overlap and KL of the next-token distributions over all steps.
+    pub logits: LogitsAgreement,
+    pub chunk_hits: usize,
+    pub chunk_misses: usize,
+    pub layers: Vec<LayerRow>,
+    /// Per tap kind, the largest max|diff|/max|ref| seen (what `auto` learns from).
+    #[serde(skip)]
+    pub noise: BTreeMap<String, f32>,
+    /// The reference path's greedy tokens in this run.
+    #[serde(skip)]
+    pub reference_tokens: Vec<u32>,
+}
 
 pub const SCHEMA: u32 = 1;
 
@@ -26,7 +97,7 @@ pub struct Report {
 
 #[derive(Serialize)]
 pub struct ChunkInfo {
-    pub role: crate::chunks::ChunkRole,
+    pub role: crate::engine::chunks::ChunkRole,
     pub start: usize,
     pub end: usize,
 }
@@ -65,6 +136,16 @@ impl ToleranceInfo {
                 cross_backend: None,
             },
         }
+    }
+}
+
+impl Report {
+    /// Whether the run fails: an exact path diverged, or an approximate path's next-token
+    /// logits went over `budget` (relative L2) at some step.
+    pub fn failed(&self, budget: Option<f64>) -> bool {
+        self.paths
+            .iter()
+            .any(|p| p.diverged && (p.exact || budget.is_some_and(|b| p.logits_rel_l2_max > b)))
     }
 }
 

@@ -42,27 +42,27 @@ pub enum ModelSource {
 const EMBEDDED: &[(&str, &[u8])] = &[
     (
         "config.json",
-        include_bytes!("../fixtures/default-model/config.json"),
+        include_bytes!("../../fixtures/default-model/config.json"),
     ),
     (
         "generation_config.json",
-        include_bytes!("../fixtures/default-model/generation_config.json"),
+        include_bytes!("../../fixtures/default-model/generation_config.json"),
     ),
     (
         "model.safetensors",
-        include_bytes!("../fixtures/default-model/model.safetensors"),
+        include_bytes!("../../fixtures/default-model/model.safetensors"),
     ),
     (
         "tokenizer.json",
-        include_bytes!("../fixtures/default-model/tokenizer.json"),
+        include_bytes!("../../fixtures/default-model/tokenizer.json"),
     ),
     (
         "tokenizer_config.json",
-        include_bytes!("../fixtures/default-model/tokenizer_config.json"),
+        include_bytes!("../../fixtures/default-model/tokenizer_config.json"),
     ),
     (
         "chat_template.jinja",
-        include_bytes!("../fixtures/default-model/chat_template.jinja"),
+        include_bytes!("../../fixtures/default-model/chat_template.jinja"),
     ),
 ];
 

@@ -7,9 +7,9 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
-use crate::config::Config;
+use crate::engine::config::Config;
 use crate::error::{Error, Result};
-use crate::model_source::ModelSource;
+use crate::io::model_source::ModelSource;
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
@@ -119,7 +119,7 @@ impl Weights {
             .iter()
             .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
             .sum();
-        crate::resources::check_memory(
+        crate::support::resources::check_memory(
             need,
             "holding the weights as f32",
             &src.path_of(files.first().map(String::as_str).unwrap_or(SINGLE)),

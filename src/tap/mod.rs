@@ -8,6 +8,11 @@
 
 use std::fmt;
 
+pub mod dump;
+mod sink;
+
+pub use sink::{Device, DeviceTap, Masked, NullSink, Recorded, Recorder, TapSink, Tee};
+
 /// The kind of a tap inside a layer, in the order the forward pass reaches them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum LayerTap {
@@ -240,27 +245,34 @@ impl TapTable {
     }
 }
 
-/// Passes taps to another sink, less the ones its own table leaves out.
-pub struct Masked<'a> {
-    pub table: TapTable,
-    pub inner: &'a mut dyn TapSink,
+/// Adds an attention row over cache entries into `dst`, indexed by the entries' global
+/// positions (the `attn_probs` tap's columns), so paths that order their caches differently
+/// still compare column by column.
+pub fn scatter_by_position(dst: &mut [f32], row: &[f32], positions: &[usize]) {
+    for (&p, &pr) in positions.iter().zip(row) {
+        dst[p] += pr;
+    }
 }
 
-impl TapSink for Masked<'_> {
-    fn table(&self) -> &TapTable {
-        &self.table
-    }
-    fn record(&mut self, step: usize, value: TapValue<'_>) {
-        self.inner.record(step, value);
-    }
-    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
-        self.inner.record_device(step, tap)
-    }
-    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
-        self.inner.begin_step(step, tokens, positions);
-    }
-    fn end_pass(&mut self, step: usize) {
-        self.inner.end_pass(step);
+/// Offers a tap to the sink only if it asked for it (no copy otherwise).
+pub fn emit(
+    sink: &mut dyn TapSink,
+    step: usize,
+    id: TapId,
+    positions: &[usize],
+    shape: &[usize],
+    data: &[f32],
+) {
+    if sink.table().wants(id) {
+        sink.record(
+            step,
+            TapValue {
+                id,
+                positions,
+                shape: shape.to_vec(),
+                data,
+            },
+        );
     }
 }
 
@@ -288,161 +300,6 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
         pi += 1;
     }
     pi == p.len()
-}
-
-/// A tap still in GPU memory: `rows` rows of `width` values, `stride` apart, starting at
-/// device address `ptr`; `rows_per_token` rows per entry of `positions` (heads, for
-/// `attn_probs`, whose columns are then cache entries at positions 0, 1, 2, ...).
-pub struct DeviceTap<'a> {
-    pub id: TapId,
-    pub positions: &'a [usize],
-    pub gpu: &'a std::sync::Arc<crate::cuda::Gpu>,
-    pub ptr: u64,
-    pub rows: usize,
-    pub width: usize,
-    pub stride: usize,
-    pub rows_per_token: usize,
-    /// Column at which each row starts among the tap's columns (0, except for `attn_probs`
-    /// over a cache whose entries hold positions lead, lead + 1, ...; columns before it are 0).
-    pub lead: usize,
-    /// The buffer keeps these values until the same cache's next forward pass (a decode
-    /// step's arena), so a sink may keep the address instead of a copy, and defer its work
-    /// to `end_pass`. Otherwise the buffer is reused within the pass: whatever reads it must
-    /// be enqueued on the GPU stream before `record_device` returns.
-    pub persistent: bool,
-    /// The shape `record` would get.
-    pub shape: Vec<usize>,
-}
-
-/// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
-pub trait TapSink {
-    fn table(&self) -> &TapTable;
-    fn record(&mut self, step: usize, value: TapValue<'_>);
-    /// Offered first when a tap is on the GPU: a sink that keeps or compares it there returns
-    /// true; false (the default) asks for the host copy through `record`.
-    fn record_device(&mut self, _step: usize, _tap: &DeviceTap<'_>) -> bool {
-        false
-    }
-    /// Called before a forward pass with the tokens it runs and their global positions.
-    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {}
-    /// Called when a GPU forward pass has offered all its taps: work a sink deferred on
-    /// persistent taps must be enqueued now, before the next pass on any cache.
-    fn end_pass(&mut self, _step: usize) {}
-}
-
-/// Wants nothing; the forward pass then computes no tap.
-pub struct NullSink(TapTable);
-
-impl NullSink {
-    pub fn new(layers: usize) -> Self {
-        NullSink(TapTable::none(layers))
-    }
-}
-
-impl TapSink for NullSink {
-    fn table(&self) -> &TapTable {
-        &self.0
-    }
-    fn record(&mut self, _step: usize, _value: TapValue<'_>) {}
-}
-
-/// Sends every tap to two sinks that share one selection (the first's table decides).
-pub struct Tee<'a> {
-    pub first: &'a mut dyn TapSink,
-    pub second: &'a mut dyn TapSink,
-}
-
-impl TapSink for Tee<'_> {
-    fn table(&self) -> &TapTable {
-        self.first.table()
-    }
-    fn record(&mut self, step: usize, value: TapValue<'_>) {
-        self.second.record(step, value.clone());
-        self.first.record(step, value);
-    }
-    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
-        self.first.begin_step(step, tokens, positions);
-        self.second.begin_step(step, tokens, positions);
-    }
-    fn end_pass(&mut self, step: usize) {
-        self.first.end_pass(step);
-        self.second.end_pass(step);
-    }
-}
-
-/// An owned copy of a tap.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Recorded {
-    pub step: usize,
-    pub id: TapId,
-    pub positions: Vec<usize>,
-    pub shape: Vec<usize>,
-    pub data: Vec<f32>,
-}
-
-/// Keeps every selected tap in memory, in the order they arrive.
-pub struct Recorder {
-    table: TapTable,
-    pub taps: Vec<Recorded>,
-    /// Taps kept in GPU memory, when made with `on_device`.
-    pub device: Option<Vec<crate::cuda::DeviceRecorded>>,
-    /// Keep persistent GPU taps by address (see `borrowing`).
-    borrow: bool,
-}
-
-impl Recorder {
-    pub fn new(filter: &TapFilter, layers: usize) -> Self {
-        Recorder {
-            table: filter.table(layers),
-            taps: Vec::new(),
-            device: None,
-            borrow: false,
-        }
-    }
-
-    /// Keeps persistent GPU taps by address instead of copying them. Only for a recorder that
-    /// sees a single forward pass and whose taps are used before that cache's next pass (a
-    /// decode step of a lockstep reference): more passes could overwrite or free the buffers.
-    pub fn borrowing(mut self) -> Self {
-        self.borrow = true;
-        self
-    }
-
-    /// A recorder that keeps GPU taps on the GPU (host taps still go to `taps`).
-    pub fn on_device(filter: &TapFilter, layers: usize) -> Self {
-        Recorder {
-            device: Some(Vec::new()),
-            ..Self::new(filter, layers)
-        }
-    }
-
-    pub fn get(&self, step: usize, id: TapId) -> Option<&Recorded> {
-        self.taps.iter().find(|t| t.step == step && t.id == id)
-    }
-}
-
-impl TapSink for Recorder {
-    fn table(&self) -> &TapTable {
-        &self.table
-    }
-    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
-        match &mut self.device {
-            Some(kept) => {
-                kept.push(crate::cuda::DeviceRecorded::keep(step, tap, self.borrow));
-                true
-            }
-            None => false,
-        }
-    }
-    fn record(&mut self, step: usize, v: TapValue<'_>) {
-        self.taps.push(Recorded {
-            step,
-            id: v.id,
-            positions: v.positions.to_vec(),
-            shape: v.shape,
-            data: v.data.to_vec(),
-        });
-    }
 }
 
 #[cfg(test)]

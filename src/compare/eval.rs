@@ -6,13 +6,13 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::chunks::ChunkedPrompt;
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::model::Batch;
+use crate::engine::ops::argmax;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::model::Batch;
-use crate::ops::argmax;
+use crate::io::prompt::{parse_json, Prompt};
 use crate::paths::{ChunkStore, PathSpec};
-use crate::prompt::{parse_json, Prompt};
 use crate::tap::NullSink;
 
 #[derive(Deserialize)]
@@ -35,7 +35,7 @@ const TASKS_FIX: &str = "regenerate it with scripts/make_task_set.py";
 
 pub fn load_tasks(path: &Path) -> Result<Vec<Task>> {
     let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::input(path, crate::model_source::open_error(&e), TASKS_FIX))?;
+        .map_err(|e| Error::input(path, crate::io::model_source::open_error(&e), TASKS_FIX))?;
     parse_tasks(&text, path)
 }
 

@@ -5,9 +5,17 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::gpu::{ptr, Arg, Gpu};
-use crate::diff::RowDiff;
+use crate::compare::diff::RowDiff;
+use crate::cuda::{ptr, Arg, Gpu};
 use crate::tap::{DeviceTap, Recorded, TapId};
+
+/// The GPU a device tap lives on (the CUDA backend is the only one that offers them).
+fn gpu_of(t: &DeviceTap<'_>) -> Arc<Gpu> {
+    t.device
+        .clone()
+        .downcast::<Gpu>()
+        .unwrap_or_else(|_| panic!("{}: a device tap not from the CUDA backend", t.id))
+}
 
 /// A reference tap on the GPU: copied to contiguous memory, or, for a persistent tap, the
 /// address of the buffer that holds it until its cache's next pass.
@@ -29,7 +37,7 @@ pub struct DeviceRecorded {
 impl DeviceRecorded {
     /// Keeps `t`: by address when it is persistent and `borrow` allows, else as a copy.
     pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool) -> Self {
-        let g = t.gpu;
+        let g = &gpu_of(t);
         let (ptr_, stride, copy) = if t.persistent && borrow {
             (t.ptr, t.stride, None)
         } else {
@@ -121,8 +129,9 @@ impl DeviceDiffs {
     ) -> Option<usize> {
         if self.out.is_none() {
             self.cap = (1 << 20).max(t.rows);
-            self.out = Some(t.gpu.alloc::<f32>(self.cap * 12));
-            self.gpu = Some(t.gpu.clone());
+            let g = gpu_of(t);
+            self.out = Some(g.alloc::<f32>(self.cap * 12));
+            self.gpu = Some(g);
         }
         if self.used + t.rows > self.cap {
             return None;
@@ -250,7 +259,7 @@ pub fn combine_rows(rows: &[[f32; 12]], w: usize) -> (RowDiff, f32) {
     if max_abs == 0.0 && non_finite.is_none() {
         (value, reference) = (rows[0][9], rows[0][10]);
     }
-    let (rel_l2, cosine) = crate::diff::rel_l2_and_cosine(d2, b2, ab, a2);
+    let (rel_l2, cosine) = crate::compare::diff::rel_l2_and_cosine(d2, b2, ab, a2);
     (
         RowDiff {
             index,

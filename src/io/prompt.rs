@@ -74,7 +74,7 @@ impl Prompt {
         let bytes = std::fs::read(path).map_err(|e| {
             Error::input(
                 path,
-                crate::model_source::open_error(&e),
+                crate::io::model_source::open_error(&e),
                 "pass an existing prompt file (.json or .txt)",
             )
         })?;

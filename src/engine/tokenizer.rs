@@ -3,10 +3,10 @@
 
 use serde_json::Value as Json;
 
-use crate::chat_template::{ChatTemplate, SpecialTokens};
+use crate::engine::chat_template::{ChatTemplate, SpecialTokens};
 use crate::error::{Error, Result};
-use crate::model_source::ModelSource;
-use crate::prompt::Message;
+use crate::io::model_source::ModelSource;
+use crate::io::prompt::Message;
 
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,

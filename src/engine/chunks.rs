@@ -6,8 +6,8 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
-use crate::prompt::{Prompt, Role};
-use crate::tokenizer::ChatTokenizer;
+use crate::engine::tokenizer::ChatTokenizer;
+use crate::io::prompt::{Prompt, Role};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

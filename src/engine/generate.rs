@@ -2,13 +2,13 @@
 
 use std::path::Path;
 
-use crate::chunks::ChunkedPrompt;
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::model::{Batch, Model};
+use crate::engine::tokenizer::ChatTokenizer;
 use crate::error::{Error, Result};
-use crate::model::{Batch, Model};
-use crate::model_source::ModelSource;
-use crate::prompt::Prompt;
+use crate::io::model_source::ModelSource;
+use crate::io::prompt::Prompt;
 use crate::tap::TapSink;
-use crate::tokenizer::ChatTokenizer;
 
 pub struct Engine {
     pub model: Model,
@@ -135,7 +135,7 @@ impl Engine {
                     .forward_step(Batch::new(prompt_ids, &positions), &mut cache, 0, sink);
             loop {
                 let next = {
-                    let _span = crate::timing::span("generate: argmax");
+                    let _span = crate::support::timing::span("generate: argmax");
                     logits.argmax()
                 };
                 tokens.push(next);
@@ -155,7 +155,7 @@ impl Engine {
                 );
             }
         }
-        let _span = crate::timing::span("generate: detokenize");
+        let _span = crate::support::timing::span("generate: detokenize");
         let text = self.tokenizer.decode(&tokens, true);
         Generation {
             tokens,

@@ -1,34 +1,19 @@
 //! The keys and values a forward pass attends to. A path owns its cache and decides how it is
 //! built; the model only appends to it and reads it.
 //!
-//! A GPU backend keeps its own copy of the entries on the device (`DeviceKv`) and appends there;
-//! the host copy then lags and is brought up to date only when someone reads it. Any host-side
-//! edit (re-rotation, blending, concatenation) drops the device copy, which the next GPU pass
-//! rebuilds from the host, so the two can never disagree.
+//! Where the entries live is the cache's to say (`location`): on the host, or on a device
+//! (a `DeviceKv`, which the GPU backend implements) that appends there while the host copy
+//! lags, brought up to date only when someone reads it. Any host-side edit (re-rotation,
+//! blending, concatenation) drops the device copy, which the next device pass rebuilds from
+//! the host, so the two can never disagree.
 
-use std::any::Any;
+use crate::engine::device::DeviceKv;
 
 /// One layer's cache: `keys`/`values` are `[entry, kv_head, head_dim]`, after RoPE for keys.
 #[derive(Clone, Debug, Default)]
 pub struct LayerKv {
     pub keys: Vec<f32>,
     pub values: Vec<f32>,
-}
-
-/// A device-resident copy of a cache's entries.
-pub trait DeviceKv: Send {
-    /// Entries held (equal to the cache's `len()` after a device pass).
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Entries `from..to` of `layer` as host vectors (keys, values).
-    fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>);
-    /// A copy on the same device.
-    fn clone_box(&self) -> Box<dyn DeviceKv>;
-    /// Appends `other`'s entries on the device; false when `other` is of another kind.
-    fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
-    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 /// Every layer's cache plus, per entry, the global position of the token it stands for.
@@ -45,8 +30,7 @@ impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvCache")
             .field("len", &self.len())
-            .field("host_len", &self.host_len)
-            .field("on_device", &self.device.is_some())
+            .field("location", &self.location())
             .finish()
     }
 }
@@ -65,7 +49,25 @@ impl Clone for KvCache {
     }
 }
 
+/// Where a cache's entries live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// Only on the host.
+    Host,
+    /// On a device; the host holds the first `host_len` entries too.
+    Device { host_len: usize },
+}
+
 impl KvCache {
+    pub fn location(&self) -> Location {
+        match self.device {
+            None => Location::Host,
+            Some(_) => Location::Device {
+                host_len: self.host_len,
+            },
+        }
+    }
+
     pub fn new(layers: usize, kv_dim: usize) -> Self {
         KvCache {
             layers: vec![LayerKv::default(); layers],
@@ -98,7 +100,7 @@ impl KvCache {
         if let Some(d) = &self.device {
             let to = d.len();
             if self.host_len < to {
-                let _span = crate::timing::span("kv cache: device to host");
+                let _span = crate::support::timing::span("kv cache: device to host");
                 for (l, layer) in self.layers.iter_mut().enumerate() {
                     let (k, v) = d.download(l, self.host_len, to);
                     layer.keys.extend(k);

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::gpu::{ptr, Arg, Gpu};
-use crate::diff::LogitsAgreement;
+use crate::compare::diff::LogitsAgreement;
+use crate::cuda::{ptr, Arg, Gpu};
 
 /// Blocks of one comparison, and the f64 words of the kernel's `Agree` state.
 const BLOCKS: usize = 128;
@@ -76,4 +76,24 @@ impl DeviceAgreement {
             into.add_summary(s[0] != 0.0, s[1] as usize, s[2], s[3]);
         }
     }
+}
+
+/// `logits_agreement` over step pairs (path row, reference row), folded as the compare driver
+/// folds them.
+pub fn logits_agreement(
+    gpu: &Arc<Gpu>,
+    steps: &[(Vec<f32>, Vec<f32>)],
+    k: usize,
+) -> LogitsAgreement {
+    let mut d = DeviceAgreement::new(gpu, k, steps.len());
+    let uploaded: Vec<_> = steps
+        .iter()
+        .map(|(p, r)| (gpu.upload(p), gpu.upload(r), p.len()))
+        .collect();
+    for (p, r, n) in &uploaded {
+        d.add(ptr(gpu, p, 0), ptr(gpu, r, 0), *n);
+    }
+    let mut a = LogitsAgreement::new(k);
+    d.finish(&mut a);
+    a
 }

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::model_source::ModelSource;
+use crate::io::model_source::ModelSource;
 
 #[derive(Debug, Clone)]
 pub struct Config {

@@ -1,0 +1,127 @@
+//! Flags and checks several subcommands share.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+use kvdiff::compare::target::Backend;
+use kvdiff::engine::Engine;
+use kvdiff::error::{Error, Result};
+use kvdiff::io::model_source::ModelSource;
+use kvdiff::io::prompt::Prompt;
+use kvdiff::tap::TapFilter;
+
+pub const PROMPT_HELP: &str = "\
+PROMPT FILES:
+  .json  {\"messages\": [{\"role\": \"system\", \"content\": \"...\"}, {\"role\": \"user\", ...}]}
+         or the bare array; roles system, user, assistant. \"content\" may be a list of
+         strings: the message's chunks.
+  .txt   lines '@@ system', '@@ user', '@@ assistant' start messages; '@@ chunk' marks a
+         chunk boundary inside a message; '@@@' escapes a literal '@@'. A file without
+         markers is one user message.
+  The model's chat template is always applied, with the generation prompt.
+
+EXIT CODES: 0 ok, 1 divergence found, 2 bad input or usage, 3 internal error.";
+
+pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver, NVRTC and cuBLAS on the library path, or use --backend cpu";
+
+/// What `generate` and `dump` share: a model, a prompt and how to run them.
+#[derive(Args)]
+pub struct RunArgs {
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+    /// tokenizer_config.json); without it, the embedded default model.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Most tokens to generate (greedy; stops earlier at EOS).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Where the math runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// Worker threads (results are identical for any count); default: all cores.
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Run even when the prompt plus --max-new-tokens exceeds the model's
+    /// max_position_embeddings.
+    #[arg(long)]
+    pub allow_beyond_max_positions: bool,
+    /// Prompt file (.json or .txt).
+    pub prompt: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+pub enum BackendArg {
+    /// f32 reference on the CPU.
+    Cpu,
+    /// bf16 weights on an NVIDIA GPU (driver, NVRTC and cuBLAS loaded at run time).
+    Cuda,
+}
+
+impl BackendArg {
+    pub fn backend(self) -> Backend {
+        match self {
+            BackendArg::Cpu => Backend::Cpu,
+            BackendArg::Cuda => Backend::Cuda,
+        }
+    }
+}
+
+pub fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(t) = threads {
+        if t == 0 {
+            return Err(Error::usage(
+                "--threads",
+                "must be at least 1",
+                "pass --threads 1 or more",
+            ));
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .map_err(|e| Error::Internal(format!("thread pool: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Fails before anything is loaded where CUDA is missing: that is then the whole answer.
+pub fn require_cuda() -> Result<()> {
+    match kvdiff::cuda::unavailable_reason() {
+        Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
+        None => Ok(()),
+    }
+}
+
+/// Loads the engine and prompt of `generate` and `dump`, on the chosen backend.
+pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
+    set_threads(run.threads)?;
+    if run.backend == BackendArg::Cuda {
+        require_cuda()?;
+    }
+    let prompt = Prompt::load(&run.prompt)?;
+    let mut engine = Engine::load(ModelSource::from_arg(run.model.as_deref())?)?;
+    engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
+    if run.backend == BackendArg::Cuda {
+        engine.model = kvdiff::cuda::to_cuda(&engine.model)?;
+    }
+    Ok((engine, prompt))
+}
+
+/// `--taps` for a model with `layers` layers.
+pub fn tap_filter(taps: &str, layers: usize) -> Result<TapFilter> {
+    TapFilter::parse(taps, layers)
+        .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))
+}
+
+/// Per-operation GPU times (`KVDIFF_CUDA_PROFILE`) and phase timings (`KVDIFF_TIMING`), on
+/// stderr, when asked for.
+pub fn print_timings(model: Option<&kvdiff::engine::model::Model>) {
+    if let Some(r) = model
+        .and_then(kvdiff::cuda::gpu_of)
+        .and_then(|g| g.profile_report())
+    {
+        eprint!("{r}");
+    }
+    if let Some(r) = kvdiff::support::timing::report() {
+        eprint!("{r}");
+    }
+}

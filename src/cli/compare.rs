@@ -1,0 +1,216 @@
+//! `kvdiff compare`: the reference and each path in lockstep; the report on stdout, exit 1 on
+//! a failing divergence.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+use kvdiff::compare::report;
+use kvdiff::compare::run::{Policy, Request};
+use kvdiff::compare::target::{self, Backend, Target};
+use kvdiff::engine::Engine;
+use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
+use kvdiff::io::model_source::ModelSource;
+use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
+use kvdiff::io::prompt::Prompt;
+use kvdiff::paths::PathSpec;
+
+use super::args::{print_timings, require_cuda, set_threads, tap_filter, BackendArg};
+
+pub const COMPARE_HELP: &str = "\
+PATHS:
+  standard              one prefill of the whole prompt (the default reference)
+  chunked-prefill:N     N-token pieces over the cache so far                      exact
+  prefix-cache          chunks cached by the hash of all tokens up to them        exact
+  cascade               shared chunks attended apart, merged by log-sum-exp       exact
+  chunk-reuse:local     chunks prefilled alone at positions 0..n, KV concatenated  approximate
+  chunk-reuse:global    chunks prefilled alone at their global positions           approximate
+  chunk-reuse:rerotate  alone at 0..n, keys rotated by the position delta          approximate
+  chunk-reuse:blend:R   rerotate, then the fraction R of most-deviating tokens
+                        recomputed from layer 1 on (0 < R <= 1)                    approximate
+  Chunks: the system message, each earlier message, and the last user message with the
+  generation prompt; '@@ chunk' (txt) or a list of strings (json) cuts messages further.
+
+EXIT CODES: 0 no exact path diverged (and approximate ones within --budget), 1 otherwise,
+2 bad input or usage, 3 internal error.";
+
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Hugging Face model directory; without it, the embedded default model.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Comma-separated paths to compare; default: every path.
+    #[arg(long, value_name = "LIST")]
+    paths: Option<String>,
+    /// The path the others are held to; PATH@BACKEND pins its backend
+    /// (e.g. standard@cpu).
+    #[arg(long, value_name = "PATH", default_value = "standard")]
+    reference: String,
+    /// Where paths without @BACKEND run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
+    /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
+    #[arg(long, value_name = "GLOB", default_value = "*")]
+    taps: String,
+    /// auto (learned from an exact pair, per tap kind), exact (bitwise), or fixed
+    /// (--atol/--rtol; giving either implies fixed).
+    #[arg(long, value_enum, default_value_t = TolPolicy::Auto)]
+    tolerance: TolPolicy,
+    /// Absolute tolerance (fixed policy): a row diverges when max|diff| > atol + rtol·max|ref|.
+    #[arg(long, value_name = "X")]
+    atol: Option<f32>,
+    /// Relative tolerance (fixed policy).
+    #[arg(long, value_name = "X")]
+    rtol: Option<f32>,
+    /// Fail (exit 1) when an approximate path's next-token logits differ from the
+    /// reference's by more than this relative L2 at any step.
+    #[arg(long, value_name = "X")]
+    budget: Option<f64>,
+    /// Most tokens to decode in lockstep.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    max_new_tokens: usize,
+    /// Also write the report as JSON (schema 1) to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Also dump the taps of the reference and of each path into DIR/<path>/step-*.safetensors
+    /// (same layout as `kvdiff dump`; both fed the reference's tokens).
+    #[arg(long, value_name = "DIR")]
+    dump: Option<PathBuf>,
+    /// Replace --dump's folder if it exists.
+    #[arg(long)]
+    force: bool,
+    /// Worker threads (results are identical for any count).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Run even when the prompt plus --max-new-tokens exceeds the model's
+    /// max_position_embeddings.
+    #[arg(long)]
+    allow_beyond_max_positions: bool,
+    /// Prompt file (.json or .txt).
+    prompt: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum TolPolicy {
+    Auto,
+    Exact,
+    Fixed,
+}
+
+pub fn run(a: CompareArgs) -> Result<i32> {
+    set_threads(a.threads)?;
+    for (path, flag) in [(&a.json, "--json"), (&a.dump, "--dump")] {
+        if let Some(p) = path {
+            check_output_parent(p, flag)?;
+        }
+    }
+    let backend = a.backend.backend();
+    let (reference, targets) = parse_targets(&a, backend)?;
+    let policy = policy(&a)?;
+    let uses_cuda = std::iter::once(&reference)
+        .chain(&targets)
+        .any(|t| t.on(backend) == Backend::Cuda);
+    if uses_cuda {
+        require_cuda()?;
+    }
+    let p = Prompt::load(&a.prompt)?;
+    let mut engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
+    engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
+    let filter = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
+    let chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
+    let gpu_model = match uses_cuda {
+        true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
+        false => None,
+    };
+    let staging = match &a.dump {
+        Some(out) => Some(StagedDir::create(out, a.force, "--dump")?),
+        None => None,
+    };
+    let start = std::time::Instant::now();
+    let report = Request {
+        engine: &engine,
+        gpu_model: gpu_model.as_ref(),
+        prompt: &chunked,
+        prompt_label: a.prompt.display().to_string(),
+        reference,
+        targets: &targets,
+        backend,
+        taps: &filter,
+        policy,
+        max_new_tokens: a.max_new_tokens,
+        dump: staging.as_ref().map(|s| s.staging.as_path()),
+    }
+    .run()?;
+    if let (Some(folder), Some(out)) = (&staging, &a.dump) {
+        folder.commit(out)?;
+    }
+    let gpu = gpu_model.as_ref().and_then(kvdiff::cuda::gpu_of);
+    eprintln!(
+        "kvdiff: compared {} paths in {:.0} ms{}",
+        report.paths.len(),
+        start.elapsed().as_secs_f64() * 1e3,
+        gpu.map(|g| format!(" (GPU: {})", g.name))
+            .unwrap_or_default()
+    );
+    print_timings(gpu_model.as_ref());
+    if let Some(path) = &a.json {
+        let bytes =
+            serde_json::to_vec_pretty(&report).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomic(path, &bytes, "--json")?;
+    }
+    print!("{}", report::text(&report, a.budget));
+    Ok(if report.failed(a.budget) {
+        EXIT_DIVERGED
+    } else {
+        EXIT_OK
+    })
+}
+
+/// `--reference` and `--paths` (default: every path but the reference on its own backend).
+fn parse_targets(a: &CompareArgs, backend: Backend) -> Result<(Target, Vec<Target>)> {
+    let reference = Target::parse(&a.reference)
+        .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
+    let targets = match &a.paths {
+        Some(list) => target::parse_targets(list)
+            .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
+        None => PathSpec::all()
+            .into_iter()
+            .filter(|p| *p != reference.path || reference.on(backend) != backend)
+            .map(|path| Target {
+                path,
+                backend: None,
+            })
+            .collect(),
+    };
+    Ok((reference, targets))
+}
+
+/// `--tolerance`, `--atol`, `--rtol` (either of the last two selects fixed), and `--budget`
+/// checked.
+fn policy(a: &CompareArgs) -> Result<Policy> {
+    for (flag, v) in [("--atol", a.atol), ("--rtol", a.rtol)] {
+        if v.is_some_and(|x| !(x.is_finite() && x >= 0.0)) {
+            return Err(Error::usage(
+                flag,
+                "must be a finite number >= 0",
+                "e.g. --rtol 1e-4",
+            ));
+        }
+    }
+    if a.budget.is_some_and(|b| !(b.is_finite() && b >= 0.0)) {
+        return Err(Error::usage(
+            "--budget",
+            "must be a finite number >= 0",
+            "e.g. --budget 0.05",
+        ));
+    }
+    let fixed = a.tolerance == TolPolicy::Fixed || a.atol.is_some() || a.rtol.is_some();
+    Ok(match (fixed, a.tolerance) {
+        (true, _) => Policy::Fixed {
+            atol: a.atol.unwrap_or(0.0),
+            rtol: a.rtol.unwrap_or(0.0),
+        },
+        (false, TolPolicy::Exact) => Policy::Exact,
+        (false, _) => Policy::Auto,
+    })
+}

@@ -1,0 +1,50 @@
+//! `kvdiff dump`: a greedy run's taps as safetensors, one file per step.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use kvdiff::error::{Result, EXIT_OK};
+use kvdiff::io::output::check_output_parent;
+use kvdiff::tap::dump::Dumper;
+
+use super::args::{setup, tap_filter, RunArgs};
+
+#[derive(Args)]
+pub struct DumpArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Folder to create; step-0000.safetensors is the prefill, step-000k the k-th decode step.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Comma-separated globs over tap names, e.g. 'L*.k_rope,logits'. Taps: embed,
+    /// L{i}.{resid_in,attn_norm,q,k,v,q_rope,k_rope,attn_probs,attn_out,o_proj,resid_mid,
+    /// mlp_norm,mlp_out,resid_out}, final_norm, logits.
+    #[arg(long, value_name = "GLOB", default_value = "*")]
+    taps: String,
+    /// Replace --out if it already exists.
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn run(a: DumpArgs) -> Result<i32> {
+    let (run, out) = (&a.run, &a.out);
+    check_output_parent(out, "--out")?;
+    let (engine, prompt) = setup(run)?;
+    let layers = engine.model.config.num_hidden_layers;
+    let filter = tap_filter(&a.taps, layers)?;
+    let enc = engine.encode(&prompt, &run.prompt, run.max_new_tokens)?;
+    let mut dumper = Dumper::new(out, &filter, layers, a.force)?;
+    let gen = engine.generate(&enc.ids, run.max_new_tokens, &mut dumper);
+    let meta = serde_json::json!({
+        "model": engine.source.describe(),
+        "prompt_text": enc.text,
+        "prompt_ids": enc.ids,
+        "generated_ids": gen.tokens,
+        "generated_text": gen.text,
+        "taps": a.taps,
+    });
+    let files = dumper.finish(out, &meta)?;
+    eprintln!("kvdiff: wrote {files} step files to {}", out.display());
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,100 @@
+//! `kvdiff eval`: task-level accuracy of each path on a task set.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use kvdiff::compare::eval;
+use kvdiff::engine::Engine;
+use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
+use kvdiff::io::model_source::ModelSource;
+use kvdiff::io::output::{check_output_parent, write_atomic};
+use kvdiff::paths::{self, PathSpec};
+
+use super::args::set_threads;
+
+const EMBEDDED_TASKS: &str = include_str!("../../fixtures/tasks.jsonl");
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// Hugging Face model directory; without it, the embedded default model.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Comma-separated paths; default: every path (standard included).
+    #[arg(long, value_name = "LIST")]
+    paths: Option<String>,
+    /// Task set (JSON lines: messages, answer, case, fact); default: the embedded one
+    /// (fixtures/tasks.jsonl).
+    #[arg(long, value_name = "FILE")]
+    tasks: Option<PathBuf>,
+    /// Most tokens per answer.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Also write the scores as JSON to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Worker threads (results are identical for any count).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+}
+
+pub fn run(a: EvalArgs) -> Result<i32> {
+    set_threads(a.threads)?;
+    if let Some(path) = &a.json {
+        check_output_parent(path, "--json")?;
+    }
+    let paths = match &a.paths {
+        Some(list) => paths::parse_list(list)
+            .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
+        None => PathSpec::all(),
+    };
+    let (task_list, tasks_path) = match &a.tasks {
+        Some(p) => (eval::load_tasks(p)?, p.clone()),
+        None => {
+            let embedded = PathBuf::from("<embedded>/fixtures/tasks.jsonl");
+            (eval::parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
+        }
+    };
+    let engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
+    let start = std::time::Instant::now();
+    let rows = eval::run(&engine, &task_list, &paths, a.max_new_tokens, &tasks_path)?;
+    eprintln!(
+        "kvdiff: {} tasks x {} paths in {:.1} s",
+        task_list.len(),
+        paths.len(),
+        start.elapsed().as_secs_f64()
+    );
+    print_table(&rows);
+    if let Some(path) = &a.json {
+        let body =
+            serde_json::json!({"schema": 1, "model": engine.source.describe(), "rows": rows});
+        let bytes = serde_json::to_vec_pretty(&body).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomic(path, &bytes, "--json")?;
+    }
+    let standard = rows.iter().find(|r| r.path == "standard");
+    let mismatch = rows.iter().any(|r| {
+        r.exact
+            && standard.is_some_and(|s| {
+                (s.case_ok, s.fact_ok, s.answer_ok) != (r.case_ok, r.fact_ok, r.answer_ok)
+            })
+    });
+    Ok(if mismatch { EXIT_DIVERGED } else { EXIT_OK })
+}
+
+fn print_table(rows: &[eval::EvalRow]) {
+    let pct = |k: usize, n: usize| 100.0 * k as f64 / n.max(1) as f64;
+    println!(
+        "{:<22} {:>6} {:>9} {:>9} {:>9}",
+        "path", "tasks", "case ok", "fact ok", "answer ok"
+    );
+    for r in rows {
+        println!(
+            "{:<22} {:>6} {:>8.1}% {:>8.1}% {:>8.1}%",
+            r.path,
+            r.tasks,
+            pct(r.case_ok, r.tasks),
+            pct(r.fact_ok, r.tasks),
+            pct(r.answer_ok, r.tasks)
+        );
+    }
+}

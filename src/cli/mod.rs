@@ -1,0 +1,88 @@
+//! The command line: the only code that knows about clap. Each subcommand's flags live in its
+//! own file and become plain values handed to the library.
+
+mod args;
+mod compare;
+mod dump;
+mod eval;
+mod generate;
+mod tokens;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use kvdiff::error::{Result, EXIT_BAD_INPUT, EXIT_OK};
+
+use args::PROMPT_HELP;
+
+/// Correctness-differential harness for LLM inference: runs a Qwen3 model with a tap at every
+/// layer and shows where two ways of computing it part.
+#[derive(Parser)]
+#[command(name = "kvdiff", version, after_help = PROMPT_HELP, arg_required_else_help = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Greedy-decode a reply to PROMPT; prints only the generated text on stdout.
+    #[command(after_help = PROMPT_HELP)]
+    Generate(generate::GenerateArgs),
+    /// Run PROMPT and write the selected taps as safetensors, one file per step.
+    #[command(after_help = PROMPT_HELP)]
+    Dump(dump::DumpArgs),
+    /// Run the reference path and other paths in lockstep and report where each first parts
+    /// from the reference: step, layer, tap, position, head, index and both values.
+    #[command(after_help = compare::COMPARE_HELP)]
+    Compare(compare::CompareArgs),
+    /// Task-level check on the default model: run its held-out task set through each path and
+    /// report how often the greedy answer keeps the system prompt's letter case and the
+    /// context's fact. Exit 1 if an exact path scores differently from standard.
+    Eval(eval::EvalArgs),
+    /// Show the chat-template text and token ids of PROMPT.
+    #[command(after_help = PROMPT_HELP)]
+    Tokens(tokens::TokensArgs),
+}
+
+/// Runs the parsed command; returns the exit code.
+pub fn run(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Dump(a) => dump::run(a),
+        Command::Compare(a) => compare::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Tokens(a) => tokens::run(a),
+    }
+}
+
+/// clap's own messages, cut to what a user needs: the error, clap's tip if any, and a fix line.
+pub fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_OK as u8);
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_BAD_INPUT as u8);
+        }
+        _ => {}
+    }
+    let text = e.render().to_string();
+    let mut lines = text
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more"));
+    if let Some(first) = lines.next() {
+        eprintln!("{first}");
+    }
+    // The missing argument, or clap's tip.
+    if let Some(detail) = lines.next().filter(|l| l.starts_with(' ')) {
+        eprintln!("{detail}");
+    }
+    eprintln!("  fix: see kvdiff --help, or kvdiff <command> --help");
+    ExitCode::from(EXIT_BAD_INPUT as u8)
+}

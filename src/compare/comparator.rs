@@ -1,0 +1,412 @@
+//! The streaming comparator: a tap sink that holds the reference's taps of the current step
+//! and diffs every tap of the path against them as it arrives, on the host or on the GPU,
+//! booking per-layer statistics, the noise it saw and the first divergence.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::compare::diff::{diverged_within, row_diff, RowDiff, Tolerance};
+use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
+use crate::compare::report::{Divergence, LayerRow};
+use crate::engine::tokenizer::ChatTokenizer;
+use crate::tap::{DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+
+/// The reference's taps of one step, as the comparator holds them: copied to the host, or,
+/// with `on_device`, kept in GPU memory where the reference ran.
+pub(crate) struct ReferenceRecorder {
+    pub(crate) host: Recorder,
+    device: Option<Vec<DeviceRecorded>>,
+    /// Keep persistent GPU taps by address (see `borrowing`).
+    borrow: bool,
+}
+
+impl ReferenceRecorder {
+    pub(crate) fn new(filter: &TapFilter, layers: usize) -> Self {
+        ReferenceRecorder {
+            host: Recorder::new(filter, layers),
+            device: None,
+            borrow: false,
+        }
+    }
+
+    /// A recorder that keeps GPU taps on the GPU (host taps still go to `host`).
+    pub(crate) fn on_device(filter: &TapFilter, layers: usize) -> Self {
+        ReferenceRecorder {
+            device: Some(Vec::new()),
+            ..Self::new(filter, layers)
+        }
+    }
+
+    /// Keeps persistent GPU taps by address instead of copying them. Only for a recorder that
+    /// sees a single forward pass and whose taps are used before that cache's next pass (a
+    /// decode step of a lockstep reference): more passes could overwrite or free the buffers.
+    pub(crate) fn borrowing(mut self) -> Self {
+        self.borrow = true;
+        self
+    }
+}
+
+impl TapSink for ReferenceRecorder {
+    fn table(&self) -> &TapTable {
+        self.host.table()
+    }
+    fn record(&mut self, step: usize, v: TapValue<'_>) {
+        self.host.record(step, v);
+    }
+    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
+        match &mut self.device {
+            Some(kept) => {
+                kept.push(DeviceRecorded::keep(step, tap, self.borrow));
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The reference side of one step, and the running comparison.
+pub(crate) struct Comparator<'a> {
+    table: TapTable,
+    reference: HashMap<TapId, Recorded>,
+    tol: &'a Tolerance,
+    pub(crate) tokens: Vec<u32>,
+    tok: &'a ChatTokenizer,
+    heads: usize,
+    kv_heads: usize,
+    /// Reference taps kept on the GPU (compared there; only summaries come back).
+    device_reference: HashMap<TapId, DeviceRecorded>,
+    diffs: DeviceDiffs,
+    pending: Vec<PendingDiff>,
+    /// Diffs whose summaries are being copied back (see `start_flush`).
+    reading: Vec<PendingDiff>,
+    pub(crate) first: Option<Divergence>,
+    pub(crate) layers: BTreeMap<(u8, usize), LayerRow>,
+    pub(crate) noise: BTreeMap<String, f32>,
+    /// Per layer, the earliest tap (in forward order) that diverged.
+    pub(crate) first_tap: BTreeMap<(u8, usize), TapId>,
+}
+
+fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
+    let have = row.len() / heads;
+    let mut out = vec![0f32; heads * span.max(have)];
+    let span = span.max(have);
+    for h in 0..heads {
+        out[h * span..h * span + have].copy_from_slice(&row[h * have..(h + 1) * have]);
+    }
+    out
+}
+
+/// Rows of the per-layer table: embed, each layer, final norm, logits.
+fn group_of(id: TapId) -> (u8, usize) {
+    match id {
+        TapId::Embed => (0, 0),
+        TapId::Layer(l, _) => (1, l),
+        TapId::FinalNorm => (2, 0),
+        TapId::Logits => (3, 0),
+    }
+}
+
+fn kind_of(id: TapId) -> &'static str {
+    match id {
+        TapId::Embed => "embed",
+        TapId::Layer(_, t) => t.name(),
+        TapId::FinalNorm => "final_norm",
+        TapId::Logits => "logits",
+    }
+}
+
+impl<'a> Comparator<'a> {
+    /// A comparator of the taps in `table`; `tokens` are the prompt's, by position.
+    pub(crate) fn new(
+        table: TapTable,
+        tol: &'a Tolerance,
+        tok: &'a ChatTokenizer,
+        tokens: Vec<u32>,
+        (heads, kv_heads): (usize, usize),
+    ) -> Self {
+        Comparator {
+            table,
+            reference: HashMap::new(),
+            tol,
+            tokens,
+            tok,
+            heads,
+            kv_heads,
+            device_reference: HashMap::new(),
+            diffs: DeviceDiffs::default(),
+            pending: Vec::new(),
+            reading: Vec::new(),
+            first: None,
+            layers: BTreeMap::new(),
+            noise: BTreeMap::new(),
+            first_tap: BTreeMap::new(),
+        }
+    }
+
+    fn row_heads(&self, kind: &str) -> Option<usize> {
+        match kind {
+            "q" | "q_rope" | "attn_probs" => Some(self.heads),
+            "k" | "k_rope" | "v" => Some(self.kv_heads),
+            _ => None,
+        }
+    }
+
+    /// Books the compared rows of one tap, each (position, diff, bitwise equal, compared
+    /// width; per head for head-shaped taps: `width / heads`): per-layer statistics, learned
+    /// noise, and the first divergence. Per tap, not per row, so that the lookups are paid
+    /// once for the tens of thousands of rows of a prefill.
+    fn book(
+        &mut self,
+        step: usize,
+        id: TapId,
+        rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
+    ) {
+        let kind = kind_of(id);
+        let bounds = self.tol.bounds(kind);
+        let (mut compared, mut diverged_rows, mut max_rel_l2) = (0, 0, 0f64);
+        let mut noise: Option<f32> = None;
+        let mut first: Option<(usize, RowDiff, usize)> = None;
+        for (pos, d, bitwise_equal, width) in rows {
+            compared += 1;
+            max_rel_l2 = max_rel_l2.max(d.rel_l2);
+            if d.max_ref > 0.0 {
+                let r = d.max_abs / d.max_ref;
+                noise = Some(noise.map_or(r, |n| n.max(r)));
+            }
+            if diverged_within(bitwise_equal, &d, bounds) {
+                diverged_rows += 1;
+                if first.as_ref().is_none_or(|f| pos < f.0) {
+                    first = Some((pos, d, width));
+                }
+            }
+        }
+        if compared == 0 {
+            return;
+        }
+        let layer = self.layers.entry(group_of(id)).or_insert_with(|| LayerRow {
+            layer: id
+                .layer()
+                .map_or_else(|| id.to_string(), |l| format!("L{l}")),
+            ..Default::default()
+        });
+        layer.rows_compared += compared;
+        layer.rows_diverged += diverged_rows;
+        layer.max_rel_l2 = layer.max_rel_l2.max(max_rel_l2);
+        if let Some(r) = noise {
+            match self.noise.get_mut(kind) {
+                Some(n) => *n = n.max(r),
+                None => {
+                    self.noise.insert(kind.to_string(), r);
+                }
+            }
+        }
+        let Some((pos, d, width)) = first else {
+            return;
+        };
+        let ft = self.first_tap.entry(group_of(id)).or_insert(id);
+        *ft = (*ft).min(id);
+        let order = (step, id, pos);
+        if self.first.as_ref().is_some_and(|f| f.order <= order) {
+            return;
+        }
+        let index = d.non_finite.unwrap_or(d.index);
+        let per_head = self.row_heads(kind).map(|h| width / h);
+        let token = self.tokens.get(pos).copied().unwrap_or(0);
+        self.first = Some(Divergence {
+            step,
+            layer: id.layer(),
+            tap: id.to_string(),
+            position: pos,
+            token,
+            token_text: self.tok.decode(&[token], false),
+            head: per_head.map(|w| index / w),
+            index: per_head.map_or(index, |w| index % w),
+            kind: if d.non_finite.is_some() {
+                "non_finite"
+            } else {
+                "value"
+            },
+            reference: d.reference,
+            value: d.value,
+            max_abs: d.max_abs,
+            rel_l2: d.rel_l2,
+            cosine: d.cosine,
+            tolerance: self.tol.describe(kind),
+            policy: self.tol.policy(),
+            order,
+        });
+    }
+}
+
+impl TapSink for Comparator<'_> {
+    fn table(&self) -> &TapTable {
+        &self.table
+    }
+
+    fn record(&mut self, step: usize, v: TapValue<'_>) {
+        let _span = crate::support::timing::span("compare: host-side tap diff");
+        // A reference kept on the GPU, met by a tap the path computed on the host.
+        if !self.reference.contains_key(&v.id) {
+            let Some(r) = self.device_reference.get(&v.id) else {
+                return;
+            };
+            let host = r.to_host();
+            self.reference.insert(v.id, host);
+        }
+        let r = self.reference.remove(&v.id).expect("present");
+        let kind = kind_of(v.id);
+        let width = v.data.len() / v.positions.len().max(1);
+        let rwidth = r.data.len() / r.positions.len().max(1);
+        let heads = self.heads;
+        let rows = v.positions.iter().enumerate().filter_map(|(row, &pos)| {
+            // Reference rows are usually consecutive positions: try the direct index first.
+            let direct = pos
+                .checked_sub(r.positions[0])
+                .filter(|&i| r.positions.get(i) == Some(&pos));
+            let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
+            let a = &v.data[row * width..(row + 1) * width];
+            let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
+            // Attention rows over fewer keys: pad each head's row to the reference's key span.
+            let padded;
+            let a = if kind == "attn_probs" && width != rwidth {
+                padded = pad_heads(a, heads, rwidth / heads);
+                &padded[..]
+            } else {
+                a
+            };
+            let d = row_diff(a, b);
+            let bitwise_equal =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            Some((pos, d, bitwise_equal, a.len().max(b.len())))
+        });
+        self.book(step, v.id, rows);
+        self.reference.insert(v.id, r);
+    }
+
+    fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
+        let Some(r) = self.device_reference.get(&t.id) else {
+            // Nothing to compare against unless the reference is on the host.
+            return !self.reference.contains_key(&t.id);
+        };
+        if r.rows_per_token != t.rows_per_token {
+            return false;
+        }
+        let rpt = t.rows_per_token;
+        // Reference rows are usually consecutive positions: try the direct index first.
+        let rrows: Vec<Option<usize>> = t
+            .positions
+            .iter()
+            .map(|&pos| {
+                pos.checked_sub(r.positions[0])
+                    .filter(|&i| r.positions.get(i) == Some(&pos))
+                    .or_else(|| r.positions.iter().position(|&p| p == pos))
+            })
+            .collect();
+        let b_rows = || {
+            rrows
+                .iter()
+                .flat_map(|x| (0..rpt).map(move |h| x.map(|x| x * rpt + h)))
+        };
+        let offset = match self.diffs.enqueue(t, r, b_rows()) {
+            Some(o) => o,
+            None => {
+                self.flush();
+                let r = &self.device_reference[&t.id];
+                self.diffs
+                    .enqueue(t, r, b_rows())
+                    .expect("an empty buffer holds any tap")
+            }
+        };
+        // A buffer the pass reuses must be read now; persistent ones wait for `end_pass`,
+        // so that a decode step's taps are diffed in one launch.
+        if !t.persistent {
+            self.diffs.launch();
+        }
+        let r = &self.device_reference[&t.id];
+        self.pending.push(PendingDiff {
+            step,
+            id: t.id,
+            positions: t.positions.to_vec(),
+            rows_per_token: rpt,
+            path_width: t.lead + t.width,
+            ref_width: r.lead + r.width,
+            offset,
+        });
+        true
+    }
+
+    fn end_pass(&mut self, _step: usize) {
+        let _span = crate::support::timing::span("compare: end of pass (book, launch diffs)");
+        self.finish_flush();
+        self.diffs.launch();
+    }
+
+    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
+        // The previous passes' summaries are copied back while this pass runs, and booked at
+        // its end (`end_pass`), so the host's booking overlaps the GPU's work.
+        self.finish_flush();
+        self.start_flush();
+    }
+}
+
+/// A tap diffed on the GPU whose summaries are not read back yet.
+struct PendingDiff {
+    step: usize,
+    id: TapId,
+    positions: Vec<usize>,
+    rows_per_token: usize,
+    path_width: usize,
+    ref_width: usize,
+    offset: usize,
+}
+
+impl Comparator<'_> {
+    /// The reference's taps of the step about to be compared, on the host or the GPU.
+    pub(crate) fn set_reference(&mut self, rec: ReferenceRecorder) {
+        self.reference = rec.host.taps.into_iter().map(|t| (t.id, t)).collect();
+        self.device_reference = rec
+            .device
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| (t.id, t))
+            .collect();
+    }
+
+    /// Reads back every queued GPU diff and books it.
+    pub(crate) fn flush(&mut self) {
+        self.finish_flush();
+        self.start_flush();
+        self.finish_flush();
+    }
+
+    /// Starts copying the queued diffs' summaries back, without waiting.
+    fn start_flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        self.diffs.start_readback();
+        self.reading = std::mem::take(&mut self.pending);
+    }
+
+    /// Books the diffs `start_flush` is copying back, once they have arrived.
+    fn finish_flush(&mut self) {
+        if self.reading.is_empty() {
+            return;
+        }
+        let _span = crate::support::timing::span("compare: GPU diffs read back and booked");
+        let sums = self.diffs.finish_readback();
+        for p in std::mem::take(&mut self.reading) {
+            let w = p.path_width.max(p.ref_width);
+            let rpt = p.rows_per_token;
+            let rows = p.positions.iter().enumerate().filter_map(|(i, &pos)| {
+                let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
+                if rows[0][7] == -2.0 {
+                    return None;
+                }
+                let (d, bits) = combine_rows(rows, w);
+                let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
+                Some((pos, d, bitwise_equal, w * rpt))
+            });
+            self.book(p.step, p.id, rows);
+        }
+    }
+}

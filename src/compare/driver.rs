@@ -1,0 +1,443 @@
+//! The lockstep driver: runs a reference path and another path on the same prompt, prefill then
+//! one decode step at a time, and compares every selected tap as the second path produces it
+//! (`comparator.rs`). After the first token mismatch both paths are fed the reference's token
+//! (teacher forcing), so later steps stay comparable.
+
+use crate::compare::agreement::Agreement;
+use crate::compare::comparator::{Comparator, ReferenceRecorder};
+use crate::compare::diff::Tolerance;
+use crate::compare::report::{PathReport, TokenDivergence};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model, StepLogits};
+use crate::engine::tokenizer::ChatTokenizer;
+use crate::error::Result;
+use crate::paths::{ChunkStore, PathSpec};
+use crate::tap::dump::Dumper;
+use crate::tap::{Recorded, TapFilter, TapSink, TapValue, Tee};
+
+/// A path's prefill: builds the KV for the prompt, offering taps to the sink, and returns the
+/// cache with the last prompt token's logits.
+pub trait Prefill:
+    Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)
+{
+}
+
+impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)>
+    Prefill for F
+{
+}
+
+/// What to compare and how.
+pub struct CompareSpec<'a> {
+    /// The model the reference runs on.
+    pub model: &'a Model,
+    /// The model the compared paths run on: `model` itself, or the same weights on another
+    /// backend.
+    pub path_model: &'a Model,
+    pub tokenizer: &'a ChatTokenizer,
+    pub prompt: &'a ChunkedPrompt,
+    pub reference: PathSpec,
+    pub taps: &'a TapFilter,
+    pub tolerance: &'a Tolerance,
+    pub max_new_tokens: usize,
+    pub eos: &'a [u32],
+    /// Bytes of reference taps one pass may hold; more taps are compared in several passes.
+    pub memory_budget: usize,
+    /// Where to dump each path's taps (a folder per path, `reference` for the reference).
+    pub dump: Option<&'a std::path::Path>,
+}
+
+/// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
+pub fn dump_dir_name(path: &str) -> String {
+    path.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Writes recorded reference taps of one step into a dumper.
+fn dump_recorded(
+    d: &mut Dumper,
+    step: usize,
+    tokens: &[u32],
+    positions: &[usize],
+    taps: &[Recorded],
+) {
+    d.begin_step(step, tokens, positions);
+    for t in taps {
+        d.record(
+            step,
+            TapValue {
+                id: t.id,
+                positions: &t.positions,
+                shape: t.shape.clone(),
+                data: &t.data,
+            },
+        );
+    }
+}
+
+impl CompareSpec<'_> {
+    /// Runs `path` against the reference in lockstep.
+    pub fn run(&self, path: PathSpec) -> Result<PathReport> {
+        self.run_with(
+            &path.to_string(),
+            path.exact(),
+            path.decode_split(self.prompt),
+            |model, prompt, store, sink| path.prefill(model, prompt, store, sink),
+        )
+    }
+
+    /// Runs any prefill (a path kvdiff does not know, e.g. an engine under test) against the
+    /// reference in lockstep; decoding continues on the cache it returns, with cascade attention
+    /// split at `split` (0: none).
+    pub fn run_with(
+        &self,
+        name: &str,
+        exact: bool,
+        split: usize,
+        prefill: impl Prefill,
+    ) -> Result<PathReport> {
+        let passes = self.passes();
+        let mut merged: Option<PathReport> = None;
+        for taps in &passes {
+            let r = self.run_pass(taps, name, exact, split, &prefill)?;
+            merged = Some(match merged {
+                None => r,
+                Some(mut m) => {
+                    if r.first_divergence.as_ref().is_some_and(|d| {
+                        m.first_divergence
+                            .as_ref()
+                            .is_none_or(|f| d.order < f.order)
+                    }) {
+                        m.first_divergence = r.first_divergence;
+                    }
+                    m.diverged = m.first_divergence.is_some() || m.first_token_divergence.is_some();
+                    m.layers.extend(r.layers);
+                    for (k, v) in r.noise {
+                        let n = m.noise.entry(k).or_insert(0.0);
+                        *n = n.max(v);
+                    }
+                    m
+                }
+            });
+        }
+        Ok(merged.expect("at least one pass"))
+    }
+
+    /// Splits the selected taps into passes whose reference taps of one step fit
+    /// `memory_budget`: each pass re-runs both paths but holds only its layers' taps.
+    fn passes(&self) -> Vec<TapFilter> {
+        let c = &self.model.config;
+        let n = self.prompt.ids.len() + self.max_new_tokens;
+        let per_layer = 4
+            * n
+            * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
+        let outer = 4 * n * (2 * c.hidden_size + c.vocab_size);
+        if self.dump.is_some() || outer + per_layer * c.num_hidden_layers <= self.memory_budget {
+            return vec![self.taps.clone()];
+        }
+        let per_pass = (self.memory_budget.saturating_sub(outer) / per_layer.max(1)).max(1);
+        let mut passes = Vec::new();
+        let mut start = 0;
+        while start <= c.num_hidden_layers {
+            let end = (start + per_pass).min(c.num_hidden_layers + 1);
+            let end = if end > c.num_hidden_layers {
+                usize::MAX
+            } else {
+                end
+            };
+            passes.push(self.taps.restrict(start..end));
+            if end == usize::MAX {
+                break;
+            }
+            start = end;
+        }
+        passes
+    }
+
+    fn run_pass(
+        &self,
+        taps: &TapFilter,
+        name: &str,
+        exact: bool,
+        split: usize,
+        prefill: &impl Prefill,
+    ) -> Result<PathReport> {
+        let n = self.prompt.ids.len();
+        let mut dumps = self.dumpers(taps, name)?;
+        let span = crate::support::timing::span("compare: reference prefill");
+        let mut ref_rec = self.recorder(taps, false);
+        let (mut ref_cache, ref_logits) = self.reference.prefill(
+            self.model,
+            self.prompt,
+            &mut ChunkStore::default(),
+            &mut ref_rec,
+        );
+        let mut cmp = self.comparator(taps);
+        if let Some(d) = dumps.reference.as_mut() {
+            let positions: Vec<usize> = (0..n).collect();
+            dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.host.taps);
+        }
+        cmp.set_reference(ref_rec);
+        // The reference's decode steps run beside the path's on the GPU.
+        self.model.decode_on_side_stream(&mut ref_cache);
+        drop(span);
+        let span = crate::support::timing::span("compare: path prefill");
+        let mut store = ChunkStore::default();
+        let (cache, logits) = {
+            let sink = &mut *dumps.path_sink(&mut cmp);
+            prefill(self.path_model, self.prompt, &mut store, sink)
+        };
+        drop(span);
+        let mut run = Lockstep {
+            ref_cache,
+            cache,
+            ref_split: self.reference.decode_split(self.prompt),
+            split,
+            tokens: Vec::new(),
+            first_token: None,
+            agreement: Agreement::new(self.max_new_tokens),
+        };
+        run.decode(self, taps, &mut cmp, &mut dumps, logits, ref_logits);
+        dumps.finish(self, name, &cmp.tokens[n..])?;
+        cmp.flush();
+        Ok(self.path_report(name, exact, cmp, run, &store))
+    }
+
+    /// The recorder of the reference's taps of one step. A GPU reference keeps its taps on
+    /// the GPU unless they are to be dumped; a decode step's recorder sees one pass whose taps
+    /// the path uses before the reference's next pass, so it may keep them by address.
+    fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
+        let layers = self.model.config.num_hidden_layers;
+        if self.model.device().is_some() && self.dump.is_none() {
+            let r = ReferenceRecorder::on_device(taps, layers);
+            if decode {
+                r.borrowing()
+            } else {
+                r
+            }
+        } else {
+            ReferenceRecorder::new(taps, layers)
+        }
+    }
+
+    fn comparator(&self, taps: &TapFilter) -> Comparator<'_> {
+        let c = &self.model.config;
+        Comparator::new(
+            taps.table(c.num_hidden_layers),
+            self.tolerance,
+            self.tokenizer,
+            self.prompt.ids.clone(),
+            (c.num_attention_heads, c.num_key_value_heads),
+        )
+    }
+
+    /// The dumpers of a `--dump` run: the path's, and the reference's unless an earlier
+    /// path's run already wrote it.
+    fn dumpers(&self, taps: &TapFilter, name: &str) -> Result<Dumps> {
+        let Some(root) = self.dump else {
+            return Ok(Dumps::default());
+        };
+        let layers = self.model.config.num_hidden_layers;
+        let reference = root.join("reference");
+        Ok(Dumps {
+            reference: if reference.exists() {
+                None
+            } else {
+                Some(Dumper::new(&reference, taps, layers, true)?)
+            },
+            path: Some(Dumper::new(
+                &root.join(dump_dir_name(name)),
+                taps,
+                layers,
+                true,
+            )?),
+        })
+    }
+
+    fn path_report(
+        &self,
+        name: &str,
+        exact: bool,
+        mut cmp: Comparator<'_>,
+        run: Lockstep,
+        store: &ChunkStore,
+    ) -> PathReport {
+        let n = self.prompt.ids.len();
+        let agreement = run.agreement.finish();
+        let first_divergence = cmp.first.take();
+        for (layer, id) in &cmp.first_tap {
+            if let Some(row) = cmp.layers.get_mut(layer) {
+                row.first_tap = Some(id.to_string());
+            }
+        }
+        PathReport {
+            path: name.to_string(),
+            exact,
+            diverged: first_divergence.is_some() || run.first_token.is_some(),
+            teacher_forced: run.first_token.is_some(),
+            first_divergence,
+            first_token_divergence: run.first_token,
+            text: self.tokenizer.decode(&run.tokens, true),
+            tokens: run.tokens,
+            logits_rel_l2_max: agreement.rel_l2_max,
+            logits: agreement,
+            chunk_hits: store.hits,
+            chunk_misses: store.misses,
+            layers: cmp.layers.into_values().collect(),
+            noise: cmp.noise,
+            reference_tokens: cmp.tokens[n..].to_vec(),
+        }
+    }
+}
+
+/// The dumpers of a `--dump` run (none without it).
+#[derive(Default)]
+struct Dumps {
+    path: Option<Dumper>,
+    reference: Option<Dumper>,
+}
+
+impl Dumps {
+    /// Where the path's taps go: the comparator, and the path's dumper too if there is one.
+    fn path_sink<'a>(&'a mut self, cmp: &'a mut Comparator<'_>) -> Box<dyn TapSink + 'a> {
+        match &mut self.path {
+            Some(d) => Box::new(Tee {
+                first: cmp,
+                second: d,
+            }),
+            None => Box::new(Forward(cmp)),
+        }
+    }
+
+    fn finish(self, spec: &CompareSpec<'_>, name: &str, fed: &[u32]) -> Result<()> {
+        let Some(root) = spec.dump else {
+            return Ok(());
+        };
+        let ids = &spec.prompt.ids;
+        if let Some(d) = self.path {
+            let meta = serde_json::json!({"path": name, "prompt_ids": ids, "fed_tokens": fed});
+            d.finish(&root.join(dump_dir_name(name)), &meta)?;
+        }
+        if let Some(d) = self.reference {
+            let meta = serde_json::json!({"path": spec.reference.to_string(), "prompt_ids": ids, "fed_tokens": fed});
+            d.finish(&root.join("reference"), &meta)?;
+        }
+        Ok(())
+    }
+}
+
+/// A sink borrowed as a boxed sink.
+struct Forward<'a, 'b>(&'a mut Comparator<'b>);
+
+impl TapSink for Forward<'_, '_> {
+    fn table(&self) -> &crate::tap::TapTable {
+        self.0.table()
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        self.0.record(step, value);
+    }
+    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
+        self.0.record_device(step, tap)
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        self.0.begin_step(step, tokens, positions);
+    }
+    fn end_pass(&mut self, step: usize) {
+        self.0.end_pass(step);
+    }
+}
+
+/// The state of the two paths' decode loop.
+struct Lockstep {
+    ref_cache: KvCache,
+    cache: KvCache,
+    ref_split: usize,
+    split: usize,
+    /// The path's greedy choices, one per step.
+    tokens: Vec<u32>,
+    first_token: Option<TokenDivergence>,
+    agreement: Agreement,
+}
+
+impl Lockstep {
+    /// Decodes both paths one token at a time, each step fed the reference's token, until
+    /// EOS or `max_new_tokens`, comparing the path's taps of every step.
+    fn decode(
+        &mut self,
+        spec: &CompareSpec<'_>,
+        taps: &TapFilter,
+        cmp: &mut Comparator<'_>,
+        dumps: &mut Dumps,
+        logits: Vec<f32>,
+        ref_logits: Vec<f32>,
+    ) {
+        let n = spec.prompt.ids.len();
+        let (mut logits, mut ref_logits) = (StepLogits::Host(logits), StepLogits::Host(ref_logits));
+        let mut step = 0;
+        while step < spec.max_new_tokens {
+            let rt = self.book_step(spec, step, logits, ref_logits);
+            // Tokens by global position: the prompt, then the reference's choices.
+            cmp.tokens.push(rt);
+            if spec.eos.contains(&rt) || step + 1 == spec.max_new_tokens {
+                break;
+            }
+            step += 1;
+            let (fed, pos) = ([rt], [n + step - 1]);
+            let span = crate::support::timing::span("compare: reference decode step");
+            let mut ref_rec = spec.recorder(taps, true);
+            let batch = Batch {
+                cascade_split: self.ref_split,
+                ..Batch::new(&fed, &pos)
+            };
+            ref_logits = spec
+                .model
+                .forward_step(batch, &mut self.ref_cache, step, &mut ref_rec);
+            if let Some(d) = dumps.reference.as_mut() {
+                dump_recorded(d, step, &[rt], &pos, &ref_rec.host.taps);
+            }
+            cmp.set_reference(ref_rec);
+            drop(span);
+            let _span = crate::support::timing::span("compare: path decode step");
+            let batch = Batch {
+                cascade_split: self.split,
+                ..Batch::new(&fed, &pos)
+            };
+            let sink = &mut *dumps.path_sink(cmp);
+            logits = spec
+                .path_model
+                .forward_step(batch, &mut self.cache, step, sink);
+        }
+    }
+
+    /// Books one step's next-token choices and agreement; returns the reference's token.
+    fn book_step(
+        &mut self,
+        spec: &CompareSpec<'_>,
+        step: usize,
+        logits: StepLogits,
+        ref_logits: StepLogits,
+    ) -> u32 {
+        let (rt, pt) = (ref_logits.argmax(), logits.argmax());
+        self.agreement.add(logits, ref_logits);
+        self.tokens.push(pt);
+        if rt != pt && self.first_token.is_none() {
+            self.first_token = Some(TokenDivergence {
+                step,
+                position: spec.prompt.ids.len() + step,
+                reference_token: rt,
+                path_token: pt,
+                reference_text: spec.tokenizer.decode(&[rt], false),
+                path_text: spec.tokenizer.decode(&[pt], false),
+            });
+        }
+        rt
+    }
+}

@@ -1,0 +1,187 @@
+//! One whole comparison, as `kvdiff compare` runs it: the reference and every path on their
+//! backends, tolerances learned or given, and the report. The command line only turns flags
+//! into a `Request` and prints what comes back.
+
+use crate::compare::diff::Tolerance;
+use crate::compare::driver::CompareSpec;
+use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
+use crate::compare::target::{Backend, Target};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::model::Model;
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::tap::TapFilter;
+
+/// Reference taps one comparison pass may hold on the host; beyond it, taps are compared in
+/// layer groups.
+pub const HOST_MEMORY_BUDGET: usize = 1 << 30;
+
+/// How rows are judged.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Policy {
+    /// Learned per tap kind from an exact pair (see `tolerance.rs`).
+    Auto,
+    /// Any bit differs.
+    Exact,
+    Fixed {
+        atol: f32,
+        rtol: f32,
+    },
+}
+
+/// What to compare.
+pub struct Request<'a> {
+    /// The model on the CPU, with its tokenizer.
+    pub engine: &'a Engine,
+    /// The same model on the GPU, when a target runs there.
+    pub gpu_model: Option<&'a Model>,
+    pub prompt: &'a ChunkedPrompt,
+    /// How the prompt is named in the report.
+    pub prompt_label: String,
+    pub reference: Target,
+    pub targets: &'a [Target],
+    /// Where targets without `@BACKEND` run.
+    pub backend: Backend,
+    pub taps: &'a TapFilter,
+    pub policy: Policy,
+    pub max_new_tokens: usize,
+    /// Folder to dump every path's taps into.
+    pub dump: Option<&'a std::path::Path>,
+}
+
+impl Request<'_> {
+    fn model_on(&self, b: Backend) -> &Model {
+        match b {
+            Backend::Cpu => &self.engine.model,
+            Backend::Cuda => self.gpu_model.expect("the GPU model is loaded when used"),
+        }
+    }
+
+    fn uses_gpu(&self) -> bool {
+        std::iter::once(&self.reference)
+            .chain(self.targets)
+            .any(|t| t.on(self.backend) == Backend::Cuda)
+    }
+
+    /// Runs the reference against every target in lockstep and assembles the report.
+    pub fn run(&self) -> Result<Report> {
+        let eos = self.engine.eos_ids();
+        let ref_backend = self.reference.on(self.backend);
+        let ref_model = self.model_on(ref_backend);
+        let given = match self.policy {
+            Policy::Fixed { atol, rtol } => Tolerance::Fixed { atol, rtol },
+            Policy::Auto | Policy::Exact => Tolerance::Exact,
+        };
+        let spec = CompareSpec {
+            model: ref_model,
+            path_model: ref_model,
+            tokenizer: &self.engine.tokenizer,
+            prompt: self.prompt,
+            reference: self.reference.path,
+            taps: self.taps,
+            tolerance: &given,
+            max_new_tokens: self.max_new_tokens,
+            eos: &eos,
+            dump: self.dump,
+            // A GPU reference holds its taps in GPU memory: half of what is free there.
+            memory_budget: crate::cuda::gpu_of(ref_model)
+                .map_or(HOST_MEMORY_BUDGET, |g| g.memory().0 / 2),
+        };
+        let (same_tol, cross_tol) = self.tolerances(&spec, &given)?;
+        let paths = self
+            .targets
+            .iter()
+            .map(|t| {
+                let across = t.on(self.backend) != ref_backend;
+                let tolerance = match (&cross_tol, across) {
+                    (Some(c), true) => c,
+                    _ => &same_tol,
+                };
+                self.run_target(&spec, t, tolerance)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tolerance = ToleranceInfo::new(&same_tol);
+        tolerance.cross_backend = cross_tol.as_ref().map(ToleranceInfo::new).map(Box::new);
+        Ok(self.report(paths, tolerance))
+    }
+
+    /// The tolerance for pairs on the reference's backend, and for pairs across backends
+    /// (when there are any). Same-backend pairs learn from the reference backend's own noise;
+    /// pairs across backends from the CPU's emulation of bf16 rounding.
+    fn tolerances(
+        &self,
+        spec: &CompareSpec<'_>,
+        given: &Tolerance,
+    ) -> Result<(Tolerance, Option<Tolerance>)> {
+        if self.policy != Policy::Auto {
+            return Ok((given.clone(), None));
+        }
+        let ref_backend = self.reference.on(self.backend);
+        let cross = self
+            .targets
+            .iter()
+            .any(|t| t.on(self.backend) != ref_backend);
+        let same = spec.learn_auto()?;
+        let cross = match (cross, ref_backend) {
+            (false, _) => None,
+            (true, Backend::Cpu) => Some(spec.learn_auto_bf16()?),
+            (true, Backend::Cuda) => Some(
+                CompareSpec {
+                    model: &self.engine.model,
+                    path_model: &self.engine.model,
+                    ..*spec
+                }
+                .learn_auto_bf16()?,
+            ),
+        };
+        Ok((same, cross))
+    }
+
+    fn run_target(
+        &self,
+        spec: &CompareSpec<'_>,
+        t: &Target,
+        tolerance: &Tolerance,
+    ) -> Result<PathReport> {
+        let s = CompareSpec {
+            path_model: self.model_on(t.on(self.backend)),
+            tolerance,
+            ..*spec
+        };
+        let label = t.label(self.backend, self.uses_gpu());
+        s.run_with(
+            &label,
+            t.path.exact(),
+            t.path.decode_split(self.prompt),
+            |m, pr, store, sink| t.path.prefill(m, pr, store, sink),
+        )
+    }
+
+    fn report(&self, paths: Vec<PathReport>, tolerance: ToleranceInfo) -> Report {
+        let reference_tokens = paths
+            .first()
+            .map(|r| r.reference_tokens.clone())
+            .unwrap_or_default();
+        Report {
+            schema: SCHEMA,
+            model: self.engine.source.describe(),
+            prompt: self.prompt_label.clone(),
+            reference: self.reference.label(self.backend, self.uses_gpu()),
+            prompt_tokens: self.prompt.ids.len(),
+            chunks: self
+                .prompt
+                .chunks
+                .iter()
+                .map(|c| ChunkInfo {
+                    role: c.role,
+                    start: c.start,
+                    end: c.end,
+                })
+                .collect(),
+            reference_text: self.engine.tokenizer.decode(&reference_tokens, true),
+            reference_tokens,
+            tolerance,
+            paths,
+        }
+    }
+}

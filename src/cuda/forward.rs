@@ -1,0 +1,770 @@
+//! The Qwen3 forward pass on CUDA: the same stateless interface and taps as the CPU model,
+//! with bf16 weights on the device, f32 activations and accumulation, and bf16 GEMM inputs.
+//! A tap is copied to the host only when its sink asks for it.
+
+use std::any::Any;
+use std::cell::OnceCell;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{ptr, Arg, Gpu};
+use super::kv::CudaKv;
+use super::launch::{
+    launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
+};
+use super::taps::{offer_at, TapCtx};
+use super::upload::CudaModel;
+use super::workspace::{DecodeState, Workspace};
+use crate::engine::device::{DeviceLogits, DeviceModel};
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, StepLogits};
+use crate::tap::{emit, LayerTap, TapId, TapSink};
+
+/// What one pass's kernels and taps need besides the workspace.
+struct Pass<'a> {
+    /// Tokens, RoPE positions, key positions, base (`pass_meta`).
+    meta: Vec<i32>,
+    /// Each layer's key and value buffers.
+    kv_ptrs: Vec<(u64, u64)>,
+    split: usize,
+    taps: TapCtx<'a>,
+}
+
+/// How a cache's entries map to positions. Attention rows are over cache entries; when entry
+/// e holds position lead + e (a whole prompt, or one chunk's own cache) they are its columns
+/// from `lead` on and can stay on the GPU; otherwise the entries' positions are listed.
+struct EntryLayout {
+    lead: Option<usize>,
+    positions: Vec<usize>,
+}
+
+impl EntryLayout {
+    fn of(entries: &[usize]) -> Self {
+        let first = entries.first().copied().unwrap_or(0);
+        let contiguous = entries.iter().enumerate().all(|(e, &p)| p == first + e);
+        EntryLayout {
+            lead: contiguous.then_some(first),
+            positions: if contiguous {
+                Vec::new()
+            } else {
+                entries.to_vec()
+            },
+        }
+    }
+}
+
+/// A decode step's logits left in the cache's arena: `len` floats at device address `at`,
+/// valid until that cache's next pass, with their argmax at `pick`.
+struct CudaLogits {
+    /// Read from `pick` on first use when the step ran on the side stream.
+    argmax: OnceCell<u32>,
+    pick: u64,
+    at: u64,
+    len: usize,
+    gpu: Arc<Gpu>,
+}
+
+/// What the compare driver needs to diff two steps' logits where they are.
+pub struct LogitsOnGpu<'a> {
+    pub at: u64,
+    pub len: usize,
+    pub gpu: &'a Arc<Gpu>,
+}
+
+/// `logits` as GPU rows, when they were left on the GPU.
+pub fn logits_on_gpu(logits: &StepLogits) -> Option<LogitsOnGpu<'_>> {
+    let StepLogits::Device(d) = logits else {
+        return None;
+    };
+    let l = d.as_any().downcast_ref::<CudaLogits>()?;
+    Some(LogitsOnGpu {
+        at: l.at,
+        len: l.len,
+        gpu: &l.gpu,
+    })
+}
+
+impl DeviceLogits for CudaLogits {
+    fn argmax(&self) -> u32 {
+        *self
+            .argmax
+            .get_or_init(|| self.gpu.download_u32_on_side(self.pick))
+    }
+
+    fn into_host(self: Box<Self>) -> Vec<f32> {
+        self.gpu.download_rows(self.at, 1, self.len, self.len)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl DeviceModel for CudaModel {
+    fn backend(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn forward(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        CudaModel::forward(self, batch, cache, step, sink)
+    }
+
+    fn forward_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        CudaModel::forward_step(self, batch, cache, step, sink)
+    }
+
+    fn rerotate(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        CudaModel::rerotate(self, cache, delta, positions, sink)
+    }
+
+    fn decode_on_side_stream(&self, cache: &mut KvCache) {
+        if let Some(kv) = cache.device_mut::<CudaKv>() {
+            kv.side = true;
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl CudaModel {
+    /// Runs `batch`, appending its K/V to the cache's device copy (created from the host
+    /// entries if missing). Returns the last token's logits.
+    ///
+    /// A prefill works in buffers shared by all layers and offers each layer's taps before the
+    /// next layer overwrites them (or, when layer taps are wanted and memory allows, in a slot
+    /// per layer kept with the cache until its next pass). A decode step (one token) works in the cache's own arena,
+    /// one slot per layer, so its taps stay valid until the cache's next pass; its kernels are
+    /// captured once into a CUDA graph and replayed, the step's token and length read from
+    /// device memory.
+    pub fn forward(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        self.pass(batch, cache, step, sink, false).into_host()
+    }
+
+    /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
+    /// their argmax is read back.
+    pub fn forward_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        self.pass(batch, cache, step, sink, true)
+    }
+
+    fn pass(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+        keep_on_device: bool,
+    ) -> StepLogits {
+        let n = batch.tokens.len();
+        sink.begin_step(step, batch.tokens, batch.positions);
+        self.ensure_device_cache(cache, n);
+        let base = cache.len();
+        cache.positions.extend_from_slice(batch.positions);
+        let layout = EntryLayout::of(&cache.positions);
+        let kv = cache.device_mut::<CudaKv>().expect("device cache");
+        debug_assert_eq!(kv.len, base);
+        kv.reserve(n);
+        // The previous pass's taps are no longer promised (their diffs are already enqueued).
+        kv.last_pass = None;
+        let pass = Pass {
+            meta: self.pass_meta(batch, base),
+            kv_ptrs: (0..self.config.num_hidden_layers)
+                .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
+                .collect(),
+            split: batch.cascade_split,
+            taps: TapCtx {
+                step,
+                pos: batch.positions,
+                base,
+                lead: layout.lead,
+                entry_positions: &layout.positions,
+            },
+        };
+        let logits = if n == 1 {
+            self.decode_pass(kv, &pass, sink, keep_on_device)
+        } else {
+            StepLogits::Host(self.prefill_pass(kv, &pass, n, sink))
+        };
+        kv.len += n;
+        logits
+    }
+
+    /// Gives `cache` a device copy (from its host entries) with room for `n` more, if missing.
+    fn ensure_device_cache(&self, cache: &mut KvCache, n: usize) {
+        if cache.device_mut::<CudaKv>().is_none() {
+            let kv = CudaKv::upload(&self.gpu, cache, n);
+            cache.set_device(Box::new(kv));
+        }
+    }
+
+    /// The pass's inputs in one upload: tokens, RoPE positions, key positions, base.
+    fn pass_meta(&self, batch: Batch<'_>, base: usize) -> Vec<i32> {
+        let n = batch.tokens.len();
+        let mut meta: Vec<i32> = batch.tokens.iter().map(|&t| t as i32).collect();
+        meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
+        if self.fault_local_key_positions {
+            meta.extend(0..n as i32);
+        } else {
+            meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
+        }
+        meta.push(base as i32);
+        meta
+    }
+
+    /// A one-token pass in the cache's arena, captured once into a CUDA graph and replayed.
+    /// Its logits stay on the GPU when `keep_on_device` and no tap wants them.
+    fn decode_pass(
+        &self,
+        kv: &mut CudaKv,
+        pass: &Pass<'_>,
+        sink: &mut dyn TapSink,
+        keep_on_device: bool,
+    ) -> StepLogits {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let kernels = crate::support::timing::span("cuda decode: enqueue or replay");
+        let on_side = self.replay_decode(kv, pass);
+        let state = kv.decode.as_ref().expect("decode state");
+        drop(kernels);
+        let offered = crate::support::timing::span("cuda decode: taps offered");
+        let ws = &state.ws;
+        self.offer_all(sink, &pass.taps, ws);
+        drop(offered);
+        let step = pass.taps.step;
+        if keep_on_device && !sink.table().wants(TapId::Logits) {
+            // Before waiting: what the sink does at the end of a pass (booking earlier
+            // diffs) overlaps this one on the GPU.
+            sink.end_pass(step);
+            let _wait = crate::support::timing::span("cuda decode: argmax download (GPU wait)");
+            // A side-stream step's argmax is read when asked for, so that the caller can
+            // enqueue the next pass first.
+            let argmax = if on_side {
+                OnceCell::new()
+            } else {
+                OnceCell::from(g.download(&ws.pick, 1)[0])
+            };
+            return StepLogits::Device(Box::new(CudaLogits {
+                argmax,
+                pick: ptr(g, &ws.pick, 0),
+                at: ws.logits_ptr(g),
+                len: c.vocab_size,
+                gpu: self.gpu.clone(),
+            }));
+        }
+        let _wait = crate::support::timing::span("cuda decode: logits download (GPU wait)");
+        let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
+        emit(
+            sink,
+            step,
+            TapId::Logits,
+            pass.taps.pos,
+            &[1, c.vocab_size],
+            &logits,
+        );
+        sink.end_pass(step);
+        StepLogits::Host(logits)
+    }
+
+    /// Enqueues a decode step: the cache's graph replayed (captured first when the cache's
+    /// capacity, buffers or cascade split changed), or its kernels launched one by one when
+    /// graphs are off. Returns whether it runs on the side stream.
+    fn replay_decode(&self, kv: &mut CudaKv, pass: &Pass<'_>) -> bool {
+        let g = &*self.gpu;
+        let cap = kv.capacity();
+        let key = (cap, pass.split, pass.kv_ptrs[0].0);
+        let side = kv.side;
+        let state = match &mut kv.decode {
+            Some(s) if s.ws.probs_stride == cap => s,
+            slot => slot.insert(DecodeState {
+                ws: Workspace::new(g, &self.config, 1, cap, true),
+                graph: None,
+            }),
+        };
+        let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
+        let on_side = side && g.side_enabled() && !fresh;
+        if on_side {
+            let graph = &state.graph.as_ref().expect("captured").1;
+            g.replay_on_side(graph, &pass.meta, &mut state.ws.meta);
+            return true;
+        }
+        // A replay touches only this cache and its arena: it need not wait for the side
+        // stream (a reference's step), so the two run side by side.
+        let stream = if g.graphs() && !fresh {
+            g.stream_unjoined()
+        } else {
+            g.stream()
+        };
+        stream
+            .memcpy_htod(&pass.meta, &mut state.ws.meta)
+            .expect("CUDA upload");
+        let ws = &state.ws;
+        let run = || self.decode_kernels(ws, pass);
+        if !g.graphs() {
+            run();
+        } else if fresh {
+            state.graph = Some((key, g.capture(run)));
+            state.graph.as_ref().expect("captured").1.launch();
+        } else {
+            state.graph.as_ref().expect("captured").1.launch();
+        }
+        false
+    }
+
+    /// Every kernel of a decode step, ending in the argmax of its logits.
+    fn decode_kernels(&self, ws: &Workspace, pass: &Pass<'_>) {
+        let g = &*self.gpu;
+        self.embed_and_norm(ws, 1);
+        for (l, &kvp) in pass.kv_ptrs.iter().enumerate() {
+            self.layer(l, ws, kvp, pass.split);
+        }
+        self.lm_head(ws, 1, ws.logits_ptr(g));
+        g.launch(
+            "argmax",
+            1,
+            1024,
+            0,
+            &[
+                Arg::Ptr(ws.logits_ptr(g)),
+                Arg::I32(self.config.vocab_size as i32),
+                Arg::Ptr(ptr(g, &ws.pick, 0)),
+            ],
+        );
+    }
+
+    /// A pass of `n` > 1 tokens. It works in buffers shared by all layers and offers each
+    /// layer's taps before the next layer overwrites them, or, when layer taps are wanted and
+    /// memory allows, in a slot per layer kept with the cache until its next pass (a
+    /// comparing sink then diffs them all in one launch). Returns the last token's logits.
+    fn prefill_pass(
+        &self,
+        kv: &mut CudaKv,
+        pass: &Pass<'_>,
+        n: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let _span = crate::support::timing::span("cuda prefill pass (synchronous)");
+        let entries = pass.taps.base + n;
+        let per_layer = sink.table().wants_layers()
+            && Workspace::bytes(c, n, entries, true) <= (g.memory().0 / 8).min(2 << 30);
+        let ws_span = crate::support::timing::span("cuda prefill: workspace allocation");
+        let mut ws = Workspace::new(g, c, n, entries, per_layer);
+        ws.probs_wanted = (0..c.num_hidden_layers)
+            .any(|l| sink.table().wants(TapId::Layer(l, LayerTap::AttnProbs)));
+        drop(ws_span);
+        ws.meta = g.upload(&pass.meta);
+        self.embed_and_norm(&ws, n);
+        self.offer_outer(sink, &pass.taps, &ws, TapId::Embed);
+        for (l, &kvp) in pass.kv_ptrs.iter().enumerate() {
+            self.layer(l, &ws, kvp, pass.split);
+            self.offer_layer(sink, &pass.taps, &ws, l);
+        }
+        self.offer_outer(sink, &pass.taps, &ws, TapId::FinalNorm);
+        // The pass is enqueued: the sink's end-of-pass host work overlaps it.
+        sink.end_pass(pass.taps.step);
+        let logits = self.prefill_logits(&ws, n, pass, sink);
+        if per_layer {
+            kv.last_pass = Some(ws);
+        }
+        logits
+    }
+
+    /// A prefill's last-token logits; every position's when a tap wants them.
+    fn prefill_logits(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        pass: &Pass<'_>,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let g = &*self.gpu;
+        let vocab = self.config.vocab_size;
+        if sink.table().wants(TapId::Logits) {
+            let logits = g.alloc::<f32>(n * vocab);
+            self.lm_head(ws, n, ptr(g, &logits, 0));
+            let all = g.download(&logits, n * vocab);
+            let t = &pass.taps;
+            emit(sink, t.step, TapId::Logits, t.pos, &[n, vocab], &all);
+            all[(n - 1) * vocab..].to_vec()
+        } else {
+            let logits = g.alloc::<f32>(vocab);
+            self.lm_head_rows(ws, n - 1, 1, ptr(g, &logits, 0));
+            g.download(&logits, vocab)
+        }
+    }
+
+    /// Turns every key of `cache` by `delta` positions on the device and offers them as the
+    /// `k_rope` taps of `positions` (see `Model::rerotate`).
+    pub fn rerotate(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        if cache.device_mut::<CudaKv>().is_none() {
+            let kv = CudaKv::upload(&self.gpu, cache, 0);
+            cache.set_device(Box::new(kv));
+        }
+        let n = cache.len();
+        let kv = cache.device_mut::<CudaKv>().expect("device cache");
+        let keys: Vec<u64> = (0..c.num_hidden_layers).map(|l| kv.key_ptr(l)).collect();
+        let (kvh, hd) = (c.num_key_value_heads, c.head_dim);
+        for (l, &k) in keys.iter().enumerate() {
+            if n > 0 {
+                g.launch(
+                    "rotate_keys",
+                    (n * kvh) as u32,
+                    (hd / 2) as u32,
+                    0,
+                    &[
+                        Arg::Ptr(k),
+                        Arg::I32(0),
+                        Arg::I32(kvh as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(delta as i32),
+                        Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                    ],
+                );
+            }
+            let id = TapId::Layer(l, LayerTap::KRope);
+            offer_at(
+                sink,
+                0,
+                &self.gpu,
+                &self.device,
+                id,
+                positions,
+                &[n, kvh, hd],
+                k,
+                0,
+                false,
+            );
+        }
+        cache.device_edited();
+    }
+
+    /// Embedding gather and the first layer's input norm.
+    fn embed_and_norm(&self, ws: &Workspace, n: usize) {
+        let g = &*self.gpu;
+        let io = ws.io(g, 0);
+        g.launch(
+            "embed",
+            n as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(g, &self.embed, 0)),
+                Arg::Ptr(ws.meta_ptr(g, 0)),
+                Arg::Ptr(io.x_in),
+                Arg::I32(self.config.hidden_size as i32),
+            ],
+        );
+        if self.fused_decode(ws) {
+            // The first layer's projection normalises its input itself.
+            return;
+        }
+        self.add_norm(
+            n,
+            io.x_in,
+            0,
+            0,
+            ptr(g, &self.layers[0].input_norm, 0),
+            io.attn_norm,
+            ws.xn_bf(g),
+        );
+    }
+
+    /// `resid = x + add` (when `add` is not null) and its RMSNorm in f32 and bf16.
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm(&self, n: usize, x: u64, add: u64, resid: u64, w: u64, out: u64, out_bf: u64) {
+        let h = self.config.hidden_size;
+        self.gpu.launch(
+            "add_rms_norm",
+            n as u32,
+            256u32.min(h.next_power_of_two() as u32).max(32),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(add),
+                Arg::Ptr(resid),
+                Arg::Ptr(w),
+                Arg::Ptr(out),
+                Arg::Ptr(out_bf),
+                Arg::I32(h as i32),
+                Arg::F32(self.config.rms_norm_eps),
+            ],
+        );
+    }
+
+    /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
+    /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
+    fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = ws.n;
+        let io = ws.io(g, l);
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let qkvd = qd + 2 * kvd;
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        let rows = ws.rows;
+        let fused = self.fused_decode(ws);
+        let eps = c.rms_norm_eps;
+        if fused {
+            // The fused RMSNorm + QKV projection.
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.x_in,
+                    norm_w: pb(&w.input_norm),
+                    eps,
+                    w: pb(&w.qkv),
+                    out: io.qkv,
+                    k: h,
+                    m: qkvd,
+                    norm_out: io.attn_norm,
+                    swiglu: false,
+                },
+            );
+        } else {
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
+        }
+        g.launch(
+            "qk_norm_rope",
+            (n * (heads + kvh)) as u32,
+            hd as u32,
+            (hd * 4) as u32,
+            &[
+                Arg::Ptr(io.qkv),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::Ptr(pb(&w.q_norm)),
+                Arg::Ptr(pb(&w.k_norm)),
+                Arg::Ptr(ws.meta_ptr(g, n)),
+                Arg::I32(n as i32),
+                Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                Arg::Ptr(io.q_n),
+                Arg::Ptr(io.q_r),
+                Arg::Ptr(io.k_n),
+                Arg::Ptr(io.k_r),
+                Arg::Ptr(kvp.0),
+                Arg::Ptr(kvp.1),
+                Arg::F32(c.rms_norm_eps),
+            ],
+        );
+        let base_ptr = ws.meta_ptr(g, 3 * n);
+        launch_attention(
+            g,
+            &Attention {
+                n,
+                q: io.q_r,
+                keys: kvp.0,
+                values: kvp.1,
+                probs: io.probs,
+                stride: ws.probs_stride,
+                part: io.part,
+                chunks: ws.chunks,
+                counters: ptr(g, &ws.counters, 0),
+                out: io.attn,
+                out_bf: ws.attn_bf(g),
+                meta: base_ptr,
+                split,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                prefill: PrefillAttention::for_head_dim(hd),
+                write_probs: ws.probs_wanted,
+            },
+        );
+        if fused {
+            launch_gemv_add(g, ws.attn_bf(g), pb(&w.o), io.o, qd, h, io.x_in, io.mid);
+            // The fused RMSNorm + gate/up projection + SwiGLU.
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.mid,
+                    norm_w: pb(&w.post_norm),
+                    eps,
+                    w: pb(&w.gate_up),
+                    out: ws.act_bf(g),
+                    k: h,
+                    m: inter,
+                    norm_out: io.mlp_norm,
+                    swiglu: true,
+                },
+            );
+            if l + 1 < self.layers.len() {
+                // The next layer's projection normalises this layer's output.
+                launch_gemv_add(
+                    g,
+                    ws.act_bf(g),
+                    pb(&w.down),
+                    io.mlp,
+                    inter,
+                    h,
+                    io.mid,
+                    io.x_out,
+                );
+                return;
+            }
+        } else {
+            self.project_add_norm(
+                ws,
+                ws.attn_bf(g),
+                pb(&w.o),
+                io.o,
+                qd,
+                io.x_in,
+                io.mid,
+                pb(&w.post_norm),
+                io.mlp_norm,
+            );
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, rows, h, 2 * inter);
+            g.launch(
+                "swiglu",
+                (n * inter).div_ceil(256) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(io.gu),
+                    Arg::Ptr(ws.act_bf(g)),
+                    Arg::I32(inter as i32),
+                    Arg::I32(n as i32),
+                ],
+            );
+        }
+        // The residual leaving this layer, normed for the next one (or the final norm).
+        let next_norm = self
+            .layers
+            .get(l + 1)
+            .map_or(&self.norm, |nl| &nl.input_norm);
+        self.project_add_norm(
+            ws,
+            ws.act_bf(g),
+            pb(&w.down),
+            io.mlp,
+            inter,
+            io.mid,
+            io.x_out,
+            pb(next_norm),
+            io.norm_out,
+        );
+    }
+
+    /// Whether a pass runs the fused decode kernels: one token, and every projection's input
+    /// a whole number of 16-byte vectors.
+    fn fused_decode(&self, ws: &Workspace) -> bool {
+        let c = &self.config;
+        ws.rows == 1
+            && [c.hidden_size, c.q_dim(), c.intermediate_size]
+                .iter()
+                .all(|k| k % 8 == 0)
+    }
+
+    /// `y = x · wᵀ` (k inputs, hidden outputs), then `resid_out = resid + y` and its RMSNorm
+    /// into `out` and the bf16 GEMM input: one fused launch for a decode step.
+    #[allow(clippy::too_many_arguments)]
+    fn project_add_norm(
+        &self,
+        ws: &Workspace,
+        x: u64,
+        w: u64,
+        y: u64,
+        k: usize,
+        resid: u64,
+        resid_out: u64,
+        norm_w: u64,
+        out: u64,
+    ) {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        if ws.rows == 1 && k % 8 == 0 && (x | w) % 16 == 0 {
+            g.launch(
+                "gemv_add_norm_bf16",
+                h.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w),
+                    Arg::Ptr(y),
+                    Arg::I32(k as i32),
+                    Arg::I32(h as i32),
+                    Arg::Ptr(resid),
+                    Arg::Ptr(resid_out),
+                    Arg::Ptr(norm_w),
+                    Arg::Ptr(out),
+                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::F32(self.config.rms_norm_eps),
+                    Arg::Ptr(ptr(g, &ws.counters, self.config.num_attention_heads)),
+                ],
+            );
+            return;
+        }
+        g.gemm_bf16(x, w, y, ws.rows, k, h);
+        self.add_norm(ws.n, resid, y, resid_out, norm_w, out, ws.xn_bf(g));
+    }
+
+    /// Logits of every row of the batch into `out` ([n, vocab]).
+    fn lm_head(&self, ws: &Workspace, n: usize, out: u64) {
+        self.lm_head_rows(ws, 0, n, out);
+    }
+
+    /// Logits of rows `first..first + count` (their final-norm bf16 rows are in `xn_bf`).
+    fn lm_head_rows(&self, ws: &Workspace, first: usize, count: usize, out: u64) {
+        let g = &*self.gpu;
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        g.gemm_bf16(
+            ws.xn_bf(g) + (first * h * 2) as u64,
+            ptr(g, head, 0),
+            out,
+            count,
+            h,
+            vocab,
+        );
+    }
+}

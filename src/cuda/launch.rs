@@ -1,0 +1,227 @@
+//! Launch wrappers shared by the forward pass and the kernel tests, so both run one launch
+//! geometry: attention (prefill tiled or per query, decode split over the keys) and the fused
+//! decode GEMVs. The constants mirror those of kernels/*.cu.
+
+use super::gpu::{Arg, Gpu};
+
+/// Keys per block of the split decode attention, and its threads per block
+/// (`DECODE_CHUNK`, `DECODE_THREADS` in kernels/attention.cu).
+pub(crate) const DECODE_CHUNK: usize = 64;
+pub(crate) const DECODE_THREADS: u32 = 256;
+
+/// One attention call: `n` queries (rotated, `[n, heads, head_dim]`) over a layer's cache.
+pub(crate) struct Attention {
+    pub n: usize,
+    pub q: u64,
+    pub keys: u64,
+    pub values: u64,
+    /// `[n, heads, stride]`.
+    pub probs: u64,
+    pub stride: usize,
+    /// Decode only: `[heads, chunks, head_dim + 2]` partial results, and `heads` zeroed
+    /// counters of finished chunks.
+    pub part: u64,
+    pub chunks: usize,
+    pub counters: u64,
+    pub out: u64,
+    pub out_bf: u64,
+    /// Device address of base (the cache length before these queries).
+    pub meta: u64,
+    pub split: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Prefill only: which kernel, and whether it must write `probs` (the per-query kernel
+    /// always does: they are its scratch).
+    pub prefill: PrefillAttention,
+    pub write_probs: bool,
+}
+
+/// The prefill attention kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// `attention_tiled`: key tiles in shared memory, shared by a tile of queries.
+    Tiled,
+    /// `attention`: one block per (query, head); any head_dim.
+    PerQuery,
+}
+
+impl PrefillAttention {
+    /// The tiled kernel where it applies (head_dim a multiple of 4, at most 128).
+    pub fn for_head_dim(head_dim: usize) -> Self {
+        if head_dim % 4 == 0 && head_dim <= 128 {
+            PrefillAttention::Tiled
+        } else {
+            PrefillAttention::PerQuery
+        }
+    }
+}
+
+/// `TILE_THREADS`, `TILE_Q`, `TILE_K` and `TILE_SHARED` of kernels/attention.cu.
+const TILE_THREADS: u32 = 128;
+const TILE_Q: usize = 16;
+const TILE_K: usize = 32;
+fn tile_shared_bytes(head_dim: usize) -> u32 {
+    (((TILE_Q + TILE_K) * (head_dim + 1) + TILE_K * head_dim + 2 * TILE_Q * TILE_K) * 4) as u32
+}
+
+/// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
+/// over the keys, for a single query, whose one block per head would leave most of the GPU
+/// idle.
+pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
+    let scale = 1.0 / (a.head_dim as f32).sqrt();
+    if a.n == 1 {
+        let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
+            .max(a.chunks + 2 * a.head_dim)
+            * 4;
+        g.launch(
+            "attention_decode",
+            (a.heads * a.chunks) as u32,
+            DECODE_THREADS,
+            shared as u32,
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.keys),
+                Arg::Ptr(a.values),
+                Arg::Ptr(a.probs),
+                Arg::Ptr(a.part),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.counters),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.heads as i32),
+                Arg::I32(a.kv_heads as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
+                Arg::I32(a.chunks as i32),
+                Arg::F32(scale),
+            ],
+        );
+        return;
+    }
+    if a.prefill == PrefillAttention::Tiled {
+        g.launch(
+            "attention_tiled",
+            (a.n.div_ceil(TILE_Q) * a.heads) as u32,
+            TILE_THREADS,
+            tile_shared_bytes(a.head_dim),
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.keys),
+                Arg::Ptr(a.values),
+                Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.n as i32),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.heads as i32),
+                Arg::I32(a.kv_heads as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
+                Arg::F32(scale),
+            ],
+        );
+        return;
+    }
+    let block = attention_block(a.n * a.heads, a.head_dim);
+    g.launch(
+        "attention",
+        (a.n * a.heads) as u32,
+        block,
+        (a.head_dim as u32 + block) * 4,
+        &[
+            Arg::Ptr(a.q),
+            Arg::Ptr(a.keys),
+            Arg::Ptr(a.values),
+            Arg::Ptr(a.probs),
+            Arg::Ptr(a.out),
+            Arg::Ptr(a.out_bf),
+            Arg::Ptr(a.meta),
+            Arg::I32(a.split as i32),
+            Arg::I32(a.heads as i32),
+            Arg::I32(a.kv_heads as i32),
+            Arg::I32(a.head_dim as i32),
+            Arg::I32(a.stride as i32),
+            Arg::F32(scale),
+        ],
+    );
+}
+
+/// A decode step's `y = x · wᵀ` (`[m, k]` bf16 weights, k bf16 inputs) and `resid_out = resid
+/// + y`, row by row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_gemv_add(
+    g: &Gpu,
+    x: u64,
+    w: u64,
+    y: u64,
+    k: usize,
+    m: usize,
+    resid: u64,
+    resid_out: u64,
+) {
+    g.launch(
+        "gemv_add_bf16",
+        m.div_ceil(8) as u32,
+        256,
+        0,
+        &[
+            Arg::Ptr(x),
+            Arg::Ptr(w),
+            Arg::Ptr(y),
+            Arg::I32(k as i32),
+            Arg::I32(m as i32),
+            Arg::Ptr(resid),
+            Arg::Ptr(resid_out),
+        ],
+    );
+}
+
+/// A fused RMSNorm + projection of a decode step (`kernels/gemv.cu`).
+pub(crate) struct GemvNorm {
+    /// The residual row (k f32) and the norm's bf16 weight.
+    pub resid: u64,
+    pub norm_w: u64,
+    pub eps: f32,
+    /// `[m, k]` bf16, or gate over up (`[2m, k]`) with `swiglu`.
+    pub w: u64,
+    /// m f32 outputs, or with `swiglu` m bf16 ones.
+    pub out: u64,
+    pub k: usize,
+    pub m: usize,
+    /// The f32 normalised row (the norm's tap).
+    pub norm_out: u64,
+    pub swiglu: bool,
+}
+
+pub(crate) fn launch_gemv_norm(g: &Gpu, a: &GemvNorm) {
+    g.launch(
+        if a.swiglu {
+            "gemv_norm_swiglu_bf16"
+        } else {
+            "gemv_norm_bf16"
+        },
+        a.m.div_ceil(8) as u32,
+        256,
+        (a.k * 2) as u32,
+        &[
+            Arg::Ptr(a.resid),
+            Arg::Ptr(a.norm_w),
+            Arg::F32(a.eps),
+            Arg::Ptr(a.w),
+            Arg::Ptr(a.out),
+            Arg::I32(a.k as i32),
+            Arg::I32(a.m as i32),
+            Arg::Ptr(a.norm_out),
+        ],
+    );
+}
+
+/// Threads per attention block: few blocks (decode) get 1024 threads so one block's keys are
+/// spread over many warps; many blocks (prefill) get 256. At least one head's width.
+pub(crate) fn attention_block(blocks: usize, head_dim: usize) -> u32 {
+    let t = if blocks < 264 { 1024 } else { 256 };
+    t.max(head_dim as u32)
+}

@@ -1,0 +1,203 @@
+//! Offering a pass's GPU buffers as taps: to a sink that keeps or compares them on the GPU
+//! by address, or else downloaded and emitted as host taps.
+
+use std::sync::Arc;
+
+use super::gpu::Gpu;
+use super::upload::CudaModel;
+use super::workspace::Workspace;
+use crate::tap::{emit, scatter_by_position, Device, DeviceTap, LayerTap, TapId, TapSink};
+
+/// What every tap of a pass shares.
+pub(super) struct TapCtx<'a> {
+    pub(super) step: usize,
+    pub(super) pos: &'a [usize],
+    pub(super) base: usize,
+    /// Some(p) when cache entry e holds position p + e; else the entries' positions are in
+    /// `entry_positions`.
+    pub(super) lead: Option<usize>,
+    pub(super) entry_positions: &'a [usize],
+}
+
+impl CudaModel {
+    /// Offers every tap of a pass whose buffers all still hold their values (a decode step's
+    /// arena), in forward order.
+    pub(super) fn offer_all(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace) {
+        self.offer_outer(sink, t, ws, TapId::Embed);
+        for l in 0..self.config.num_hidden_layers {
+            self.offer_layer(sink, t, ws, l);
+        }
+        self.offer_outer(sink, t, ws, TapId::FinalNorm);
+    }
+
+    /// Offers `embed` (the first layer's input) or `final_norm`.
+    pub(super) fn offer_outer(
+        &self,
+        sink: &mut dyn TapSink,
+        t: &TapCtx<'_>,
+        ws: &Workspace,
+        id: TapId,
+    ) {
+        let g = &self.gpu;
+        let last = ws.io(g, self.config.num_hidden_layers - 1);
+        let at = match id {
+            TapId::Embed => ws.io(g, 0).x_in,
+            _ => last.norm_out,
+        };
+        offer(
+            sink,
+            t,
+            ws,
+            (g, &self.device),
+            id,
+            &[ws.n, self.config.hidden_size],
+            at,
+            0,
+        );
+    }
+
+    /// Offers one layer's taps, in forward order, from the buffers it wrote.
+    pub(super) fn offer_layer(
+        &self,
+        sink: &mut dyn TapSink,
+        t: &TapCtx<'_>,
+        ws: &Workspace,
+        l: usize,
+    ) {
+        let g = &self.gpu;
+        let c = &self.config;
+        let io = ws.io(g, l);
+        let n = ws.n;
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let tap = |x| TapId::Layer(l, x);
+        let o = |sink: &mut dyn TapSink, x, shape: &[usize], at, stride| {
+            offer(sink, t, ws, (g, &self.device), tap(x), shape, at, stride)
+        };
+        o(sink, LayerTap::ResidIn, &[n, h], io.x_in, 0);
+        o(sink, LayerTap::AttnNorm, &[n, h], io.attn_norm, 0);
+        o(sink, LayerTap::Q, &[n, heads, hd], io.q_n, 0);
+        o(sink, LayerTap::K, &[n, kvh, hd], io.k_n, 0);
+        let v = io.qkv + ((qd + kvd) * 4) as u64;
+        o(sink, LayerTap::V, &[n, kvh, hd], v, qd + 2 * kvd);
+        o(sink, LayerTap::QRope, &[n, heads, hd], io.q_r, 0);
+        o(sink, LayerTap::KRope, &[n, kvh, hd], io.k_r, 0);
+        self.offer_probs(sink, t, ws, l);
+        o(sink, LayerTap::AttnOut, &[n, qd], io.attn, 0);
+        o(sink, LayerTap::OProj, &[n, h], io.o, 0);
+        o(sink, LayerTap::ResidMid, &[n, h], io.mid, 0);
+        o(sink, LayerTap::MlpNorm, &[n, h], io.mlp_norm, 0);
+        o(sink, LayerTap::MlpOut, &[n, h], io.mlp, 0);
+        o(sink, LayerTap::ResidOut, &[n, h], io.x_out, 0);
+    }
+
+    /// Offers one layer's attention probabilities: on the GPU when the cache's entries are
+    /// consecutive positions (columns from `lead` on), else scattered to their positions on
+    /// the host.
+    fn offer_probs(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, l: usize) {
+        let g = &self.gpu;
+        let (n, heads) = (ws.n, self.config.num_attention_heads);
+        let io = ws.io(g, l);
+        let id = TapId::Layer(l, LayerTap::AttnProbs);
+        if sink.table().wants(id) {
+            let span = t.base + n;
+            let probs = DeviceTap {
+                id,
+                positions: t.pos,
+                device: &self.device,
+                ptr: io.probs,
+                rows: n * heads,
+                width: span,
+                stride: ws.probs_stride,
+                rows_per_token: heads,
+                lead: t.lead.unwrap_or(0),
+                persistent: ws.per_layer,
+                shape: vec![n, heads, span],
+            };
+            if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
+                let rows = g.download_rows(io.probs, n * heads, span, ws.probs_stride);
+                let positions = match t.lead {
+                    Some(first) => (first..first + span).collect(),
+                    None => t.entry_positions.to_vec(),
+                };
+                let width = positions.iter().max().map_or(0, |m| m + 1);
+                let mut out = vec![0f32; n * heads * width];
+                for (r, row) in rows.chunks_exact(span).enumerate() {
+                    scatter_by_position(&mut out[r * width..(r + 1) * width], row, &positions);
+                }
+                emit(sink, t.step, id, t.pos, &[n, heads, width], &out);
+            }
+        }
+    }
+}
+
+/// Offers a pass's GPU buffer as a tap (one row per position, `stride` apart, 0: contiguous).
+#[allow(clippy::too_many_arguments)]
+fn offer(
+    sink: &mut dyn TapSink,
+    t: &TapCtx<'_>,
+    ws: &Workspace,
+    (gpu, device): (&Arc<Gpu>, &Device),
+    id: TapId,
+    shape: &[usize],
+    at: u64,
+    stride: usize,
+) {
+    offer_at(
+        sink,
+        t.step,
+        gpu,
+        device,
+        id,
+        t.pos,
+        shape,
+        at,
+        stride,
+        ws.per_layer,
+    );
+}
+
+/// Offers a GPU buffer as a tap: kept or compared on the GPU if the sink can, else copied to
+/// the host.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn offer_at(
+    sink: &mut dyn TapSink,
+    step: usize,
+    gpu: &Arc<Gpu>,
+    device: &Device,
+    id: TapId,
+    positions: &[usize],
+    shape: &[usize],
+    at: u64,
+    stride: usize,
+    persistent: bool,
+) {
+    if !sink.table().wants(id) {
+        return;
+    }
+    let rows = positions.len();
+    let width: usize = shape[1..].iter().product();
+    let stride = if stride == 0 { width } else { stride };
+    let tap = DeviceTap {
+        id,
+        positions,
+        device,
+        ptr: at,
+        rows,
+        width,
+        stride,
+        rows_per_token: 1,
+        lead: 0,
+        persistent,
+        shape: shape.to_vec(),
+    };
+    if !sink.record_device(step, &tap) {
+        let data = gpu.download_rows(at, rows, width, stride);
+        emit(sink, step, id, positions, shape, &data);
+    }
+}

@@ -1,0 +1,181 @@
+//! The model's weights on the GPU: uploaded once as bf16 (q/k/v and gate/up stacked so each
+//! is one GEMM), checked against the free memory first, and every GEMM shape run once so
+//! cuBLAS has chosen its kernels before the first pass.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use super::gpu::{ptr, Gpu};
+use super::workspace::WARM_ROWS;
+use crate::engine::config::Config;
+use crate::engine::model::{HostWeights, Model};
+use crate::error::{Error, Result};
+use crate::tap::Device;
+
+pub(super) struct Layer {
+    pub(super) input_norm: CudaSlice<u16>,
+    pub(super) post_norm: CudaSlice<u16>,
+    pub(super) q_norm: CudaSlice<u16>,
+    pub(super) k_norm: CudaSlice<u16>,
+    /// q_proj, k_proj, v_proj stacked: `[q_dim + 2·kv_dim, hidden]`.
+    pub(super) qkv: CudaSlice<u16>,
+    pub(super) o: CudaSlice<u16>,
+    /// gate_proj over up_proj: `[2·intermediate, hidden]`.
+    pub(super) gate_up: CudaSlice<u16>,
+    pub(super) down: CudaSlice<u16>,
+}
+
+pub struct CudaModel {
+    pub gpu: Arc<Gpu>,
+    /// `gpu` as the opaque device taps carry.
+    pub(super) device: Device,
+    pub(super) config: Config,
+    pub(super) embed: CudaSlice<u16>,
+    pub(super) lm_head: Option<CudaSlice<u16>>,
+    pub(super) norm: CudaSlice<u16>,
+    pub(super) layers: Vec<Layer>,
+    pub(super) inv_freq: CudaSlice<f32>,
+    /// A deliberate bug for kvdiff's own self-test (`KVDIFF_CUDA_FAULT=local-key-positions`):
+    /// keys are rotated at batch-local positions 0..n, the classic chunk-prefill mistake. Every
+    /// kernel stays right in isolation; only the wiring to the cache is wrong.
+    pub(super) fault_local_key_positions: bool,
+}
+
+/// The same model with its forward pass on the GPU (weights in bf16). Fails with a one-line
+/// error where CUDA is unavailable or the weights do not fit.
+pub fn to_cuda(model: &Model) -> Result<Model> {
+    if model.device().is_some() {
+        return Err(Error::Internal("model is already on a device".into()));
+    }
+    let gpu = Gpu::open()?;
+    let cm = CudaModel::upload(gpu, &model.config, &model.host_weights())?;
+    Ok(Model::on_device(model.config.clone(), Arc::new(cm)))
+}
+
+/// The GPU `model` runs on, if it runs on one.
+pub fn gpu_of(model: &Model) -> Option<&Arc<Gpu>> {
+    model
+        .device()
+        .and_then(|d| d.as_any().downcast_ref::<CudaModel>())
+        .map(|m| &m.gpu)
+}
+
+fn to_bf16_bits(parts: &[&[f32]]) -> Vec<u16> {
+    parts
+        .iter()
+        .flat_map(|p| p.iter().map(|&x| bf16::from_f32(x).to_bits()))
+        .collect()
+}
+
+/// Bytes the model's weights take on the device (bf16).
+pub fn weight_bytes(c: &Config) -> u64 {
+    let (h, i, v) = (
+        c.hidden_size as u64,
+        c.intermediate_size as u64,
+        c.vocab_size as u64,
+    );
+    let (qd, kvd, hd) = (c.q_dim() as u64, c.kv_dim() as u64, c.head_dim as u64);
+    let per_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h + 2 * h + 2 * hd;
+    let head = if c.tie_word_embeddings { 0 } else { v * h };
+    2 * (v * h + head + h + per_layer * c.num_hidden_layers as u64)
+}
+
+impl CudaModel {
+    /// Uploads the weights as bf16, failing before any allocation if they cannot fit.
+    pub(crate) fn upload(gpu: Arc<Gpu>, config: &Config, w: &HostWeights<'_>) -> Result<Self> {
+        if config.head_dim > 1024 {
+            return Err(Error::usage(
+                "--backend cuda",
+                format!(
+                    "head_dim {} is above the 1024 the CUDA kernels handle",
+                    config.head_dim
+                ),
+                "use --backend cpu for this model",
+            ));
+        }
+        let need = weight_bytes(config);
+        let (free, _) = gpu.memory();
+        // Room for activations and caches on top of the weights.
+        let headroom = 512u64 << 20;
+        if need + headroom > free as u64 {
+            return Err(Error::usage(
+                "--backend cuda",
+                format!(
+                    "the weights need {} in bf16 (plus {} of working memory) but {} has {} free",
+                    crate::support::resources::human(need),
+                    crate::support::resources::human(headroom),
+                    gpu.name,
+                    crate::support::resources::human(free as u64)
+                ),
+                "free GPU memory, use a smaller model, or use --backend cpu",
+            ));
+        }
+        let up = |parts: &[&[f32]]| gpu.upload(&to_bf16_bits(parts));
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| Layer {
+                input_norm: up(&[&l.input_layernorm]),
+                post_norm: up(&[&l.post_attention_layernorm]),
+                q_norm: up(&[&l.q_norm]),
+                k_norm: up(&[&l.k_norm]),
+                qkv: up(&[&l.q_proj, &l.k_proj, &l.v_proj]),
+                o: up(&[&l.o_proj]),
+                gate_up: up(&[&l.gate_proj, &l.up_proj]),
+                down: up(&[&l.down_proj]),
+            })
+            .collect();
+        let half = config.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                1.0 / (config
+                    .rope_theta
+                    .powf((2 * i) as f64 / config.head_dim as f64)) as f32
+            })
+            .collect();
+        let model = CudaModel {
+            embed: up(&[w.embed_tokens]),
+            lm_head: w.lm_head.map(|h| up(&[h])),
+            norm: up(&[w.norm]),
+            inv_freq: gpu.upload(&inv_freq),
+            fault_local_key_positions: std::env::var("KVDIFF_CUDA_FAULT").as_deref()
+                == Ok("local-key-positions"),
+            layers,
+            config: config.clone(),
+            device: gpu.clone(),
+            gpu,
+        };
+        model.warm_up();
+        Ok(model)
+    }
+
+    /// Runs every layer GEMM shape once per row count of `WARM_ROWS`: cuBLAS picks and loads
+    /// a kernel the first time it meets a shape (milliseconds each), which belongs with
+    /// loading the model rather than inside the first passes of a run.
+    fn warm_up(&self) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let Some(w) = self.layers.first() else {
+            return;
+        };
+        let rows = WARM_ROWS[WARM_ROWS.len() - 1];
+        let widest = h.max(qd).max(inter);
+        let x = g.zeros::<u16>(rows * widest);
+        let y = g.alloc::<f32>(rows * (qd + 2 * kvd).max(2 * inter).max(h));
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        for &n in &WARM_ROWS {
+            for (weights, k, m) in [
+                (&w.qkv, h, qd + 2 * kvd),
+                (&w.o, qd, h),
+                (&w.gate_up, h, 2 * inter),
+                (&w.down, inter, h),
+            ] {
+                g.gemm_bf16(pb(&x), pb(weights), ptr(g, &y, 0), n, k, m);
+            }
+        }
+        g.sync();
+    }
+}

@@ -1,0 +1,263 @@
+//! The memory of a forward pass: every activation of a pass in one f32 allocation plus its
+//! bf16 GEMM inputs, laid out per layer or shared by all layers, and a decode step's arena
+//! with its captured graph, kept with the cache it belongs to.
+
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{ptr, Gpu, Graph};
+use super::launch::DECODE_CHUNK;
+use crate::engine::config::Config;
+
+/// A decode step's arena and its captured graph, kept with the cache they belong to.
+pub struct DecodeState {
+    pub(super) ws: Workspace,
+    /// The graph and what it was captured for: (KV capacity, cascade split, first key buffer).
+    pub(super) graph: Option<((usize, usize, u64), Graph)>,
+}
+
+/// Device addresses one layer reads and writes.
+pub(super) struct LayerIo {
+    pub(super) x_in: u64,
+    pub(super) attn_norm: u64,
+    pub(super) qkv: u64,
+    pub(super) q_n: u64,
+    pub(super) q_r: u64,
+    pub(super) k_n: u64,
+    pub(super) k_r: u64,
+    pub(super) probs: u64,
+    pub(super) part: u64,
+    pub(super) attn: u64,
+    pub(super) o: u64,
+    pub(super) mid: u64,
+    pub(super) mlp_norm: u64,
+    pub(super) gu: u64,
+    pub(super) mlp: u64,
+    pub(super) x_out: u64,
+    pub(super) norm_out: u64,
+}
+
+/// The buffers of one forward pass, in one f32 allocation. The residual stream and its norms
+/// have a slot per layer boundary (`per_layer`: slots 0..=layers) or two used in turn; every
+/// other activation has one block per layer or one block shared by all layers.
+pub(crate) struct Workspace {
+    pub(super) f: CudaSlice<f32>,
+    pub(super) bf: CudaSlice<u16>,
+    /// Tokens, RoPE positions, key positions (n each), then base.
+    pub(super) meta: CudaSlice<i32>,
+    /// Per head, decode attention's count of finished chunks, then the fused GEMV's count of
+    /// finished blocks (all zero between launches).
+    pub(super) counters: CudaSlice<u32>,
+    /// A decode step's argmax of its logits.
+    pub(super) pick: CudaSlice<u32>,
+    /// Whether a tap wants attention probabilities (kernels that need no scratch skip them).
+    pub(super) probs_wanted: bool,
+    pub(super) n: usize,
+    /// Rows every buffer has room for (GEMMs run over all of them).
+    pub(super) rows: usize,
+    pub(super) per_layer: bool,
+    pub(super) probs_stride: usize,
+    pub(super) chunks: usize,
+    /// Offsets (in floats) of the residual slots, the norm slots, the layer blocks, and the
+    /// decode logits; block lengths.
+    pub(super) xs: usize,
+    pub(super) ns: usize,
+    pub(super) body: usize,
+    pub(super) body_len: usize,
+    pub(super) logits: usize,
+    pub(super) shape: Shape,
+}
+
+/// A workspace's sizes and offsets (see `Workspace`).
+struct Layout {
+    total: usize,
+    rows: usize,
+    chunks: usize,
+    xs: usize,
+    ns: usize,
+    body: usize,
+    body_len: usize,
+    logits: usize,
+    shape: Shape,
+}
+
+#[derive(Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) h: usize,
+    pub(super) qd: usize,
+    pub(super) kvd: usize,
+    pub(super) heads: usize,
+    pub(super) hd: usize,
+    pub(super) inter: usize,
+}
+
+impl Workspace {
+    /// Bytes `new` allocates.
+    pub(super) fn bytes(c: &Config, n: usize, entries: usize, per_layer: bool) -> usize {
+        let w = Self::layout(c, n, entries, per_layer);
+        4 * w.total + 2 * w.rows * (c.hidden_size + c.q_dim() + c.intermediate_size)
+    }
+
+    /// Buffers for `n` tokens over at most `entries` cache entries; GEMMs run over
+    /// `gemm_rows(n)` rows (the rows past n are scratch).
+    pub(super) fn new(g: &Gpu, c: &Config, n: usize, entries: usize, per_layer: bool) -> Workspace {
+        let w = Self::layout(c, n, entries, per_layer);
+        let Shape { h, qd, inter, .. } = w.shape;
+        Workspace {
+            f: g.alloc::<f32>(w.total),
+            bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
+            meta: g.alloc::<i32>(3 * n + 1),
+            counters: g.zeros::<u32>(w.shape.heads + 1),
+            pick: g.zeros::<u32>(1),
+            probs_wanted: true,
+            n,
+            rows: w.rows,
+            per_layer,
+            probs_stride: entries,
+            chunks: w.chunks,
+            xs: w.xs,
+            ns: w.ns,
+            body: w.body,
+            body_len: w.body_len,
+            logits: w.logits,
+            shape: w.shape,
+        }
+    }
+
+    /// Sizes and offsets, with empty buffers.
+    fn layout(c: &Config, n: usize, entries: usize, per_layer: bool) -> Layout {
+        let rows = gemm_rows(n);
+        let shape = Shape {
+            h: c.hidden_size,
+            qd: c.q_dim(),
+            kvd: c.kv_dim(),
+            heads: c.num_attention_heads,
+            hd: c.head_dim,
+            inter: c.intermediate_size,
+        };
+        let Shape {
+            h,
+            qd,
+            kvd,
+            heads,
+            hd,
+            inter,
+        } = shape;
+        let layers = c.num_hidden_layers;
+        let chunks = if n == 1 {
+            entries.div_ceil(DECODE_CHUNK) + 1
+        } else {
+            0
+        };
+        let slots = if per_layer { layers + 1 } else { 2 };
+        let body_len = rows
+            * (qd + 2 * kvd + 2 * qd + 2 * kvd + heads * entries + qd + 4 * h + 2 * inter)
+            + heads * chunks * (hd + 2);
+        let copies = if per_layer { layers } else { 1 };
+        let xs = 0;
+        let ns = xs + slots * rows * h;
+        let body = ns + slots * rows * h;
+        let logits = body + copies * body_len;
+        Layout {
+            // A decode step keeps its logits in the arena too.
+            total: logits + if n == 1 { c.vocab_size } else { 0 },
+            rows,
+            chunks,
+            xs,
+            ns,
+            body,
+            body_len,
+            logits,
+            shape,
+        }
+    }
+
+    pub(super) fn io(&self, g: &Gpu, l: usize) -> LayerIo {
+        let Shape {
+            h,
+            qd,
+            kvd,
+            heads,
+            inter,
+            ..
+        } = self.shape;
+        let n = self.rows;
+        let at = |floats: usize| ptr(g, &self.f, floats);
+        let (slot_in, slot_out) = if self.per_layer {
+            (l, l + 1)
+        } else {
+            (l % 2, (l + 1) % 2)
+        };
+        let mut b = self.body + if self.per_layer { l * self.body_len } else { 0 };
+        let mut next = |len: usize| {
+            let p = at(b);
+            b += len;
+            p
+        };
+        let qkv = next(n * (qd + 2 * kvd));
+        let q_n = next(n * qd);
+        let q_r = next(n * qd);
+        let k_n = next(n * kvd);
+        let k_r = next(n * kvd);
+        let probs = next(n * heads * self.probs_stride);
+        let attn = next(n * qd);
+        let o = next(n * h);
+        let mid = next(n * h);
+        let mlp_norm = next(n * h);
+        let gu = next(n * 2 * inter);
+        let mlp = next(n * h);
+        let part = next(0);
+        LayerIo {
+            x_in: at(self.xs + slot_in * n * h),
+            x_out: at(self.xs + slot_out * n * h),
+            attn_norm: at(self.ns + slot_in * n * h),
+            norm_out: at(self.ns + slot_out * n * h),
+            qkv,
+            q_n,
+            q_r,
+            k_n,
+            k_r,
+            probs,
+            part,
+            attn,
+            o,
+            mid,
+            mlp_norm,
+            gu,
+            mlp,
+        }
+    }
+
+    pub(super) fn meta_ptr(&self, g: &Gpu, index: usize) -> u64 {
+        ptr(g, &self.meta, index)
+    }
+
+    pub(super) fn logits_ptr(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.f, self.logits)
+    }
+
+    pub(super) fn xn_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, 0)
+    }
+
+    pub(super) fn attn_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, self.rows * self.shape.h)
+    }
+
+    pub(super) fn act_bf(&self, g: &Gpu) -> u64 {
+        ptr(g, &self.bf, self.rows * (self.shape.h + self.shape.qd))
+    }
+}
+
+/// Rows a pass of `n` tokens runs its GEMMs over: a power of two up to 1024 (then a multiple of
+/// 256), so that the few shapes cuBLAS sees are chosen and loaded once, when the model is
+/// uploaded (`CudaModel::warm_up`), not in the middle of a run.
+pub(super) fn gemm_rows(n: usize) -> usize {
+    match n {
+        0 | 1 => 1,
+        2..=1024 => n.next_power_of_two().max(16),
+        _ => n.div_ceil(256) * 256,
+    }
+}
+
+/// The row counts `warm_up` runs.
+pub(super) const WARM_ROWS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];

@@ -1,0 +1,278 @@
+//! The forward pass on the CPU, in f32: the reference every other backend and every path is
+//! held to. One readable function per block; `ops.rs` holds the arithmetic.
+
+use half::bf16;
+
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Layer, Model};
+use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
+use crate::tap::{emit, scatter_by_position, LayerTap, TapId, TapSink};
+
+impl Model {
+    /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
+    fn matmul(&self, x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+        if self.bf16_matmul_inputs {
+            let xr: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+            matmul_t(&xr, n, w, out)
+        } else {
+            matmul_t(x, n, w, out)
+        }
+    }
+
+    /// `Model::rerotate` on the CPU.
+    pub(super) fn rerotate_cpu(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        let c = &self.config;
+        let deltas = vec![delta; cache.len()];
+        let shape = [positions.len(), c.num_key_value_heads, c.head_dim];
+        for (l, layer) in cache.layers_mut().iter_mut().enumerate() {
+            crate::engine::ops::rope(
+                &mut layer.keys,
+                &deltas,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rope_theta,
+            );
+            let id = TapId::Layer(l, LayerTap::KRope);
+            emit(sink, 0, id, positions, &shape, &layer.keys);
+        }
+    }
+
+    /// `Model::forward` on the CPU.
+    pub(super) fn forward_cpu(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (n, h) = (batch.tokens.len(), c.hidden_size);
+        let pos = batch.positions;
+        sink.begin_step(step, batch.tokens, pos);
+        // The host copy is the one this pass extends.
+        cache.layers_mut();
+
+        // 1. Embedding gather.
+        let mut x = Vec::with_capacity(n * h);
+        for &t in batch.tokens {
+            x.extend_from_slice(&self.embed_tokens[t as usize * h..(t as usize + 1) * h]);
+        }
+        emit(sink, step, TapId::Embed, pos, &[n, h], &x);
+
+        let base = cache.len();
+        cache.positions.extend_from_slice(pos);
+        for (l, layer) in self.layers.iter().enumerate() {
+            x = self.layer_forward(l, layer, x, batch, base, cache, step, sink);
+        }
+
+        cache.commit_host();
+
+        // Final norm and LM head: every position only when someone taps the logits.
+        let x = rms_norm(&x, &self.norm, c.rms_norm_eps);
+        emit(sink, step, TapId::FinalNorm, pos, &[n, h], &x);
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed_tokens);
+        let v = c.vocab_size;
+        if sink.table().wants(TapId::Logits) {
+            let logits = self.matmul(&x, n, head, v);
+            emit(sink, step, TapId::Logits, pos, &[n, v], &logits);
+            logits[(n - 1) * v..].to_vec()
+        } else {
+            self.matmul(&x[(n - 1) * h..], 1, head, v)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        l: usize,
+        w: &Layer,
+        x: Vec<f32>,
+        batch: Batch<'_>,
+        base: usize,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (n, h, hd) = (batch.tokens.len(), c.hidden_size, c.head_dim);
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let pos = batch.positions;
+        let tap = |t| TapId::Layer(l, t);
+        emit(sink, step, tap(LayerTap::ResidIn), pos, &[n, h], &x);
+
+        // 1. Pre-attention norm and projections.
+        let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::AttnNorm), pos, &[n, h], &xn);
+        let q = self.matmul(&xn, n, &w.q_proj, heads * hd);
+        let k = self.matmul(&xn, n, &w.k_proj, kv_heads * hd);
+        let v = self.matmul(&xn, n, &w.v_proj, kv_heads * hd);
+
+        // 2. Per-head RMSNorm of q and k (Qwen3), before RoPE.
+        let mut q = rms_norm(&q, &w.q_norm, c.rms_norm_eps);
+        let mut k = rms_norm(&k, &w.k_norm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::Q), pos, &[n, heads, hd], &q);
+        emit(sink, step, tap(LayerTap::K), pos, &[n, kv_heads, hd], &k);
+        emit(sink, step, tap(LayerTap::V), pos, &[n, kv_heads, hd], &v);
+
+        // 3. RoPE.
+        rope(&mut q, batch.rope_positions, heads, hd, c.rope_theta);
+        rope(&mut k, batch.rope_positions, kv_heads, hd, c.rope_theta);
+        emit(sink, step, tap(LayerTap::QRope), pos, &[n, heads, hd], &q);
+        emit(
+            sink,
+            step,
+            tap(LayerTap::KRope),
+            pos,
+            &[n, kv_heads, hd],
+            &k,
+        );
+
+        // 4. Append to the cache the path gave us.
+        cache.push_host(l, &k, &v);
+
+        // 5. Causal GQA attention: token t sees cache entries 0..=base+t.
+        let want_probs = sink.table().wants(tap(LayerTap::AttnProbs));
+        let span = if want_probs {
+            cache.positions.iter().max().map_or(0, |m| m + 1)
+        } else {
+            0
+        };
+        let mut probs_tap = vec![0f32; if want_probs { n * heads * span } else { 0 }];
+        let (layers, positions) = cache.host_parts();
+        let attn = attention(
+            &q,
+            &layers[l].keys,
+            &layers[l].values,
+            n,
+            base,
+            batch.cascade_split,
+            heads,
+            kv_heads,
+            hd,
+            |t, head, row| {
+                if want_probs {
+                    let dst =
+                        &mut probs_tap[(t * heads + head) * span..(t * heads + head + 1) * span];
+                    scatter_by_position(dst, row, positions);
+                }
+            },
+        );
+        if want_probs {
+            emit(
+                sink,
+                step,
+                tap(LayerTap::AttnProbs),
+                pos,
+                &[n, heads, span],
+                &probs_tap,
+            );
+        }
+        emit(
+            sink,
+            step,
+            tap(LayerTap::AttnOut),
+            pos,
+            &[n, heads * hd],
+            &attn,
+        );
+
+        // 6. Output projection and residual.
+        let o = self.matmul(&attn, n, &w.o_proj, h);
+        emit(sink, step, tap(LayerTap::OProj), pos, &[n, h], &o);
+        let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+        emit(sink, step, tap(LayerTap::ResidMid), pos, &[n, h], &mid);
+
+        // 7. SwiGLU MLP and residual.
+        let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
+        emit(sink, step, tap(LayerTap::MlpNorm), pos, &[n, h], &mn);
+        let i = c.intermediate_size;
+        let gate = self.matmul(&mn, n, &w.gate_proj, i);
+        let up = self.matmul(&mn, n, &w.up_proj, i);
+        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+        let mlp = self.matmul(&act, n, &w.down_proj, h);
+        emit(sink, step, tap(LayerTap::MlpOut), pos, &[n, h], &mlp);
+        let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
+        emit(sink, step, tap(LayerTap::ResidOut), pos, &[n, h], &out);
+        out
+    }
+}
+
+/// Scaled-dot-product attention of `n` new queries over cache entries; query `t` sees entries
+/// `0..=base + t`. With `split > 0`, entries `0..split` and `split..` are attended separately
+/// and merged by log-sum-exp (cascade). `on_probs(t, head, row)` observes each full softmax row.
+/// Returns `[n, heads·hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    base: usize,
+    split: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    mut on_probs: impl FnMut(usize, usize, &[f32]),
+) -> Vec<f32> {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let kv_dim = kv_heads * hd;
+    let mut out = vec![0f32; n * heads * hd];
+    let mut row = Vec::new();
+    for t in 0..n {
+        let visible = base + t + 1;
+        for head in 0..heads {
+            let kvh = head / group;
+            let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+            row.clear();
+            row.extend((0..visible).map(|e| {
+                dot(
+                    qv,
+                    &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
+                ) * scale
+            }));
+            let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+            let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+            if split > 0 && split < visible {
+                // Cascade: each segment's own softmax and output, merged by log-sum-exp.
+                let (a, b) = row.split_at_mut(split);
+                let (lse_a, lse_b) = (softmax(a), softmax(b));
+                let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
+                for (e, &p) in a.iter().enumerate() {
+                    oa.iter_mut()
+                        .zip(value(e))
+                        .for_each(|(acc, &x)| *acc += p * x);
+                }
+                for (e, &p) in b.iter().enumerate() {
+                    ob.iter_mut()
+                        .zip(value(split + e))
+                        .for_each(|(acc, &x)| *acc += p * x);
+                }
+                let m = lse_a.max(lse_b);
+                let (wa, wb) = ((lse_a - m).exp(), (lse_b - m).exp());
+                let (wa, wb) = (wa / (wa + wb), wb / (wa + wb));
+                for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
+                    *acc = wa * x + wb * y;
+                }
+                a.iter_mut().for_each(|p| *p *= wa);
+                b.iter_mut().for_each(|p| *p *= wb);
+                on_probs(t, head, &row);
+                continue;
+            }
+            softmax(&mut row);
+            on_probs(t, head, &row);
+            for (e, &p) in row.iter().enumerate() {
+                o.iter_mut()
+                    .zip(value(e))
+                    .for_each(|(acc, &x)| *acc += p * x);
+            }
+        }
+    }
+    out
+}

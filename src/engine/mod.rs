@@ -1,0 +1,19 @@
+//! The reference engine: a Hugging Face Qwen3 folder in (config, weights, tokenizer, chat
+//! template), a stateless forward pass that offers every intermediate as a tap, and greedy
+//! generation. The forward pass runs on the CPU (`forward.rs`, the f32 reference) or on a
+//! device plugged in through `device.rs`; nothing here knows which device that is.
+
+pub mod chat_template;
+pub mod chunks;
+pub mod config;
+pub mod device;
+mod forward;
+pub mod generate;
+pub mod kv_cache;
+pub mod model;
+pub mod ops;
+pub mod tokenizer;
+pub mod weights;
+
+pub use forward::attention;
+pub use generate::{Encoded, Engine, Generation};

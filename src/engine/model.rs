@@ -1,0 +1,318 @@
+//! The model: Qwen3 weights and config, and the stateless forward pass's interface. Weights
+//! in, a batch of tokens and the KV cache to attend to in, logits out, every intermediate
+//! offered to a tap sink on the way. The pass runs on the CPU (`forward.rs`) or on a device
+//! that took the weights (`device.rs`).
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use crate::engine::config::Config;
+use crate::engine::device::{DeviceLogits, DeviceModel};
+use crate::engine::kv_cache::KvCache;
+use crate::engine::weights::Weights;
+use crate::error::Result;
+use crate::io::model_source::ModelSource;
+use crate::tap::TapSink;
+
+#[derive(Clone)]
+pub(crate) struct Layer {
+    pub(crate) input_layernorm: Vec<f32>,
+    pub(crate) post_attention_layernorm: Vec<f32>,
+    pub(crate) q_proj: Vec<f32>,
+    pub(crate) k_proj: Vec<f32>,
+    pub(crate) v_proj: Vec<f32>,
+    pub(crate) o_proj: Vec<f32>,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) gate_proj: Vec<f32>,
+    pub(crate) up_proj: Vec<f32>,
+    pub(crate) down_proj: Vec<f32>,
+}
+
+/// The host weights, for a backend to upload.
+pub(crate) struct HostWeights<'a> {
+    pub(crate) embed_tokens: &'a [f32],
+    pub(crate) norm: &'a [f32],
+    pub(crate) lm_head: Option<&'a [f32]>,
+    pub(crate) layers: &'a [Layer],
+}
+
+pub struct Model {
+    pub config: Config,
+    pub(crate) embed_tokens: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Vec<f32>,
+    /// `None` when tied to `embed_tokens`.
+    pub(crate) lm_head: Option<Vec<f32>>,
+    /// Set when the forward pass runs on a device (the host weights are then empty).
+    device: Option<Arc<dyn DeviceModel>>,
+    /// Round every matmul input to bf16, as a bf16 GPU backend does: the CPU's estimate of
+    /// that backend's rounding noise.
+    pub(crate) bf16_matmul_inputs: bool,
+}
+
+/// A pass's last-token logits: on the host, or left on the device with only their argmax read
+/// back (a GPU decode step nobody tapped the logits of).
+pub enum StepLogits {
+    Host(Vec<f32>),
+    Device(Box<dyn DeviceLogits>),
+}
+
+impl StepLogits {
+    /// The index of the largest logit (the first of equals).
+    pub fn argmax(&self) -> u32 {
+        match self {
+            StepLogits::Host(v) => crate::engine::ops::argmax(v) as u32,
+            StepLogits::Device(d) => d.argmax(),
+        }
+    }
+
+    /// The logits on the host, downloaded if they are on a device.
+    pub fn into_host(self) -> Vec<f32> {
+        match self {
+            StepLogits::Host(v) => v,
+            StepLogits::Device(d) => d.into_host(),
+        }
+    }
+}
+
+/// Tokens to run through the model in one pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    /// Global position of each token: its identity in taps and in the cache.
+    pub positions: &'a [usize],
+    /// Position each token is rotated by. Equal to `positions` unless a path deliberately
+    /// prefills a chunk somewhere else.
+    pub rope_positions: &'a [usize],
+    /// Cascade attention: cache entries `0..cascade_split` are attended apart from the rest and
+    /// the two partial results merged by log-sum-exp. 0 attends to the cache in one softmax.
+    pub cascade_split: usize,
+}
+
+impl<'a> Batch<'a> {
+    pub fn new(tokens: &'a [u32], positions: &'a [usize]) -> Self {
+        Batch {
+            tokens,
+            positions,
+            rope_positions: positions,
+            cascade_split: 0,
+        }
+    }
+}
+
+impl Model {
+    pub fn load(src: &ModelSource) -> Result<Self> {
+        let config = Config::load(src)?;
+        let mut w = Weights::load(src, &config)?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| {
+                let mut t = |n: &str| w.take(&format!("model.layers.{l}.{n}.weight")).data;
+                Layer {
+                    input_layernorm: t("input_layernorm"),
+                    post_attention_layernorm: t("post_attention_layernorm"),
+                    q_proj: t("self_attn.q_proj"),
+                    k_proj: t("self_attn.k_proj"),
+                    v_proj: t("self_attn.v_proj"),
+                    o_proj: t("self_attn.o_proj"),
+                    q_norm: t("self_attn.q_norm"),
+                    k_norm: t("self_attn.k_norm"),
+                    gate_proj: t("mlp.gate_proj"),
+                    up_proj: t("mlp.up_proj"),
+                    down_proj: t("mlp.down_proj"),
+                }
+            })
+            .collect();
+        let lm_head = (!config.tie_word_embeddings).then(|| w.take("lm_head.weight").data);
+        Ok(Model {
+            embed_tokens: w.take("model.embed_tokens.weight").data,
+            norm: w.take("model.norm.weight").data,
+            layers,
+            lm_head,
+            config,
+            device: None,
+            bf16_matmul_inputs: false,
+        })
+    }
+
+    /// `"cpu"`, or the device's backend name (`"cuda"`).
+    pub fn backend(&self) -> &'static str {
+        self.device.as_ref().map_or("cpu", |d| d.backend())
+    }
+
+    /// The device the forward pass runs on, if not the CPU.
+    pub fn device(&self) -> Option<&dyn DeviceModel> {
+        self.device.as_deref()
+    }
+
+    /// The host weights, for a device backend to upload.
+    pub(crate) fn host_weights(&self) -> HostWeights<'_> {
+        HostWeights {
+            embed_tokens: &self.embed_tokens,
+            norm: &self.norm,
+            lm_head: self.lm_head.as_deref(),
+            layers: &self.layers,
+        }
+    }
+
+    /// A model whose forward pass runs on `device`, which holds its weights.
+    pub fn on_device(config: Config, device: Arc<dyn DeviceModel>) -> Model {
+        Model {
+            config,
+            embed_tokens: Vec::new(),
+            layers: Vec::new(),
+            norm: Vec::new(),
+            lm_head: None,
+            device: Some(device),
+            bf16_matmul_inputs: false,
+        }
+    }
+
+    /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
+    /// rounded to bf16, everything else in f32.
+    pub fn bf16_emulation(&self) -> Model {
+        let r =
+            |v: &Vec<f32>| -> Vec<f32> { v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect() };
+        Model {
+            config: self.config.clone(),
+            embed_tokens: r(&self.embed_tokens),
+            norm: r(&self.norm),
+            lm_head: self.lm_head.as_ref().map(r),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| Layer {
+                    input_layernorm: r(&l.input_layernorm),
+                    post_attention_layernorm: r(&l.post_attention_layernorm),
+                    q_proj: r(&l.q_proj),
+                    k_proj: r(&l.k_proj),
+                    v_proj: r(&l.v_proj),
+                    o_proj: r(&l.o_proj),
+                    q_norm: r(&l.q_norm),
+                    k_norm: r(&l.k_norm),
+                    gate_proj: r(&l.gate_proj),
+                    up_proj: r(&l.up_proj),
+                    down_proj: r(&l.down_proj),
+                })
+                .collect(),
+            device: None,
+            bf16_matmul_inputs: true,
+        }
+    }
+
+    /// A model with seeded random weights (norm weights near 1), for tests and benchmarks.
+    pub fn random(config: Config, seed: u64) -> Self {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            // xorshift64*, mapped to roughly N(0, 1) by summing uniforms.
+            let mut acc = 0f32;
+            for _ in 0..4 {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                acc +=
+                    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
+            }
+            (acc - 2.0) * 1.7
+        };
+        // Norm weights are drawn as 1 ± noise (`offset` 1), everything else as noise.
+        let mut draw = |n: usize, scale: f32, offset: f32| {
+            (0..n)
+                .map(|_| offset + next() * scale)
+                .collect::<Vec<f32>>()
+        };
+        let (h, i, v, hd) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.vocab_size,
+            config.head_dim,
+        );
+        let (qd, kvd) = (config.q_dim(), config.kv_dim());
+        let s = 1.0 / (h as f32).sqrt();
+        let layers = (0..config.num_hidden_layers)
+            .map(|_| Layer {
+                input_layernorm: draw(h, 0.2, 1.0),
+                post_attention_layernorm: draw(h, 0.2, 1.0),
+                q_norm: draw(hd, 0.2, 1.0),
+                k_norm: draw(hd, 0.2, 1.0),
+                q_proj: draw(qd * h, s, 0.0),
+                k_proj: draw(kvd * h, s, 0.0),
+                v_proj: draw(kvd * h, s, 0.0),
+                o_proj: draw(h * qd, 1.0 / (qd as f32).sqrt(), 0.0),
+                gate_proj: draw(i * h, s, 0.0),
+                up_proj: draw(i * h, s, 0.0),
+                down_proj: draw(h * i, 1.0 / (i as f32).sqrt(), 0.0),
+            })
+            .collect();
+        Model {
+            embed_tokens: draw(v * h, 1.0, 0.0),
+            norm: draw(h, 0.2, 1.0),
+            lm_head: (!config.tie_word_embeddings).then(|| draw(v * h, s, 0.0)),
+            layers,
+            config,
+            device: None,
+            bf16_matmul_inputs: false,
+        }
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers, self.config.kv_dim())
+    }
+
+    /// Runs `batch` through the model, appending its K/V to `cache` and attending to everything
+    /// in `cache` before it plus the batch's own earlier tokens. Returns the last token's logits.
+    pub fn forward(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Vec<f32> {
+        let n = batch.tokens.len();
+        assert!(n > 0 && batch.positions.len() == n && batch.rope_positions.len() == n);
+        match &self.device {
+            Some(d) => d.forward(batch, cache, step, sink),
+            None => self.forward_cpu(batch, cache, step, sink),
+        }
+    }
+
+    /// As `forward`, for a decode step whose logits are wanted for their argmax and for a
+    /// comparison that may run where they are: on a device they stay there (see `StepLogits`).
+    pub fn forward_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        match &self.device {
+            Some(d) => d.forward_step(batch, cache, step, sink),
+            None => StepLogits::Host(self.forward_cpu(batch, cache, step, sink)),
+        }
+    }
+
+    /// Turns every key of `cache` (entries rotated at local positions 0..n) by `delta`
+    /// positions, so they stand at `delta..delta + n` (RoPE composes), and offers them as the
+    /// `k_rope` taps of `positions`: chunk-reuse's re-rotation, on the cache's own backend.
+    pub fn rerotate(
+        &self,
+        cache: &mut KvCache,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) {
+        match &self.device {
+            Some(d) => d.rerotate(cache, delta, positions, sink),
+            None => self.rerotate_cpu(cache, delta, positions, sink),
+        }
+    }
+
+    /// Has `cache`'s decode steps run on the device's side stream, beside the main stream's (a
+    /// comparison's reference beside the compared path). No effect on the CPU.
+    pub fn decode_on_side_stream(&self, cache: &mut KvCache) {
+        if let Some(d) = &self.device {
+            d.decode_on_side_stream(cache);
+        }
+    }
+}

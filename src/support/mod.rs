@@ -1,0 +1,5 @@
+//! What every layer uses and none is about: phase timings, interrupt cleanup, memory checks.
+
+pub mod interrupt;
+pub mod resources;
+pub mod timing;
