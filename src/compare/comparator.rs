@@ -95,6 +95,47 @@ fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
     out
 }
 
+/// What one tap's compared rows add up to.
+struct TapStats {
+    compared: usize,
+    diverged: usize,
+    max_rel_l2: f64,
+    /// The largest max|diff| / max|ref| of a row (what `auto` learns from).
+    noise: Option<f32>,
+    /// The diverged row at the lowest position: (position, diff, compared width).
+    first: Option<(usize, RowDiff, usize)>,
+}
+
+impl TapStats {
+    fn of(
+        rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
+        bounds: Option<(f32, f32)>,
+    ) -> Self {
+        let mut t = TapStats {
+            compared: 0,
+            diverged: 0,
+            max_rel_l2: 0.0,
+            noise: None,
+            first: None,
+        };
+        for (pos, d, bitwise_equal, width) in rows {
+            t.compared += 1;
+            t.max_rel_l2 = t.max_rel_l2.max(d.rel_l2);
+            if d.max_ref > 0.0 {
+                let r = d.max_abs / d.max_ref;
+                t.noise = Some(t.noise.map_or(r, |n| n.max(r)));
+            }
+            if diverged_within(bitwise_equal, &d, bounds) {
+                t.diverged += 1;
+                if t.first.as_ref().is_none_or(|f| pos < f.0) {
+                    t.first = Some((pos, d, width));
+                }
+            }
+        }
+        t
+    }
+}
+
 /// Rows of the per-layer table: embed, each layer, final norm, logits.
 fn group_of(id: TapId) -> (u8, usize) {
     match id {
@@ -161,25 +202,8 @@ impl<'a> Comparator<'a> {
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
         let kind = kind_of(id);
-        let bounds = self.tol.bounds(kind);
-        let (mut compared, mut diverged_rows, mut max_rel_l2) = (0, 0, 0f64);
-        let mut noise: Option<f32> = None;
-        let mut first: Option<(usize, RowDiff, usize)> = None;
-        for (pos, d, bitwise_equal, width) in rows {
-            compared += 1;
-            max_rel_l2 = max_rel_l2.max(d.rel_l2);
-            if d.max_ref > 0.0 {
-                let r = d.max_abs / d.max_ref;
-                noise = Some(noise.map_or(r, |n| n.max(r)));
-            }
-            if diverged_within(bitwise_equal, &d, bounds) {
-                diverged_rows += 1;
-                if first.as_ref().is_none_or(|f| pos < f.0) {
-                    first = Some((pos, d, width));
-                }
-            }
-        }
-        if compared == 0 {
+        let t = TapStats::of(rows, self.tol.bounds(kind));
+        if t.compared == 0 {
             return;
         }
         let layer = self.layers.entry(group_of(id)).or_insert_with(|| LayerRow {
@@ -188,26 +212,27 @@ impl<'a> Comparator<'a> {
                 .map_or_else(|| id.to_string(), |l| format!("L{l}")),
             ..Default::default()
         });
-        layer.rows_compared += compared;
-        layer.rows_diverged += diverged_rows;
-        layer.max_rel_l2 = layer.max_rel_l2.max(max_rel_l2);
-        if let Some(r) = noise {
-            match self.noise.get_mut(kind) {
-                Some(n) => *n = n.max(r),
-                None => {
-                    self.noise.insert(kind.to_string(), r);
-                }
-            }
+        layer.rows_compared += t.compared;
+        layer.rows_diverged += t.diverged;
+        layer.max_rel_l2 = layer.max_rel_l2.max(t.max_rel_l2);
+        if let Some(r) = t.noise {
+            let n = self.noise.entry(kind.to_string()).or_insert(r);
+            *n = n.max(r);
         }
-        let Some((pos, d, width)) = first else {
-            return;
-        };
-        let ft = self.first_tap.entry(group_of(id)).or_insert(id);
-        *ft = (*ft).min(id);
+        if let Some((pos, d, width)) = t.first {
+            let ft = self.first_tap.entry(group_of(id)).or_insert(id);
+            *ft = (*ft).min(id);
+            self.book_first(step, id, pos, d, width);
+        }
+    }
+
+    /// Keeps the divergence at (step, id, pos) if it comes before the first one so far.
+    fn book_first(&mut self, step: usize, id: TapId, pos: usize, d: RowDiff, width: usize) {
         let order = (step, id, pos);
         if self.first.as_ref().is_some_and(|f| f.order <= order) {
             return;
         }
+        let kind = kind_of(id);
         let index = d.non_finite.unwrap_or(d.index);
         let per_head = self.row_heads(kind).map(|h| width / h);
         let token = self.tokens.get(pos).copied().unwrap_or(0);

@@ -179,76 +179,86 @@ pub fn text(r: &Report, budget: Option<f64>) -> String {
     let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
     for p in &r.paths {
         let _ = writeln!(s);
-        let kind = if p.exact { "exact" } else { "approximate" };
-        let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, budget));
-        match &p.first_divergence {
-            None => {
-                let _ = writeln!(s, "  no tap diverged");
-            }
-            Some(d) => {
-                let head = d.head.map(|h| format!(", head {h}")).unwrap_or_default();
-                let _ = writeln!(
-                    s,
-                    "  first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
-                    d.step,
-                    if d.step == 0 { " (prefill)" } else { "" },
-                    d.tap,
-                    d.position,
-                    d.token_text,
-                    d.index
-                );
-                let _ = writeln!(
-                    s,
-                    "    reference {:.6}  path {:.6}  max|diff| {:.3e}  rel L2 {:.3e}  cosine {:.6}{}",
-                    d.reference,
-                    d.value,
-                    d.max_abs,
-                    d.rel_l2,
-                    d.cosine,
-                    if d.kind == "non_finite" { "  NON-FINITE" } else { "" }
-                );
-                let _ = writeln!(s, "    tolerance: {}", d.tolerance);
-            }
+        path_text(&mut s, p, budget);
+    }
+    s
+}
+
+/// One path's section: verdict, first divergence, tokens, agreement, the per-layer table.
+fn path_text(s: &mut String, p: &PathReport, budget: Option<f64>) {
+    let kind = if p.exact { "exact" } else { "approximate" };
+    let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, budget));
+    divergence_text(s, p.first_divergence.as_ref());
+    match &p.first_token_divergence {
+        None => {
+            let _ = writeln!(s, "  tokens: identical to the reference");
         }
-        match &p.first_token_divergence {
-            None => {
-                let _ = writeln!(s, "  tokens: identical to the reference");
-            }
-            Some(t) => {
-                let _ = writeln!(
-                    s,
-                    "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; both fed the reference's tokens from there on",
-                    t.step, t.position, t.reference_text, t.path_text
-                );
-            }
-        }
-        let _ = writeln!(s, "  answer: {:?}", p.text);
-        let lg = &p.logits;
-        let _ = writeln!(
-            s,
-            "  next token: top-1 agrees {}/{} steps, top-{} overlap >= {}, KL(ref||path) <= {:.3e}",
-            lg.top1_agree, lg.steps, lg.k, lg.topk_overlap_min, lg.kl_max
-        );
-        let _ = writeln!(
-            s,
-            "  logits rel L2 (max over steps): {:.3e}   chunk store: {} hits, {} misses",
-            p.logits_rel_l2_max, p.chunk_hits, p.chunk_misses
-        );
-        let _ = writeln!(
-            s,
-            "  {:<10} {:>11} {:>9}  first diverging tap",
-            "layer", "max rel L2", "diverged"
-        );
-        for l in &p.layers {
+        Some(t) => {
             let _ = writeln!(
                 s,
-                "  {:<10} {:>11.3e} {:>9}  {}",
-                l.layer,
-                l.max_rel_l2,
-                format!("{}/{}", l.rows_diverged, l.rows_compared),
-                l.first_tap.as_deref().unwrap_or("-")
+                "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; both fed the reference's tokens from there on",
+                t.step, t.position, t.reference_text, t.path_text
             );
         }
     }
-    s
+    let _ = writeln!(s, "  answer: {:?}", p.text);
+    let lg = &p.logits;
+    let _ = writeln!(
+        s,
+        "  next token: top-1 agrees {}/{} steps, top-{} overlap >= {}, KL(ref||path) <= {:.3e}",
+        lg.top1_agree, lg.steps, lg.k, lg.topk_overlap_min, lg.kl_max
+    );
+    let _ = writeln!(
+        s,
+        "  logits rel L2 (max over steps): {:.3e}   chunk store: {} hits, {} misses",
+        p.logits_rel_l2_max, p.chunk_hits, p.chunk_misses
+    );
+    let _ = writeln!(
+        s,
+        "  {:<10} {:>11} {:>9}  first diverging tap",
+        "layer", "max rel L2", "diverged"
+    );
+    for l in &p.layers {
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>11.3e} {:>9}  {}",
+            l.layer,
+            l.max_rel_l2,
+            format!("{}/{}", l.rows_diverged, l.rows_compared),
+            l.first_tap.as_deref().unwrap_or("-")
+        );
+    }
+}
+
+fn divergence_text(s: &mut String, d: Option<&Divergence>) {
+    match d {
+        None => {
+            let _ = writeln!(s, "  no tap diverged");
+        }
+        Some(d) => {
+            let head = d.head.map(|h| format!(", head {h}")).unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "  first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
+                d.step,
+                if d.step == 0 { " (prefill)" } else { "" },
+                d.tap,
+                d.position,
+                d.token_text,
+                d.index
+            );
+            let _ =
+                writeln!(
+                s,
+                "    reference {:.6}  path {:.6}  max|diff| {:.3e}  rel L2 {:.3e}  cosine {:.6}{}",
+                d.reference,
+                d.value,
+                d.max_abs,
+                d.rel_l2,
+                d.cosine,
+                if d.kind == "non_finite" { "  NON-FINITE" } else { "" }
+            );
+            let _ = writeln!(s, "    tolerance: {}", d.tolerance);
+        }
+    }
 }

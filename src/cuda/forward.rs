@@ -535,6 +535,13 @@ impl CudaModel {
     /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
     /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
     fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
+        self.attention_half(l, ws, kvp, split);
+        self.mlp_half(l, ws);
+    }
+
+    /// The QKV projection (fused with the input norm in a decode step), q/k norm + RoPE + KV
+    /// append, and attention into `io.attn` and its bf16 copy.
+    fn attention_half(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
         let g = &*self.gpu;
         let c = &self.config;
         let w = &self.layers[l];
@@ -546,7 +553,7 @@ impl CudaModel {
             c.num_attention_heads,
             c.num_key_value_heads,
         );
-        let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkvd = qd + 2 * kvd;
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
         let rows = ws.rows;
@@ -619,6 +626,21 @@ impl CudaModel {
                 write_probs: ws.probs_wanted,
             },
         );
+    }
+
+    /// The output projection and residual, the post-attention norm, the SwiGLU MLP and its
+    /// residual, and the norm of the layer's output (fused where a decode step allows).
+    fn mlp_half(&self, l: usize, ws: &Workspace) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = ws.n;
+        let io = ws.io(g, l);
+        let (h, qd, inter) = (c.hidden_size, c.q_dim(), c.intermediate_size);
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        let rows = ws.rows;
+        let fused = self.fused_decode(ws);
+        let eps = c.rms_norm_eps;
         if fused {
             launch_gemv_add(g, ws.attn_bf(g), pb(&w.o), io.o, qd, h, io.x_in, io.mid);
             // The fused RMSNorm + gate/up projection + SwiGLU.

@@ -111,6 +111,62 @@ fn internal(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Internal(format!("CUDA {what}: {e}"))
 }
 
+/// Freed device memory stays in the allocator's pool instead of going back to the driver at
+/// each synchronisation, so the next pass's buffers come from the pool. Best effort: without
+/// a pool, allocations are only slower.
+fn keep_freed_memory(ctx: &CudaContext) {
+    unsafe {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .is_ok()
+        {
+            let mut keep = u64::MAX;
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut _,
+            );
+        }
+    }
+}
+
+/// cuBLAS on `stream`, with an explicit workspace so that GEMMs can be captured into graphs.
+fn cublas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlice<u8>)> {
+    let blas = CudaBlas::new(stream.clone())
+        .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
+    let workspace_bytes = 32 << 20;
+    let blas_workspace = stream
+        .alloc_zeros::<u8>(workspace_bytes)
+        .map_err(internal("cuBLAS workspace"))?;
+    {
+        let (p, _) = blas_workspace.device_ptr(stream);
+        // Safety: the workspace outlives the handle's use (both live in `Gpu`).
+        let status = unsafe {
+            blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes)
+        };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::Internal(format!("cuBLAS workspace: {status:?}")));
+        }
+    }
+    Ok((blas, blas_workspace))
+}
+
+/// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached).
+fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<CudaFunction>> {
+    let ptx = compiled_ptx(major, minor)?;
+    let module = ctx.load_module(ptx).map_err(internal("module load"))?;
+    KERNELS
+        .iter()
+        .map(|k| {
+            module
+                .load_function(k)
+                .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
+        })
+        .collect()
+}
+
 impl Gpu {
     /// Opens device 0 and compiles (or loads cached) kernels; a one-line error if CUDA is
     /// unusable here.
@@ -129,57 +185,16 @@ impl Gpu {
         // per-buffer event tracking would only add overhead. Neither is the legacy default
         // stream, which cannot be captured into a graph.
         unsafe { ctx.disable_event_tracking() };
-        // Freed device memory stays in the allocator's pool instead of going back to the
-        // driver at each synchronisation, so the next pass's buffers come from the pool.
-        // Best effort: without a pool, allocations are only slower.
-        unsafe {
-            use cudarc::driver::sys;
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-                .result()
-                .is_ok()
-            {
-                let mut keep = u64::MAX;
-                let _ = sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                    &mut keep as *mut u64 as *mut _,
-                );
-            }
-        }
+        keep_freed_memory(&ctx);
         let stream = ctx.new_stream().map_err(internal("stream"))?;
         let side = ctx.new_stream().map_err(internal("stream"))?;
         let side_done = ctx.new_event(None).map_err(internal("event"))?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
-        let workspace_bytes = 32 << 20;
-        let blas_workspace = stream
-            .alloc_zeros::<u8>(workspace_bytes)
-            .map_err(internal("cuBLAS workspace"))?;
-        {
-            let (p, _) = blas_workspace.device_ptr(&stream);
-            // Safety: the workspace outlives the handle's use (both live in `Gpu`).
-            let status = unsafe {
-                blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes)
-            };
-            if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(Error::Internal(format!("cuBLAS workspace: {status:?}")));
-            }
-        }
+        let (blas, blas_workspace) = cublas_with_workspace(&stream)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(internal("compute capability"))?;
-        let ptx = compiled_ptx(major, minor)?;
-        let module = ctx.load_module(ptx).map_err(internal("module load"))?;
-        let kernels = KERNELS
-            .iter()
-            .map(|k| {
-                module
-                    .load_function(k)
-                    .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let kernels = load_kernels(&ctx, major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let gpu = Arc::new(Gpu {
             ctx,

@@ -123,95 +123,9 @@ impl Config {
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
         let raw: RawConfig =
             serde_json::from_str(text).map_err(|e| format!("invalid config: {e}"))?;
-        let arch_ok = raw
-            .architectures
-            .as_ref()
-            .map(|a| a.iter().any(|s| s == "Qwen3ForCausalLM"))
-            .unwrap_or(false)
-            || raw.model_type.as_deref() == Some("qwen3");
-        if !arch_ok {
-            return Err(format!(
-                "not a Qwen3 model (architectures {:?}, model_type {:?}); kvdiff runs Qwen3ForCausalLM",
-                raw.architectures.unwrap_or_default(),
-                raw.model_type.unwrap_or_default()
-            ));
-        }
-        if let Some(act) = raw.hidden_act.as_deref() {
-            if act != "silu" {
-                return Err(format!(
-                    "hidden_act {act:?} is not supported (only \"silu\")"
-                ));
-            }
-        }
-        if raw.attention_bias == Some(true) {
-            return Err("attention_bias = true is not supported yet".into());
-        }
-        if raw.use_sliding_window == Some(true) {
-            return Err("use_sliding_window = true is not supported".into());
-        }
-        if let Some(rt) = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|r| r.rope_type.as_deref())
-        {
-            if rt != "default" {
-                return Err(format!(
-                    "rope_type {rt:?} is not supported (only \"default\")"
-                ));
-            }
-        }
-        if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err("rope_scaling is not supported".into());
-        }
-        let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        for (name, v) in [
-            ("vocab_size", raw.vocab_size),
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
-            ("num_hidden_layers", raw.num_hidden_layers),
-            ("num_attention_heads", heads),
-            ("num_key_value_heads", kv_heads),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} must be positive"));
-            }
-        }
-        // Bounds that no real checkpoint reaches, so size arithmetic cannot overflow and a
-        // corrupt file cannot make the loader enumerate billions of tensors.
-        for (name, v, max) in [
-            ("vocab_size", raw.vocab_size, MAX_DIM),
-            ("hidden_size", raw.hidden_size, MAX_DIM),
-            ("intermediate_size", raw.intermediate_size, MAX_DIM),
-            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
-            ("num_attention_heads", heads, MAX_HEADS),
-            ("num_key_value_heads", kv_heads, MAX_HEADS),
-            ("head_dim", raw.head_dim.unwrap_or(0), MAX_HEAD_DIM),
-        ] {
-            if v > max {
-                return Err(format!("{name} ({v}) is implausibly large (at most {max})"));
-            }
-        }
-        if heads % kv_heads != 0 {
-            return Err(format!(
-                "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
-            ));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
-            None => {
-                return Err(
-                    "head_dim missing and hidden_size is not divisible by num_attention_heads"
-                        .into(),
-                )
-            }
-        };
-        if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
-            return Err(format!(
-                "head_dim ({head_dim}) must be a positive even number up to {MAX_HEAD_DIM}"
-            ));
-        }
+        check_supported(&raw)?;
+        let (heads, kv_heads) = check_sizes(&raw)?;
+        let head_dim = head_dim(&raw, heads)?;
         let rope_theta = raw
             .rope_parameters
             .as_ref()
@@ -301,6 +215,110 @@ impl Config {
         }
         t
     }
+}
+
+/// Refuses what kvdiff does not run: another architecture, activation, attention bias,
+/// sliding windows, RoPE scaling.
+fn check_supported(raw: &RawConfig) -> std::result::Result<(), String> {
+    let arch_ok = raw
+        .architectures
+        .as_ref()
+        .map(|a| a.iter().any(|s| s == "Qwen3ForCausalLM"))
+        .unwrap_or(false)
+        || raw.model_type.as_deref() == Some("qwen3");
+    if !arch_ok {
+        return Err(format!(
+            "not a Qwen3 model (architectures {:?}, model_type {:?}); kvdiff runs Qwen3ForCausalLM",
+            raw.architectures.clone().unwrap_or_default(),
+            raw.model_type.clone().unwrap_or_default()
+        ));
+    }
+    if let Some(act) = raw.hidden_act.as_deref() {
+        if act != "silu" {
+            return Err(format!(
+                "hidden_act {act:?} is not supported (only \"silu\")"
+            ));
+        }
+    }
+    if raw.attention_bias == Some(true) {
+        return Err("attention_bias = true is not supported yet".into());
+    }
+    if raw.use_sliding_window == Some(true) {
+        return Err("use_sliding_window = true is not supported".into());
+    }
+    if let Some(rt) = raw
+        .rope_parameters
+        .as_ref()
+        .and_then(|r| r.rope_type.as_deref())
+    {
+        if rt != "default" {
+            return Err(format!(
+                "rope_type {rt:?} is not supported (only \"default\")"
+            ));
+        }
+    }
+    if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err("rope_scaling is not supported".into());
+    }
+    Ok(())
+}
+
+/// The sizes checked positive, plausible and consistent; returns (heads, kv_heads).
+fn check_sizes(raw: &RawConfig) -> std::result::Result<(usize, usize), String> {
+    let heads = raw.num_attention_heads;
+    let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+    for (name, v) in [
+        ("vocab_size", raw.vocab_size),
+        ("hidden_size", raw.hidden_size),
+        ("intermediate_size", raw.intermediate_size),
+        ("num_hidden_layers", raw.num_hidden_layers),
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+    ] {
+        if v == 0 {
+            return Err(format!("{name} must be positive"));
+        }
+    }
+    // Bounds that no real checkpoint reaches, so size arithmetic cannot overflow and a
+    // corrupt file cannot make the loader enumerate billions of tensors.
+    for (name, v, max) in [
+        ("vocab_size", raw.vocab_size, MAX_DIM),
+        ("hidden_size", raw.hidden_size, MAX_DIM),
+        ("intermediate_size", raw.intermediate_size, MAX_DIM),
+        ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
+        ("num_attention_heads", heads, MAX_HEADS),
+        ("num_key_value_heads", kv_heads, MAX_HEADS),
+        ("head_dim", raw.head_dim.unwrap_or(0), MAX_HEAD_DIM),
+    ] {
+        if v > max {
+            return Err(format!("{name} ({v}) is implausibly large (at most {max})"));
+        }
+    }
+    if heads % kv_heads != 0 {
+        return Err(format!(
+            "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        ));
+    }
+    Ok((heads, kv_heads))
+}
+
+/// `head_dim` as given, or implied by hidden_size / num_attention_heads.
+fn head_dim(raw: &RawConfig, heads: usize) -> std::result::Result<usize, String> {
+    let head_dim = match raw.head_dim {
+        Some(d) => d,
+        None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+        None => {
+            return Err(
+                "head_dim missing and hidden_size is not divisible by num_attention_heads".into(),
+            )
+        }
+    };
+    if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+        return Err(format!(
+            "head_dim ({head_dim}) must be a positive even number up to {MAX_HEAD_DIM}"
+        ));
+    }
+    Ok(head_dim)
 }
 
 #[cfg(test)]

@@ -102,13 +102,17 @@ impl Model {
         let c = &self.config;
         let (n, h, hd) = (batch.tokens.len(), c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
-        let pos = batch.positions;
-        let tap = |t| TapId::Layer(l, t);
-        emit(sink, step, tap(LayerTap::ResidIn), pos, &[n, h], &x);
+        let mut tap = LayerEmitter {
+            sink,
+            step,
+            layer: l,
+            positions: batch.positions,
+        };
+        tap.emit(LayerTap::ResidIn, &[n, h], &x);
 
         // 1. Pre-attention norm and projections.
         let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
-        emit(sink, step, tap(LayerTap::AttnNorm), pos, &[n, h], &xn);
+        tap.emit(LayerTap::AttnNorm, &[n, h], &xn);
         let q = self.matmul(&xn, n, &w.q_proj, heads * hd);
         let k = self.matmul(&xn, n, &w.k_proj, kv_heads * hd);
         let v = self.matmul(&xn, n, &w.v_proj, kv_heads * hd);
@@ -116,90 +120,104 @@ impl Model {
         // 2. Per-head RMSNorm of q and k (Qwen3), before RoPE.
         let mut q = rms_norm(&q, &w.q_norm, c.rms_norm_eps);
         let mut k = rms_norm(&k, &w.k_norm, c.rms_norm_eps);
-        emit(sink, step, tap(LayerTap::Q), pos, &[n, heads, hd], &q);
-        emit(sink, step, tap(LayerTap::K), pos, &[n, kv_heads, hd], &k);
-        emit(sink, step, tap(LayerTap::V), pos, &[n, kv_heads, hd], &v);
+        tap.emit(LayerTap::Q, &[n, heads, hd], &q);
+        tap.emit(LayerTap::K, &[n, kv_heads, hd], &k);
+        tap.emit(LayerTap::V, &[n, kv_heads, hd], &v);
 
         // 3. RoPE.
         rope(&mut q, batch.rope_positions, heads, hd, c.rope_theta);
         rope(&mut k, batch.rope_positions, kv_heads, hd, c.rope_theta);
-        emit(sink, step, tap(LayerTap::QRope), pos, &[n, heads, hd], &q);
-        emit(
-            sink,
-            step,
-            tap(LayerTap::KRope),
-            pos,
-            &[n, kv_heads, hd],
-            &k,
-        );
+        tap.emit(LayerTap::QRope, &[n, heads, hd], &q);
+        tap.emit(LayerTap::KRope, &[n, kv_heads, hd], &k);
 
         // 4. Append to the cache the path gave us.
         cache.push_host(l, &k, &v);
 
         // 5. Causal GQA attention: token t sees cache entries 0..=base+t.
-        let want_probs = sink.table().wants(tap(LayerTap::AttnProbs));
+        let attn = self.cached_attention(l, &q, batch, base, cache, &mut tap);
+        tap.emit(LayerTap::AttnOut, &[n, heads * hd], &attn);
+
+        // 6. Output projection and residual.
+        let o = self.matmul(&attn, n, &w.o_proj, h);
+        tap.emit(LayerTap::OProj, &[n, h], &o);
+        let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+        tap.emit(LayerTap::ResidMid, &[n, h], &mid);
+
+        // 7. SwiGLU MLP and residual.
+        let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
+        tap.emit(LayerTap::MlpNorm, &[n, h], &mn);
+        let i = c.intermediate_size;
+        let gate = self.matmul(&mn, n, &w.gate_proj, i);
+        let up = self.matmul(&mn, n, &w.up_proj, i);
+        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+        let mlp = self.matmul(&act, n, &w.down_proj, h);
+        tap.emit(LayerTap::MlpOut, &[n, h], &mlp);
+        let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
+        tap.emit(LayerTap::ResidOut, &[n, h], &out);
+        out
+    }
+
+    /// Layer `l`'s attention of the batch's rotated queries over the cache, offering the
+    /// probabilities (columns at the entries' global positions) when they are tapped.
+    fn cached_attention(
+        &self,
+        l: usize,
+        q: &[f32],
+        batch: Batch<'_>,
+        base: usize,
+        cache: &mut KvCache,
+        tap: &mut LayerEmitter<'_, '_>,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (n, heads) = (batch.tokens.len(), c.num_attention_heads);
+        let want_probs = tap.wants(LayerTap::AttnProbs);
         let span = if want_probs {
             cache.positions.iter().max().map_or(0, |m| m + 1)
         } else {
             0
         };
-        let mut probs_tap = vec![0f32; if want_probs { n * heads * span } else { 0 }];
+        let mut probs = vec![0f32; if want_probs { n * heads * span } else { 0 }];
         let (layers, positions) = cache.host_parts();
         let attn = attention(
-            &q,
+            q,
             &layers[l].keys,
             &layers[l].values,
             n,
             base,
             batch.cascade_split,
             heads,
-            kv_heads,
-            hd,
+            c.num_key_value_heads,
+            c.head_dim,
             |t, head, row| {
                 if want_probs {
-                    let dst =
-                        &mut probs_tap[(t * heads + head) * span..(t * heads + head + 1) * span];
-                    scatter_by_position(dst, row, positions);
+                    let at = (t * heads + head) * span;
+                    scatter_by_position(&mut probs[at..at + span], row, positions);
                 }
             },
         );
         if want_probs {
-            emit(
-                sink,
-                step,
-                tap(LayerTap::AttnProbs),
-                pos,
-                &[n, heads, span],
-                &probs_tap,
-            );
+            tap.emit(LayerTap::AttnProbs, &[n, heads, span], &probs);
         }
-        emit(
-            sink,
-            step,
-            tap(LayerTap::AttnOut),
-            pos,
-            &[n, heads * hd],
-            &attn,
-        );
+        attn
+    }
+}
 
-        // 6. Output projection and residual.
-        let o = self.matmul(&attn, n, &w.o_proj, h);
-        emit(sink, step, tap(LayerTap::OProj), pos, &[n, h], &o);
-        let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
-        emit(sink, step, tap(LayerTap::ResidMid), pos, &[n, h], &mid);
+/// Offers one layer's taps of one pass.
+struct LayerEmitter<'s, 'p> {
+    sink: &'s mut dyn TapSink,
+    step: usize,
+    layer: usize,
+    positions: &'p [usize],
+}
 
-        // 7. SwiGLU MLP and residual.
-        let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
-        emit(sink, step, tap(LayerTap::MlpNorm), pos, &[n, h], &mn);
-        let i = c.intermediate_size;
-        let gate = self.matmul(&mn, n, &w.gate_proj, i);
-        let up = self.matmul(&mn, n, &w.up_proj, i);
-        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-        let mlp = self.matmul(&act, n, &w.down_proj, h);
-        emit(sink, step, tap(LayerTap::MlpOut), pos, &[n, h], &mlp);
-        let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
-        emit(sink, step, tap(LayerTap::ResidOut), pos, &[n, h], &out);
-        out
+impl LayerEmitter<'_, '_> {
+    fn wants(&self, t: LayerTap) -> bool {
+        self.sink.table().wants(TapId::Layer(self.layer, t))
+    }
+
+    fn emit(&mut self, t: LayerTap, shape: &[usize], data: &[f32]) {
+        let id = TapId::Layer(self.layer, t);
+        emit(self.sink, self.step, id, self.positions, shape, data);
     }
 }
 

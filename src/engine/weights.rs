@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use crate::engine::config::Config;
 use crate::error::{Error, Result};
-use crate::io::model_source::ModelSource;
+use crate::io::model_source::{Bytes, ModelSource};
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
@@ -40,8 +40,46 @@ impl Weights {
         for name in &files {
             mapped.push((name.clone(), src.bytes(name, WEIGHTS_FIX)?));
         }
+        let ckpt = Checkpoint::parse(src, &mapped)?;
+        let expected = config.expected_tensors();
+        // Shape and dtype of every tensor first: a wrong checkpoint fails before any conversion.
+        ckpt.check_expected(&expected)?;
+        ckpt.check_extra(&expected, config)?;
+        let need: u64 = expected
+            .iter()
+            .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
+            .sum();
+        crate::support::resources::check_memory(
+            need,
+            "holding the weights as f32",
+            &ckpt.first_file(),
+        )?;
+        ckpt.convert(expected)
+    }
+
+    /// Removes and returns a tensor that `load` has already checked.
+    pub fn take(&mut self, name: &str) -> Weight {
+        self.tensors
+            .remove(name)
+            .unwrap_or_else(|| panic!("weight {name} was checked at load time"))
+    }
+
+    pub fn get(&self, name: &str) -> &Weight {
+        &self.tensors[name]
+    }
+}
+
+/// The safetensors files of a checkpoint, parsed, and which file holds each tensor.
+struct Checkpoint<'a> {
+    src: &'a ModelSource,
+    parsed: Vec<(String, SafeTensors<'a>)>,
+    location: HashMap<String, usize>,
+}
+
+impl<'a> Checkpoint<'a> {
+    fn parse(src: &'a ModelSource, mapped: &'a [(String, Bytes)]) -> Result<Self> {
         let mut parsed: Vec<(String, SafeTensors<'_>)> = Vec::new();
-        for (name, bytes) in &mapped {
+        for (name, bytes) in mapped {
             let st = SafeTensors::deserialize(bytes).map_err(|e| {
                 Error::input(
                     src.path_of(name),
@@ -57,17 +95,31 @@ impl Weights {
                 location.insert(n.to_string(), i);
             }
         }
-        let expected = config.expected_tensors();
-        // Shape and dtype of every tensor first: a wrong checkpoint fails before any conversion.
-        for (name, shape) in &expected {
-            let Some(&i) = location.get(name) else {
+        Ok(Checkpoint {
+            src,
+            parsed,
+            location,
+        })
+    }
+
+    /// The file errors about the checkpoint as a whole name.
+    fn first_file(&self) -> std::path::PathBuf {
+        let first = self.parsed.first().map(|(n, _)| n.as_str());
+        self.src.path_of(first.unwrap_or(SINGLE))
+    }
+
+    /// Every tensor the config implies is present, with its shape and a dtype kvdiff reads.
+    fn check_expected(&self, expected: &[(String, Vec<usize>)]) -> Result<()> {
+        let src = self.src;
+        for (name, shape) in expected {
+            let Some(&i) = self.location.get(name) else {
                 return Err(Error::input(
-                    src.path_of(files.first().map(String::as_str).unwrap_or(SINGLE)),
+                    self.first_file(),
                     format!("tensor {name} is missing"),
                     "the checkpoint does not match config.json; use the config.json that came with these weights",
                 ));
             };
-            let (file, st) = &parsed[i];
+            let (file, st) = &self.parsed[i];
             let view = st
                 .tensor(name)
                 .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
@@ -89,12 +141,17 @@ impl Weights {
                 ));
             }
         }
+        Ok(())
+    }
+
+    fn check_extra(&self, expected: &[(String, Vec<usize>)], config: &Config) -> Result<()> {
         // Tensors the config does not name mean the config and checkpoint disagree (e.g. more
         // layers in the file than num_hidden_layers). Tied checkpoints may still carry
         // lm_head.weight, and old exports rotary buffers; HF ignores both, and so does kvdiff.
         let known: std::collections::HashSet<&str> =
             expected.iter().map(|(n, _)| n.as_str()).collect();
-        let mut extra: Vec<(&String, usize)> = location
+        let mut extra: Vec<(&String, usize)> = self
+            .location
             .iter()
             .filter(|(n, _)| {
                 let ignored = (n.as_str() == "lm_head.weight" && config.tie_word_embeddings)
@@ -106,7 +163,7 @@ impl Weights {
         extra.sort();
         if let Some((name, i)) = extra.first() {
             return Err(Error::input(
-                src.path_of(&parsed[*i].0),
+                self.src.path_of(&self.parsed[*i].0),
                 format!(
                     "tensor {name} is not part of the model config.json describes ({} unexpected tensor{})",
                     extra.len(),
@@ -115,18 +172,15 @@ impl Weights {
                 "the checkpoint does not match config.json; use the config.json that came with these weights",
             ));
         }
-        let need: u64 = expected
-            .iter()
-            .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
-            .sum();
-        crate::support::resources::check_memory(
-            need,
-            "holding the weights as f32",
-            &src.path_of(files.first().map(String::as_str).unwrap_or(SINGLE)),
-        )?;
+        Ok(())
+    }
+
+    /// Every expected tensor as f32, refusing NaN and Inf.
+    fn convert(&self, expected: Vec<(String, Vec<usize>)>) -> Result<Weights> {
+        let src = self.src;
         let mut tensors = HashMap::with_capacity(expected.len());
         for (name, shape) in expected {
-            let (file, st) = &parsed[location[&name]];
+            let (file, st) = &self.parsed[self.location[&name]];
             let view = st
                 .tensor(&name)
                 .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
@@ -144,17 +198,6 @@ impl Weights {
             tensors.insert(name, Weight { shape, data });
         }
         Ok(Weights { tensors })
-    }
-
-    /// Removes and returns a tensor that `load` has already checked.
-    pub fn take(&mut self, name: &str) -> Weight {
-        self.tensors
-            .remove(name)
-            .unwrap_or_else(|| panic!("weight {name} was checked at load time"))
-    }
-
-    pub fn get(&self, name: &str) -> &Weight {
-        &self.tensors[name]
     }
 }
 
