@@ -16,9 +16,9 @@ use super::launch::{
 use super::taps::{offer_at, TapCtx};
 use super::upload::CudaModel;
 use super::workspace::{DecodeState, Workspace};
-use crate::engine::device::{DeviceLogits, DeviceModel};
+use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
-use crate::engine::model::{Batch, StepLogits};
+use crate::engine::pass::{Batch, DeviceLogits, StepLogits};
 use crate::tap::{emit, LayerTap, TapId, TapSink};
 
 /// What one pass's kernels and taps need besides the workspace.

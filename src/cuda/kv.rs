@@ -7,8 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Gpu};
-use crate::engine::device::DeviceKv;
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{DeviceKv, KvCache};
 
 pub struct CudaKv {
     gpu: Arc<Gpu>,

@@ -7,13 +7,29 @@
 //! blending, concatenation) drops the device copy, which the next device pass rebuilds from
 //! the host, so the two can never disagree.
 
-use crate::engine::device::DeviceKv;
+use std::any::Any;
 
 /// One layer's cache: `keys`/`values` are `[entry, kv_head, head_dim]`, after RoPE for keys.
 #[derive(Clone, Debug, Default)]
 pub struct LayerKv {
     pub keys: Vec<f32>,
     pub values: Vec<f32>,
+}
+
+/// A device copy of a KV cache's entries.
+pub trait DeviceKv: Send {
+    /// Entries held (equal to the cache's `len()` after a device pass).
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Entries `from..to` of `layer` as host vectors (keys, values).
+    fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>);
+    /// A copy on the same device.
+    fn clone_box(&self) -> Box<dyn DeviceKv>;
+    /// Appends `other`'s entries on the device; false when `other` is of another kind.
+    fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 /// Every layer's cache plus, per entry, the global position of the token it stands for.

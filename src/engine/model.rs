@@ -8,8 +8,9 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::engine::config::Config;
-use crate::engine::device::{DeviceLogits, DeviceModel};
+use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
+pub use crate::engine::pass::{Batch, StepLogits};
 use crate::engine::weights::Weights;
 use crate::error::Result;
 use crate::io::model_source::ModelSource;
@@ -50,56 +51,6 @@ pub struct Model {
     /// Round every matmul input to bf16, as a bf16 GPU backend does: the CPU's estimate of
     /// that backend's rounding noise.
     pub(crate) bf16_matmul_inputs: bool,
-}
-
-/// A pass's last-token logits: on the host, or left on the device with only their argmax read
-/// back (a GPU decode step nobody tapped the logits of).
-pub enum StepLogits {
-    Host(Vec<f32>),
-    Device(Box<dyn DeviceLogits>),
-}
-
-impl StepLogits {
-    /// The index of the largest logit (the first of equals).
-    pub fn argmax(&self) -> u32 {
-        match self {
-            StepLogits::Host(v) => crate::engine::ops::argmax(v) as u32,
-            StepLogits::Device(d) => d.argmax(),
-        }
-    }
-
-    /// The logits on the host, downloaded if they are on a device.
-    pub fn into_host(self) -> Vec<f32> {
-        match self {
-            StepLogits::Host(v) => v,
-            StepLogits::Device(d) => d.into_host(),
-        }
-    }
-}
-
-/// Tokens to run through the model in one pass.
-#[derive(Clone, Copy, Debug)]
-pub struct Batch<'a> {
-    pub tokens: &'a [u32],
-    /// Global position of each token: its identity in taps and in the cache.
-    pub positions: &'a [usize],
-    /// Position each token is rotated by. Equal to `positions` unless a path deliberately
-    /// prefills a chunk somewhere else.
-    pub rope_positions: &'a [usize],
-    /// Cascade attention: cache entries `0..cascade_split` are attended apart from the rest and
-    /// the two partial results merged by log-sum-exp. 0 attends to the cache in one softmax.
-    pub cascade_split: usize,
-}
-
-impl<'a> Batch<'a> {
-    pub fn new(tokens: &'a [u32], positions: &'a [usize]) -> Self {
-        Batch {
-            tokens,
-            positions,
-            rope_positions: positions,
-            cascade_split: 0,
-        }
-    }
 }
 
 impl Model {

@@ -1,0 +1,189 @@
+//! The source tree's architecture, checked: data flows one way between the folders of `src/`
+//! (each may use only the folders before it in `LAYERS`), and no two modules import each
+//! other. A `use` that breaks either fails here with the file and the path it names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Each folder (or top-level module) of `src/`, with what it may use besides itself.
+const LAYERS: &[(&str, &[&str])] = &[
+    ("error", &[]),
+    ("support", &["error"]),
+    ("io", &["error", "support"]),
+    ("tap", &["error", "support", "io"]),
+    ("engine", &["error", "support", "io", "tap"]),
+    ("cuda", &["error", "support", "io", "tap", "engine"]),
+    ("paths", &["error", "support", "io", "tap", "engine"]),
+    (
+        "compare",
+        &["error", "support", "io", "tap", "engine", "cuda", "paths"],
+    ),
+    (
+        "fuzz",
+        &[
+            "error", "support", "io", "tap", "engine", "paths", "compare",
+        ],
+    ),
+    (
+        "cli",
+        &[
+            "error", "support", "io", "tap", "engine", "cuda", "paths", "compare",
+        ],
+    ),
+];
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// `src/engine/model.rs` -> `engine::model`; `src/tap/mod.rs` -> `tap`.
+fn module_of(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts.join("::")
+}
+
+/// The code of a file without comments and without its unit tests.
+fn code_of(text: &str) -> String {
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Module paths named after `prefix` (`crate::`, `kvdiff::`), resolved to the longest one that
+/// is a module of `src/`.
+fn named_modules(code: &str, prefix: &str, modules: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for (i, _) in code.match_indices(prefix) {
+        if code[..i]
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        let rest = &code[i + prefix.len()..];
+        let path: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_' || *c == ':')
+            .collect();
+        let parts: Vec<&str> = path.split("::").filter(|p| !p.is_empty()).collect();
+        if let Some(m) = (1..=parts.len())
+            .rev()
+            .map(|k| parts[..k].join("::"))
+            .find(|m| modules.contains(m))
+        {
+            found.insert(m);
+        }
+    }
+    found
+}
+
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let modules: BTreeSet<String> = files.iter().map(|f| module_of(&src, f)).collect();
+    let mut edges = BTreeMap::new();
+    for f in &files {
+        let m = module_of(&src, f);
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        let mut used = named_modules(&code, "crate::", &modules);
+        used.extend(named_modules(&code, "kvdiff::", &modules));
+        // `super::x` from a file names a sibling module.
+        let parent = m.rsplit_once("::").map_or("", |(p, _)| p);
+        let siblings = named_modules(&code, "super::", &modules_under(&modules, parent));
+        used.extend(siblings.into_iter().map(|s| join(parent, &s)));
+        used.remove(&m);
+        edges.insert(m, used);
+    }
+    edges
+}
+
+fn join(parent: &str, child: &str) -> String {
+    if parent.is_empty() {
+        child.to_string()
+    } else {
+        format!("{parent}::{child}")
+    }
+}
+
+/// The modules under `parent`, named relative to it.
+fn modules_under(modules: &BTreeSet<String>, parent: &str) -> BTreeSet<String> {
+    modules
+        .iter()
+        .filter_map(|m| match parent {
+            "" => Some(m.clone()),
+            p => m.strip_prefix(&format!("{p}::")).map(String::from),
+        })
+        .collect()
+}
+
+fn folder(module: &str) -> &str {
+    module.split("::").next().unwrap()
+}
+
+#[test]
+fn folders_use_only_the_layers_before_them() {
+    let allowed: BTreeMap<&str, &[&str]> = LAYERS.iter().copied().collect();
+    let mut broken = Vec::new();
+    for (m, used) in imports() {
+        // The crate root (lib.rs, main.rs) declares the folders; it is not a layer.
+        if m == "lib" || m == "main" {
+            continue;
+        }
+        let from = folder(&m);
+        let Some(ok) = allowed.get(from) else {
+            broken.push(format!("src/{from} is not in LAYERS: place it there"));
+            continue;
+        };
+        for u in used {
+            let to = folder(&u);
+            if to != from && !ok.contains(&to) {
+                broken.push(format!("{m} uses {u}: {from} may use only {ok:?}"));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn no_two_modules_import_each_other() {
+    let edges = imports();
+    let mut mutual = Vec::new();
+    for (a, used) in &edges {
+        for b in used {
+            // A folder's mod.rs re-exporting its children is not a cycle.
+            let nested = b.starts_with(&format!("{a}::")) || a.starts_with(&format!("{b}::"));
+            if a < b && !nested && edges.get(b).is_some_and(|u| u.contains(a)) {
+                mutual.push(format!("{a} <-> {b}"));
+            }
+        }
+    }
+    assert!(mutual.is_empty(), "{}", mutual.join("\n"));
+}
+
+#[test]
+fn the_checker_sees_imports() {
+    // The checks above must not pass because nothing was found.
+    let edges = imports();
+    assert!(edges["compare::driver"].contains("engine::model"));
+    assert!(edges["cuda::forward"].contains("cuda::kv"));
+    assert!(edges["engine::model"].contains("engine::device"));
+    assert!(!edges["engine::model"].iter().any(|m| folder(m) == "cuda"));
+}
