@@ -27,6 +27,10 @@ pub enum Error {
         what: String,
         fix: String,
     },
+    /// The reference backend's own error, measured against the f64 oracle, is beyond rounding:
+    /// the code every path shares computes something else, so no tolerance is learned from it.
+    #[error("calibration refused: {0}\n  fix: the reference forward pass is wrong; `kvdiff compare --tolerance fixed --atol 0 --rtol 1e-5` still runs, and the HF conformance tests show where")]
+    Calibration(String),
     /// An invariant of kvdiff itself broke.
     #[error("internal error: {0}")]
     Internal(String),
@@ -52,6 +56,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Input { .. } | Error::Usage { .. } => EXIT_BAD_INPUT,
+            Error::Calibration(_) => EXIT_DIVERGED,
             Error::Internal(_) => EXIT_INTERNAL,
         }
     }

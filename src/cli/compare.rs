@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use kvdiff::compare::report;
+use kvdiff::compare::noise::NoiseProfile;
+use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
 use kvdiff::compare::target::{self, Backend, Target};
 use kvdiff::engine::Engine;
@@ -52,8 +53,9 @@ pub struct CompareArgs {
     /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
     #[arg(long, value_name = "GLOB", default_value = "*")]
     taps: String,
-    /// auto (learned from an exact pair, per tap kind), exact (bitwise), or fixed
-    /// (--atol/--rtol; giving either implies fixed).
+    /// auto (per tap kind, a safety factor times the summed rounding error of the two sides,
+    /// each measured against an f64 recomputation), exact (bitwise), or fixed (--atol/--rtol;
+    /// giving either implies fixed).
     #[arg(long, value_enum, default_value_t = TolPolicy::Auto)]
     tolerance: TolPolicy,
     /// Absolute tolerance (fixed policy): a row diverges when max|diff| > atol + rtol·max|ref|.
@@ -62,10 +64,18 @@ pub struct CompareArgs {
     /// Relative tolerance (fixed policy).
     #[arg(long, value_name = "X")]
     rtol: Option<f32>,
+    /// Thresholds from a noise profile written by `kvdiff calibrate`, instead of calibrating
+    /// now (auto policy): CI can pin them, and a change in them shows in review.
+    #[arg(long, value_name = "FILE")]
+    noise_profile: Option<PathBuf>,
     /// Fail (exit 1) when an approximate path's next-token logits differ from the
     /// reference's by more than this relative L2 at any step.
     #[arg(long, value_name = "X")]
     budget: Option<f64>,
+    /// Fail on a near-tie token flip of an exact path too (by default a warning: the
+    /// reference's top-2 logits were within rounding of each other).
+    #[arg(long)]
+    strict: bool,
     /// Most tokens to decode in lockstep.
     #[arg(long, value_name = "N", default_value_t = 16)]
     max_new_tokens: usize,
@@ -113,6 +123,10 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if uses_cuda {
         require_cuda()?;
     }
+    let profile = match &a.noise_profile {
+        Some(f) => Some((NoiseProfile::load(f)?, f.as_path())),
+        None => None,
+    };
     let p = Prompt::load(&a.prompt)?;
     let mut engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
@@ -139,6 +153,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         policy,
         max_new_tokens: a.max_new_tokens,
         dump: staging.as_ref().map(|s| s.staging.as_path()),
+        noise_profile: profile.as_ref().map(|(p, f)| (p, *f)),
     }
     .run()?;
     if let (Some(folder), Some(out)) = (&staging, &a.dump) {
@@ -158,8 +173,12 @@ pub fn run(a: CompareArgs) -> Result<i32> {
             serde_json::to_vec_pretty(&report).map_err(|e| Error::Internal(e.to_string()))?;
         write_atomic(path, &bytes, "--json")?;
     }
-    print!("{}", report::text(&report, a.budget));
-    Ok(if report.failed(a.budget) {
+    let judge = Judgement {
+        budget: a.budget,
+        strict: a.strict,
+    };
+    print!("{}", report::text(&report, &judge));
+    Ok(if report.failed(&judge) {
         EXIT_DIVERGED
     } else {
         EXIT_OK

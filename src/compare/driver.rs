@@ -281,7 +281,8 @@ impl CompareSpec<'_> {
         PathReport {
             path: name.to_string(),
             exact,
-            diverged: first_divergence.is_some() || run.first_token.is_some(),
+            diverged: first_divergence.is_some()
+                || run.first_token.as_ref().is_some_and(|t| !t.near_tie),
             teacher_forced: run.first_token.is_some(),
             first_divergence,
             first_token_divergence: run.first_token,
@@ -352,6 +353,42 @@ impl TapSink for Forward<'_, '_> {
     }
     fn end_pass(&mut self, step: usize) {
         self.0.end_pass(step);
+    }
+}
+
+/// How close a token flip was: each side's margin between its top two logits, and whether the
+/// reference's is within what the logits tolerance lets two exact computations move apart.
+struct TokenFlip {
+    reference_margin: f32,
+    path_margin: f32,
+    bound: f32,
+    near_tie: bool,
+}
+
+impl TokenFlip {
+    fn of(reference: &[f32], path: &[f32], bounds: Option<(f32, f32)>) -> Self {
+        let margin = |v: &[f32]| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &x in v {
+                if x > a {
+                    b = a;
+                    a = x;
+                } else if x > b {
+                    b = x;
+                }
+            }
+            a - b
+        };
+        let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // Each side may move by the tolerance: a flip within twice it can be rounding.
+        let bound = bounds.map_or(0.0, |(atol, rtol)| 2.0 * (atol + rtol * max_ref));
+        let reference_margin = margin(reference);
+        TokenFlip {
+            reference_margin,
+            path_margin: margin(path),
+            bound,
+            near_tie: reference_margin <= bound,
+        }
     }
 }
 
@@ -426,9 +463,9 @@ impl Lockstep {
         ref_logits: StepLogits,
     ) -> u32 {
         let (rt, pt) = (ref_logits.argmax(), logits.argmax());
-        self.agreement.add(logits, ref_logits);
-        self.tokens.push(pt);
         if rt != pt && self.first_token.is_none() {
+            let (r, p) = (ref_logits.to_host(), logits.to_host());
+            let flip = TokenFlip::of(&r, &p, spec.tolerance.bounds("logits"));
             self.first_token = Some(TokenDivergence {
                 step,
                 position: spec.prompt.ids.len() + step,
@@ -436,8 +473,14 @@ impl Lockstep {
                 path_token: pt,
                 reference_text: spec.tokenizer.decode(&[rt], false),
                 path_text: spec.tokenizer.decode(&[pt], false),
+                reference_margin: flip.reference_margin,
+                path_margin: flip.path_margin,
+                margin_bound: flip.bound,
+                near_tie: flip.near_tie,
             });
         }
+        self.agreement.add(logits, ref_logits);
+        self.tokens.push(pt);
         rt
     }
 }

@@ -42,6 +42,15 @@ pub struct TokenDivergence {
     pub path_token: u32,
     pub reference_text: String,
     pub path_text: String,
+    /// The reference's top-1 minus top-2 logit at that step, and the path's.
+    pub reference_margin: f32,
+    pub path_margin: f32,
+    /// Twice the logits tolerance at that row: how far two exact computations may move apart.
+    pub margin_bound: f32,
+    /// The reference's margin is within `margin_bound`: rounding can flip the token. On an
+    /// exact path with no tap over its tolerance this is a warning, not a failure (unless
+    /// `--strict`).
+    pub near_tie: bool,
 }
 
 /// One line of the per-layer table.
@@ -108,8 +117,16 @@ pub struct ToleranceInfo {
     /// Per tap kind, the relative threshold (auto) or the single one (fixed).
     pub rtol: std::collections::BTreeMap<String, f32>,
     pub atol: f32,
-    /// For paths on another backend than the reference: the thresholds learned from the CPU's
-    /// emulation of bf16 rounding (auto policy only).
+    /// Where `auto`'s thresholds come from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// Thresholds are this many times the two sides' summed noise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub safety: Option<f32>,
+    /// Per backend, each tap kind's own rounding error against the f64 oracle.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub noise: BTreeMap<String, BTreeMap<String, f32>>,
+    /// For paths on another backend than the reference: their thresholds (auto policy only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cross_backend: Option<Box<ToleranceInfo>>,
 }
@@ -121,47 +138,69 @@ impl ToleranceInfo {
                 policy: "exact",
                 rtol: Default::default(),
                 atol: 0.0,
+                source: None,
+                safety: None,
+                noise: BTreeMap::new(),
                 cross_backend: None,
             },
             Tolerance::Fixed { atol, rtol } => ToleranceInfo {
                 policy: "fixed",
                 rtol: [("*".to_string(), *rtol)].into(),
                 atol: *atol,
+                source: None,
+                safety: None,
+                noise: BTreeMap::new(),
                 cross_backend: None,
             },
             Tolerance::Auto { rtol } => ToleranceInfo {
                 policy: "auto",
                 rtol: rtol.clone(),
                 atol: 0.0,
+                source: None,
+                safety: None,
+                noise: BTreeMap::new(),
                 cross_backend: None,
             },
         }
     }
 }
 
+/// How verdicts are reached beyond the taps' tolerance.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Judgement {
+    /// Fail an approximate path whose next-token logits' relative L2 goes over this.
+    pub budget: Option<f64>,
+    /// Fail an exact path on a near-tie token flip too.
+    pub strict: bool,
+}
+
 impl Report {
-    /// Whether the run fails: an exact path diverged, or an approximate path's next-token
-    /// logits went over `budget` (relative L2) at some step.
-    pub fn failed(&self, budget: Option<f64>) -> bool {
-        self.paths
-            .iter()
-            .any(|p| p.diverged && (p.exact || budget.is_some_and(|b| p.logits_rel_l2_max > b)))
+    /// Whether the run fails: an exact path (or an invariant) diverged, an approximate path's
+    /// next-token logits went over the budget, or, when strict, an exact path's token flipped
+    /// at a near tie.
+    pub fn failed(&self, j: &Judgement) -> bool {
+        self.paths.iter().any(|p| verdict(p, j).ends_with("failure)"))
     }
 }
 
-/// The verdict word for a path.
-pub fn verdict(p: &PathReport, budget: Option<f64>) -> &'static str {
+/// The verdict words for a path.
+pub fn verdict(p: &PathReport, j: &Judgement) -> &'static str {
+    let near_tie = p
+        .first_token_divergence
+        .as_ref()
+        .is_some_and(|t| t.near_tie);
+    let over_budget = j.budget.is_some_and(|b| p.logits_rel_l2_max > b);
     match (p.exact, p.diverged) {
+        (true, false) if near_tie && j.strict => "DIVERGED (near-tie token flip under --strict: failure)",
+        (true, false) if near_tie => "EQUIVALENT (near-tie token flip: warning)",
         (_, false) => "EQUIVALENT",
         (true, true) => "DIVERGED (exact path: failure)",
-        (false, true) if budget.is_some_and(|b| p.logits_rel_l2_max > b) => {
-            "DIVERGED (over budget: failure)"
-        }
+        (false, true) if over_budget => "DIVERGED (over budget: failure)",
         (false, true) => "DIVERGED (approximate path: measured)",
     }
 }
 
-pub fn text(r: &Report, budget: Option<f64>) -> String {
+pub fn text(r: &Report, j: &Judgement) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -176,18 +215,21 @@ pub fn text(r: &Report, budget: Option<f64>) -> String {
         "reference: {}   tolerance: {}",
         r.reference, r.tolerance.policy
     );
+    if let Some(src) = &r.tolerance.source {
+        let _ = writeln!(s, "tolerance: {src}");
+    }
     let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
     for p in &r.paths {
         let _ = writeln!(s);
-        path_text(&mut s, p, budget);
+        path_text(&mut s, p, j);
     }
     s
 }
 
 /// One path's section: verdict, first divergence, tokens, agreement, the per-layer table.
-fn path_text(s: &mut String, p: &PathReport, budget: Option<f64>) {
+fn path_text(s: &mut String, p: &PathReport, j: &Judgement) {
     let kind = if p.exact { "exact" } else { "approximate" };
-    let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, budget));
+    let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, j));
     divergence_text(s, p.first_divergence.as_ref());
     match &p.first_token_divergence {
         None => {
@@ -198,6 +240,18 @@ fn path_text(s: &mut String, p: &PathReport, budget: Option<f64>) {
                 s,
                 "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; both fed the reference's tokens from there on",
                 t.step, t.position, t.reference_text, t.path_text
+            );
+            let _ = writeln!(
+                s,
+                "    top-2 margin: reference {:.3e}, path {:.3e}; rounding can move them {:.3e}: {}",
+                t.reference_margin,
+                t.path_margin,
+                t.margin_bound,
+                if t.near_tie {
+                    "a near-tie flip"
+                } else {
+                    "not a near tie"
+                }
             );
         }
     }

@@ -4,6 +4,7 @@
 
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
+use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
 use crate::engine::chunks::ChunkedPrompt;
@@ -47,6 +48,15 @@ pub struct Request<'a> {
     pub max_new_tokens: usize,
     /// Folder to dump every path's taps into.
     pub dump: Option<&'a std::path::Path>,
+    /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now, and its file.
+    pub noise_profile: Option<(&'a NoiseProfile, &'a std::path::Path)>,
+}
+
+/// What `auto` learned: the profile, and the GPU's own noise when one was checked.
+struct Learned {
+    profile: NoiseProfile,
+    source: String,
+    gpu: Option<BackendNoise>,
 }
 
 impl Request<'_> {
@@ -87,7 +97,7 @@ impl Request<'_> {
             memory_budget: crate::cuda::gpu_of(ref_model)
                 .map_or(HOST_MEMORY_BUDGET, |g| g.memory().0 / 2),
         };
-        let (same_tol, cross_tol) = self.tolerances(&spec, &given)?;
+        let (same_tol, cross_tol, tolerance) = self.tolerances(&given)?;
         let paths = self
             .targets
             .iter()
@@ -100,41 +110,77 @@ impl Request<'_> {
                 self.run_target(&spec, t, tolerance)
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut tolerance = ToleranceInfo::new(&same_tol);
-        tolerance.cross_backend = cross_tol.as_ref().map(ToleranceInfo::new).map(Box::new);
         Ok(self.report(paths, tolerance))
     }
 
-    /// The tolerance for pairs on the reference's backend, and for pairs across backends
-    /// (when there are any). Same-backend pairs learn from the reference backend's own noise;
-    /// pairs across backends from the CPU's emulation of bf16 rounding.
-    fn tolerances(
-        &self,
-        spec: &CompareSpec<'_>,
-        given: &Tolerance,
-    ) -> Result<(Tolerance, Option<Tolerance>)> {
-        if self.policy != Policy::Auto {
-            return Ok((given.clone(), None));
-        }
-        let ref_backend = self.reference.on(self.backend);
-        let cross = self
-            .targets
-            .iter()
-            .any(|t| t.on(self.backend) != ref_backend);
-        let same = spec.learn_auto()?;
-        let cross = match (cross, ref_backend) {
-            (false, _) => None,
-            (true, Backend::Cpu) => Some(spec.learn_auto_bf16()?),
-            (true, Backend::Cuda) => Some(
-                CompareSpec {
-                    model: &self.engine.model,
-                    path_model: &self.engine.model,
-                    ..*spec
-                }
-                .learn_auto_bf16()?,
-            ),
+    /// The backends the comparison runs on, as the noise profile names them.
+    fn backends(&self) -> Vec<&'static str> {
+        let mut b: Vec<&'static str> = std::iter::once(&self.reference)
+            .chain(self.targets)
+            .map(|t| t.on(self.backend).name())
+            .collect();
+        b.sort();
+        b.dedup();
+        b
+    }
+
+    /// The noise model: calibrated now (or read from `noise_profile`), and a GPU in use held
+    /// to what bf16 rounding allows.
+    fn learn(&self) -> Result<Learned> {
+        let model = &self.engine.model;
+        let last = self.prompt.ids.len() + self.max_new_tokens.max(1) - 1;
+        let calibrate = || Calibration::new(model, &self.prompt.ids, last);
+        let (profile, cal, source) = match self.noise_profile {
+            Some((p, file)) => {
+                p.check_model(model, file)?;
+                let source = format!("noise profile {}; {}", file.display(), p.describe());
+                (p.clone(), None, source)
+            }
+            None => {
+                let c = calibrate();
+                let p = NoiseProfile::calibrate(&c, model, self.engine.source.describe(), &self.backends())?;
+                let source = p.describe();
+                (p, Some(c), source)
+            }
         };
-        Ok((same, cross))
+        let gpu = match self.gpu_model {
+            Some(g) => Some(profile.check_gpu(&cal.unwrap_or_else(calibrate), g)?),
+            None => None,
+        };
+        Ok(Learned {
+            profile,
+            source,
+            gpu,
+        })
+    }
+
+    /// The tolerance for pairs on the reference's backend, and for pairs across backends
+    /// (when there are any), with what the report says of them.
+    fn tolerances(&self, given: &Tolerance) -> Result<(Tolerance, Option<Tolerance>, ToleranceInfo)> {
+        if self.policy != Policy::Auto {
+            return Ok((given.clone(), None, ToleranceInfo::new(given)));
+        }
+        let learned = self.learn()?;
+        let ref_backend = self.reference.on(self.backend).name();
+        let other = self.backends().into_iter().find(|b| *b != ref_backend);
+        let same = learned.profile.tolerance(ref_backend, ref_backend)?;
+        let cross = other
+            .map(|o| learned.profile.tolerance(ref_backend, o))
+            .transpose()?;
+        let mut info = ToleranceInfo::new(&same);
+        info.source = Some(learned.source);
+        info.safety = Some(learned.profile.safety);
+        info.noise = learned
+            .profile
+            .backends
+            .iter()
+            .map(|(b, n)| (b.clone(), n.per_kind.clone()))
+            .collect();
+        if let Some(g) = learned.gpu {
+            info.noise.insert("cuda (measured)".into(), g.per_kind);
+        }
+        info.cross_backend = cross.as_ref().map(ToleranceInfo::new).map(Box::new);
+        Ok((same, cross, info))
     }
 
     fn run_target(

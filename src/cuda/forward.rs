@@ -93,6 +93,10 @@ impl DeviceLogits for CudaLogits {
     }
 
     fn into_host(self: Box<Self>) -> Vec<f32> {
+        self.to_host()
+    }
+
+    fn to_host(&self) -> Vec<f32> {
         self.gpu.download_rows(self.at, 1, self.len, self.len)
     }
 

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod model;
 pub mod ops;
+pub mod oracle;
 pub mod pass;
 pub mod tokenizer;
 pub mod weights;

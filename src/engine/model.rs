@@ -97,6 +97,28 @@ impl Model {
         self.device.as_deref()
     }
 
+    /// Every host weight tensor (empty on a device).
+    pub fn weight_slices(&self) -> Vec<&[f32]> {
+        let mut v: Vec<&[f32]> = vec![&self.embed_tokens, &self.norm];
+        v.extend(self.lm_head.as_deref());
+        for l in &self.layers {
+            v.extend([
+                &l.input_layernorm[..],
+                &l.post_attention_layernorm,
+                &l.q_proj,
+                &l.k_proj,
+                &l.v_proj,
+                &l.o_proj,
+                &l.q_norm,
+                &l.k_norm,
+                &l.gate_proj,
+                &l.up_proj,
+                &l.down_proj,
+            ]);
+        }
+        v
+    }
+
     /// The host weights, for a device backend to upload.
     pub(crate) fn host_weights(&self) -> HostWeights<'_> {
         HostWeights {

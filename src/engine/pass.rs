@@ -18,6 +18,14 @@ impl StepLogits {
         }
     }
 
+    /// A host copy of the logits.
+    pub fn to_host(&self) -> Vec<f32> {
+        match self {
+            StepLogits::Host(v) => v.clone(),
+            StepLogits::Device(d) => d.to_host(),
+        }
+    }
+
     /// The logits on the host, downloaded if they are on a device.
     pub fn into_host(self) -> Vec<f32> {
         match self {
@@ -57,5 +65,6 @@ pub trait DeviceLogits {
     /// The index of the largest logit (the first of equals).
     fn argmax(&self) -> u32;
     fn into_host(self: Box<Self>) -> Vec<f32>;
+    fn to_host(&self) -> Vec<f32>;
     fn as_any(&self) -> &dyn Any;
 }

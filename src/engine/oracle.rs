@@ -1,0 +1,182 @@
+//! The model's standard prefill in f64, written apart from `forward.rs` and `ops.rs` (no code in
+//! common): the more precise computation the noise model measures every backend's rounding
+//! against. A bug in the shared f32 code cannot move it. Slow and plain on purpose; it runs on
+//! a calibration prompt of a few dozen tokens.
+
+use rayon::prelude::*;
+
+use crate::engine::model::Model;
+use crate::tap::{emit, LayerTap, TapId, TapSink};
+
+/// `y[n, out] = x[n, inp] · wᵀ`, `w` `[out, inp]` in f32 (exact in f64), summed in f64.
+fn linear(x: &[f64], n: usize, w: &[f32], out: usize) -> Vec<f64> {
+    let inp = w.len() / out;
+    let mut y = vec![0f64; n * out];
+    y.par_chunks_mut(out).enumerate().for_each(|(i, row)| {
+        let xi = &x[i * inp..(i + 1) * inp];
+        for (j, o) in row.iter_mut().enumerate() {
+            let wj = &w[j * inp..(j + 1) * inp];
+            *o = xi.iter().zip(wj).map(|(&a, &b)| a * b as f64).sum();
+        }
+    });
+    y
+}
+
+/// RMSNorm of each `weight.len()`-wide row.
+fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
+    let dim = weight.len();
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(dim) {
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / dim as f64 + eps).sqrt();
+        y.extend(row.iter().zip(weight).map(|(v, &w)| v * inv * w as f64));
+    }
+    y
+}
+
+/// Rotate-half RoPE of `[n, heads, hd]` at `positions`, angles exact in f64.
+fn rotate(x: &mut [f64], positions: &[usize], heads: usize, hd: usize, theta: f64) {
+    let half = hd / 2;
+    for (t, &p) in positions.iter().enumerate() {
+        for i in 0..half {
+            let angle = p as f64 / theta.powf((2 * i) as f64 / hd as f64);
+            let (s, c) = angle.sin_cos();
+            for h in 0..heads {
+                let at = (t * heads + h) * hd;
+                let (a, b) = (x[at + i], x[at + i + half]);
+                x[at + i] = a * c - b * s;
+                x[at + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+fn to_f32(x: &[f64]) -> Vec<f32> {
+    x.iter().map(|&v| v as f32).collect()
+}
+
+fn add(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| x + y).collect()
+}
+
+/// The standard prefill of `tokens` (all at once, causal, no cache before them), its token
+/// `t` rotated at `rope_positions[t]` and tapped at `positions[t]`; every tap offered to `sink`
+/// rounded to f32 at the end, as step 0. `attn_probs` rows span positions `0..=max`.
+pub fn prefill(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    rope_positions: &[usize],
+    sink: &mut dyn TapSink,
+) {
+    let c = &model.config;
+    let (n, h) = (tokens.len(), c.hidden_size);
+    sink.begin_step(0, tokens, positions);
+    let mut x: Vec<f64> = tokens
+        .iter()
+        .flat_map(|&t| &model.embed_tokens[t as usize * h..(t as usize + 1) * h])
+        .map(|&v| v as f64)
+        .collect();
+    emit(sink, 0, TapId::Embed, positions, &[n, h], &to_f32(&x));
+    for l in 0..c.num_hidden_layers {
+        x = layer(model, l, x, positions, rope_positions, sink);
+    }
+    let x = norm(&x, &model.norm, c.rms_norm_eps as f64);
+    emit(sink, 0, TapId::FinalNorm, positions, &[n, h], &to_f32(&x));
+    if sink.table().wants(TapId::Logits) {
+        let head = model.lm_head.as_deref().unwrap_or(&model.embed_tokens);
+        let logits = linear(&x, n, head, c.vocab_size);
+        let shape = [n, c.vocab_size];
+        emit(sink, 0, TapId::Logits, positions, &shape, &to_f32(&logits));
+    }
+}
+
+fn layer(
+    model: &Model,
+    l: usize,
+    x: Vec<f64>,
+    positions: &[usize],
+    rope_positions: &[usize],
+    sink: &mut dyn TapSink,
+) -> Vec<f64> {
+    let c = &model.config;
+    let w = &model.layers[l];
+    let (n, h, hd) = (positions.len(), c.hidden_size, c.head_dim);
+    let (heads, kvh) = (c.num_attention_heads, c.num_key_value_heads);
+    let eps = c.rms_norm_eps as f64;
+    let mut tap = |t: LayerTap, shape: &[usize], v: &[f64]| {
+        emit(sink, 0, TapId::Layer(l, t), positions, shape, &to_f32(v));
+    };
+    tap(LayerTap::ResidIn, &[n, h], &x);
+    let xn = norm(&x, &w.input_layernorm, eps);
+    tap(LayerTap::AttnNorm, &[n, h], &xn);
+    let mut q = norm(&linear(&xn, n, &w.q_proj, heads * hd), &w.q_norm, eps);
+    let mut k = norm(&linear(&xn, n, &w.k_proj, kvh * hd), &w.k_norm, eps);
+    let v = linear(&xn, n, &w.v_proj, kvh * hd);
+    tap(LayerTap::Q, &[n, heads, hd], &q);
+    tap(LayerTap::K, &[n, kvh, hd], &k);
+    tap(LayerTap::V, &[n, kvh, hd], &v);
+    rotate(&mut q, rope_positions, heads, hd, c.rope_theta);
+    rotate(&mut k, rope_positions, kvh, hd, c.rope_theta);
+    tap(LayerTap::QRope, &[n, heads, hd], &q);
+    tap(LayerTap::KRope, &[n, kvh, hd], &k);
+    let span = positions.iter().max().map_or(0, |m| m + 1);
+    let (attn, probs) = causal_attention(&q, &k, &v, positions, span, (heads, kvh, hd));
+    tap(LayerTap::AttnProbs, &[n, heads, span], &probs);
+    tap(LayerTap::AttnOut, &[n, heads * hd], &attn);
+    let o = linear(&attn, n, &w.o_proj, h);
+    tap(LayerTap::OProj, &[n, h], &o);
+    let mid = add(&x, &o);
+    tap(LayerTap::ResidMid, &[n, h], &mid);
+    let mn = norm(&mid, &w.post_attention_layernorm, eps);
+    tap(LayerTap::MlpNorm, &[n, h], &mn);
+    let i = c.intermediate_size;
+    let (gate, up) = (linear(&mn, n, &w.gate_proj, i), linear(&mn, n, &w.up_proj, i));
+    let act: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+        .collect();
+    let mlp = linear(&act, n, &w.down_proj, h);
+    tap(LayerTap::MlpOut, &[n, h], &mlp);
+    let out = add(&mid, &mlp);
+    tap(LayerTap::ResidOut, &[n, h], &out);
+    out
+}
+
+/// Token t attends to tokens 0..=t (GQA); returns the output `[n, heads·hd]` and the
+/// probabilities `[n, heads, span]` at the keys' positions.
+fn causal_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    positions: &[usize],
+    span: usize,
+    (heads, kvh, hd): (usize, usize, usize),
+) -> (Vec<f64>, Vec<f64>) {
+    let n = positions.len();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut out = vec![0f64; n * heads * hd];
+    let mut probs = vec![0f64; n * heads * span];
+    for t in 0..n {
+        for head in 0..heads {
+            let g = head / (heads / kvh);
+            let qv = &q[(t * heads + head) * hd..][..hd];
+            let key = |e: usize| &k[(e * kvh + g) * hd..][..hd];
+            let scores: Vec<f64> = (0..=t)
+                .map(|e| qv.iter().zip(key(e)).map(|(a, b)| a * b).sum::<f64>() * scale)
+                .collect();
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let sum: f64 = exps.iter().sum();
+            let o = &mut out[(t * heads + head) * hd..][..hd];
+            for (e, &p) in exps.iter().enumerate() {
+                let p = p / sum;
+                probs[(t * heads + head) * span + positions[e]] += p;
+                for (acc, &x) in o.iter_mut().zip(&v[(e * kvh + g) * hd..][..hd]) {
+                    *acc += p * x;
+                }
+            }
+        }
+    }
+    (out, probs)
+}
