@@ -72,6 +72,10 @@ pub struct CompareArgs {
     /// reference's by more than this relative L2 at any step.
     #[arg(long, value_name = "X")]
     budget: Option<f64>,
+    /// Skip the exact invariants of approximate paths (checked by default: rerotate = global
+    /// at every tap, blend:1 = standard, blend's recomputed K/V = the full prefill's).
+    #[arg(long)]
+    no_invariants: bool,
     /// Fail on a near-tie token flip of an exact path too (by default a warning: the
     /// reference's top-2 logits were within rounding of each other).
     #[arg(long)]
@@ -154,6 +158,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         max_new_tokens: a.max_new_tokens,
         dump: staging.as_ref().map(|s| s.staging.as_path()),
         noise_profile: profile.as_ref().map(|(p, f)| (p, *f)),
+        invariants: !a.no_invariants,
     }
     .run()?;
     if let (Some(folder), Some(out)) = (&staging, &a.dump) {

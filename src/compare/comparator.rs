@@ -95,6 +95,40 @@ fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
     out
 }
 
+/// One tap of a reference whose step ran in several passes (a chunked reference path): the
+/// rows of both, attention rows zero-padded per head to the wider key span.
+fn merge_passes(a: Recorded, b: Recorded, heads: usize) -> Recorded {
+    let width = |r: &Recorded| r.data.len() / r.positions.len().max(1);
+    let (wa, wb) = (width(&a), width(&b));
+    let w = wa.max(wb);
+    let rows = |r: &Recorded, have: usize| -> Vec<f32> {
+        if have == w {
+            return r.data.clone();
+        }
+        let per_head = r.shape.len() == 3 && r.id.to_string().ends_with("attn_probs");
+        r.data
+            .chunks(have.max(1))
+            .flat_map(|row| match per_head {
+                true => pad_heads(row, heads, w / heads),
+                false => row.iter().copied().chain(std::iter::repeat_n(0.0, w - have)).collect(),
+            })
+            .collect()
+    };
+    let mut data = rows(&a, wa);
+    data.extend(rows(&b, wb));
+    let mut positions = a.positions;
+    positions.extend(b.positions);
+    let mut shape = if wa >= wb { a.shape } else { b.shape };
+    shape[0] = positions.len();
+    Recorded {
+        step: a.step,
+        id: a.id,
+        positions,
+        shape,
+        data,
+    }
+}
+
 /// What one tap's compared rows add up to.
 struct TapStats {
     compared: usize,
@@ -387,7 +421,18 @@ struct PendingDiff {
 impl Comparator<'_> {
     /// The reference's taps of the step about to be compared, on the host or the GPU.
     pub(crate) fn set_reference(&mut self, rec: ReferenceRecorder) {
-        self.reference = rec.host.taps.into_iter().map(|t| (t.id, t)).collect();
+        self.reference = HashMap::new();
+        for t in rec.host.taps {
+            match self.reference.remove(&t.id) {
+                None => {
+                    self.reference.insert(t.id, t);
+                }
+                Some(before) => {
+                    let merged = merge_passes(before, t, self.heads);
+                    self.reference.insert(merged.id, merged);
+                }
+            }
+        }
         self.device_reference = rec
             .device
             .unwrap_or_default()

@@ -12,6 +12,7 @@ use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::error::Result;
+use crate::support::fault::{self, Fault};
 use crate::paths::{ChunkStore, PathSpec};
 use crate::tap::dump::Dumper;
 use crate::tap::{Recorded, TapFilter, TapSink, TapValue, Tee};
@@ -216,7 +217,9 @@ impl CompareSpec<'_> {
     /// the path uses before the reference's next pass, so it may keep them by address.
     fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
         let layers = self.model.config.num_hidden_layers;
-        if self.model.device().is_some() && self.dump.is_none() {
+        // A reference prefill of several passes is gathered on the host (`set_reference`).
+        let one_pass = decode || self.reference == PathSpec::Standard;
+        if self.model.device().is_some() && self.dump.is_none() && one_pass {
             let r = ReferenceRecorder::on_device(taps, layers);
             if decode {
                 r.borrowing()
@@ -281,6 +284,7 @@ impl CompareSpec<'_> {
         PathReport {
             path: name.to_string(),
             exact,
+            invariant: false,
             diverged: first_divergence.is_some()
                 || run.first_token.as_ref().is_some_and(|t| !t.near_tie),
             teacher_forced: run.first_token.is_some(),
@@ -427,7 +431,11 @@ impl Lockstep {
                 break;
             }
             step += 1;
-            let (fed, pos) = ([rt], [n + step - 1]);
+            let at = match fault::active(Fault::DecodePositionOffByOne) {
+                true => n + step,
+                false => n + step - 1,
+            };
+            let (fed, pos) = ([rt], [at]);
             let span = crate::support::timing::span("compare: reference decode step");
             let mut ref_rec = spec.recorder(taps, true);
             let batch = Batch {

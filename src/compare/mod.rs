@@ -10,6 +10,7 @@ pub mod diff;
 pub mod driver;
 pub mod eval;
 pub mod gpu;
+pub mod invariants;
 pub mod noise;
 pub mod report;
 pub mod run;

@@ -67,6 +67,8 @@ pub struct LayerRow {
 pub struct PathReport {
     pub path: String,
     pub exact: bool,
+    /// An exact invariant of an approximate path (see `invariants.rs`), judged as exact.
+    pub invariant: bool,
     pub diverged: bool,
     pub first_divergence: Option<Divergence>,
     pub first_token_divergence: Option<TokenDivergence>,
@@ -194,6 +196,7 @@ pub fn verdict(p: &PathReport, j: &Judgement) -> &'static str {
         (true, false) if near_tie && j.strict => "DIVERGED (near-tie token flip under --strict: failure)",
         (true, false) if near_tie => "EQUIVALENT (near-tie token flip: warning)",
         (_, false) => "EQUIVALENT",
+        (true, true) if p.invariant => "DIVERGED (invariant broken: failure)",
         (true, true) => "DIVERGED (exact path: failure)",
         (false, true) if over_budget => "DIVERGED (over budget: failure)",
         (false, true) => "DIVERGED (approximate path: measured)",

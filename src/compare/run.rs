@@ -4,6 +4,7 @@
 
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
+use crate::compare::invariants::Invariant;
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
@@ -48,8 +49,19 @@ pub struct Request<'a> {
     pub max_new_tokens: usize,
     /// Folder to dump every path's taps into.
     pub dump: Option<&'a std::path::Path>,
+    /// Also check the exact invariants of the approximate paths compared (`invariants.rs`).
+    pub invariants: bool,
     /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now, and its file.
     pub noise_profile: Option<(&'a NoiseProfile, &'a std::path::Path)>,
+}
+
+/// The thresholds of a run: on the reference's backend, across backends, what the report says
+/// of them, and the noise profile they came from (auto).
+struct Tolerances {
+    same: Tolerance,
+    cross: Option<Tolerance>,
+    info: ToleranceInfo,
+    profile: Option<NoiseProfile>,
 }
 
 /// What `auto` learned: the profile, and the GPU's own noise when one was checked.
@@ -97,20 +109,24 @@ impl Request<'_> {
             memory_budget: crate::cuda::gpu_of(ref_model)
                 .map_or(HOST_MEMORY_BUDGET, |g| g.memory().0 / 2),
         };
-        let (same_tol, cross_tol, tolerance) = self.tolerances(&given)?;
-        let paths = self
+        let tols = self.tolerances(&given)?;
+        let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
+        let mut paths = self
             .targets
             .iter()
             .map(|t| {
                 let across = t.on(self.backend) != ref_backend;
-                let tolerance = match (&cross_tol, across) {
+                let tolerance = match (cross_tol, across) {
                     (Some(c), true) => c,
-                    _ => &same_tol,
+                    _ => same_tol,
                 };
                 self.run_target(&spec, t, tolerance)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(self.report(paths, tolerance))
+        if self.invariants {
+            paths.extend(self.run_invariants(&spec, &tols)?);
+        }
+        Ok(self.report(paths, tols.info))
     }
 
     /// The backends the comparison runs on, as the noise profile names them.
@@ -156,9 +172,14 @@ impl Request<'_> {
 
     /// The tolerance for pairs on the reference's backend, and for pairs across backends
     /// (when there are any), with what the report says of them.
-    fn tolerances(&self, given: &Tolerance) -> Result<(Tolerance, Option<Tolerance>, ToleranceInfo)> {
+    fn tolerances(&self, given: &Tolerance) -> Result<Tolerances> {
         if self.policy != Policy::Auto {
-            return Ok((given.clone(), None, ToleranceInfo::new(given)));
+            return Ok(Tolerances {
+                same: given.clone(),
+                cross: None,
+                info: ToleranceInfo::new(given),
+                profile: None,
+            });
         }
         let learned = self.learn()?;
         let ref_backend = self.reference.on(self.backend).name();
@@ -180,7 +201,48 @@ impl Request<'_> {
             info.noise.insert("cuda (measured)".into(), g.per_kind);
         }
         info.cross_backend = cross.as_ref().map(ToleranceInfo::new).map(Box::new);
-        Ok((same, cross, info))
+        Ok(Tolerances {
+            same,
+            cross,
+            info,
+            profile: Some(learned.profile),
+        })
+    }
+
+    /// Every invariant of the approximate targets, once per backend, each on its target's
+    /// backend (reference and path alike) with that backend's own tolerance.
+    fn run_invariants(&self, spec: &CompareSpec<'_>, tols: &Tolerances) -> Result<Vec<PathReport>> {
+        let ref_backend = self.reference.on(self.backend);
+        let mut done = Vec::new();
+        let mut out = Vec::new();
+        for t in self.targets {
+            let backend = t.on(self.backend);
+            for inv in Invariant::of(t.path) {
+                if done.contains(&(inv, backend)) {
+                    continue;
+                }
+                done.push((inv, backend));
+                let model = self.model_on(backend);
+                // Both sides on one backend: that backend's own noise, twice.
+                let own = match (&tols.profile, backend == ref_backend) {
+                    (Some(p), false) => p.tolerance(backend.name(), backend.name())?,
+                    _ => tols.same.clone(),
+                };
+                let s = CompareSpec {
+                    model,
+                    path_model: model,
+                    tolerance: &own,
+                    dump: None,
+                    ..*spec
+                };
+                let mut label = inv.label();
+                if self.uses_gpu() {
+                    label = format!("{label} @{}", backend.name());
+                }
+                out.push(inv.run(&s, &label)?);
+            }
+        }
+        Ok(out)
     }
 
     fn run_target(

@@ -18,6 +18,7 @@ use super::upload::CudaModel;
 use super::workspace::{DecodeState, Workspace};
 use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
+use crate::support::fault::{self, Fault};
 use crate::engine::pass::{Batch, DeviceLogits, StepLogits};
 use crate::tap::{emit, LayerTap, TapId, TapSink};
 
@@ -233,17 +234,24 @@ impl CudaModel {
         }
     }
 
-    /// The pass's inputs in one upload: tokens, RoPE positions, key positions, base.
+    /// The pass's inputs in one upload: tokens, RoPE positions, key positions, base, and the
+    /// base attention masks by.
     fn pass_meta(&self, batch: Batch<'_>, base: usize) -> Vec<i32> {
         let n = batch.tokens.len();
         let mut meta: Vec<i32> = batch.tokens.iter().map(|&t| t as i32).collect();
         meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
-        if self.fault_local_key_positions {
+        if fault::active(Fault::LocalKeyPositions) {
             meta.extend(0..n as i32);
         } else {
             meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
         }
         meta.push(base as i32);
+        // The planted mask bug: once cached KV exists, each query misses its own key.
+        let masked = match fault::active(Fault::CachedMaskOffByOne) {
+            true if base > 0 => base - 1,
+            _ => base,
+        };
+        meta.push(masked as i32);
         meta
     }
 
@@ -461,7 +469,11 @@ impl CudaModel {
                         Arg::I32(0),
                         Arg::I32(kvh as i32),
                         Arg::I32(hd as i32),
-                        Arg::I32(delta as i32),
+                        Arg::I32(if fault::active(Fault::RerotateWrongSign) {
+                        -(delta as i32)
+                    } else {
+                        delta as i32
+                    }),
                         Arg::Ptr(ptr(g, &self.inv_freq, 0)),
                     ],
                 );
@@ -606,7 +618,7 @@ impl CudaModel {
                 Arg::F32(c.rms_norm_eps),
             ],
         );
-        let base_ptr = ws.meta_ptr(g, 3 * n);
+        let base_ptr = ws.meta_ptr(g, 3 * n + 1);
         launch_attention(
             g,
             &Attention {

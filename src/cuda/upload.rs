@@ -37,10 +37,6 @@ pub struct CudaModel {
     pub(super) norm: CudaSlice<u16>,
     pub(super) layers: Vec<Layer>,
     pub(super) inv_freq: CudaSlice<f32>,
-    /// A deliberate bug for kvdiff's own self-test (`KVDIFF_CUDA_FAULT=local-key-positions`):
-    /// keys are rotated at batch-local positions 0..n, the classic chunk-prefill mistake. Every
-    /// kernel stays right in isolation; only the wiring to the cache is wrong.
-    pub(super) fault_local_key_positions: bool,
 }
 
 /// The same model with its forward pass on the GPU (weights in bf16). Fails with a one-line
@@ -140,8 +136,6 @@ impl CudaModel {
             lm_head: w.lm_head.map(|h| up(&[h])),
             norm: up(&[w.norm]),
             inv_freq: gpu.upload(&inv_freq),
-            fault_local_key_positions: std::env::var("KVDIFF_CUDA_FAULT").as_deref()
-                == Ok("local-key-positions"),
             layers,
             config: config.clone(),
             device: gpu.clone(),

@@ -42,7 +42,8 @@ pub(super) struct LayerIo {
 pub(crate) struct Workspace {
     pub(super) f: CudaSlice<f32>,
     pub(super) bf: CudaSlice<u16>,
-    /// Tokens, RoPE positions, key positions (n each), then base.
+    /// Tokens, RoPE positions, key positions (n each), then base, then the base attention
+    /// masks by (base, unless a fault is planted).
     pub(super) meta: CudaSlice<i32>,
     /// Per head, decode attention's count of finished chunks, then the fused GEMV's count of
     /// finished blocks (all zero between launches).
@@ -105,7 +106,7 @@ impl Workspace {
         Workspace {
             f: g.alloc::<f32>(w.total),
             bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
-            meta: g.alloc::<i32>(3 * n + 1),
+            meta: g.alloc::<i32>(3 * n + 2),
             counters: g.zeros::<u32>(w.shape.heads + 1),
             pick: g.zeros::<u32>(1),
             probs_wanted: true,

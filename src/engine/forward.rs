@@ -6,6 +6,7 @@ use half::bf16;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Layer, Model};
 use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
+use crate::support::fault::{self, Fault};
 use crate::tap::{emit, scatter_by_position, LayerTap, TapId, TapSink};
 
 impl Model {
@@ -28,10 +29,15 @@ impl Model {
         sink: &mut dyn TapSink,
     ) {
         let c = &self.config;
-        let deltas = vec![delta; cache.len()];
+        let sign = if fault::active(Fault::RerotateWrongSign) {
+            -1.0
+        } else {
+            1.0
+        };
+        let deltas = vec![sign * delta as f32; cache.len()];
         let shape = [positions.len(), c.num_key_value_heads, c.head_dim];
         for (l, layer) in cache.layers_mut().iter_mut().enumerate() {
-            crate::engine::ops::rope(
+            crate::engine::ops::rope_at(
                 &mut layer.keys,
                 &deltas,
                 c.num_key_value_heads,
@@ -178,12 +184,17 @@ impl Model {
         };
         let mut probs = vec![0f32; if want_probs { n * heads * span } else { 0 }];
         let (layers, positions) = cache.host_parts();
+        // The planted mask bug: once cached KV exists, each query misses its own key.
+        let seen = match fault::active(Fault::CachedMaskOffByOne) {
+            true if base > 0 => base - 1,
+            _ => base,
+        };
         let attn = attention(
             q,
             &layers[l].keys,
             &layers[l].values,
             n,
-            base,
+            seen,
             batch.cascade_split,
             heads,
             c.num_key_value_heads,

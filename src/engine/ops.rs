@@ -74,13 +74,19 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 /// Rotary embedding, non-interleaved ("rotate half"): pairs (i, i + d/2) of each head are rotated
 /// by `position · theta^(-2i/d)`. Angles are computed in f32 as HF does.
 pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, theta: f64) {
+    let at: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
+    rope_at(x, &at, heads, head_dim, theta);
+}
+
+/// `rope` at positions given as f32 (a negative one turns the other way).
+pub fn rope_at(x: &mut [f32], positions: &[f32], heads: usize, head_dim: usize, theta: f64) {
     let half = head_dim / 2;
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0 / (theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
         .collect();
     for (t, &pos) in positions.iter().enumerate() {
         for i in 0..half {
-            let angle = pos as f32 * inv_freq[i];
+            let angle = pos * inv_freq[i];
             let (sin, cos) = angle.sin_cos();
             for h in 0..heads {
                 let base = (t * heads + h) * head_dim;

@@ -10,7 +10,7 @@ use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
-use crate::tap::{NullSink, TapSink};
+use crate::tap::{emit, LayerTap, NullSink, TapId, TapSink};
 
 pub fn prefill(
     model: &Model,
@@ -19,17 +19,21 @@ pub fn prefill(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> (KvCache, Vec<f32>) {
-    let prefix = blended_prefix(model, prompt, r, store, sink);
+    let prefix = blended_prefix(model, prompt, r, store, sink, None);
     super::prefill_query(model, prompt, prefix, sink)
 }
 
 /// The rerotated prefix cache with the most-deviating fraction `r` of tokens recomputed.
+/// `recomputed`, when given, is offered the K/V the blend wrote (`L{l}.k_rope`, `L{l}.v` of the
+/// recomputed tokens, layers 1 on), read back from the cache: what must equal the full
+/// prefill's rows.
 pub fn blended_prefix(
     model: &Model,
     prompt: &ChunkedPrompt,
     r: f32,
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
+    recomputed: Option<&mut dyn TapSink>,
 ) -> KvCache {
     let mut cache = reused_prefix(model, prompt, Reuse::Rerotate, store, sink);
     let n = cache.len();
@@ -61,13 +65,41 @@ pub fn blended_prefix(
     // Largest deviation first; ties by position so the selection is deterministic and nested.
     order.sort_by(|&a, &b| deviation[b].total_cmp(&deviation[a]).then(a.cmp(&b)));
     let take = ((r as f64 * n as f64).ceil() as usize).min(n);
+    let mut chosen = order[..take].to_vec();
+    chosen.sort_unstable();
     let layers = cache.layers_mut();
-    for &t in &order[..take] {
+    for &t in &chosen {
         for l in 1..model.config.num_hidden_layers {
             let span = t * kv..(t + 1) * kv;
-            layers[l].keys[span.clone()].copy_from_slice(&full[l].keys[span.clone()]);
-            layers[l].values[span.clone()].copy_from_slice(&full[l].values[span]);
+            let slot = if crate::support::fault::active(crate::support::fault::Fault::BlendWrongSlot) {
+                (t + 1) % n * kv..((t + 1) % n + 1) * kv
+            } else {
+                span.clone()
+            };
+            layers[l].keys[slot.clone()].copy_from_slice(&full[l].keys[span.clone()]);
+            layers[l].values[slot].copy_from_slice(&full[l].values[span]);
         }
     }
+    if let Some(out) = recomputed {
+        offer_rows(model, &mut cache, &chosen, out);
+    }
     cache
+}
+
+/// Offers the cache's K/V of tokens `rows` (positions = entries) at layers 1 on, as taps.
+fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn TapSink) {
+    let c = &model.config;
+    let (kvh, hd, kv) = (c.num_key_value_heads, c.head_dim, c.kv_dim());
+    let (layers, positions) = cache.host_parts();
+    let pos: Vec<usize> = rows.iter().map(|&t| positions[t]).collect();
+    for (l, layer) in layers.iter().enumerate().skip(1) {
+        for (tap, data) in [(LayerTap::KRope, &layer.keys), (LayerTap::V, &layer.values)] {
+            let picked: Vec<f32> = rows
+                .iter()
+                .flat_map(|&t| &data[t * kv..(t + 1) * kv])
+                .copied()
+                .collect();
+            emit(sink, 0, TapId::Layer(l, tap), &pos, &[rows.len(), kvh, hd], &picked);
+        }
+    }
 }

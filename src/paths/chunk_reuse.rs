@@ -11,6 +11,7 @@ use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::support::fault::{self, Fault};
 use crate::tap::{LayerTap, Masked, TapSink};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,7 +62,7 @@ pub fn reused_prefix(
         };
         // Global rotation depends on where the chunk stands, so it is part of the key.
         let key = prompt.content_hash(chunk)
-            ^ if mode == Reuse::Global {
+            ^ if mode == Reuse::Global && !fault::active(Fault::GlobalKeyIgnoresPosition) {
                 chunk.start as u64 * 0x9e37_79b9
             } else {
                 0
@@ -90,6 +91,13 @@ pub fn reused_prefix(
                     );
                 } else {
                     model.forward(batch, &mut kv, 0, sink);
+                }
+                if mode == Reuse::Rerotate && fault::active(Fault::RerotateStoresRotated) {
+                    model.rerotate(&mut kv, chunk.start, &global, sink);
+                    store.put(key, kv.clone());
+                    kv.positions = global;
+                    cache.append(kv);
+                    continue;
                 }
                 let _span =
                     crate::support::timing::span("chunk-reuse: chunk KV stored and appended");

@@ -139,7 +139,7 @@ impl fmt::Display for PathSpec {
 
 /// Prefills the query chunk at its global positions over `cache` (the KV a path built for
 /// everything before it).
-fn prefill_query(
+pub fn prefill_query(
     model: &Model,
     prompt: &ChunkedPrompt,
     mut cache: KvCache,

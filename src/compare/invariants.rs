@@ -1,0 +1,100 @@
+//! What must hold exactly even on approximate paths, checked like an exact path whenever the
+//! approximate path is compared: a bug inside an approximate path otherwise hides behind its
+//! expected divergence.
+//!
+//! - `chunk-reuse:rerotate` = `chunk-reuse:global` at every tap: keys rotated at 0..n and then
+//!   turned by the position delta are the keys computed at the global positions (RoPE
+//!   composes), and everything before RoPE is the same computation.
+//! - `chunk-reuse:blend:1` = `standard` on the query chunk and every decode step: with every
+//!   prefix token recomputed, the cache is the full prefill's (layer 0's K/V do not depend on
+//!   context).
+//! - `chunk-reuse:blend:R`: the K/V rows the blend recomputes (layers 1 on) equal the full
+//!   prefill's rows at the same positions.
+
+use crate::compare::driver::CompareSpec;
+use crate::compare::report::PathReport;
+use crate::error::Result;
+use crate::paths::blend::blended_prefix;
+use crate::paths::{prefill_query, PathSpec, Reuse};
+use crate::tap::{NullSink, TapFilter};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Invariant {
+    RerotateIsGlobal,
+    BlendOneIsStandard,
+    BlendRowsAreFull(f32),
+}
+
+impl Invariant {
+    /// The invariants checked alongside `path`.
+    pub fn of(path: PathSpec) -> Vec<Invariant> {
+        match path {
+            PathSpec::ChunkReuse(Reuse::Rerotate | Reuse::Global) => vec![Invariant::RerotateIsGlobal],
+            PathSpec::Blend(r) => vec![Invariant::BlendOneIsStandard, Invariant::BlendRowsAreFull(r)],
+            _ => Vec::new(),
+        }
+    }
+
+    pub fn label(&self) -> String {
+        match self {
+            Invariant::RerotateIsGlobal => {
+                "invariant: chunk-reuse:rerotate = chunk-reuse:global".into()
+            }
+            Invariant::BlendOneIsStandard => {
+                "invariant: chunk-reuse:blend:1 = standard (query and decode)".into()
+            }
+            Invariant::BlendRowsAreFull(r) => {
+                format!("invariant: chunk-reuse:blend:{r} recomputed K/V = standard's")
+            }
+        }
+    }
+
+    /// Runs the check on `spec`'s models and tolerance (its `reference` is replaced).
+    pub fn run(&self, spec: &CompareSpec<'_>, label: &str) -> Result<PathReport> {
+        let layers = spec.model.config.num_hidden_layers;
+        let mut report = match *self {
+            Invariant::RerotateIsGlobal => {
+                let s = CompareSpec {
+                    reference: PathSpec::ChunkReuse(Reuse::Global),
+                    ..*spec
+                };
+                let path = PathSpec::ChunkReuse(Reuse::Rerotate);
+                s.run_with(label, true, 0, |m, pr, store, sink| {
+                    path.prefill(m, pr, store, sink)
+                })?
+            }
+            Invariant::BlendOneIsStandard => {
+                let s = CompareSpec {
+                    reference: PathSpec::Standard,
+                    ..*spec
+                };
+                s.run_with(label, true, 0, |m, pr, store, sink| {
+                    let mut quiet = NullSink::new(layers);
+                    let prefix = blended_prefix(m, pr, 1.0, store, &mut quiet, None);
+                    prefill_query(m, pr, prefix, sink)
+                })?
+            }
+            Invariant::BlendRowsAreFull(r) => {
+                let taps = TapFilter::parse("L*.k_rope,L*.v", layers).expect("tap names");
+                let s = CompareSpec {
+                    reference: PathSpec::Standard,
+                    taps: &taps,
+                    max_new_tokens: 1,
+                    ..*spec
+                };
+                let mut report = s.run_with(label, true, 0, |m, pr, store, sink| {
+                    let mut quiet = NullSink::new(layers);
+                    let prefix = blended_prefix(m, pr, r, store, &mut quiet, Some(sink));
+                    prefill_query(m, pr, prefix, &mut quiet)
+                })?;
+                // Only the recomputed rows are held to the full prefill; the answer is not.
+                report.first_token_divergence = None;
+                report.teacher_forced = false;
+                report.diverged = report.first_divergence.is_some();
+                report
+            }
+        };
+        report.invariant = true;
+        Ok(report)
+    }
+}
