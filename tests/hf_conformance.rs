@@ -129,3 +129,83 @@ fn random_model_matches_transformers() {
     let worst = check_model("random-model");
     assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
 }
+
+/// The decode code `compare` runs (the lockstep driver's reference path, as `--dump` writes
+/// it), step by step against HF's greedy decode: the same tokens, and each step's logits within
+/// `TOLERANCE`. Returns what failed.
+fn driver_decode_failures(dir: &str) -> Vec<String> {
+    use kvdiff::compare::diff::Tolerance;
+    use kvdiff::compare::driver::CompareSpec;
+    use kvdiff::engine::chunks::ChunkedPrompt;
+    use kvdiff::paths::PathSpec;
+
+    let engine = Engine::load(ModelSource::Dir(fixture(dir))).unwrap();
+    let layers = engine.model.config.num_hidden_layers;
+    let ref_dir = fixture(&format!("reference/{dir}"));
+    let manifest = read_json(&ref_dir.join("manifest.json"));
+    let taps = TapFilter::parse("logits", layers).unwrap();
+    let mut failures = Vec::new();
+    for p in manifest["prompts"].as_array().unwrap() {
+        let name = p["name"].as_str().unwrap();
+        let ids: Vec<u32> = serde_json::from_value(p["input_ids"].clone()).unwrap();
+        let want: Vec<u32> = serde_json::from_value(p["greedy_ids"].clone()).unwrap();
+        let prompt = ChunkedPrompt::from_boundaries(ids, &[], true);
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = CompareSpec {
+            model: &engine.model,
+            path_model: &engine.model,
+            tokenizer: &engine.tokenizer,
+            prompt: &prompt,
+            reference: PathSpec::Standard,
+            taps: &taps,
+            tolerance: &Tolerance::Exact,
+            max_new_tokens: want.len(),
+            eos: &[],
+            dump: Some(tmp.path()),
+            memory_budget: usize::MAX,
+        };
+        let report = spec.run(PathSpec::Standard).unwrap();
+        if report.reference_tokens != want {
+            failures.push(format!(
+                "{dir}/{name}: driver tokens {:?} vs HF {want:?}",
+                report.reference_tokens
+            ));
+        }
+        let hf = read_safetensors(&ref_dir.join(format!("{name}.safetensors")));
+        let dl = &hf["decode_logits"];
+        let v = dl.shape[1];
+        for step in 0..want.len() {
+            let file = tmp
+                .path()
+                .join(format!("reference/step-{step:04}.safetensors"));
+            let logits = &read_safetensors(&file)["logits"].data;
+            let last = &logits[logits.len() - v..];
+            let err = rel_l2(last, &dl.data[step * v..(step + 1) * v]);
+            if err.is_nan() || err > TOLERANCE {
+                failures.push(format!(
+                    "{dir}/{name}: driver decode step {step} logits rel L2 {err:.3e}"
+                ));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+fn the_lockstep_driver_decodes_as_transformers_does() {
+    for dir in ["default-model", "random-model"] {
+        let failures = driver_decode_failures(dir);
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+}
+
+#[test]
+fn a_decode_position_off_by_one_in_the_driver_is_caught() {
+    let _planted =
+        kvdiff::support::fault::plant(kvdiff::support::fault::Fault::DecodePositionOffByOne);
+    let failures = driver_decode_failures("default-model");
+    assert!(
+        failures.iter().any(|f| f.contains("decode step 1 logits")),
+        "{failures:?}"
+    );
+}

@@ -188,7 +188,7 @@ proptest! {
         let full = full.layers().to_vec();
         let deviation = |r: f32| -> f64 {
             let sink = &mut kvdiff::tap::NullSink::new(c.layers);
-            let mut b = kvdiff::paths::blend::blended_prefix(&m, &prompt, r, &mut Default::default(), sink);
+            let mut b = kvdiff::paths::blend::blended_prefix(&m, &prompt, r, &mut Default::default(), sink, None);
             (1..c.layers)
                 .map(|l| {
                     let (x, y) = (&b.layers()[l], &full[l]);
@@ -206,7 +206,8 @@ proptest! {
     }
 }
 
-/// Runs a planted-bug prefill against standard on the default model's task prompt.
+/// Runs a planted-bug prefill against standard on the default model's task prompt, at the
+/// default tolerance (auto).
 fn planted(
     bug: impl Fn(
         &Model,
@@ -214,7 +215,13 @@ fn planted(
         &mut dyn TapSink,
     ) -> (kvdiff::engine::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
-    planted_with(&ROUNDING, bug)
+    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
+    let path = fixture("prompts/task.json");
+    let prompt = engine
+        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
+        .unwrap();
+    let auto = kvdiff::compare::noise::cpu_tolerance(&engine.model, &prompt.ids, 8).unwrap();
+    planted_with(&auto, bug)
 }
 
 fn planted_with(
@@ -337,8 +344,15 @@ fn planted_nan_is_reported_where_first_seen_and_never_as_a_number() {
         );
         (cache, logits)
     };
-    // Even a tolerance that accepts any finite difference reports it.
+    // The default tolerance reports it, and so does one that accepts any finite difference.
+    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
+    let path = fixture("prompts/task.json");
+    let prompt = engine
+        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
+        .unwrap();
+    let auto = kvdiff::compare::noise::cpu_tolerance(&engine.model, &prompt.ids, 8).unwrap();
     for tol in [
+        auto,
         ROUNDING,
         Tolerance::Fixed {
             atol: 1e30,

@@ -2,6 +2,7 @@
 //! own file and become plain values handed to the library.
 
 mod args;
+mod calibrate;
 mod compare;
 mod dump;
 mod eval;
@@ -37,6 +38,10 @@ enum Command {
     /// from the reference: step, layer, tap, position, head, index and both values.
     #[command(after_help = compare::COMPARE_HELP)]
     Compare(compare::CompareArgs),
+    /// Measure each backend's own rounding against an f64 recomputation and write the noise
+    /// profile `compare --tolerance auto` uses (`compare --noise-profile FILE` reads it).
+    #[command(after_help = PROMPT_HELP)]
+    Calibrate(calibrate::CalibrateArgs),
     /// Task-level check on the default model: run its held-out task set through each path and
     /// report how often the greedy answer keeps the system prompt's letter case and the
     /// context's fact. Exit 1 if an exact path scores differently from standard.
@@ -53,6 +58,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Dump(a) => dump::run(a),
         Command::Compare(a) => compare::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
         Command::Tokens(a) => tokens::run(a),
     }
 }

@@ -110,7 +110,11 @@ fn merge_passes(a: Recorded, b: Recorded, heads: usize) -> Recorded {
             .chunks(have.max(1))
             .flat_map(|row| match per_head {
                 true => pad_heads(row, heads, w / heads),
-                false => row.iter().copied().chain(std::iter::repeat_n(0.0, w - have)).collect(),
+                false => row
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0.0, w - have))
+                    .collect(),
             })
             .collect()
     };

@@ -12,8 +12,8 @@ use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::error::Result;
-use crate::support::fault::{self, Fault};
 use crate::paths::{ChunkStore, PathSpec};
+use crate::support::fault::{self, Fault};
 use crate::tap::dump::Dumper;
 use crate::tap::{Recorded, TapFilter, TapSink, TapValue, Tee};
 
@@ -490,5 +490,25 @@ impl Lockstep {
         self.agreement.add(logits, ref_logits);
         self.tokens.push(pt);
         rt
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenFlip;
+
+    #[test]
+    fn a_flip_within_twice_the_logits_tolerance_is_a_near_tie() {
+        let reference = [1.0, 3.0, 2.9999];
+        let path = [1.0, 2.9998, 3.0];
+        // rtol 2e-5 of max|ref| = 3: each side may move 6e-5, so 1.2e-4 apart > margin 1e-4.
+        let near = TokenFlip::of(&reference, &path, Some((0.0, 2e-5)));
+        assert!(near.near_tie);
+        assert!((near.reference_margin - 1e-4).abs() < 1e-6);
+        assert!((near.path_margin - 2e-4).abs() < 1e-6);
+        let far = TokenFlip::of(&reference, &path, Some((0.0, 1e-6)));
+        assert!(!far.near_tie);
+        // Under `exact` every flip is a divergence.
+        assert!(!TokenFlip::of(&reference, &path, None).near_tie);
     }
 }

@@ -29,8 +29,13 @@ impl Invariant {
     /// The invariants checked alongside `path`.
     pub fn of(path: PathSpec) -> Vec<Invariant> {
         match path {
-            PathSpec::ChunkReuse(Reuse::Rerotate | Reuse::Global) => vec![Invariant::RerotateIsGlobal],
-            PathSpec::Blend(r) => vec![Invariant::BlendOneIsStandard, Invariant::BlendRowsAreFull(r)],
+            PathSpec::ChunkReuse(Reuse::Rerotate | Reuse::Global) => {
+                vec![Invariant::RerotateIsGlobal]
+            }
+            PathSpec::Blend(r) => vec![
+                Invariant::BlendOneIsStandard,
+                Invariant::BlendRowsAreFull(r),
+            ],
             _ => Vec::new(),
         }
     }

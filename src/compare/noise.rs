@@ -187,6 +187,18 @@ impl Calibration {
     }
 }
 
+/// `--tolerance auto` for a comparison on the CPU backend alone: calibrated on `prompt_ids`
+/// for positions up to the prompt plus `max_new_tokens`.
+pub fn cpu_tolerance(
+    model: &Model,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+) -> Result<Tolerance> {
+    let last = prompt_ids.len() + max_new_tokens.max(1) - 1;
+    let cal = Calibration::new(model, prompt_ids, last);
+    NoiseProfile::calibrate(&cal, model, String::new(), &["cpu"])?.tolerance("cpu", "cpu")
+}
+
 /// The largest error per tap kind.
 pub fn per_kind(per_tap: &BTreeMap<TapId, f32>) -> BTreeMap<String, f32> {
     let mut out: BTreeMap<String, f32> = BTreeMap::new();
@@ -279,9 +291,10 @@ impl NoiseProfile {
     pub fn check_gpu(&self, cal: &Calibration, gpu_model: &Model) -> Result<BackendNoise> {
         let what = "the GPU backend";
         let measured = cal.backend_noise(gpu_model, what, "bf16")?;
-        let emulated = self.backends.get("cuda").ok_or_else(|| {
-            Error::Calibration("the noise profile has no cuda backend".into())
-        })?;
+        let emulated = self
+            .backends
+            .get("cuda")
+            .ok_or_else(|| Error::Calibration("the noise profile has no cuda backend".into()))?;
         for (kind, &e) in &measured.per_kind {
             let allowed = GPU_VS_EMULATION * emulated.per_kind.get(kind).copied().unwrap_or(0.0);
             if e > allowed.max(FLOOR) {
@@ -306,9 +319,9 @@ impl NoiseProfile {
     /// The thresholds for a reference on backend `a` and a path on backend `b`.
     pub fn tolerance(&self, a: &str, b: &str) -> Result<Tolerance> {
         let get = |x: &str| {
-            self.backends.get(x).ok_or_else(|| {
-                Error::Calibration(format!("the noise profile has no {x} backend"))
-            })
+            self.backends
+                .get(x)
+                .ok_or_else(|| Error::Calibration(format!("the noise profile has no {x} backend")))
         };
         let (na, nb) = (get(a)?, get(b)?);
         let rtol = na
@@ -329,9 +342,17 @@ impl NoiseProfile {
             .map_err(|e| Error::input(file, crate::io::model_source::open_error(&e), FIX))?;
         let p: NoiseProfile = serde_json::from_str(&text)
             .map_err(|e| Error::input(file, format!("not a noise profile: {e}"), FIX))?;
-        let bad = p.backends.values().flat_map(|b| b.per_kind.values()).any(|x| !(x.is_finite() && *x >= 0.0));
+        let bad = p
+            .backends
+            .values()
+            .flat_map(|b| b.per_kind.values())
+            .any(|x| !(x.is_finite() && *x >= 0.0));
         if bad || !(p.safety.is_finite() && p.safety > 0.0) {
-            return Err(Error::input(file, "noise profile holds a negative or non-finite value", FIX));
+            return Err(Error::input(
+                file,
+                "noise profile holds a negative or non-finite value",
+                FIX,
+            ));
         }
         Ok(p)
     }
@@ -341,7 +362,10 @@ impl NoiseProfile {
         if self.schema != PROFILE_SCHEMA {
             return Err(Error::input(
                 file,
-                format!("noise profile schema {} (this kvdiff reads {PROFILE_SCHEMA})", self.schema),
+                format!(
+                    "noise profile schema {} (this kvdiff reads {PROFILE_SCHEMA})",
+                    self.schema
+                ),
                 "recreate it with kvdiff calibrate",
             ));
         }
@@ -371,4 +395,54 @@ pub fn fingerprint(model: &Model) -> String {
         }
     }
     format!("{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tap::LayerTap;
+
+    #[test]
+    fn growth_by_orders_of_magnitude_is_refused() {
+        let resid = |l| TapId::Layer(l, LayerTap::ResidOut);
+        let ok: BTreeMap<TapId, f32> =
+            [(resid(0), 1e-6), (resid(1), 5e-6), (resid(2), 4e-5)].into();
+        assert!(check_growth(&ok, "x").is_ok());
+        let jump: BTreeMap<TapId, f32> =
+            [(resid(0), 1e-6), (resid(1), 2e-6), (resid(2), 5e-4)].into();
+        let e = check_growth(&jump, "x").unwrap_err().to_string();
+        assert!(e.contains("L2.resid_out") && e.contains("layer 2"), "{e}");
+        // Tiny errors may grow freely: they are a few roundings.
+        let tiny: BTreeMap<TapId, f32> = [(resid(0), 0.0), (resid(1), 5e-6)].into();
+        assert!(check_growth(&tiny, "x").is_ok());
+    }
+
+    #[test]
+    fn thresholds_sum_both_sides() {
+        let side = |e: f32, dtype: &str| BackendNoise {
+            dtype: dtype.into(),
+            measured: String::new(),
+            per_kind: [("q".to_string(), e), ("embed".to_string(), 0.0)].into(),
+        };
+        let p = NoiseProfile {
+            schema: PROFILE_SCHEMA,
+            model: String::new(),
+            fingerprint: String::new(),
+            calibration_tokens: 4,
+            rope_positions: (0, 4),
+            safety: 8.0,
+            backends: [
+                ("cpu".to_string(), side(1e-6, "f32")),
+                ("cuda".to_string(), side(1e-3, "bf16")),
+            ]
+            .into(),
+        };
+        let t = p.tolerance("cpu", "cuda").unwrap();
+        let (atol, rtol) = t.bounds("q").unwrap();
+        assert_eq!(atol, 0.0);
+        assert!((rtol - 8.0 * (1e-6 + 1e-3)).abs() < 1e-9, "{rtol}");
+        // A kind both compute exactly still gets a few f32 roundings.
+        assert_eq!(t.bounds("embed").unwrap().1, FLOOR);
+        assert!(p.tolerance("cpu", "tpu").is_err());
+    }
 }

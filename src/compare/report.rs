@@ -181,7 +181,9 @@ impl Report {
     /// next-token logits went over the budget, or, when strict, an exact path's token flipped
     /// at a near tie.
     pub fn failed(&self, j: &Judgement) -> bool {
-        self.paths.iter().any(|p| verdict(p, j).ends_with("failure)"))
+        self.paths
+            .iter()
+            .any(|p| verdict(p, j).ends_with("failure)"))
     }
 }
 
@@ -193,7 +195,9 @@ pub fn verdict(p: &PathReport, j: &Judgement) -> &'static str {
         .is_some_and(|t| t.near_tie);
     let over_budget = j.budget.is_some_and(|b| p.logits_rel_l2_max > b);
     match (p.exact, p.diverged) {
-        (true, false) if near_tie && j.strict => "DIVERGED (near-tie token flip under --strict: failure)",
+        (true, false) if near_tie && j.strict => {
+            "DIVERGED (near-tie token flip under --strict: failure)"
+        }
         (true, false) if near_tie => "EQUIVALENT (near-tie token flip: warning)",
         (_, false) => "EQUIVALENT",
         (true, true) if p.invariant => "DIVERGED (invariant broken: failure)",

@@ -154,7 +154,12 @@ impl Request<'_> {
             }
             None => {
                 let c = calibrate();
-                let p = NoiseProfile::calibrate(&c, model, self.engine.source.describe(), &self.backends())?;
+                let p = NoiseProfile::calibrate(
+                    &c,
+                    model,
+                    self.engine.source.describe(),
+                    &self.backends(),
+                )?;
                 let source = p.describe();
                 (p, Some(c), source)
             }

@@ -18,8 +18,8 @@ use super::upload::CudaModel;
 use super::workspace::{DecodeState, Workspace};
 use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
-use crate::support::fault::{self, Fault};
 use crate::engine::pass::{Batch, DeviceLogits, StepLogits};
+use crate::support::fault::{self, Fault};
 use crate::tap::{emit, LayerTap, TapId, TapSink};
 
 /// What one pass's kernels and taps need besides the workspace.
@@ -470,10 +470,10 @@ impl CudaModel {
                         Arg::I32(kvh as i32),
                         Arg::I32(hd as i32),
                         Arg::I32(if fault::active(Fault::RerotateWrongSign) {
-                        -(delta as i32)
-                    } else {
-                        delta as i32
-                    }),
+                            -(delta as i32)
+                        } else {
+                            delta as i32
+                        }),
                         Arg::Ptr(ptr(g, &self.inv_freq, 0)),
                     ],
                 );

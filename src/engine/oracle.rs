@@ -130,7 +130,10 @@ fn layer(
     let mn = norm(&mid, &w.post_attention_layernorm, eps);
     tap(LayerTap::MlpNorm, &[n, h], &mn);
     let i = c.intermediate_size;
-    let (gate, up) = (linear(&mn, n, &w.gate_proj, i), linear(&mn, n, &w.up_proj, i));
+    let (gate, up) = (
+        linear(&mn, n, &w.gate_proj, i),
+        linear(&mn, n, &w.up_proj, i),
+    );
     let act: Vec<f64> = gate
         .iter()
         .zip(&up)

@@ -71,11 +71,12 @@ pub fn blended_prefix(
     for &t in &chosen {
         for l in 1..model.config.num_hidden_layers {
             let span = t * kv..(t + 1) * kv;
-            let slot = if crate::support::fault::active(crate::support::fault::Fault::BlendWrongSlot) {
-                (t + 1) % n * kv..((t + 1) % n + 1) * kv
-            } else {
-                span.clone()
-            };
+            let slot =
+                if crate::support::fault::active(crate::support::fault::Fault::BlendWrongSlot) {
+                    (t + 1) % n * kv..((t + 1) % n + 1) * kv
+                } else {
+                    span.clone()
+                };
             layers[l].keys[slot.clone()].copy_from_slice(&full[l].keys[span.clone()]);
             layers[l].values[slot].copy_from_slice(&full[l].values[span]);
         }
@@ -99,7 +100,14 @@ fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn
                 .flat_map(|&t| &data[t * kv..(t + 1) * kv])
                 .copied()
                 .collect();
-            emit(sink, 0, TapId::Layer(l, tap), &pos, &[rows.len(), kvh, hd], &picked);
+            emit(
+                sink,
+                0,
+                TapId::Layer(l, tap),
+                &pos,
+                &[rows.len(), kvh, hd],
+                &picked,
+            );
         }
     }
 }

@@ -73,11 +73,7 @@ fn from_env() -> Vec<Fault> {
 
 /// Whether `f` is planted on this thread.
 pub fn active(f: Fault) -> bool {
-    PLANTED.with(|p| {
-        p.borrow_mut()
-            .get_or_insert_with(from_env)
-            .contains(&f)
-    })
+    PLANTED.with(|p| p.borrow_mut().get_or_insert_with(from_env).contains(&f))
 }
 
 /// Plants `f` on this thread until the guard is dropped.
