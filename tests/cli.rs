@@ -167,12 +167,19 @@ fn compare_reports_json_and_exit_codes() {
             "chunk-reuse:local",
             "chunk-reuse:global",
             "chunk-reuse:rerotate",
-            "chunk-reuse:blend:0.25"
+            "chunk-reuse:blend:0.25",
+            "invariant: chunk-reuse:rerotate = chunk-reuse:global",
+            "invariant: chunk-reuse:blend:1 = standard (query and decode)",
+            "invariant: chunk-reuse:blend:0.25 recomputed K/V = standard's",
         ]
     );
     let second_chunk = r["chunks"][1]["start"].as_u64().unwrap();
     for p in paths {
         let exact = p["exact"].as_bool().unwrap();
+        assert_eq!(
+            p["invariant"].as_bool().unwrap(),
+            p["path"].as_str().unwrap().starts_with("invariant")
+        );
         assert_eq!(p["diverged"].as_bool().unwrap(), !exact, "{}", p["path"]);
         if !exact {
             let d = &p["first_divergence"];

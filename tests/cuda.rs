@@ -716,3 +716,267 @@ fn device_side_diff_reports_what_the_host_diff_reports() {
         }
     }
 }
+
+/// The models the GPU noise sweep runs: the embedded default model (bf16), the random fixture
+/// (f16, rounded to bf16 on the GPU) and an odd shape in bf16 (GQA 12:3, head_dim 32).
+fn sweep_models() -> Vec<(&'static str, Model)> {
+    let odd = kvdiff::engine::config::Config {
+        vocab_size: 852,
+        hidden_size: 384,
+        intermediate_size: 1024,
+        num_hidden_layers: 4,
+        num_attention_heads: 12,
+        num_key_value_heads: 3,
+        head_dim: 32,
+        max_position_embeddings: 512,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        tie_word_embeddings: false,
+        eos_token_ids: vec![],
+    };
+    vec![
+        (
+            "default-model",
+            Engine::load(ModelSource::Embedded).unwrap().model,
+        ),
+        (
+            "random-model",
+            Engine::load(ModelSource::Dir(fixture("random-model")))
+                .unwrap()
+                .model,
+        ),
+        (
+            "odd-bf16 (GQA 12:3, head_dim 32)",
+            Model::random(odd, 11).rounded_to_bf16(),
+        ),
+    ]
+}
+
+/// A random prompt (ids below 852, 2 to 90 tokens) with random chunk cuts and piece size.
+fn random_case(rng: &mut u64) -> (Vec<u32>, Vec<usize>, usize) {
+    let mut next = |m: u64| {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        *rng % m
+    };
+    let n = 2 + next(89) as usize;
+    let ids = (0..n).map(|_| next(852) as u32).collect();
+    let cuts = (0..next(8))
+        .map(|_| 1 + next(n as u64 - 1) as usize)
+        .collect();
+    (ids, cuts, 1 + next(23) as usize)
+}
+
+/// ≥ 200 random prompts and chunkings per model, on the CPU alone, the GPU alone and across
+/// the two: exact paths never diverge under the default (auto) tolerance, and a GPU reference
+/// passes the gate that holds it to bf16 rounding. Prints the largest observed error over its
+/// threshold per tap kind and mode.
+#[test]
+fn exact_paths_raise_no_false_alarm_on_the_gpu() {
+    use kvdiff::compare::driver::CompareSpec;
+    use kvdiff::compare::noise::{Calibration, NoiseProfile};
+    use kvdiff::engine::chunks::ChunkedPrompt;
+    use kvdiff::paths::PathSpec;
+    if gpu().is_none() {
+        return;
+    }
+    let cases: usize = std::env::var("KVDIFF_GPU_NOISE_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let tok = Engine::load(ModelSource::Embedded).unwrap().tokenizer;
+    let taps = TapFilter::all();
+    let mut worst: BTreeMap<(&str, String), f32> = BTreeMap::new();
+    let mut alarms = Vec::new();
+    for (name, cpu) in sweep_models() {
+        let cuda = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for case in 0..cases {
+            let (ids, cuts, piece) = random_case(&mut rng);
+            let prompt = ChunkedPrompt::from_boundaries(ids, &cuts, true);
+            let max_new = 3;
+            let cal = Calibration::new(&cpu, &prompt.ids, prompt.ids.len() + max_new - 1);
+            let profile =
+                NoiseProfile::calibrate(&cal, &cpu, name.into(), &["cpu", "cuda"]).unwrap();
+            if case % 50 == 0 {
+                if let Err(e) = profile.check_gpu(&cal, &cuda) {
+                    alarms.push(format!("{name} case {case}: GPU gate: {e}"));
+                }
+            }
+            for (mode, reference, path, a, b) in [
+                ("cpu", &cpu, &cpu, "cpu", "cpu"),
+                ("cuda", &cuda, &cuda, "cuda", "cuda"),
+                ("cpu->cuda", &cpu, &cuda, "cpu", "cuda"),
+            ] {
+                let tol = profile.tolerance(a, b).unwrap();
+                let spec = CompareSpec {
+                    model: reference,
+                    path_model: path,
+                    tokenizer: &tok,
+                    prompt: &prompt,
+                    reference: PathSpec::Standard,
+                    taps: &taps,
+                    tolerance: &tol,
+                    max_new_tokens: max_new,
+                    eos: &[],
+                    dump: None,
+                    memory_budget: usize::MAX,
+                };
+                let mut exact = vec![
+                    PathSpec::ChunkedPrefill(piece),
+                    PathSpec::PrefixCache,
+                    PathSpec::Cascade,
+                ];
+                if a != b {
+                    exact.push(PathSpec::Standard);
+                }
+                for p in exact {
+                    let r = spec.run(p).unwrap();
+                    if r.diverged {
+                        alarms.push(format!(
+                            "{name} case {case} {mode} {p}: {:?} {:?}",
+                            r.first_divergence, r.first_token_divergence
+                        ));
+                    }
+                    for (kind, &e) in &r.noise {
+                        let rtol = tol.bounds(kind).unwrap().1;
+                        let w = worst.entry((mode, kind.clone())).or_insert(0.0);
+                        *w = w.max(e / rtol);
+                    }
+                }
+            }
+        }
+        eprintln!("GPU noise sweep: {name}, {cases} cases done");
+    }
+    eprintln!("largest observed error / threshold per tap kind (cpu | cuda | cpu->cuda):");
+    let kinds: std::collections::BTreeSet<&String> = worst.keys().map(|(_, k)| k).collect();
+    for k in kinds {
+        let get = |m: &str| worst.get(&(m, k.clone())).copied().unwrap_or(0.0);
+        eprintln!(
+            "  margin {k:<11} {:.3} | {:.3} | {:.3}",
+            get("cpu"),
+            get("cuda"),
+            get("cpu->cuda")
+        );
+    }
+    assert!(alarms.is_empty(), "false alarms:\n{}", alarms.join("\n"));
+}
+
+/// Planted bugs on the GPU, at default settings: each named at the tap and position where it
+/// first acts, as on the CPU (tests/noise_model.rs).
+#[test]
+fn planted_bugs_are_named_on_the_gpu() {
+    use kvdiff::compare::driver::CompareSpec;
+    use kvdiff::compare::invariants::Invariant;
+    use kvdiff::compare::noise::{Calibration, NoiseProfile};
+    use kvdiff::paths::PathSpec;
+    use kvdiff::support::fault::{self, Fault};
+    if gpu().is_none() {
+        return;
+    }
+    let e = Engine::load(ModelSource::Embedded).unwrap();
+    let cuda = kvdiff::cuda::to_cuda(&e.model).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("p.txt");
+    std::fs::write(
+        &file,
+        "@@ system\nYou answer in capitals.\n@@ user\nok.\n@@ assistant\nfine.\n@@ user\nok.\n\
+         @@ assistant\nfine.\n@@ user\nWhat is Anna's colour? Anna's colour is blue.\n",
+    )
+    .unwrap();
+    let max_new = 6;
+    let prompt = e
+        .chunked(
+            &kvdiff::io::prompt::Prompt::load(&file).unwrap(),
+            &file,
+            max_new,
+        )
+        .unwrap();
+    let cal = Calibration::new(&e.model, &prompt.ids, prompt.ids.len() + max_new - 1);
+    let profile = NoiseProfile::calibrate(&cal, &e.model, "default".into(), &["cuda"]).unwrap();
+    profile.check_gpu(&cal, &cuda).unwrap();
+    let tol = profile.tolerance("cuda", "cuda").unwrap();
+    let taps = TapFilter::all();
+    let s = &CompareSpec {
+        model: &cuda,
+        path_model: &cuda,
+        tokenizer: &e.tokenizer,
+        prompt: &prompt,
+        reference: PathSpec::Standard,
+        taps: &taps,
+        tolerance: &tol,
+        max_new_tokens: max_new,
+        eos: &[],
+        dump: None,
+        memory_budget: usize::MAX,
+    };
+    let chunks = &prompt.chunks;
+    let query = chunks.last().unwrap().start;
+    let repeat = chunks
+        .iter()
+        .enumerate()
+        .find(|(i, c)| (0..*i).any(|j| prompt.tokens(&chunks[j]) == prompt.tokens(c)))
+        .map(|(_, c)| c.start)
+        .unwrap();
+    let site = |f: Fault, run: &dyn Fn() -> kvdiff::compare::report::PathReport| {
+        let _planted = fault::plant(f);
+        let r = run();
+        let d = r
+            .first_divergence
+            .unwrap_or_else(|| panic!("{f:?} not found"));
+        (d.step, d.tap, d.position)
+    };
+    let path = |p: PathSpec| move || s.run(p).unwrap();
+    let inv = |i: Invariant| move || i.run(s, &i.label()).unwrap();
+    for (f, run, want) in [
+        (
+            Fault::CachedMaskOffByOne,
+            &path(PathSpec::ChunkedPrefill(7)) as &dyn Fn() -> _,
+            (0, "L0.attn_probs", 7),
+        ),
+        (
+            Fault::CachedMaskOffByOne,
+            &path(PathSpec::Cascade),
+            (0, "L0.attn_probs", query),
+        ),
+        (
+            Fault::ChunkIgnoresCache,
+            &path(PathSpec::ChunkedPrefill(7)),
+            (0, "L0.attn_probs", 7),
+        ),
+        (
+            Fault::RerotateWrongSign,
+            &inv(Invariant::RerotateIsGlobal),
+            (0, "L0.k_rope", chunks[1].start),
+        ),
+        (
+            Fault::RerotateStoresRotated,
+            &inv(Invariant::RerotateIsGlobal),
+            (0, "L0.k_rope", repeat),
+        ),
+        (
+            Fault::GlobalKeyIgnoresPosition,
+            &inv(Invariant::RerotateIsGlobal),
+            (0, "L0.attn_probs", query),
+        ),
+    ] {
+        let (step, tap, pos) = site(f, run);
+        assert_eq!((step, tap.as_str(), pos), want, "{f:?}");
+        eprintln!("planted on the GPU: {f:?} named at step {step}, {tap}, position {pos}");
+    }
+    let (step, tap, pos) = site(
+        Fault::BlendWrongSlot,
+        &inv(Invariant::BlendRowsAreFull(0.25)),
+    );
+    assert_eq!((step, tap.as_str()), (0, "L1.v"));
+    assert!(pos < query);
+    for r in [
+        path(PathSpec::ChunkedPrefill(7))(),
+        path(PathSpec::Cascade)(),
+        inv(Invariant::RerotateIsGlobal)(),
+        inv(Invariant::BlendOneIsStandard)(),
+    ] {
+        assert!(!r.diverged, "{}: {:?}", r.path, r.first_divergence);
+    }
+}

@@ -3,12 +3,9 @@
 //! named at the tap and position where it first acts at default settings, thresholds that no
 //! bug in a path can move, and a reference whose own error is not rounding refused.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use common::*;
 use kvdiff::compare::diff::Tolerance;
 use kvdiff::compare::driver::CompareSpec;
 use kvdiff::compare::invariants::Invariant;
@@ -134,10 +131,9 @@ fn exact_paths_raise_no_false_alarm() {
     });
     runner
         .run(&case(), |c| {
-            let model = match c.random {
-                None => None,
-                Some((seed, kvh, group, hd)) => Some(random_model(seed, kvh, group, hd)),
-            };
+            let model = c
+                .random
+                .map(|(seed, kvh, group, hd)| random_model(seed, kvh, group, hd));
             let m = model.as_ref().unwrap_or(&e.model);
             let prompt = ChunkedPrompt::from_boundaries(c.ids.clone(), &c.cuts, true);
             let max_new = 3;

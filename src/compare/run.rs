@@ -140,7 +140,7 @@ impl Request<'_> {
         b
     }
 
-    /// The noise model: calibrated now (or read from `noise_profile`), and a GPU in use held
+    /// The noise model: calibrated now (or read from `noise_profile`), and a GPU reference held
     /// to what bf16 rounding allows.
     fn learn(&self) -> Result<Learned> {
         let model = &self.engine.model;
@@ -164,7 +164,11 @@ impl Request<'_> {
                 (p, Some(c), source)
             }
         };
-        let gpu = match self.gpu_model {
+        // A GPU reference is held to what bf16 rounding allows: paths sharing a bug with it
+        // would otherwise look equivalent. A GPU path needs no such check: the comparison
+        // itself holds it to the reference.
+        let gpu_reference = self.reference.on(self.backend) == Backend::Cuda;
+        let gpu = match self.gpu_model.filter(|_| gpu_reference) {
             Some(g) => Some(profile.check_gpu(&cal.unwrap_or_else(calibrate), g)?),
             None => None,
         };

@@ -142,6 +142,15 @@ impl Model {
         }
     }
 
+    /// The same model with its weights stored as bf16 (a bf16 checkpoint): weights rounded,
+    /// arithmetic unchanged.
+    pub fn rounded_to_bf16(&self) -> Model {
+        Model {
+            bf16_matmul_inputs: self.bf16_matmul_inputs,
+            ..self.bf16_emulation()
+        }
+    }
+
     /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
     /// rounded to bf16, everything else in f32.
     pub fn bf16_emulation(&self) -> Model {
