@@ -322,3 +322,64 @@ fn compare_dumps_reference_and_paths() {
     assert_eq!(again.status.code(), Some(2));
     assert!(!out_dir.join("cascade").exists());
 }
+
+#[test]
+fn calibrate_writes_the_profile_compare_pins() {
+    let tmp = tempfile::tempdir().unwrap();
+    let profile = tmp.path().join("noise.json");
+    let prompt = fixture("prompts/task.json");
+    let out = kvdiff(&[
+        "calibrate",
+        "--out",
+        profile.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let p = read_json(&profile);
+    assert!(
+        p["backends"]["cpu"]["per_kind"]["attn_out"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(
+        p["backends"]["cuda"]["per_kind"]["attn_out"]
+            .as_f64()
+            .unwrap()
+            > 1e-4
+    );
+    let json = tmp.path().join("r.json");
+    let args = |model: Option<&str>| {
+        let mut a = vec![
+            "compare".to_string(),
+            "--paths".into(),
+            "cascade".into(),
+            "--noise-profile".into(),
+            profile.to_str().unwrap().into(),
+            "--json".into(),
+            json.to_str().unwrap().into(),
+        ];
+        if let Some(m) = model {
+            a.extend(["--model".into(), fixture(m).to_str().unwrap().into()]);
+        }
+        a.push(prompt.to_str().unwrap().into());
+        a
+    };
+    let run = |a: Vec<String>| kvdiff(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = run(args(None));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = read_json(&json);
+    let source = r["tolerance"]["source"].as_str().unwrap();
+    assert!(source.contains("noise.json"), "{source}");
+    let cpu = p["backends"]["cpu"]["per_kind"]["attn_out"]
+        .as_f64()
+        .unwrap();
+    let rtol = r["tolerance"]["rtol"]["attn_out"].as_f64().unwrap();
+    assert!((rtol - 16.0 * cpu).abs() <= 1e-6 * rtol, "{rtol} vs {cpu}");
+    // Another model's weights: refused, nothing written.
+    std::fs::remove_file(&json).unwrap();
+    let out = run(args(Some("random-model")));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("another model"), "{}", stderr(&out));
+    assert!(!json.exists());
+}
