@@ -10,7 +10,7 @@ use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
 use kvdiff::compare::target::{self, Backend, Target};
 use kvdiff::engine::Engine;
-use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
+use kvdiff::error::{Error, Result};
 use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
 use kvdiff::io::prompt::Prompt;
@@ -86,6 +86,10 @@ pub struct CompareArgs {
     /// Also write the report as JSON (schema 1) to FILE, atomically.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Also write the report as one self-contained HTML page (heatmaps, the first divergence
+    /// marked, a cell's numbers on click) to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
     /// Also dump the taps of the reference and of each path into DIR/<path>/step-*.safetensors
     /// (same layout as `kvdiff dump`; both fed the reference's tokens).
     #[arg(long, value_name = "DIR")]
@@ -113,7 +117,11 @@ enum TolPolicy {
 
 pub fn run(a: CompareArgs) -> Result<i32> {
     set_threads(a.threads)?;
-    for (path, flag) in [(&a.json, "--json"), (&a.dump, "--dump")] {
+    for (path, flag) in [
+        (&a.json, "--json"),
+        (&a.html, "--html"),
+        (&a.dump, "--dump"),
+    ] {
         if let Some(p) = path {
             check_output_parent(p, flag)?;
         }
@@ -145,7 +153,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         None => None,
     };
     let start = std::time::Instant::now();
-    let report = Request {
+    let mut report = Request {
         engine: &engine,
         gpu_model: gpu_model.as_ref(),
         prompt: &chunked,
@@ -173,21 +181,14 @@ pub fn run(a: CompareArgs) -> Result<i32> {
             .unwrap_or_default()
     );
     print_timings(gpu_model.as_ref());
-    if let Some(path) = &a.json {
-        let bytes =
-            serde_json::to_vec_pretty(&report).map_err(|e| Error::Internal(e.to_string()))?;
-        write_atomic(path, &bytes, "--json")?;
-    }
     let judge = Judgement {
         budget: a.budget,
         strict: a.strict,
     };
+    let code = report.judge(&judge);
+    write_outputs(&report, a.json.as_deref(), a.html.as_deref())?;
     print!("{}", report::text(&report, &judge));
-    Ok(if report.failed(&judge) {
-        EXIT_DIVERGED
-    } else {
-        EXIT_OK
-    })
+    Ok(code)
 }
 
 /// `--reference` and `--paths` (default: every path but the reference on its own backend).
@@ -237,4 +238,26 @@ fn policy(a: &CompareArgs) -> Result<Policy> {
         (false, TolPolicy::Exact) => Policy::Exact,
         (false, _) => Policy::Auto,
     })
+}
+
+/// The JSON and HTML reports, each written atomically where asked.
+pub fn write_outputs(
+    report: &kvdiff::compare::report::Report,
+    json: Option<&std::path::Path>,
+    html: Option<&std::path::Path>,
+) -> Result<()> {
+    let value = serde_json::to_value(report).map_err(|e| Error::Internal(e.to_string()))?;
+    if let Some(path) = json {
+        let bytes =
+            serde_json::to_vec_pretty(&value).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomic(path, &bytes, "--json")?;
+    }
+    if let Some(path) = html {
+        write_atomic(
+            path,
+            kvdiff::compare::html::render(&value).as_bytes(),
+            "--html",
+        )?;
+    }
+    Ok(())
 }

@@ -7,6 +7,7 @@ mod compare;
 mod dump;
 mod eval;
 mod generate;
+mod report;
 mod tokens;
 
 use std::process::ExitCode;
@@ -46,6 +47,8 @@ enum Command {
     /// report how often the greedy answer keeps the system prompt's letter case and the
     /// context's fact. Exit 1 if an exact path scores differently from standard.
     Eval(eval::EvalArgs),
+    /// Render a JSON report saved by `compare --json` as a self-contained HTML page.
+    Report(report::ReportArgs),
     /// Show the chat-template text and token ids of PROMPT.
     #[command(after_help = PROMPT_HELP)]
     Tokens(tokens::TokensArgs),
@@ -60,6 +63,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Eval(a) => eval::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Tokens(a) => tokens::run(a),
+        Command::Report(a) => report::run(a),
     }
 }
 

@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::compare::diff::{diverged_within, row_diff, RowDiff, Tolerance};
 use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
-use crate::compare::report::{Divergence, LayerRow};
+use crate::compare::grid::{CellGrid, Row};
+use crate::compare::report::{AttnRows, Divergence, LayerRow};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
@@ -83,6 +84,8 @@ pub(crate) struct Comparator<'a> {
     pub(crate) noise: BTreeMap<String, f32>,
     /// Per layer, the earliest tap (in forward order) that diverged.
     pub(crate) first_tap: BTreeMap<(u8, usize), TapId>,
+    /// Per layer group and position, the worst row.
+    pub(crate) grid: CellGrid,
 }
 
 fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
@@ -148,6 +151,7 @@ impl TapStats {
     fn of(
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
         bounds: Option<(f32, f32)>,
+        mut on_row: impl FnMut(usize, &RowDiff, bool),
     ) -> Self {
         let mut t = TapStats {
             compared: 0,
@@ -163,7 +167,9 @@ impl TapStats {
                 let r = d.max_abs / d.max_ref;
                 t.noise = Some(t.noise.map_or(r, |n| n.max(r)));
             }
-            if diverged_within(bitwise_equal, &d, bounds) {
+            let diverged = diverged_within(bitwise_equal, &d, bounds);
+            on_row(pos, &d, diverged);
+            if diverged {
                 t.diverged += 1;
                 if t.first.as_ref().is_none_or(|f| pos < f.0) {
                     t.first = Some((pos, d, width));
@@ -201,6 +207,7 @@ impl<'a> Comparator<'a> {
         tok: &'a ChatTokenizer,
         tokens: Vec<u32>,
         (heads, kv_heads): (usize, usize),
+        (layers, positions): (usize, usize),
     ) -> Self {
         Comparator {
             table,
@@ -218,6 +225,7 @@ impl<'a> Comparator<'a> {
             layers: BTreeMap::new(),
             noise: BTreeMap::new(),
             first_tap: BTreeMap::new(),
+            grid: CellGrid::new(layers, positions),
         }
     }
 
@@ -240,7 +248,20 @@ impl<'a> Comparator<'a> {
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
         let kind = kind_of(id);
-        let t = TapStats::of(rows, self.tol.bounds(kind));
+        let grid = &mut self.grid;
+        let t = TapStats::of(rows, self.tol.bounds(kind), |pos, d, diverged| {
+            grid.add(
+                id,
+                Row {
+                    position: pos,
+                    rel_l2: d.rel_l2,
+                    max_abs: d.max_abs,
+                    cosine: d.cosine,
+                    index: d.non_finite.unwrap_or(d.index),
+                    diverged,
+                },
+            )
+        });
         if t.compared == 0 {
             return;
         }
@@ -295,6 +316,7 @@ impl<'a> Comparator<'a> {
             cosine: d.cosine,
             tolerance: self.tol.describe(kind),
             policy: self.tol.policy(),
+            attn_rows: None,
             order,
         });
     }
@@ -342,6 +364,9 @@ impl TapSink for Comparator<'_> {
             Some((pos, d, bitwise_equal, a.len().max(b.len())))
         });
         self.book(step, v.id, rows);
+        if kind == "attn_probs" {
+            self.keep_attn_rows(step, &v, &r);
+        }
         self.reference.insert(v.id, r);
     }
 
@@ -443,6 +468,37 @@ impl Comparator<'_> {
             .into_iter()
             .map(|t| (t.id, t))
             .collect();
+    }
+
+    /// When the first divergence is this `attn_probs` tap's, keeps its head's rows (reference and
+    /// path over key positions) for the report.
+    fn keep_attn_rows(&mut self, step: usize, v: &TapValue<'_>, r: &Recorded) {
+        let Some(d) = self.first.as_mut() else {
+            return;
+        };
+        if d.step != step || d.tap != v.id.to_string() || d.attn_rows.is_some() {
+            return;
+        }
+        let (Some(head), Some(row), Some(rrow)) = (
+            d.head,
+            v.positions.iter().position(|&p| p == d.position),
+            r.positions.iter().position(|&p| p == d.position),
+        ) else {
+            return;
+        };
+        let width = v.data.len() / v.positions.len().max(1);
+        let rwidth = r.data.len() / r.positions.len().max(1);
+        let span = rwidth.max(width) / self.heads;
+        let path = pad_heads(&v.data[row * width..(row + 1) * width], self.heads, span);
+        let reference = pad_heads(
+            &r.data[rrow * rwidth..(rrow + 1) * rwidth],
+            self.heads,
+            span,
+        );
+        d.attn_rows = Some(AttnRows {
+            reference: reference[head * span..(head + 1) * span].to_vec(),
+            path: path[head * span..(head + 1) * span].to_vec(),
+        });
     }
 
     /// Reads back every queued GPU diff and books it.

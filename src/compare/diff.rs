@@ -154,6 +154,17 @@ pub struct LogitsAgreement {
     pub kl_max: f64,
     /// The largest relative L2 of the logits.
     pub rel_l2_max: f64,
+    /// Each step's numbers, in step order.
+    pub per_step: Vec<StepAgreement>,
+}
+
+/// One decode step's next-token agreement.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct StepAgreement {
+    pub top1: bool,
+    pub overlap: usize,
+    pub kl: f64,
+    pub rel_l2: f64,
 }
 
 /// Indices of the k largest values, largest first, ties by index: one pass keeping the best k
@@ -224,6 +235,12 @@ impl LogitsAgreement {
         self.topk_overlap_min = self.topk_overlap_min.min(overlap);
         self.kl_max = self.kl_max.max(kl.max(0.0));
         self.rel_l2_max = self.rel_l2_max.max(rel_l2);
+        self.per_step.push(StepAgreement {
+            top1,
+            overlap,
+            kl: kl.max(0.0),
+            rel_l2,
+        });
     }
 }
 

@@ -121,6 +121,9 @@ impl CompareSpec<'_> {
                     }
                     m.diverged = m.first_divergence.is_some() || m.first_token_divergence.is_some();
                     m.layers.extend(r.layers);
+                    if let (Some(a), Some(b)) = (m.cells.as_mut(), r.cells.as_ref()) {
+                        a.merge(b);
+                    }
                     for (k, v) in r.noise {
                         let n = m.noise.entry(k).or_insert(0.0);
                         *n = n.max(v);
@@ -129,7 +132,10 @@ impl CompareSpec<'_> {
                 }
             });
         }
-        Ok(merged.expect("at least one pass"))
+        let mut report = merged.expect("at least one pass");
+        let layers = self.model.config.num_hidden_layers;
+        report.grid = report.cells.take().map(|c| c.encode(layers));
+        Ok(report)
     }
 
     /// Splits the selected taps into passes whose reference taps of one step fit
@@ -239,6 +245,10 @@ impl CompareSpec<'_> {
             self.tokenizer,
             self.prompt.ids.clone(),
             (c.num_attention_heads, c.num_key_value_heads),
+            (
+                c.num_hidden_layers,
+                self.prompt.ids.len() + self.max_new_tokens,
+            ),
         )
     }
 
@@ -298,6 +308,8 @@ impl CompareSpec<'_> {
             chunk_misses: store.misses,
             layers: cmp.layers.into_values().collect(),
             noise: cmp.noise,
+            cells: Some(cmp.grid),
+            grid: None,
             reference_tokens: cmp.tokens[n..].to_vec(),
         }
     }

@@ -10,6 +10,8 @@ pub mod diff;
 pub mod driver;
 pub mod eval;
 pub mod gpu;
+pub mod grid;
+pub mod html;
 pub mod invariants;
 pub mod noise;
 pub mod report;

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::compare::diff::LogitsAgreement;
 use crate::compare::diff::Tolerance;
+use crate::compare::grid::{CellGrid, Grid};
 use crate::tap::TapId;
 
 /// Where a path first left the reference, with the numbers.
@@ -30,8 +31,18 @@ pub struct Divergence {
     pub cosine: f64,
     pub tolerance: String,
     pub policy: &'static str,
+    /// For `attn_probs` compared on the host: the diverged head's row over key positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attn_rows: Option<AttnRows>,
     #[serde(skip)]
     pub(crate) order: (usize, TapId, usize),
+}
+
+/// One head's attention row, reference and path, over key positions.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct AttnRows {
+    pub reference: Vec<f32>,
+    pub path: Vec<f32>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -82,7 +93,12 @@ pub struct PathReport {
     pub chunk_hits: usize,
     pub chunk_misses: usize,
     pub layers: Vec<LayerRow>,
-    /// Per tap kind, the largest max|diff|/max|ref| seen (what `auto` learns from).
+    /// Per layer group and position, the worst tap row (the HTML report's heatmap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grid: Option<Grid>,
+    #[serde(skip)]
+    pub(crate) cells: Option<CellGrid>,
+    /// Per tap kind, the largest max|diff|/max|ref| seen.
     #[serde(skip)]
     pub noise: BTreeMap<String, f32>,
     /// The reference path's greedy tokens in this run.
@@ -102,8 +118,21 @@ pub struct Report {
     pub chunks: Vec<ChunkInfo>,
     pub reference_tokens: Vec<u32>,
     pub reference_text: String,
+    /// The prompt's token ids, and each position's token text (prompt, then the reference's
+    /// decoded tokens).
+    pub prompt_ids: Vec<u32>,
+    pub token_texts: Vec<String>,
     pub tolerance: ToleranceInfo,
     pub paths: Vec<PathReport>,
+    /// The verdict of each path and the exit code, as the command judged them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
+}
+
+#[derive(Serialize)]
+pub struct Outcome {
+    pub exit_code: i32,
+    pub verdicts: Vec<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -184,6 +213,20 @@ impl Report {
         self.paths
             .iter()
             .any(|p| verdict(p, j).ends_with("failure)"))
+    }
+
+    /// Records each path's verdict and the exit code under `j`; returns the exit code.
+    pub fn judge(&mut self, j: &Judgement) -> i32 {
+        let exit_code = if self.failed(j) {
+            crate::error::EXIT_DIVERGED
+        } else {
+            crate::error::EXIT_OK
+        };
+        self.outcome = Some(Outcome {
+            exit_code,
+            verdicts: self.paths.iter().map(|p| verdict(p, j)).collect(),
+        });
+        exit_code
     }
 }
 

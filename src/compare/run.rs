@@ -296,7 +296,16 @@ impl Request<'_> {
                 })
                 .collect(),
             reference_text: self.engine.tokenizer.decode(&reference_tokens, true),
+            prompt_ids: self.prompt.ids.clone(),
+            token_texts: self
+                .prompt
+                .ids
+                .iter()
+                .chain(&reference_tokens)
+                .map(|&t| self.engine.tokenizer.decode(&[t], false))
+                .collect(),
             reference_tokens,
+            outcome: None,
             tolerance,
             paths,
         }

@@ -122,7 +122,7 @@ pub fn check_output_parent(path: &Path, flag: &str) -> Result<()> {
             "create it first or choose another path",
         ));
     }
-    if path.is_dir() && flag == "--json" {
+    if path.is_dir() && (flag == "--json" || flag == "--html") {
         return Err(Error::usage(
             flag,
             format!("{} is a folder", path.display()),

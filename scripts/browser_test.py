@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Checks HTML reports in a real headless Chromium (selenium + Debian's chromium-driver).
+
+    scripts/browser_test.py OUT_DIR REPORT.json REPORT.html [REPORT.json REPORT.html ...]
+
+For each report: no console error while loading or clicking; one heatmap per path with one
+cell per (layer group, position); the first-divergence marker where the JSON says; a real click
+on it shows that tap's numbers; a screenshot in OUT_DIR. Exits 1 on the first failure.
+"""
+import json
+import os
+import sys
+import tempfile
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+CHROMIUM = os.environ.get("KVDIFF_CHROMIUM", "/usr/bin/chromium")
+DRIVER = os.environ.get("KVDIFF_CHROMEDRIVER", "/usr/bin/chromedriver")
+
+
+def browser(profile):
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for a in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+              "--no-first-run", "--disable-background-networking", "--disable-component-update",
+              "--disable-sync", "--window-size=1400,1000", f"--user-data-dir={profile}"]:
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(DRIVER), options=opts)
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def console_errors(drv, where):
+    errors = [l for l in drv.get_log("browser") if l["level"] == "SEVERE"]
+    if errors:
+        fail(f"{where}: console errors: {errors}")
+
+
+def check(drv, json_path, html_path, shot):
+    report = json.load(open(json_path))
+    drv.get("file://" + os.path.abspath(html_path))
+    WebDriverWait(drv, 20).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    console_errors(drv, html_path)
+    canvases = drv.find_elements(By.CSS_SELECTOR, "canvas.heat")
+    paths = report["paths"]
+    if len(canvases) != len(paths):
+        fail(f"{html_path}: {len(canvases)} heatmaps for {len(paths)} paths")
+    clicked = 0
+    for i, (canvas, p) in enumerate(zip(canvases, paths)):
+        g = p["grid"]
+        want = len(g["groups"]) * g["positions"]
+        got = int(canvas.get_attribute("data-cells"))
+        if got != want or int(canvas.get_attribute("data-groups")) != len(g["groups"]):
+            fail(f"{p['path']}: {got} cells drawn, the JSON has {want}")
+        cw, ch, left = (int(canvas.get_attribute(a)) for a in ("data-cell-w", "data-cell-h", "data-left"))
+        if canvas.size["width"] != left + cw * g["positions"] or canvas.size["height"] != ch * len(g["groups"]):
+            fail(f"{p['path']}: canvas {canvas.size} does not hold one cell per (layer, position)")
+        d = p["first_divergence"]
+        markers = drv.find_elements(By.CSS_SELECTOR, f'.first-div[data-path="{i}"]')
+        if d is None:
+            if markers:
+                fail(f"{p['path']}: a first-divergence marker but no divergence in the JSON")
+            continue
+        if len(markers) != 1:
+            fail(f"{p['path']}: {len(markers)} first-divergence markers")
+        m = markers[0]
+        group = d["tap"] if d["layer"] is None else f"L{d['layer']}"
+        if (m.get_attribute("data-tap"), int(m.get_attribute("data-position")), m.get_attribute("data-group")) != (d["tap"], d["position"], group):
+            fail(f"{p['path']}: marker at {m.get_attribute('data-tap')}/{m.get_attribute('data-position')}, JSON says {d['tap']}/{d['position']}")
+        # The marker sits on its cell: left and top match the cell's.
+        ml, mt = m.location["x"] - canvas.location["x"] + 2, m.location["y"] - canvas.location["y"] + 2
+        gi = g["groups"].index(group)
+        if (round(ml), round(mt)) != (left + d["position"] * cw, gi * ch):
+            fail(f"{p['path']}: marker at ({ml}, {mt}), cell at ({left + d['position'] * cw}, {gi * ch})")
+        drv.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'center'});", m)
+        ActionChains(drv).move_to_element(m).click().perform()
+        details = drv.find_element(By.ID, "details")
+        tap = drv.find_element(By.ID, "d-tap").text
+        max_abs = float(drv.find_element(By.ID, "d-maxabs").text)
+        if tap != d["tap"] or details.get_attribute("data-position") != str(d["position"]):
+            fail(f"{p['path']}: click shows {tap} at {details.get_attribute('data-position')}")
+        if abs(max_abs - d["max_abs"]) > 1e-3 * abs(d["max_abs"]) + 1e-12:
+            fail(f"{p['path']}: click shows max|diff| {max_abs}, JSON {d['max_abs']}")
+        clicked += 1
+    console_errors(drv, html_path + " after clicks")
+    drv.execute_script("window.scrollTo(0, 0)")
+    drv.save_screenshot(shot)
+    print(f"ok: {html_path}: {len(paths)} heatmaps, {clicked} first divergences clicked, screenshot {shot}")
+
+
+def main():
+    out, files = sys.argv[1], sys.argv[2:]
+    os.makedirs(out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as profile:
+        drv = browser(profile)
+        try:
+            for j, h in zip(files[::2], files[1::2]):
+                name = os.path.splitext(os.path.basename(h))[0]
+                check(drv, j, h, os.path.join(out, f"{name}.png"))
+        finally:
+            drv.quit()
+
+
+if __name__ == "__main__":
+    main()

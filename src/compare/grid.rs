@@ -1,0 +1,228 @@
+//! Where a path parts, position by position: for each layer group (embed, each layer,
+//! final_norm, logits) and each global position (the prompt, then one per decode step), the
+//! tap row with the largest relative L2 and its numbers. What the HTML report's heatmap draws.
+//!
+//! Serialized compactly (the report of a 28-layer model over 600 positions and ten paths must
+//! stay a few MB): one base64 little-endian array per metric.
+
+use serde::Serialize;
+
+use crate::tap::{LayerTap, TapId};
+
+/// The worst row of one (group, position) cell.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Cell {
+    rel_l2: f32,
+    max_abs: f32,
+    cosine: f32,
+    /// Index of the largest |diff| in the row (head-major for per-head taps).
+    index: u32,
+    /// Tap kind (`Grid::taps`), 255: nothing compared.
+    tap: u8,
+    /// Any tap of the cell over its tolerance.
+    diverged: bool,
+}
+
+/// Cells of one path, dense over groups × positions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CellGrid {
+    groups: usize,
+    positions: usize,
+    cells: Vec<Cell>,
+}
+
+/// Tap kinds in forward order, as cells name them.
+pub fn tap_kinds() -> Vec<&'static str> {
+    let mut v = vec!["embed"];
+    v.extend(LayerTap::ALL.iter().map(|t| t.name()));
+    v.extend(["final_norm", "logits"]);
+    v
+}
+
+fn kind_index(id: TapId) -> u8 {
+    match id {
+        TapId::Embed => 0,
+        TapId::Layer(_, t) => 1 + t as u8,
+        TapId::FinalNorm => 1 + LayerTap::ALL.len() as u8,
+        TapId::Logits => 2 + LayerTap::ALL.len() as u8,
+    }
+}
+
+fn group_index(id: TapId, layers: usize) -> usize {
+    match id {
+        TapId::Embed => 0,
+        TapId::Layer(l, _) => l + 1,
+        TapId::FinalNorm => layers + 1,
+        TapId::Logits => layers + 2,
+    }
+}
+
+/// One compared row, as the grid keeps it.
+pub struct Row {
+    pub position: usize,
+    pub rel_l2: f64,
+    pub max_abs: f32,
+    pub cosine: f64,
+    pub index: usize,
+    pub diverged: bool,
+}
+
+impl CellGrid {
+    pub fn new(layers: usize, positions: usize) -> Self {
+        let groups = layers + 3;
+        CellGrid {
+            groups,
+            positions,
+            cells: vec![
+                Cell {
+                    tap: 255,
+                    ..Default::default()
+                };
+                groups * positions
+            ],
+        }
+    }
+
+    /// Keeps `row` of tap `id` if it is the cell's worst so far.
+    pub fn add(&mut self, id: TapId, row: Row) {
+        if row.position >= self.positions {
+            return;
+        }
+        let g = group_index(id, self.groups - 3);
+        let c = &mut self.cells[g * self.positions + row.position];
+        c.diverged |= row.diverged;
+        let rel = row.rel_l2 as f32;
+        if c.tap == 255 || rel > c.rel_l2 || rel.is_nan() {
+            c.rel_l2 = rel;
+            c.max_abs = row.max_abs;
+            c.cosine = row.cosine as f32;
+            c.index = row.index as u32;
+            c.tap = kind_index(id);
+        }
+    }
+
+    /// Keeps, per cell, the worse of the two (passes over different layer groups).
+    pub fn merge(&mut self, other: &CellGrid) {
+        for (c, o) in self.cells.iter_mut().zip(&other.cells) {
+            let diverged = c.diverged | o.diverged;
+            if o.tap != 255 && (c.tap == 255 || o.rel_l2 > c.rel_l2) {
+                *c = *o;
+            }
+            c.diverged = diverged;
+        }
+    }
+
+    /// The serialized form.
+    pub fn encode(&self, layers: usize) -> Grid {
+        let f32s = |f: &dyn Fn(&Cell) -> f32| {
+            base64(
+                &self
+                    .cells
+                    .iter()
+                    .flat_map(|c| f(c).to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            )
+        };
+        let mut groups = vec!["embed".to_string()];
+        groups.extend((0..layers).map(|l| format!("L{l}")));
+        groups.extend(["final_norm".to_string(), "logits".to_string()]);
+        Grid {
+            groups,
+            positions: self.positions,
+            taps: tap_kinds(),
+            encoding: "base64 little-endian, row-major [group][position]",
+            rel_l2: f32s(&|c| c.rel_l2),
+            max_abs: f32s(&|c| c.max_abs),
+            cosine: f32s(&|c| c.cosine),
+            index: base64(
+                &self
+                    .cells
+                    .iter()
+                    .flat_map(|c| c.index.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+            tap: base64(&self.cells.iter().map(|c| c.tap).collect::<Vec<u8>>()),
+            diverged: base64(
+                &self
+                    .cells
+                    .iter()
+                    .map(|c| c.diverged as u8)
+                    .collect::<Vec<u8>>(),
+            ),
+        }
+    }
+}
+
+/// A path's cells as the JSON report carries them.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Grid {
+    /// Row labels: embed, L0.., final_norm, logits.
+    pub groups: Vec<String>,
+    /// Columns: global positions 0..positions.
+    pub positions: usize,
+    /// Tap kind names, indexed by `tap`.
+    pub taps: Vec<&'static str>,
+    pub encoding: &'static str,
+    /// f32 per cell: the worst row's relative L2, max |diff| and cosine.
+    pub rel_l2: String,
+    pub max_abs: String,
+    pub cosine: String,
+    /// u32 per cell: where in the row the largest |diff| is.
+    pub index: String,
+    /// u8 per cell: the worst row's tap kind; 255 where nothing was compared.
+    pub tap: String,
+    /// u8 per cell: 1 where any tap of the cell is over its tolerance.
+    pub diverged: String,
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            out.push(if i <= c.len() {
+                A[(n >> shift & 63) as usize] as char
+            } else {
+                '='
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_the_standard_alphabet() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(&[255, 254, 253, 0]), "//79AA==");
+    }
+
+    #[test]
+    fn a_cell_keeps_its_worst_row() {
+        let mut g = CellGrid::new(2, 4);
+        let row = |rel_l2, diverged| Row {
+            position: 1,
+            rel_l2,
+            max_abs: rel_l2 as f32,
+            cosine: 1.0,
+            index: 3,
+            diverged,
+        };
+        g.add(TapId::Layer(1, LayerTap::Q), row(1e-3, true));
+        g.add(TapId::Layer(1, LayerTap::V), row(1e-5, false));
+        let c = g.cells[2 * 4 + 1];
+        assert_eq!((c.tap, c.diverged), (1 + LayerTap::Q as u8, true));
+        assert_eq!(g.cells[0].tap, 255);
+        g.add(TapId::Logits, row(0.5, false));
+        assert_eq!(g.cells[4 * 4 + 1].tap, 16);
+    }
+}

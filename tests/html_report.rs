@@ -1,0 +1,118 @@
+//! The HTML report in a real headless Chromium (scripts/browser_test.py, selenium and Debian's
+//! chromium and chromium-driver, which `.ci/run` installs): reports of the shipped prompts load
+//! without console errors, draw one heatmap cell per (layer, position), mark the first
+//! divergence where the JSON says, and show its numbers on a click. Screenshots land in
+//! `target/html-report/`. Without a browser the test says SKIPPED and passes, except under
+//! `KVDIFF_REQUIRE_BROWSER=1` (CI).
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn browser_missing() -> Option<String> {
+    for bin in ["/usr/bin/chromium", "/usr/bin/chromedriver"] {
+        if !std::path::Path::new(bin).exists() {
+            return Some(format!(
+                "{bin} missing (apt-get install chromium chromium-driver)"
+            ));
+        }
+    }
+    let selenium = Command::new("python3")
+        .args(["-c", "import selenium"])
+        .output();
+    match selenium {
+        Ok(o) if o.status.success() => None,
+        _ => Some("python3 cannot import selenium (pip install selenium)".into()),
+    }
+}
+
+fn compare(args: &[&str], json: &std::path::Path, html: &std::path::Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+        .current_dir(root())
+        .arg("compare")
+        .args(args)
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--html",
+            html.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.code().is_some_and(|c| c <= 1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn html_reports_work_in_a_real_browser() {
+    if let Some(why) = browser_missing() {
+        assert!(
+            std::env::var_os("KVDIFF_REQUIRE_BROWSER").is_none(),
+            "KVDIFF_REQUIRE_BROWSER is set but {why}"
+        );
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED (tests/html_report.rs): {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut files = Vec::new();
+    let cases: [(&str, &[&str]); 4] = [
+        (
+            "equivalent",
+            &[
+                "--paths",
+                "chunked-prefill:16,prefix-cache,cascade",
+                "fixtures/prompts/task.json",
+            ],
+        ),
+        ("diverged", &["fixtures/prompts/task.json"]),
+        ("two-contexts", &["fixtures/prompts/two-contexts.txt"]),
+        ("no-system", &["fixtures/prompts/no-system.json"]),
+    ];
+    for (name, args) in cases {
+        let (json, html) = (
+            tmp.path().join(format!("{name}.json")),
+            tmp.path().join(format!("{name}.html")),
+        );
+        compare(args, &json, &html);
+        files.push(json);
+        files.push(html);
+    }
+    // `kvdiff report` renders a saved JSON report into the same page.
+    let again = tmp.path().join("rendered.html");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+        .args([
+            "report",
+            "--html",
+            again.to_str().unwrap(),
+            files[2].to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    files.push(files[2].clone());
+    files.push(again);
+    let shots = root().join("target/html-report");
+    let out = Command::new("python3")
+        .arg(root().join("scripts/browser_test.py"))
+        .arg(&shots)
+        .args(&files)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text.matches("ok: ").count(), 5, "{text}");
+    for name in ["equivalent", "diverged"] {
+        assert!(shots.join(format!("{name}.png")).exists());
+    }
+}
