@@ -49,6 +49,13 @@ def check(drv, json_path, html_path, shot):
     drv.get("file://" + os.path.abspath(html_path))
     WebDriverWait(drv, 20).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
     console_errors(drv, html_path)
+    if "rows" in report:  # an eval page: one table row per path
+        got = len(drv.find_elements(By.CSS_SELECTOR, "#scores tbody tr"))
+        if got != len(report["rows"]):
+            fail(f"{html_path}: {got} rows for {len(report['rows'])} paths")
+        drv.save_screenshot(shot)
+        print(f"ok: {html_path}: {got} eval rows, screenshot {shot}")
+        return
     canvases = drv.find_elements(By.CSS_SELECTOR, "canvas.heat")
     paths = report["paths"]
     if len(canvases) != len(paths):
@@ -91,7 +98,13 @@ def check(drv, json_path, html_path, shot):
             fail(f"{p['path']}: click shows max|diff| {max_abs}, JSON {d['max_abs']}")
         clicked += 1
     console_errors(drv, html_path + " after clicks")
-    drv.execute_script("window.scrollTo(0, 0)")
+    # The screenshot shows the first path that parts, its first divergence clicked.
+    first = drv.find_elements(By.CSS_SELECTOR, ".first-div")
+    if first:
+        ActionChains(drv).move_to_element(first[0]).click().perform()
+        drv.execute_script("arguments[0].closest('section').scrollIntoView({block: 'start'});", first[0])
+    else:
+        drv.execute_script("window.scrollTo(0, 0)")
     drv.save_screenshot(shot)
     print(f"ok: {html_path}: {len(paths)} heatmaps, {clicked} first divergences clicked, screenshot {shot}")
 

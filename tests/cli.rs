@@ -383,3 +383,75 @@ fn calibrate_writes_the_profile_compare_pins() {
     assert!(stderr(&out).contains("another model"), "{}", stderr(&out));
     assert!(!json.exists());
 }
+
+#[test]
+fn quiet_prints_exactly_the_verdict_lines_and_pipes_get_no_progress() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("r.json");
+    let prompt = fixture("prompts/task.json");
+    let out = kvdiff(&[
+        "-q",
+        "compare",
+        "--json",
+        json.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = read_json(&json);
+    let want: Vec<String> = r["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(r["outcome"]["verdicts"].as_array().unwrap())
+        .map(|(p, v)| {
+            let kind = if p["exact"].as_bool().unwrap() {
+                "exact"
+            } else {
+                "approximate"
+            };
+            format!(
+                "== {} ({kind}): {}",
+                p["path"].as_str().unwrap(),
+                v.as_str().unwrap()
+            )
+        })
+        .collect();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), want);
+    assert!(out.stderr.is_empty(), "{}", stderr(&out));
+    // Not quiet, but piped: the text report and a summary line, no progress or colour bytes.
+    let out = kvdiff(&["compare", "--paths", "cascade", prompt.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    for stream in [&out.stdout, &out.stderr] {
+        assert!(
+            !stream.contains(&b'\r') && !stream.contains(&0x1b),
+            "{}",
+            String::from_utf8_lossy(stream)
+        );
+    }
+    assert!(
+        stderr(&out).starts_with("kvdiff: compared 1 paths"),
+        "{}",
+        stderr(&out)
+    );
+    // -v adds the phase timings and the calibration's noise table.
+    let out = kvdiff(&[
+        "compare",
+        "-v",
+        "--paths",
+        "cascade",
+        prompt.to_str().unwrap(),
+    ]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("kvdiff timing") && err.contains("calibration: f64 oracle prefill"),
+        "{err}"
+    );
+    assert!(
+        err.contains("kvdiff calibration:") && err.contains("attn_probs"),
+        "{err}"
+    );
+    // -q and -v contradict each other.
+    let out = kvdiff(&["-q", "-v", "compare", prompt.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -101,6 +101,30 @@ fn html_reports_work_in_a_real_browser() {
     );
     files.push(files[2].clone());
     files.push(again);
+    let (json, html) = (tmp.path().join("eval.json"), tmp.path().join("eval.html"));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+        .args([
+            "eval",
+            "--paths",
+            "standard,cascade,chunk-reuse:local",
+            "--max-new-tokens",
+            "8",
+        ])
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--html",
+            html.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.code().is_some_and(|c| c <= 1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    files.push(json);
+    files.push(html);
     let shots = root().join("target/html-report");
     let out = Command::new("python3")
         .arg(root().join("scripts/browser_test.py"))
@@ -111,7 +135,7 @@ fn html_reports_work_in_a_real_browser() {
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert_eq!(text.matches("ok: ").count(), 5, "{text}");
+    assert_eq!(text.matches("ok: ").count(), 6, "{text}");
     for name in ["equivalent", "diverged"] {
         assert!(shots.join(format!("{name}.png")).exists());
     }

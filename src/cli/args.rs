@@ -98,12 +98,19 @@ pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
         require_cuda()?;
     }
     let prompt = Prompt::load(&run.prompt)?;
-    let mut engine = Engine::load(ModelSource::from_arg(run.model.as_deref())?)?;
+    let mut engine = load_engine(run.model.as_deref())?;
     engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
     if run.backend == BackendArg::Cuda {
         engine.model = kvdiff::cuda::to_cuda(&engine.model)?;
     }
     Ok((engine, prompt))
+}
+
+/// The model and tokenizer of `--model` (the embedded default without it), with a progress
+/// line while they load.
+pub fn load_engine(model: Option<&std::path::Path>) -> Result<Engine> {
+    let _progress = kvdiff::support::progress::Progress::spinner("loading the model");
+    Engine::load(ModelSource::from_arg(model)?)
 }
 
 /// `--taps` for a model with `layers` layers.

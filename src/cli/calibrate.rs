@@ -6,13 +6,11 @@ use std::path::PathBuf;
 use clap::Args;
 
 use kvdiff::compare::noise::{Calibration, NoiseProfile};
-use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result, EXIT_OK};
-use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::io::prompt::Prompt;
 
-use super::args::{require_cuda, set_threads, BackendArg};
+use super::args::{load_engine, require_cuda, set_threads, BackendArg};
 
 #[derive(Args)]
 pub struct CalibrateArgs {
@@ -47,7 +45,7 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
         require_cuda()?;
     }
     let p = Prompt::load(&a.prompt)?;
-    let engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
+    let engine = load_engine(a.model.as_deref())?;
     let enc = engine.encode(&p, &a.prompt, a.max_new_tokens)?;
     let last = enc.ids.len() + a.max_new_tokens.max(1) - 1;
     let cal = Calibration::new(&engine.model, &enc.ids, last);
@@ -60,21 +58,21 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
     if gpu {
         let gpu_model = kvdiff::cuda::to_cuda(&engine.model)?;
         let measured = profile.check_gpu(&cal, &gpu_model)?;
-        eprintln!("kvdiff: the GPU's own error is within what bf16 rounding allows:");
+        say!("kvdiff: the GPU's own error is within what bf16 rounding allows:");
         for (kind, e) in &measured.per_kind {
             let emulated = profile.backends["cuda"]
                 .per_kind
                 .get(kind)
                 .copied()
                 .unwrap_or(0.0);
-            eprintln!("  {kind:<11} {e:.2e} (emulated {emulated:.2e})");
+            say!("  {kind:<11} {e:.2e} (emulated {emulated:.2e})");
         }
     }
     let json = serde_json::to_vec_pretty(&profile).map_err(|e| Error::Internal(e.to_string()))?;
     match &a.out {
         Some(out) => {
             write_atomic(out, &json, "--out")?;
-            eprintln!("kvdiff: wrote the noise profile to {}", out.display());
+            say!("kvdiff: wrote the noise profile to {}", out.display());
         }
         None => println!("{}", String::from_utf8_lossy(&json)),
     }

@@ -9,14 +9,13 @@ use kvdiff::compare::noise::NoiseProfile;
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
 use kvdiff::compare::target::{self, Backend, Target};
-use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
-use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
 use kvdiff::io::prompt::Prompt;
 use kvdiff::paths::PathSpec;
+use kvdiff::support::progress;
 
-use super::args::{print_timings, require_cuda, set_threads, tap_filter, BackendArg};
+use super::args::{load_engine, print_timings, require_cuda, set_threads, tap_filter, BackendArg};
 
 pub const COMPARE_HELP: &str = "\
 PATHS:
@@ -140,7 +139,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         None => None,
     };
     let p = Prompt::load(&a.prompt)?;
-    let mut engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
+    let mut engine = load_engine(a.model.as_deref())?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
     let filter = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
     let chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
@@ -173,7 +172,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         folder.commit(out)?;
     }
     let gpu = gpu_model.as_ref().and_then(kvdiff::cuda::gpu_of);
-    eprintln!(
+    say!(
         "kvdiff: compared {} paths in {:.0} ms{}",
         report.paths.len(),
         start.elapsed().as_secs_f64() * 1e3,
@@ -187,7 +186,17 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     };
     let code = report.judge(&judge);
     write_outputs(&report, a.json.as_deref(), a.html.as_deref())?;
-    print!("{}", report::text(&report, &judge));
+    if kvdiff::support::progress::quiet() {
+        print!("{}", report::verdict_lines(&report, &judge));
+    } else {
+        print!(
+            "{}",
+            report::text(&report, &judge, progress::colour_stdout())
+        );
+    }
+    if progress::verbosity() >= 1 {
+        eprint!("{}", report::noise_table(&report));
+    }
     Ok(code)
 }
 

@@ -45,6 +45,6 @@ pub fn run(a: DumpArgs) -> Result<i32> {
         "taps": a.taps,
     });
     let files = dumper.finish(out, &meta)?;
-    eprintln!("kvdiff: wrote {files} step files to {}", out.display());
+    say!("kvdiff: wrote {files} step files to {}", out.display());
     Ok(EXIT_OK)
 }

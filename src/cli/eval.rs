@@ -5,13 +5,11 @@ use std::path::PathBuf;
 use clap::Args;
 
 use kvdiff::compare::eval;
-use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
-use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::paths::{self, PathSpec};
 
-use super::args::set_threads;
+use super::args::{load_engine, set_threads};
 
 const EMBEDDED_TASKS: &str = include_str!("../../fixtures/tasks.jsonl");
 
@@ -33,6 +31,9 @@ pub struct EvalArgs {
     /// Also write the scores as JSON to FILE, atomically.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Also write the scores as a self-contained HTML page to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
     /// Worker threads (results are identical for any count).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -40,8 +41,10 @@ pub struct EvalArgs {
 
 pub fn run(a: EvalArgs) -> Result<i32> {
     set_threads(a.threads)?;
-    if let Some(path) = &a.json {
-        check_output_parent(path, "--json")?;
+    for (path, flag) in [(&a.json, "--json"), (&a.html, "--html")] {
+        if let Some(p) = path {
+            check_output_parent(p, flag)?;
+        }
     }
     let paths = match &a.paths {
         Some(list) => paths::parse_list(list)
@@ -55,22 +58,16 @@ pub fn run(a: EvalArgs) -> Result<i32> {
             (eval::parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
         }
     };
-    let engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
+    let engine = load_engine(a.model.as_deref())?;
     let start = std::time::Instant::now();
     let rows = eval::run(&engine, &task_list, &paths, a.max_new_tokens, &tasks_path)?;
-    eprintln!(
+    say!(
         "kvdiff: {} tasks x {} paths in {:.1} s",
         task_list.len(),
         paths.len(),
         start.elapsed().as_secs_f64()
     );
     print_table(&rows);
-    if let Some(path) = &a.json {
-        let body =
-            serde_json::json!({"schema": 1, "model": engine.source.describe(), "rows": rows});
-        let bytes = serde_json::to_vec_pretty(&body).map_err(|e| Error::Internal(e.to_string()))?;
-        write_atomic(path, &bytes, "--json")?;
-    }
     let standard = rows.iter().find(|r| r.path == "standard");
     let mismatch = rows.iter().any(|r| {
         r.exact
@@ -78,7 +75,17 @@ pub fn run(a: EvalArgs) -> Result<i32> {
                 (s.case_ok, s.fact_ok, s.answer_ok) != (r.case_ok, r.fact_ok, r.answer_ok)
             })
     });
-    Ok(if mismatch { EXIT_DIVERGED } else { EXIT_OK })
+    let code = if mismatch { EXIT_DIVERGED } else { EXIT_OK };
+    let body = serde_json::json!({"schema": 1, "model": engine.source.describe(), "rows": rows, "exit_code": code});
+    if let Some(path) = &a.json {
+        let bytes = serde_json::to_vec_pretty(&body).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomic(path, &bytes, "--json")?;
+    }
+    if let Some(path) = &a.html {
+        let page = kvdiff::compare::html::render_eval(&body);
+        write_atomic(path, page.as_bytes(), "--html")?;
+    }
+    Ok(code)
 }
 
 fn print_table(rows: &[eval::EvalRow]) {

@@ -22,7 +22,7 @@ pub fn run(a: GenerateArgs) -> Result<i32> {
     let start = std::time::Instant::now();
     let mut sink = NullSink::new(engine.model.config.num_hidden_layers);
     let gen = engine.generate(&enc.ids, run.max_new_tokens, &mut sink);
-    eprintln!(
+    say!(
         "kvdiff: {} ({} prompt tokens, {} generated{}, {:.0} ms)",
         engine.source.describe(),
         enc.ids.len(),

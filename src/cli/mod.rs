@@ -1,6 +1,15 @@
 //! The command line: the only code that knows about clap. Each subcommand's flags live in its
 //! own file and become plain values handed to the library.
 
+/// A line for people on stderr, unless `-q`.
+macro_rules! say {
+    ($($t:tt)*) => {
+        if !kvdiff::support::progress::quiet() {
+            eprintln!($($t)*);
+        }
+    };
+}
+
 mod args;
 mod calibrate;
 mod compare;
@@ -23,6 +32,13 @@ use args::PROMPT_HELP;
 #[derive(Parser)]
 #[command(name = "kvdiff", version, after_help = PROMPT_HELP, arg_required_else_help = true)]
 pub struct Cli {
+    /// Print only the verdict lines (and errors): no progress, no summaries on stderr.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// More detail on stderr: -v adds phase timings and the calibration's noise per tap kind;
+    /// -vv adds each path's and each calibration step's time as it ends.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,6 +72,12 @@ enum Command {
 
 /// Runs the parsed command; returns the exit code.
 pub fn run(cli: Cli) -> Result<i32> {
+    let level = if cli.quiet {
+        -1
+    } else {
+        cli.verbose.min(2) as i8
+    };
+    kvdiff::support::progress::set_verbosity(level);
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Dump(a) => dump::run(a),

@@ -34,6 +34,6 @@ pub fn run(a: ReportArgs) -> Result<i32> {
     }
     let page = kvdiff::compare::html::render(&value);
     write_atomic(&a.html, page.as_bytes(), "--html")?;
-    eprintln!("kvdiff: wrote {}", a.html.display());
+    say!("kvdiff: wrote {}", a.html.display());
     Ok(EXIT_OK)
 }

@@ -448,6 +448,9 @@ impl Lockstep {
                 false => n + step - 1,
             };
             let (fed, pos) = ([rt], [at]);
+            crate::support::progress::note(|| {
+                format!("decode step {step}/{}", spec.max_new_tokens)
+            });
             let span = crate::support::timing::span("compare: reference decode step");
             let mut ref_rec = spec.recorder(taps, true);
             let batch = Batch {

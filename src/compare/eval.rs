@@ -13,6 +13,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::io::prompt::{parse_json, Prompt};
 use crate::paths::{ChunkStore, PathSpec};
+use crate::support::progress::Progress;
 use crate::tap::NullSink;
 
 #[derive(Deserialize)]
@@ -153,8 +154,10 @@ pub fn run(
             ..Default::default()
         })
         .collect();
+    let progress = Progress::start(tasks.len() as u64, "eval tasks");
     for task in tasks {
         let chunked = engine.chunked(&task.prompt, tasks_path, max_new)?;
+        progress.advance("");
         for (row, &path) in rows.iter_mut().zip(paths) {
             let tokens = generate_on_path(engine, path, &chunked, max_new);
             let text = engine.tokenizer.decode(&tokens, true);

@@ -250,7 +250,69 @@ pub fn verdict(p: &PathReport, j: &Judgement) -> &'static str {
     }
 }
 
-pub fn text(r: &Report, j: &Judgement) -> String {
+/// Each path's verdict line alone (`-q`).
+pub fn verdict_lines(r: &Report, j: &Judgement) -> String {
+    r.paths
+        .iter()
+        .map(|p| format!("{}\n", verdict_line(p, j, false)))
+        .collect()
+}
+
+/// `== path (exact): VERDICT`, the verdict coloured on a terminal.
+fn verdict_line(p: &PathReport, j: &Judgement, colour: bool) -> String {
+    let kind = if p.exact { "exact" } else { "approximate" };
+    let v = verdict(p, j);
+    let code = if v.ends_with("failure)") {
+        "1;31"
+    } else if v.contains("warning") {
+        "33"
+    } else if v.starts_with("EQUIVALENT") {
+        "32"
+    } else {
+        "2"
+    };
+    format!("== {} ({kind}): {}", p.path, paint(v, code, colour))
+}
+
+/// `s` in ANSI colour `code` when `on`.
+fn paint(s: &str, code: &str, on: bool) -> String {
+    if on {
+        format!("\x1b[{code}m{s}\x1b[0m")
+    } else {
+        s.to_string()
+    }
+}
+
+/// The calibration's noise per backend and tap kind, and the thresholds (`-v`).
+pub fn noise_table(r: &Report) -> String {
+    let t = &r.tolerance;
+    let mut s = String::new();
+    if t.noise.is_empty() {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "kvdiff calibration: {}",
+        t.source.as_deref().unwrap_or("")
+    );
+    let backends: Vec<&String> = t.noise.keys().collect();
+    let _ = write!(s, "  {:<11}", "tap kind");
+    for b in &backends {
+        let _ = write!(s, " {:>16}", format!("noise {b}"));
+    }
+    let _ = writeln!(s, " {:>12}", "rtol");
+    for (kind, rtol) in &t.rtol {
+        let _ = write!(s, "  {kind:<11}");
+        for b in &backends {
+            let v = t.noise[*b].get(kind).copied().unwrap_or(0.0);
+            let _ = write!(s, " {v:>16.2e}");
+        }
+        let _ = writeln!(s, " {rtol:>12.2e}");
+    }
+    s
+}
+
+pub fn text(r: &Report, j: &Judgement, colour: bool) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -271,16 +333,15 @@ pub fn text(r: &Report, j: &Judgement) -> String {
     let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
     for p in &r.paths {
         let _ = writeln!(s);
-        path_text(&mut s, p, j);
+        path_text(&mut s, p, j, colour);
     }
     s
 }
 
 /// One path's section: verdict, first divergence, tokens, agreement, the per-layer table.
-fn path_text(s: &mut String, p: &PathReport, j: &Judgement) {
-    let kind = if p.exact { "exact" } else { "approximate" };
-    let _ = writeln!(s, "== {} ({kind}): {}", p.path, verdict(p, j));
-    divergence_text(s, p.first_divergence.as_ref());
+fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool) {
+    let _ = writeln!(s, "{}", verdict_line(p, j, colour));
+    divergence_text(s, p.first_divergence.as_ref(), colour);
     match &p.first_token_divergence {
         None => {
             let _ = writeln!(s, "  tokens: identical to the reference");
@@ -334,16 +395,15 @@ fn path_text(s: &mut String, p: &PathReport, j: &Judgement) {
     }
 }
 
-fn divergence_text(s: &mut String, d: Option<&Divergence>) {
+fn divergence_text(s: &mut String, d: Option<&Divergence>, colour: bool) {
     match d {
         None => {
             let _ = writeln!(s, "  no tap diverged");
         }
         Some(d) => {
             let head = d.head.map(|h| format!(", head {h}")).unwrap_or_default();
-            let _ = writeln!(
-                s,
-                "  first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
+            let line = format!(
+                "first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
                 d.step,
                 if d.step == 0 { " (prefill)" } else { "" },
                 d.tap,
@@ -351,6 +411,7 @@ fn divergence_text(s: &mut String, d: Option<&Divergence>) {
                 d.token_text,
                 d.index
             );
+            let _ = writeln!(s, "  {}", paint(&line, "1", colour));
             let _ =
                 writeln!(
                 s,

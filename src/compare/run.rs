@@ -12,6 +12,7 @@ use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::Result;
+use crate::support::progress::{self, Progress};
 use crate::tap::TapFilter;
 
 /// Reference taps one comparison pass may hold on the host; beyond it, taps are compared in
@@ -111,6 +112,7 @@ impl Request<'_> {
         };
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
+        let progress = Progress::start(self.targets.len() as u64, "comparing");
         let mut paths = self
             .targets
             .iter()
@@ -120,10 +122,22 @@ impl Request<'_> {
                     (Some(c), true) => c,
                     _ => same_tol,
                 };
-                self.run_target(&spec, t, tolerance)
+                progress.set_message(&t.label(self.backend, self.uses_gpu()));
+                let started = std::time::Instant::now();
+                let r = self.run_target(&spec, t, tolerance);
+                progress.advance("");
+                if progress::verbosity() >= 2 {
+                    eprintln!(
+                        "kvdiff: {} compared in {:.0} ms",
+                        t.label(self.backend, self.uses_gpu()),
+                        started.elapsed().as_secs_f64() * 1e3
+                    );
+                }
+                r
             })
             .collect::<Result<Vec<_>>>()?;
         if self.invariants {
+            progress.set_message("invariants");
             paths.extend(self.run_invariants(&spec, &tols)?);
         }
         Ok(self.report(paths, tols.info))
@@ -190,7 +204,13 @@ impl Request<'_> {
                 profile: None,
             });
         }
-        let learned = self.learn()?;
+        let learned = {
+            let _p = Progress::spinner("calibrating the noise model");
+            self.learn()?
+        };
+        if progress::verbosity() >= 2 {
+            eprintln!("kvdiff: calibrated: {}", learned.source);
+        }
         let ref_backend = self.reference.on(self.backend).name();
         let other = self.backends().into_iter().find(|b| *b != ref_backend);
         let same = learned.profile.tolerance(ref_backend, ref_backend)?;

@@ -2,5 +2,6 @@
 
 pub mod fault;
 pub mod interrupt;
+pub mod progress;
 pub mod resources;
 pub mod timing;

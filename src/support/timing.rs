@@ -20,6 +20,11 @@ fn enabled() -> bool {
     }
 }
 
+/// Turns timing on (`-v`), whatever `KVDIFF_TIMING` says.
+pub fn enable() {
+    ENABLED.store(1, Ordering::Relaxed);
+}
+
 /// Adds the time until it is dropped to phase `name`.
 pub struct Span(Option<(&'static str, Instant)>);
 
