@@ -12,14 +12,13 @@ pub enum Tolerance {
     Exact,
     /// A row diverges when max|a − b| > atol + rtol · max|b|.
     Fixed { atol: f32, rtol: f32 },
-    /// As `Fixed` with atol 0 and, per tap kind, rtol learned from a pair of exact paths
-    /// (`AUTO_MULTIPLE` × the noise seen, at least `AUTO_FLOOR`).
+    /// As `Fixed` with atol 0 and, per tap kind, rtol from the noise model (`noise.rs`); a
+    /// kind it has no value for is held to `AUTO_FLOOR`.
     Auto { rtol: BTreeMap<String, f32> },
 }
 
-/// Learned noise is multiplied by this to make a threshold.
-pub const AUTO_MULTIPLE: f32 = 10.0;
-/// The smallest relative threshold auto uses: a few f32 roundings of accumulated sums.
+/// The threshold of a tap kind the noise model has no value for: a few f32 roundings of
+/// accumulated sums.
 pub const AUTO_FLOOR: f32 = 1e-5;
 
 impl Tolerance {

@@ -1,8 +1,9 @@
 //! Comparing paths: the lockstep driver runs a reference and a path side by side and diffs
-//! every tap as it arrives (`driver.rs`, `comparator.rs`), row metrics and tolerance policies
-//! (`diff.rs`, `tolerance.rs`), a whole comparison as `kvdiff compare` runs it (`run.rs`), the
-//! reports (`report.rs`), `PATH@BACKEND` targets
-//! (`target.rs`), the task-level check (`eval.rs`), and the same diffs run on the GPU (`gpu/`).
+//! every tap as it arrives (`driver.rs`, `comparator.rs`); row metrics and tolerances
+//! (`diff.rs`, the noise model in `noise.rs`); the exact invariants of approximate paths
+//! (`invariants.rs`); a whole comparison as `kvdiff compare` runs it (`run.rs`); the reports
+//! (`report.rs`, `grid.rs`, `html.rs`); `PATH@BACKEND` targets (`target.rs`); the task-level
+//! check (`eval.rs`); and the same diffs run on the GPU (`gpu/`).
 
 mod agreement;
 mod comparator;
@@ -17,4 +18,3 @@ pub mod noise;
 pub mod report;
 pub mod run;
 pub mod target;
-mod tolerance;
