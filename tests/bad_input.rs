@@ -486,6 +486,40 @@ fn every_bad_input_exits_2_with_a_short_message_and_writes_nothing() {
     }
     add("no prompt", s(&["generate"]), "<PROMPT>");
 
+    // Noise profiles and saved reports.
+    let not_json = input("not-json.json", b"{oops");
+    let not_report = input("not-report.json", b"{\"schema\": 7}");
+    add(
+        "--noise-profile missing",
+        s(&[
+            "compare",
+            "--noise-profile",
+            "/nonexistent/noise.json",
+            &prompt,
+        ]),
+        "/nonexistent/noise.json",
+    );
+    add(
+        "--noise-profile not a profile",
+        s(&["compare", "--noise-profile", &not_json, &prompt]),
+        "not a noise profile",
+    );
+    add(
+        "report of a file that is not JSON",
+        s(&["report", "--html", &out("r.html"), &not_json]),
+        "not JSON",
+    );
+    add(
+        "report of JSON that is not a report",
+        s(&["report", "--html", &out("r.html"), &not_report]),
+        "not a kvdiff compare report",
+    );
+    add(
+        "--html onto a folder",
+        s(&["compare", "--html", outputs.to_str().unwrap(), &prompt]),
+        "--html",
+    );
+
     // Outputs.
     let existing = outputs.join("existing");
     std::fs::create_dir_all(&existing).unwrap();
@@ -585,7 +619,7 @@ fn every_bad_input_exits_2_with_a_short_message_and_writes_nothing() {
         failures.join("\n")
     );
     assert_eq!(listing(tmp.path()), before, "a failed run wrote a file");
-    assert!(cases.len() >= 60, "{} cases", cases.len());
+    assert!(cases.len() >= 65, "{} cases", cases.len());
 }
 
 #[test]
