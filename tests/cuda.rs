@@ -879,12 +879,7 @@ fn planted_bugs_are_named_on_the_gpu() {
     let cuda = kvdiff::cuda::to_cuda(&e.model).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("p.txt");
-    std::fs::write(
-        &file,
-        "@@ system\nYou answer in capitals.\n@@ user\nok.\n@@ assistant\nfine.\n@@ user\nok.\n\
-         @@ assistant\nfine.\n@@ user\nWhat is Anna's colour? Anna's colour is blue.\n",
-    )
-    .unwrap();
+    std::fs::write(&file, common::REPEATED_TURN_PROMPT).unwrap();
     let max_new = 6;
     let prompt = e
         .chunked(
@@ -913,12 +908,7 @@ fn planted_bugs_are_named_on_the_gpu() {
     };
     let chunks = &prompt.chunks;
     let query = chunks.last().unwrap().start;
-    let repeat = chunks
-        .iter()
-        .enumerate()
-        .find(|(i, c)| (0..*i).any(|j| prompt.tokens(&chunks[j]) == prompt.tokens(c)))
-        .map(|(_, c)| c.start)
-        .unwrap();
+    let repeat = common::repeated_chunk_start(&prompt).unwrap();
     let site = |f: Fault, run: &dyn Fn() -> kvdiff::compare::report::PathReport| {
         let _planted = fault::plant(f);
         let r = run();

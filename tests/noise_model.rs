@@ -3,6 +3,8 @@
 //! named at the tap and position where it first acts at default settings, thresholds that no
 //! bug in a path can move, and a reference whose own error is not rounding refused.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -170,12 +172,7 @@ fn exact_paths_raise_no_false_alarm() {
 fn repeated_prompt(e: &Engine, max_new: usize) -> ChunkedPrompt {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("p.txt");
-    std::fs::write(
-        &path,
-        "@@ system\nYou answer in capitals.\n@@ user\nok.\n@@ assistant\nfine.\n@@ user\nok.\n\
-         @@ assistant\nfine.\n@@ user\nWhat is Anna's colour? Anna's colour is blue.\n",
-    )
-    .unwrap();
+    std::fs::write(&path, common::REPEATED_TURN_PROMPT).unwrap();
     e.chunked(&Prompt::load(&path).unwrap(), &path, max_new)
         .unwrap()
 }
@@ -197,12 +194,7 @@ fn planted_bugs_are_named_where_they_act_at_default_settings() {
     let chunks = &prompt.chunks;
     let query = chunks.last().unwrap().start;
     // The second "ok." turn: same tokens as the first, another position.
-    let repeat = chunks
-        .iter()
-        .enumerate()
-        .find(|(i, c)| (0..*i).any(|j| prompt.tokens(&chunks[j]) == prompt.tokens(c)))
-        .map(|(_, c)| c.start)
-        .expect("a repeated chunk");
+    let repeat = common::repeated_chunk_start(&prompt).expect("a repeated chunk");
     let site = |r: &PathReport| {
         let d = r
             .first_divergence

@@ -206,6 +206,22 @@ proptest! {
     }
 }
 
+/// The default model and its task prompt, cut into chunks.
+fn task() -> (kvdiff::engine::Engine, ChunkedPrompt) {
+    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
+    let path = fixture("prompts/task.json");
+    let prompt = engine
+        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
+        .unwrap();
+    (engine, prompt)
+}
+
+/// The default tolerance (auto) of the task prompt.
+fn auto() -> Tolerance {
+    let (engine, prompt) = task();
+    kvdiff::compare::noise::cpu_tolerance(&engine.model, &prompt.ids, 8).unwrap()
+}
+
 /// Runs a planted-bug prefill against standard on the default model's task prompt, at the
 /// default tolerance (auto).
 fn planted(
@@ -215,13 +231,7 @@ fn planted(
         &mut dyn TapSink,
     ) -> (kvdiff::engine::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
-    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
-    let path = fixture("prompts/task.json");
-    let prompt = engine
-        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
-        .unwrap();
-    let auto = kvdiff::compare::noise::cpu_tolerance(&engine.model, &prompt.ids, 8).unwrap();
-    planted_with(&auto, bug)
+    planted_with(&auto(), bug)
 }
 
 fn planted_with(
@@ -232,11 +242,7 @@ fn planted_with(
         &mut dyn TapSink,
     ) -> (kvdiff::engine::kv_cache::KvCache, Vec<f32>),
 ) -> (ChunkedPrompt, PathReport) {
-    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
-    let path = fixture("prompts/task.json");
-    let prompt = engine
-        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
-        .unwrap();
+    let (engine, prompt) = task();
     let taps = TapFilter::all();
     let spec = CompareSpec {
         model: &engine.model,
@@ -345,14 +351,8 @@ fn planted_nan_is_reported_where_first_seen_and_never_as_a_number() {
         (cache, logits)
     };
     // The default tolerance reports it, and so does one that accepts any finite difference.
-    let engine = kvdiff::engine::Engine::load(ModelSource::Embedded).unwrap();
-    let path = fixture("prompts/task.json");
-    let prompt = engine
-        .chunked(&kvdiff::io::prompt::Prompt::load(&path).unwrap(), &path, 8)
-        .unwrap();
-    let auto = kvdiff::compare::noise::cpu_tolerance(&engine.model, &prompt.ids, 8).unwrap();
     for tol in [
-        auto,
+        auto(),
         ROUNDING,
         Tolerance::Fixed {
             atol: 1e30,

@@ -88,3 +88,18 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     )
     .unwrap()
 }
+
+/// A prompt whose "ok." turn repeats (so chunk stores see hits), as text.
+pub const REPEATED_TURN_PROMPT: &str =
+    "@@ system\nYou answer in capitals.\n@@ user\nok.\n@@ assistant\nfine.\n@@ user\nok.\n\
+     @@ assistant\nfine.\n@@ user\nWhat is Anna's colour? Anna's colour is blue.\n";
+
+/// The first position of the first chunk whose tokens repeat an earlier chunk's.
+pub fn repeated_chunk_start(prompt: &kvdiff::engine::chunks::ChunkedPrompt) -> Option<usize> {
+    let chunks = &prompt.chunks;
+    chunks
+        .iter()
+        .enumerate()
+        .find(|(i, c)| (0..*i).any(|j| prompt.tokens(&chunks[j]) == prompt.tokens(c)))
+        .map(|(_, c)| c.start)
+}
