@@ -8,7 +8,8 @@
 //! - `engine`: config, weights, tokenizer, the stateless forward pass on the CPU, the KV cache;
 //! - `cuda`: the same forward pass on an NVIDIA GPU, plugged into the engine as a device;
 //! - `paths`: the ways of building KV a comparison runs;
-//! - `compare`: the lockstep driver, diffs, tolerances and reports.
+//! - `compare`: the lockstep driver, diffs, tolerances and reports;
+//! - `sweep`: many prompts and chunkings through `compare`, partitioned and summarized.
 
 pub mod error;
 pub mod support;
@@ -21,6 +22,7 @@ pub mod engine;
 pub mod paths;
 
 pub mod compare;
+pub mod sweep;
 
 #[doc(hidden)]
 pub mod fuzz;

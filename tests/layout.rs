@@ -19,6 +19,12 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["error", "support", "io", "tap", "engine", "cuda", "paths"],
     ),
     (
+        "sweep",
+        &[
+            "error", "support", "io", "tap", "engine", "cuda", "paths", "compare",
+        ],
+    ),
+    (
         "fuzz",
         &[
             "error", "support", "io", "tap", "engine", "paths", "compare",
@@ -27,7 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "error", "support", "io", "tap", "engine", "cuda", "paths", "compare",
+            "error", "support", "io", "tap", "engine", "cuda", "paths", "compare", "sweep",
         ],
     ),
 ];

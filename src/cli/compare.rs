@@ -103,8 +103,64 @@ pub struct CompareArgs {
     /// max_position_embeddings.
     #[arg(long)]
     allow_beyond_max_positions: bool,
-    /// Prompt file (.json or .txt).
+    /// With a .jsonl prompt set as PROMPT: the conversation with this id (what `sweep
+    /// summarize` prints to rerun a case).
+    #[arg(long, value_name = "ID")]
+    case: Option<String>,
+    /// Cut the prompt into chunks at these token positions instead of its own chunking
+    /// (comma-separated; the first chunk stays system if the prompt has one, the last is the
+    /// query).
+    #[arg(long, value_name = "LIST")]
+    cuts: Option<String>,
+    /// Prompt file (.json or .txt), or a .jsonl prompt set with --case.
     prompt: PathBuf,
+}
+
+/// PROMPT, or conversation `--case` of a .jsonl prompt set.
+fn load_prompt(a: &CompareArgs) -> Result<Prompt> {
+    let jsonl = a.prompt.extension().is_some_and(|e| e == "jsonl");
+    match (&a.case, jsonl) {
+        (None, false) => Prompt::load(&a.prompt),
+        (Some(id), true) => {
+            let (convs, _) = kvdiff::io::prompt_set::load(&a.prompt)?;
+            convs
+                .into_iter()
+                .find(|c| &c.id == id)
+                .map(|c| c.prompt)
+                .ok_or_else(|| {
+                    Error::usage(
+                        "--case",
+                        format!("no conversation {id:?} in {}", a.prompt.display()),
+                        "give an id the file holds",
+                    )
+                })
+        }
+        (None, true) => Err(Error::usage(
+            "--case",
+            "a .jsonl prompt set needs --case ID",
+            "e.g. --case conv-0007",
+        )),
+        (Some(_), false) => Err(Error::usage(
+            "--case",
+            "only with a .jsonl prompt set",
+            "drop --case, or give a .jsonl file",
+        )),
+    }
+}
+
+/// `--cuts 12,40`: positions strictly inside the prompt.
+fn parse_cuts(list: &str, len: usize) -> Result<Vec<usize>> {
+    list.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| match s.trim().parse::<usize>() {
+            Ok(c) if c > 0 && c < len => Ok(c),
+            _ => Err(Error::usage(
+                "--cuts",
+                format!("{s:?} is not a position inside the {len}-token prompt"),
+                "give positions 1..len-1, e.g. --cuts 12,40",
+            )),
+        })
+        .collect()
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -138,11 +194,14 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         Some(f) => Some((NoiseProfile::load(f)?, f.as_path())),
         None => None,
     };
-    let p = Prompt::load(&a.prompt)?;
+    let p = load_prompt(&a)?;
     let mut engine = load_engine(a.model.as_deref())?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
     let filter = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
-    let chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
+    let mut chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
+    if let Some(list) = &a.cuts {
+        chunked = kvdiff::sweep::cases::rechunk(&chunked, &parse_cuts(list, chunked.ids.len())?);
+    }
     let gpu_model = match uses_cuda {
         true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
         false => None,

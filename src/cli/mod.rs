@@ -17,6 +17,7 @@ mod dump;
 mod eval;
 mod generate;
 mod report;
+mod sweep;
 mod tokens;
 
 use std::process::ExitCode;
@@ -63,6 +64,9 @@ enum Command {
     /// report how often the greedy answer keeps the system prompt's letter case and the
     /// context's fact. Exit 1 if an exact path scores differently from standard.
     Eval(eval::EvalArgs),
+    /// Run a prompt set (JSONL conversations or a folder of prompt files) and random chunkings
+    /// of it through compare, one JSON line per (case, path); `sweep summarize` merges the files.
+    Sweep(sweep::SweepArgs),
     /// Render a JSON report saved by `compare --json` as a self-contained HTML page.
     Report(report::ReportArgs),
     /// Show the chat-template text and token ids of PROMPT.
@@ -86,6 +90,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Calibrate(a) => calibrate::run(a),
         Command::Tokens(a) => tokens::run(a),
         Command::Report(a) => report::run(a),
+        Command::Sweep(a) => sweep::run(a),
     }
 }
 

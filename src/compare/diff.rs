@@ -39,6 +39,16 @@ impl Tolerance {
         }
     }
 
+    /// The same policy with every `auto` threshold `factor` times wider (fixed and exact stay).
+    pub fn widened(&self, factor: f32) -> Tolerance {
+        match self {
+            Tolerance::Auto { rtol } => Tolerance::Auto {
+                rtol: rtol.iter().map(|(k, v)| (k.clone(), v * factor)).collect(),
+            },
+            other => other.clone(),
+        }
+    }
+
     pub fn describe(&self, kind: &str) -> String {
         match self.bounds(kind) {
             None => "bitwise equality (exact)".into(),

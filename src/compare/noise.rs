@@ -24,9 +24,9 @@ use crate::error::{Error, Result};
 use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
 /// Tokens of the calibration prefill (fewer when the prompt is shorter).
-pub const CALIBRATION_TOKENS: usize = 64;
+pub const CALIBRATION_TOKENS: usize = 128;
 /// Thresholds are this many times the two sides' summed noise.
-pub const SAFETY: f32 = 8.0;
+pub const SAFETY: f32 = 16.0;
 /// The smallest threshold: a few f32 roundings (a kind both backends compute exactly).
 const FLOOR: f32 = 4.0 * f32::EPSILON;
 /// A backend whose own error goes beyond these is not rounding but a fault (its noise would

@@ -3,3 +3,4 @@
 pub mod model_source;
 pub mod output;
 pub mod prompt;
+pub mod prompt_set;

@@ -40,12 +40,22 @@ pub fn colour_stdout() -> bool {
         && std::env::var("TERM").map_or(true, |t| t != "dumb")
 }
 
+/// Whether a progress line is already shown: work inside it (a sweep's cases) draws none of
+/// its own.
+fn busy() -> bool {
+    CURRENT
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_some_and(|b| !b.is_finished())
+}
+
 /// A progress line over `len` units of work, the current one until dropped.
 pub struct Progress(Option<ProgressBar>);
 
 impl Progress {
     pub fn start(len: u64, what: &str) -> Progress {
-        if !BARS.load(Ordering::Relaxed) {
+        if !BARS.load(Ordering::Relaxed) || busy() {
             return Progress(None);
         }
         let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
@@ -62,7 +72,7 @@ impl Progress {
 
     /// A line with no length (loading, calibrating).
     pub fn spinner(what: &str) -> Progress {
-        if !BARS.load(Ordering::Relaxed) {
+        if !BARS.load(Ordering::Relaxed) || busy() {
             return Progress(None);
         }
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());

@@ -1,0 +1,244 @@
+//! `kvdiff sweep`: a prompt set through `compare`, one JSON line per (case, path); and
+//! `kvdiff sweep summarize`, over the files of one or many partitions.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use kvdiff::compare::report::Judgement;
+use kvdiff::compare::run::Policy;
+use kvdiff::compare::target::{self, Backend, Target};
+use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
+use kvdiff::io::output::{check_output_parent, write_atomic};
+use kvdiff::io::prompt_set;
+use kvdiff::paths::PathSpec;
+use kvdiff::sweep::{cases, run, summary};
+
+use super::args::{load_engine, require_cuda, set_threads, tap_filter, BackendArg};
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct SweepArgs {
+    #[command(subcommand)]
+    summarize: Option<SweepCommand>,
+    #[command(flatten)]
+    run: RunSweep,
+}
+
+#[derive(Subcommand)]
+enum SweepCommand {
+    /// Merge the JSONL files of a sweep (its partitions, any order) and summarize: per path the
+    /// equivalent, diverged, failed and near-tie counts, first-divergence sites, and the worst
+    /// cases with the command that reruns each.
+    Summarize(SummarizeArgs),
+}
+
+#[derive(Args)]
+struct RunSweep {
+    /// Hugging Face model directory; without it, the embedded default model.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Where the lines go (JSON lines, appended). A rerun with the same file skips what it
+    /// holds: an interrupted sweep resumes.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// Comma-separated paths to compare; default: every path.
+    #[arg(long, value_name = "LIST")]
+    paths: Option<String>,
+    /// The path the others are held to (PATH@BACKEND pins its backend).
+    #[arg(long, value_name = "PATH", default_value = "standard")]
+    reference: String,
+    /// Where paths without @BACKEND run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
+    /// Comma-separated globs over tap names to compare.
+    #[arg(long, value_name = "GLOB", default_value = "*")]
+    taps: String,
+    /// Besides each prompt's own chunking, K random chunkings per prompt: random:K.
+    #[arg(long, value_name = "random:K", default_value = "random:0")]
+    chunkings: String,
+    /// Seed of the random chunkings.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+    /// Run only partition K of N (every N-th case from the K-th): one job of a CI matrix, a
+    /// Slurm array or a Kubernetes Indexed Job.
+    #[arg(long, value_name = "K/N")]
+    partition: Option<String>,
+    /// Most tokens to decode in lockstep per case.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    max_new_tokens: usize,
+    /// Skip the exact invariants of approximate paths.
+    #[arg(long)]
+    no_invariants: bool,
+    /// Refuse the prompt set if any line is malformed (default: report and skip it).
+    #[arg(long)]
+    strict_input: bool,
+    /// Worker threads; cases run in parallel on the CPU (results identical for any count).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// A JSONL file of conversations ({"id": ..., "messages": [...]}, one per line) or a folder
+    /// of prompt files.
+    input: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SummarizeArgs {
+    /// Also write the summary as JSON, atomically.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// How many worst cases to list.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    worst: usize,
+    /// The sweep's JSONL files.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+}
+
+pub fn run(a: SweepArgs) -> Result<i32> {
+    match a.summarize {
+        Some(SweepCommand::Summarize(s)) => summarize(s),
+        None => sweep(a.run),
+    }
+}
+
+fn random_count(s: &str) -> Result<usize> {
+    s.strip_prefix("random:")
+        .and_then(|k| k.parse().ok())
+        .ok_or_else(|| {
+            Error::usage(
+                "--chunkings",
+                format!("{s:?} is not random:K"),
+                "e.g. --chunkings random:4",
+            )
+        })
+}
+
+fn sweep(a: RunSweep) -> Result<i32> {
+    set_threads(a.threads)?;
+    let (Some(input), Some(out)) = (&a.input, &a.out) else {
+        return Err(Error::usage(
+            "kvdiff sweep",
+            "needs a prompt set and --out",
+            "kvdiff sweep --out results.jsonl PROMPTS.jsonl",
+        ));
+    };
+    check_output_parent(out, "--out")?;
+    let random = random_count(&a.chunkings)?;
+    let partition = a
+        .partition
+        .as_deref()
+        .map(cases::parse_partition)
+        .transpose()
+        .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
+    let backend = a.backend.backend();
+    let reference = Target::parse(&a.reference)
+        .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
+    let targets = match &a.paths {
+        Some(list) => target::parse_targets(list)
+            .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
+        None => PathSpec::all()
+            .into_iter()
+            .filter(|p| *p != reference.path)
+            .map(|path| Target {
+                path,
+                backend: None,
+            })
+            .collect(),
+    };
+    let uses_cuda = std::iter::once(&reference)
+        .chain(&targets)
+        .any(|t| t.on(backend) == Backend::Cuda);
+    if uses_cuda {
+        require_cuda()?;
+    }
+    let (conversations, bad) = prompt_set::load(input)?;
+    for b in &bad {
+        say!(
+            "kvdiff: {}: line {}: {} (skipped)",
+            input.display(),
+            b.line,
+            b.why
+        );
+    }
+    if a.strict_input && !bad.is_empty() {
+        let b = &bad[0];
+        return Err(Error::input(
+            input,
+            format!("line {}: {}", b.line, b.why),
+            "fix the line, or drop --strict-input to skip it",
+        ));
+    }
+    let engine = load_engine(a.model.as_deref())?;
+    let taps = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
+    let gpu_model = match uses_cuda {
+        true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
+        false => None,
+    };
+    let mut todo = cases::all(conversations.len(), random);
+    if let Some(p) = partition {
+        todo = cases::partition(todo, p);
+    }
+    let earlier = run::resume(out)?;
+    let done: HashSet<_> = earlier.iter().map(|l| l.key()).collect();
+    let s = run::Sweep {
+        engine: &engine,
+        gpu_model: gpu_model.as_ref(),
+        input: input.display().to_string(),
+        conversations: &conversations,
+        reference,
+        targets: &targets,
+        backend,
+        taps: &taps,
+        policy: Policy::Auto,
+        max_new_tokens: a.max_new_tokens,
+        invariants: !a.no_invariants,
+        seed: a.seed,
+        judgement: Judgement::default(),
+    };
+    let start = std::time::Instant::now();
+    let outcome = s.run(&todo, &done, out)?;
+    let secs = start.elapsed().as_secs_f64();
+    for (case, why) in &outcome.skipped {
+        say!("kvdiff: skipped {case}: {why}");
+    }
+    let written = outcome.written;
+    say!(
+        "kvdiff: {} cases ({} lines written, {} already there) in {secs:.1} s: {:.2} cases/s",
+        todo.len(),
+        written,
+        earlier.len(),
+        todo.len() as f64 / secs.max(1e-9)
+    );
+    let lines = run::resume(out)?;
+    let failed = lines.iter().any(|l| l.failed);
+    Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })
+}
+
+fn summarize(a: SummarizeArgs) -> Result<i32> {
+    if let Some(j) = &a.json {
+        check_output_parent(j, "--json")?;
+    }
+    let mut lines = Vec::new();
+    for f in &a.files {
+        if !f.is_file() {
+            return Err(Error::input(
+                f,
+                "no such sweep file",
+                "give the JSONL files kvdiff sweep --out wrote",
+            ));
+        }
+        lines.extend(run::resume_read_only(f)?);
+    }
+    let s = summary::summarize(&lines, a.worst);
+    if let Some(j) = &a.json {
+        let bytes = serde_json::to_vec_pretty(&s).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomic(j, &bytes, "--json")?;
+    }
+    print!("{}", summary::text(&s));
+    Ok(if s.paths.values().any(|p| p.failed > 0) {
+        EXIT_DIVERGED
+    } else {
+        EXIT_OK
+    })
+}

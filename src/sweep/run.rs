@@ -1,0 +1,313 @@
+//! Running a sweep: each case through `compare` (the model loaded once; cases in parallel on
+//! the CPU, back to back on a GPU), one JSON line per (case, path) appended to the output as the
+//! case ends. A line is written whole in one call, so an interrupted run leaves whole lines;
+//! a rerun with the same output reads them back and skips what is there.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::compare::report::{Judgement, Report};
+use crate::compare::run::{Policy, Request};
+use crate::compare::target::{Backend, Target};
+use crate::engine::model::Model;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::io::prompt_set::Conversation;
+use crate::sweep::cases::{random_cuts, rechunk, Case};
+use crate::tap::TapFilter;
+
+/// What every case runs.
+pub struct Sweep<'a> {
+    pub engine: &'a Engine,
+    pub gpu_model: Option<&'a Model>,
+    /// The prompt set as given (it goes into each line, for the reproduce command).
+    pub input: String,
+    pub conversations: &'a [Conversation],
+    pub reference: Target,
+    pub targets: &'a [Target],
+    pub backend: Backend,
+    pub taps: &'a TapFilter,
+    pub policy: Policy,
+    pub max_new_tokens: usize,
+    pub invariants: bool,
+    pub seed: u64,
+    pub judgement: Judgement,
+}
+
+/// What a sweep run did.
+pub struct Outcome {
+    pub written: usize,
+    /// Cases the model could not take: (case, why).
+    pub skipped: Vec<(String, String)>,
+}
+
+/// One output line: a path's verdict on one case.
+#[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub struct Line {
+    pub input: String,
+    pub case: String,
+    pub chunking: String,
+    /// The chunk boundaries (token positions) of this chunking.
+    pub cuts: Vec<usize>,
+    pub tokens: usize,
+    pub max_new_tokens: usize,
+    pub path: String,
+    pub exact: bool,
+    pub verdict: String,
+    pub failed: bool,
+    pub first_divergence: Option<Site>,
+    pub first_token_divergence: Option<Flip>,
+    pub logits_rel_l2_max: f64,
+    /// Wall time of the whole case (every path), milliseconds.
+    pub case_ms: f64,
+}
+
+#[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub struct Site {
+    pub step: usize,
+    pub tap: String,
+    pub layer: Option<usize>,
+    pub position: usize,
+    pub kind: String,
+    pub rel_l2: f64,
+    pub max_abs: f32,
+}
+
+#[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub struct Flip {
+    pub step: usize,
+    pub position: usize,
+    pub reference_margin: f32,
+    pub path_margin: f32,
+    pub near_tie: bool,
+}
+
+impl Line {
+    /// What a rerun recognises as already written.
+    pub fn key(&self) -> (String, String, String) {
+        (self.case.clone(), self.chunking.clone(), self.path.clone())
+    }
+}
+
+/// Reads the lines an earlier run wrote to `out` (a missing file: none), cutting off a last line
+/// that an interrupt left without its newline.
+pub fn resume(out: &Path) -> Result<Vec<Line>> {
+    read_lines(out, true)
+}
+
+/// The whole lines of a sweep file, leaving the file as it is.
+pub fn resume_read_only(file: &Path) -> Result<Vec<Line>> {
+    read_lines(file, false)
+}
+
+fn read_lines(out: &Path, truncate: bool) -> Result<Vec<Line>> {
+    let text = match std::fs::read_to_string(out) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(Error::input(
+                out,
+                e.to_string(),
+                "choose a readable --out file",
+            ));
+        }
+    };
+    let whole = text.rfind('\n').map_or(0, |i| i + 1);
+    if truncate && whole < text.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(out)
+            .and_then(|f| f.set_len(whole as u64));
+        f.map_err(|e| Error::input(out, e.to_string(), "choose a writable --out file"))?;
+    }
+    text[..whole]
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                Error::input(
+                    out,
+                    format!("line {} is not a sweep line: {e}", i + 1),
+                    "give a new --out file, or the one an earlier sweep wrote",
+                )
+            })
+        })
+        .collect()
+}
+
+impl Sweep<'_> {
+    /// Runs `cases`, skipping (case, path) lines in `done`, appending to `out`. A case the
+    /// model cannot take (too long, say) is skipped and named, the others run on.
+    pub fn run(
+        &self,
+        cases: &[Case],
+        done: &HashSet<(String, String, String)>,
+        out: &Path,
+    ) -> Result<Outcome> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out)
+            .map_err(|e| {
+                Error::usage(
+                    "--out",
+                    format!("cannot open {}: {e}", out.display()),
+                    "choose a writable file",
+                )
+            })?;
+        let writer = Mutex::new((file, 0usize));
+        let skipped = Mutex::new(Vec::new());
+        let progress = crate::support::progress::Progress::start(cases.len() as u64, "sweep cases");
+        let one = |case: &Case| -> Result<()> {
+            let lines = match self.run_case(case, done) {
+                Ok(l) => l,
+                Err(e) if e.exit_code() == crate::error::EXIT_BAD_INPUT => {
+                    let id = &self.conversations[case.conversation].id;
+                    let why = e.to_string().lines().next().unwrap_or_default().to_string();
+                    let mut s = skipped.lock().unwrap_or_else(|e| e.into_inner());
+                    s.push((format!("{id} [{}]", case.label()), why));
+                    progress.advance("");
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            let mut text = String::new();
+            for l in &lines {
+                text += &serde_json::to_string(l).map_err(|e| Error::Internal(e.to_string()))?;
+                text.push('\n');
+            }
+            let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
+            w.0.write_all(text.as_bytes())
+                .and_then(|()| w.0.flush())
+                .map_err(|e| {
+                    Error::usage(
+                        "--out",
+                        format!("cannot write {}: {e}", out.display()),
+                        "check disk space",
+                    )
+                })?;
+            w.1 += lines.len();
+            progress.advance("");
+            Ok(())
+        };
+        // One GPU runs cases back to back; the CPU runs them side by side.
+        if self.gpu_model.is_some() {
+            cases.iter().try_for_each(one)?;
+        } else {
+            cases.par_iter().try_for_each(one)?;
+        }
+        let written = writer.into_inner().unwrap_or_else(|e| e.into_inner()).1;
+        let mut skipped = skipped.into_inner().unwrap_or_else(|e| e.into_inner());
+        skipped.sort();
+        Ok(Outcome { written, skipped })
+    }
+
+    /// One case's lines, less those already written.
+    fn run_case(&self, case: &Case, done: &HashSet<(String, String, String)>) -> Result<Vec<Line>> {
+        let conv = &self.conversations[case.conversation];
+        let chunking = case.label();
+        let labels: Vec<String> = self
+            .targets
+            .iter()
+            .map(|t| t.label(self.backend, self.gpu_model.is_some()))
+            .collect();
+        let all_done = labels
+            .iter()
+            .all(|p| done.contains(&(conv.id.clone(), chunking.clone(), p.clone())));
+        if all_done && !self.invariants {
+            return Ok(Vec::new());
+        }
+        let file = Path::new(&self.input);
+        let shipped = self
+            .engine
+            .chunked(&conv.prompt, file, self.max_new_tokens)?;
+        let cuts = match case.chunking {
+            0 => shipped.chunks.iter().skip(1).map(|c| c.start).collect(),
+            k => random_cuts(shipped.ids.len(), &conv.id, self.seed, k),
+        };
+        let prompt = if case.chunking == 0 {
+            shipped
+        } else {
+            rechunk(&shipped, &cuts)
+        };
+        let started = std::time::Instant::now();
+        let mut report = Request {
+            engine: self.engine,
+            gpu_model: self.gpu_model,
+            prompt: &prompt,
+            prompt_label: format!("{}#{}", self.input, conv.id),
+            reference: self.reference,
+            targets: self.targets,
+            backend: self.backend,
+            taps: self.taps,
+            policy: self.policy,
+            max_new_tokens: self.max_new_tokens,
+            dump: None,
+            noise_profile: None,
+            invariants: self.invariants,
+        }
+        .run()?;
+        report.judge(&self.judgement);
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let lines = self.lines(&report, conv, &chunking, &cuts, ms);
+        Ok(lines
+            .into_iter()
+            .filter(|l| !done.contains(&l.key()))
+            .collect())
+    }
+
+    fn lines(
+        &self,
+        r: &Report,
+        conv: &Conversation,
+        chunking: &str,
+        cuts: &[usize],
+        ms: f64,
+    ) -> Vec<Line> {
+        let verdicts = r
+            .outcome
+            .as_ref()
+            .map(|o| o.verdicts.clone())
+            .unwrap_or_default();
+        r.paths
+            .iter()
+            .zip(verdicts)
+            .map(|(p, v)| Line {
+                input: self.input.clone(),
+                case: conv.id.clone(),
+                chunking: chunking.to_string(),
+                cuts: cuts.to_vec(),
+                tokens: r.prompt_tokens,
+                max_new_tokens: self.max_new_tokens,
+                path: p.path.clone(),
+                exact: p.exact,
+                verdict: v.to_string(),
+                failed: v.ends_with("failure)"),
+                first_divergence: p.first_divergence.as_ref().map(|d| Site {
+                    step: d.step,
+                    tap: d.tap.clone(),
+                    layer: d.layer,
+                    position: d.position,
+                    kind: d.kind.to_string(),
+                    rel_l2: d.rel_l2,
+                    max_abs: d.max_abs,
+                }),
+                first_token_divergence: p.first_token_divergence.as_ref().map(|t| Flip {
+                    step: t.step,
+                    position: t.position,
+                    reference_margin: t.reference_margin,
+                    path_margin: t.path_margin,
+                    near_tie: t.near_tie,
+                }),
+                logits_rel_l2_max: p.logits_rel_l2_max,
+                case_ms: ms,
+            })
+            .collect()
+    }
+}
