@@ -195,6 +195,9 @@ fn sweep(a: RunSweep) -> Result<i32> {
         invariants: !a.no_invariants,
         seed: a.seed,
         judgement: Judgement::default(),
+        profiles: (0..conversations.len())
+            .map(|_| Default::default())
+            .collect(),
     };
     let start = std::time::Instant::now();
     let outcome = s.run(&todo, &done, out)?;
@@ -210,6 +213,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
         earlier.len(),
         todo.len() as f64 / secs.max(1e-9)
     );
+    super::args::print_timings(gpu_model.as_ref());
     let lines = run::resume(out)?;
     let failed = lines.iter().any(|l| l.failed);
     Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })

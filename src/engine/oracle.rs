@@ -15,11 +15,24 @@ fn linear(x: &[f64], n: usize, w: &[f32], out: usize) -> Vec<f64> {
     y.par_chunks_mut(out).enumerate().for_each(|(i, row)| {
         let xi = &x[i * inp..(i + 1) * inp];
         for (j, o) in row.iter_mut().enumerate() {
-            let wj = &w[j * inp..(j + 1) * inp];
-            *o = xi.iter().zip(wj).map(|(&a, &b)| a * b as f64).sum();
+            *o = dot(xi, &w[j * inp..(j + 1) * inp]);
         }
     });
     y
+}
+
+/// Σ a·b in f64 over four running sums (exact enough: f64 keeps 29 bits beyond f32's).
+fn dot(a: &[f64], b: &[f32]) -> f64 {
+    let mut acc = [0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..4 {
+            acc[k] += x[k] * y[k] as f64;
+        }
+    }
+    let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x * y as f64).sum();
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
 /// RMSNorm of each `weight.len()`-wide row.
@@ -160,16 +173,18 @@ fn causal_attention(
     let scale = 1.0 / (hd as f64).sqrt();
     let mut out = vec![0f64; n * heads * hd];
     let mut probs = vec![0f64; n * heads * span];
+    let mut exps = Vec::with_capacity(n);
     for t in 0..n {
         for head in 0..heads {
             let g = head / (heads / kvh);
             let qv = &q[(t * heads + head) * hd..][..hd];
-            let key = |e: usize| &k[(e * kvh + g) * hd..][..hd];
-            let scores: Vec<f64> = (0..=t)
-                .map(|e| qv.iter().zip(key(e)).map(|(a, b)| a * b).sum::<f64>() * scale)
-                .collect();
-            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let exps: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            exps.clear();
+            exps.extend((0..=t).map(|e| {
+                let key = &k[(e * kvh + g) * hd..][..hd];
+                qv.iter().zip(key).map(|(a, b)| a * b).sum::<f64>() * scale
+            }));
+            let m = exps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            exps.iter_mut().for_each(|s| *s = (*s - m).exp());
             let sum: f64 = exps.iter().sum();
             let o = &mut out[(t * heads + head) * hd..][..hd];
             for (e, &p) in exps.iter().enumerate() {

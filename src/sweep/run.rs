@@ -6,11 +6,12 @@
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use rayon::prelude::*;
 use serde::Serialize;
 
+use crate::compare::noise::{Calibration, NoiseProfile};
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{Policy, Request};
 use crate::compare::target::{Backend, Target};
@@ -37,6 +38,9 @@ pub struct Sweep<'a> {
     pub invariants: bool,
     pub seed: u64,
     pub judgement: Judgement,
+    /// Each conversation's noise profile, calibrated once for all its chunkings (they share
+    /// the tokens the calibration reads).
+    pub profiles: Vec<OnceLock<std::result::Result<NoiseProfile, String>>>,
 }
 
 /// What a sweep run did.
@@ -231,6 +235,10 @@ impl Sweep<'_> {
             0 => shipped.chunks.iter().skip(1).map(|c| c.start).collect(),
             k => random_cuts(shipped.ids.len(), &conv.id, self.seed, k),
         };
+        let profile = match self.policy {
+            Policy::Auto => Some(self.profile(case.conversation, &shipped.ids)?),
+            _ => None,
+        };
         let prompt = if case.chunking == 0 {
             shipped
         } else {
@@ -249,7 +257,7 @@ impl Sweep<'_> {
             policy: self.policy,
             max_new_tokens: self.max_new_tokens,
             dump: None,
-            noise_profile: None,
+            noise_profile: profile.map(|p| (p, Path::new("(calibrated once per conversation)"))),
             invariants: self.invariants,
         }
         .run()?;
@@ -260,6 +268,27 @@ impl Sweep<'_> {
             .into_iter()
             .filter(|l| !done.contains(&l.key()))
             .collect())
+    }
+
+    /// The noise profile of conversation `c`, calibrated on its tokens the first time.
+    fn profile(&self, c: usize, ids: &[u32]) -> Result<&NoiseProfile> {
+        let model = &self.engine.model;
+        let made = self.profiles[c].get_or_init(|| {
+            let last = ids.len() + self.max_new_tokens.max(1) - 1;
+            let cal = Calibration::new(model, ids, last);
+            let mut backends = vec![Backend::Cpu];
+            backends.extend(
+                std::iter::once(&self.reference)
+                    .chain(self.targets)
+                    .map(|t| t.on(self.backend)),
+            );
+            let mut names: Vec<&str> = backends.iter().map(|b| b.name()).collect();
+            names.sort();
+            names.dedup();
+            NoiseProfile::calibrate(&cal, model, self.engine.source.describe(), &names)
+                .map_err(|e| e.to_string())
+        });
+        made.as_ref().map_err(|e| Error::Calibration(e.clone()))
     }
 
     fn lines(
