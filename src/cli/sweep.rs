@@ -71,6 +71,11 @@ struct RunSweep {
     /// Skip the exact invariants of approximate paths.
     #[arg(long)]
     no_invariants: bool,
+    /// Thresholds from a profile written by `kvdiff calibrate` for every case, instead of
+    /// calibrating once per conversation (faster; the profile's positions should cover the
+    /// set's longest prompt).
+    #[arg(long, value_name = "FILE")]
+    noise_profile: Option<PathBuf>,
     /// Refuse the prompt set if any line is malformed (default: report and skip it).
     #[arg(long)]
     strict_input: bool,
@@ -170,6 +175,14 @@ fn sweep(a: RunSweep) -> Result<i32> {
         ));
     }
     let engine = load_engine(a.model.as_deref())?;
+    let pinned = match &a.noise_profile {
+        Some(f) => {
+            let p = kvdiff::compare::noise::NoiseProfile::load(f)?;
+            p.check_model(&engine.model, f)?;
+            Some(p)
+        }
+        None => None,
+    };
     let taps = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
     let gpu_model = match uses_cuda {
         true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
@@ -198,6 +211,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
         profiles: (0..conversations.len())
             .map(|_| Default::default())
             .collect(),
+        pinned,
     };
     let start = std::time::Instant::now();
     let outcome = s.run(&todo, &done, out)?;

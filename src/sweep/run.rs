@@ -41,6 +41,8 @@ pub struct Sweep<'a> {
     /// Each conversation's noise profile, calibrated once for all its chunkings (they share
     /// the tokens the calibration reads).
     pub profiles: Vec<OnceLock<std::result::Result<NoiseProfile, String>>>,
+    /// One profile for every case (`--noise-profile`), instead of calibrating per conversation.
+    pub pinned: Option<NoiseProfile>,
 }
 
 /// What a sweep run did.
@@ -272,6 +274,9 @@ impl Sweep<'_> {
 
     /// The noise profile of conversation `c`, calibrated on its tokens the first time.
     fn profile(&self, c: usize, ids: &[u32]) -> Result<&NoiseProfile> {
+        if let Some(p) = &self.pinned {
+            return Ok(p);
+        }
         let model = &self.engine.model;
         let made = self.profiles[c].get_or_init(|| {
             let last = ids.len() + self.max_new_tokens.max(1) - 1;
