@@ -186,3 +186,42 @@ fn malformed_lines_are_named_and_skipped_or_refused() {
     assert_eq!(strict.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&strict.stderr).contains("line 2"));
 }
+
+#[test]
+fn a_pinned_noise_profile_serves_every_case() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompt_slice(tmp.path(), 3);
+    let profile = tmp.path().join("noise.json");
+    ok(&kvdiff(&[
+        "calibrate",
+        "--out",
+        profile.to_str().unwrap(),
+        fixture("prompts/two-contexts.txt").to_str().unwrap(),
+    ]));
+    let out = tmp.path().join("o.jsonl");
+    let (p, o, f) = (
+        prompts.to_str().unwrap(),
+        out.to_str().unwrap(),
+        profile.to_str().unwrap(),
+    );
+    ok(&kvdiff(&sweep_args(p, o, &["--noise-profile", f])));
+    assert_eq!(line_set(&out).len(), 3 * 2 * 3);
+    // A profile of other weights is refused before any case runs.
+    let other = tmp.path().join("other.json");
+    ok(&kvdiff(&[
+        "calibrate",
+        "--model",
+        fixture("random-model").to_str().unwrap(),
+        "--out",
+        other.to_str().unwrap(),
+        fixture("prompts/task.json").to_str().unwrap(),
+    ]));
+    let o2 = tmp.path().join("o2.jsonl");
+    let refused = kvdiff(&sweep_args(
+        p,
+        o2.to_str().unwrap(),
+        &["--noise-profile", other.to_str().unwrap()],
+    ));
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(!o2.exists());
+}
