@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use kvdiff::compare::target::Backend;
+use kvdiff::compare::target::{Backend, Target};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
 use kvdiff::io::model_source::ModelSource;
@@ -111,6 +111,50 @@ pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
 pub fn load_engine(model: Option<&std::path::Path>) -> Result<Engine> {
     let _progress = kvdiff::support::progress::Progress::spinner("loading the model");
     Engine::load(ModelSource::from_arg(model)?)
+}
+
+/// Which paths run where, and which taps are compared: what `compare` and `sweep` share.
+#[derive(Args)]
+pub struct PathArgs {
+    /// Comma-separated paths to compare; default: every path.
+    #[arg(long, value_name = "LIST")]
+    pub paths: Option<String>,
+    /// The path the others are held to; PATH@BACKEND pins its backend
+    /// (e.g. standard@cpu).
+    #[arg(long, value_name = "PATH", default_value = "standard")]
+    pub reference: String,
+    /// Where paths without @BACKEND run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
+    #[arg(long, value_name = "GLOB", default_value = "*")]
+    pub taps: String,
+}
+
+impl PathArgs {
+    /// `--reference` and `--paths` (default: every path but the reference on its own
+    /// backend), and whether any of them runs on CUDA.
+    pub fn targets(&self) -> Result<(Target, Vec<Target>, bool)> {
+        let backend = self.backend.backend();
+        let reference = Target::parse(&self.reference)
+            .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
+        let targets = match &self.paths {
+            Some(list) => kvdiff::compare::target::parse_targets(list)
+                .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
+            None => kvdiff::paths::PathSpec::all()
+                .into_iter()
+                .filter(|p| *p != reference.path || reference.on(backend) != backend)
+                .map(|path| Target {
+                    path,
+                    backend: None,
+                })
+                .collect(),
+        };
+        let cuda = std::iter::once(&reference)
+            .chain(&targets)
+            .any(|t| t.on(backend) == Backend::Cuda);
+        Ok((reference, targets, cuda))
+    }
 }
 
 /// `--taps` for a model with `layers` layers.

@@ -8,14 +8,12 @@ use clap::{Args, ValueEnum};
 use kvdiff::compare::noise::NoiseProfile;
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
-use kvdiff::compare::target::{self, Backend, Target};
 use kvdiff::error::{Error, Result};
 use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
 use kvdiff::io::prompt::Prompt;
-use kvdiff::paths::PathSpec;
 use kvdiff::support::progress;
 
-use super::args::{load_engine, print_timings, require_cuda, set_threads, tap_filter, BackendArg};
+use super::args::{load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs};
 
 pub const COMPARE_HELP: &str = "\
 PATHS:
@@ -39,19 +37,8 @@ pub struct CompareArgs {
     /// Hugging Face model directory; without it, the embedded default model.
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// Comma-separated paths to compare; default: every path.
-    #[arg(long, value_name = "LIST")]
-    paths: Option<String>,
-    /// The path the others are held to; PATH@BACKEND pins its backend
-    /// (e.g. standard@cpu).
-    #[arg(long, value_name = "PATH", default_value = "standard")]
-    reference: String,
-    /// Where paths without @BACKEND run.
-    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
-    backend: BackendArg,
-    /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
-    #[arg(long, value_name = "GLOB", default_value = "*")]
-    taps: String,
+    #[command(flatten)]
+    which: PathArgs,
     /// auto (per tap kind, a safety factor times the summed rounding error of the two sides,
     /// each measured against an f64 recomputation), exact (bitwise), or fixed (--atol/--rtol;
     /// giving either implies fixed).
@@ -181,12 +168,9 @@ pub fn run(a: CompareArgs) -> Result<i32> {
             check_output_parent(p, flag)?;
         }
     }
-    let backend = a.backend.backend();
-    let (reference, targets) = parse_targets(&a, backend)?;
+    let backend = a.which.backend.backend();
+    let (reference, targets, uses_cuda) = a.which.targets()?;
     let policy = policy(&a)?;
-    let uses_cuda = std::iter::once(&reference)
-        .chain(&targets)
-        .any(|t| t.on(backend) == Backend::Cuda);
     if uses_cuda {
         require_cuda()?;
     }
@@ -197,7 +181,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     let p = load_prompt(&a)?;
     let mut engine = load_engine(a.model.as_deref())?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
-    let filter = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
+    let filter = tap_filter(&a.which.taps, engine.model.config.num_hidden_layers)?;
     let mut chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
     if let Some(list) = &a.cuts {
         chunked = kvdiff::sweep::cases::rechunk(&chunked, &parse_cuts(list, chunked.ids.len())?);
@@ -257,25 +241,6 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         eprint!("{}", report::noise_table(&report));
     }
     Ok(code)
-}
-
-/// `--reference` and `--paths` (default: every path but the reference on its own backend).
-fn parse_targets(a: &CompareArgs, backend: Backend) -> Result<(Target, Vec<Target>)> {
-    let reference = Target::parse(&a.reference)
-        .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
-    let targets = match &a.paths {
-        Some(list) => target::parse_targets(list)
-            .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
-        None => PathSpec::all()
-            .into_iter()
-            .filter(|p| *p != reference.path || reference.on(backend) != backend)
-            .map(|path| Target {
-                path,
-                backend: None,
-            })
-            .collect(),
-    };
-    Ok((reference, targets))
 }
 
 /// `--tolerance`, `--atol`, `--rtol` (either of the last two selects fixed), and `--budget`

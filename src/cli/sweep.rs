@@ -8,14 +8,12 @@ use clap::{Args, Subcommand};
 
 use kvdiff::compare::report::Judgement;
 use kvdiff::compare::run::Policy;
-use kvdiff::compare::target::{self, Backend, Target};
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::io::prompt_set;
-use kvdiff::paths::PathSpec;
 use kvdiff::sweep::{cases, run, summary};
 
-use super::args::{load_engine, require_cuda, set_threads, tap_filter, BackendArg};
+use super::args::{load_engine, require_cuda, set_threads, tap_filter, PathArgs};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -43,18 +41,8 @@ struct RunSweep {
     /// holds: an interrupted sweep resumes.
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
-    /// Comma-separated paths to compare; default: every path.
-    #[arg(long, value_name = "LIST")]
-    paths: Option<String>,
-    /// The path the others are held to (PATH@BACKEND pins its backend).
-    #[arg(long, value_name = "PATH", default_value = "standard")]
-    reference: String,
-    /// Where paths without @BACKEND run.
-    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
-    backend: BackendArg,
-    /// Comma-separated globs over tap names to compare.
-    #[arg(long, value_name = "GLOB", default_value = "*")]
-    taps: String,
+    #[command(flatten)]
+    which: PathArgs,
     /// Besides each prompt's own chunking, K random chunkings per prompt: random:K.
     #[arg(long, value_name = "random:K", default_value = "random:0")]
     chunkings: String,
@@ -136,24 +124,8 @@ fn sweep(a: RunSweep) -> Result<i32> {
         .map(cases::parse_partition)
         .transpose()
         .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
-    let backend = a.backend.backend();
-    let reference = Target::parse(&a.reference)
-        .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
-    let targets = match &a.paths {
-        Some(list) => target::parse_targets(list)
-            .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
-        None => PathSpec::all()
-            .into_iter()
-            .filter(|p| *p != reference.path)
-            .map(|path| Target {
-                path,
-                backend: None,
-            })
-            .collect(),
-    };
-    let uses_cuda = std::iter::once(&reference)
-        .chain(&targets)
-        .any(|t| t.on(backend) == Backend::Cuda);
+    let backend = a.which.backend.backend();
+    let (reference, targets, uses_cuda) = a.which.targets()?;
     if uses_cuda {
         require_cuda()?;
     }
@@ -183,7 +155,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
         }
         None => None,
     };
-    let taps = tap_filter(&a.taps, engine.model.config.num_hidden_layers)?;
+    let taps = tap_filter(&a.which.taps, engine.model.config.num_hidden_layers)?;
     let gpu_model = match uses_cuda {
         true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
         false => None,
