@@ -49,6 +49,14 @@ def check(drv, json_path, html_path, shot):
     drv.get("file://" + os.path.abspath(html_path))
     WebDriverWait(drv, 20).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
     console_errors(drv, html_path)
+    if "worst" in report:  # a sweep summary: one row per path and per worst case
+        rows = len(drv.find_elements(By.CSS_SELECTOR, "#paths tbody tr"))
+        worst = len(drv.find_elements(By.CSS_SELECTOR, "#worst tbody tr"))
+        if (rows, worst) != (len(report["paths"]), len(report["worst"])):
+            fail(f"{html_path}: {rows} path rows and {worst} worst cases, JSON {len(report['paths'])} and {len(report['worst'])}")
+        drv.save_screenshot(shot)
+        print(f"ok: {html_path}: {rows} paths, {worst} worst cases, screenshot {shot}")
+        return
     if "rows" in report:  # an eval page: one table row per path
         got = len(drv.find_elements(By.CSS_SELECTOR, "#scores tbody tr"))
         if got != len(report["rows"]):

@@ -125,6 +125,52 @@ fn html_reports_work_in_a_real_browser() {
     );
     files.push(json);
     files.push(html);
+    // A sweep summary page, over a two-conversation sweep.
+    let set = tmp.path().join("set.jsonl");
+    let text = std::fs::read_to_string(fixture("prompt-set.jsonl")).unwrap();
+    std::fs::write(
+        &set,
+        text.lines()
+            .take(2)
+            .map(|l| format!("{l}\n"))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let lines = tmp.path().join("sweep.jsonl");
+    let (json, html) = (tmp.path().join("sweep.json"), tmp.path().join("sweep.html"));
+    for args in [
+        vec![
+            "sweep",
+            "--paths",
+            "cascade,chunk-reuse:local",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            lines.to_str().unwrap(),
+            set.to_str().unwrap(),
+        ],
+        vec![
+            "sweep",
+            "summarize",
+            "--json",
+            json.to_str().unwrap(),
+            "--html",
+            html.to_str().unwrap(),
+            lines.to_str().unwrap(),
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.code().is_some_and(|c| c <= 1),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    files.push(json);
+    files.push(html);
     let shots = root().join("target/html-report");
     let out = Command::new("python3")
         .arg(root().join("scripts/browser_test.py"))
@@ -135,7 +181,7 @@ fn html_reports_work_in_a_real_browser() {
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert_eq!(text.matches("ok: ").count(), 6, "{text}");
+    assert_eq!(text.matches("ok: ").count(), 7, "{text}");
     for name in ["equivalent", "diverged"] {
         assert!(shots.join(format!("{name}.png")).exists());
     }

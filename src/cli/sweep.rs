@@ -80,6 +80,9 @@ struct SummarizeArgs {
     /// Also write the summary as JSON, atomically.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Also write the summary as a self-contained HTML page, atomically.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
     /// How many worst cases to list.
     #[arg(long, value_name = "N", default_value_t = 10)]
     worst: usize,
@@ -206,8 +209,10 @@ fn sweep(a: RunSweep) -> Result<i32> {
 }
 
 fn summarize(a: SummarizeArgs) -> Result<i32> {
-    if let Some(j) = &a.json {
-        check_output_parent(j, "--json")?;
+    for (path, flag) in [(&a.json, "--json"), (&a.html, "--html")] {
+        if let Some(p) = path {
+            check_output_parent(p, flag)?;
+        }
     }
     let mut lines = Vec::new();
     for f in &a.files {
@@ -224,6 +229,11 @@ fn summarize(a: SummarizeArgs) -> Result<i32> {
     if let Some(j) = &a.json {
         let bytes = serde_json::to_vec_pretty(&s).map_err(|e| Error::Internal(e.to_string()))?;
         write_atomic(j, &bytes, "--json")?;
+    }
+    if let Some(h) = &a.html {
+        let value = serde_json::to_value(&s).map_err(|e| Error::Internal(e.to_string()))?;
+        let page = kvdiff::compare::html::render_sweep(&value);
+        write_atomic(h, page.as_bytes(), "--html")?;
     }
     print!("{}", summary::text(&s));
     Ok(if s.paths.values().any(|p| p.failed > 0) {

@@ -21,6 +21,15 @@ pub fn render_eval(scores: &serde_json::Value) -> String {
     EVAL_TEMPLATE.replace("__REPORT_JSON__", &json)
 }
 
+const SWEEP_TEMPLATE: &str = include_str!("sweep.html");
+
+/// The page for `kvdiff sweep summarize`'s summary: per path the counts and sites, and the
+/// worst cases with their rerun commands.
+pub fn render_sweep(summary: &serde_json::Value) -> String {
+    let json = summary.to_string().replace("</", "<\\/");
+    SWEEP_TEMPLATE.replace("__REPORT_JSON__", &json)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
