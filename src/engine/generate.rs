@@ -129,6 +129,7 @@ impl Engine {
         let mut tokens = Vec::new();
         let positions: Vec<usize> = (0..prompt_ids.len()).collect();
         let mut stopped_at_eos = false;
+        let progress = crate::support::progress::Progress::start(max_new as u64, "generating");
         if max_new > 0 {
             let mut logits =
                 self.model
@@ -139,6 +140,7 @@ impl Engine {
                     logits.argmax()
                 };
                 tokens.push(next);
+                progress.advance("");
                 if eos.contains(&next) {
                     stopped_at_eos = true;
                     break;
