@@ -28,24 +28,25 @@ fn browser_missing() -> Option<String> {
     }
 }
 
-fn compare(args: &[&str], json: &std::path::Path, html: &std::path::Path) {
+/// Runs kvdiff from the repository root; a run may find divergences (exit 1), nothing worse.
+/// Returns the exit code.
+fn kvdiff_ok(args: &[&str]) -> i32 {
     let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
         .current_dir(root())
-        .arg("compare")
         .args(args)
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--html",
-            html.to_str().unwrap(),
-        ])
         .output()
         .unwrap();
     assert!(
         out.status.code().is_some_and(|c| c <= 1),
-        "{}",
+        "{args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out.status.code().unwrap()
+}
+
+fn compare(args: &[&str], json: &std::path::Path, html: &std::path::Path) {
+    let (j, h) = (json.to_str().unwrap(), html.to_str().unwrap());
+    kvdiff_ok(&[&["compare"], args, &["--json", j, "--html", h]].concat());
 }
 
 #[test]
@@ -85,44 +86,29 @@ fn html_reports_work_in_a_real_browser() {
     }
     // `kvdiff report` renders a saved JSON report into the same page.
     let again = tmp.path().join("rendered.html");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
-        .args([
-            "report",
-            "--html",
-            again.to_str().unwrap(),
-            files[2].to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let code = kvdiff_ok(&[
+        "report",
+        "--html",
+        again.to_str().unwrap(),
+        files[2].to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0);
     files.push(files[2].clone());
     files.push(again);
     let (json, html) = (tmp.path().join("eval.json"), tmp.path().join("eval.html"));
-    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
-        .args([
-            "eval",
-            "--paths",
-            "standard,cascade,chunk-reuse:local",
-            "--max-new-tokens",
-            "8",
-        ])
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--html",
-            html.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.code().is_some_and(|c| c <= 1),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (j, h) = (json.to_str().unwrap(), html.to_str().unwrap());
+    let paths = "standard,cascade,chunk-reuse:local";
+    kvdiff_ok(&[
+        "eval",
+        "--paths",
+        paths,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        j,
+        "--html",
+        h,
+    ]);
     files.push(json);
     files.push(html);
     // A sweep summary page, over a two-conversation sweep.
@@ -159,15 +145,7 @@ fn html_reports_work_in_a_real_browser() {
             lines.to_str().unwrap(),
         ],
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.code().is_some_and(|c| c <= 1),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        kvdiff_ok(&args);
     }
     files.push(json);
     files.push(html);

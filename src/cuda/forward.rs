@@ -111,6 +111,15 @@ impl DeviceModel for CudaModel {
         "cuda"
     }
 
+    /// Runs `batch`, appending its K/V to the cache's device copy (created from the host
+    /// entries if missing). Returns the last token's logits.
+    ///
+    /// A prefill works in buffers shared by all layers and offers each layer's taps before the
+    /// next layer overwrites them (or, when layer taps are wanted and memory allows, in a slot
+    /// per layer kept with the cache until its next pass). A decode step (one token) works in
+    /// the cache's own arena, one slot per layer, so its taps stay valid until the cache's next
+    /// pass; its kernels are captured once into a CUDA graph and replayed, the step's token and
+    /// length read from device memory.
     fn forward(
         &self,
         batch: Batch<'_>,
@@ -118,9 +127,11 @@ impl DeviceModel for CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> Vec<f32> {
-        CudaModel::forward(self, batch, cache, step, sink)
+        self.pass(batch, cache, step, sink, false).into_host()
     }
 
+    /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
+    /// their argmax is read back.
     fn forward_step(
         &self,
         batch: Batch<'_>,
@@ -128,7 +139,7 @@ impl DeviceModel for CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> StepLogits {
-        CudaModel::forward_step(self, batch, cache, step, sink)
+        self.pass(batch, cache, step, sink, true)
     }
 
     fn rerotate(
@@ -138,7 +149,7 @@ impl DeviceModel for CudaModel {
         positions: &[usize],
         sink: &mut dyn TapSink,
     ) {
-        CudaModel::rerotate(self, cache, delta, positions, sink)
+        self.rerotate_keys(cache, delta, positions, sink)
     }
 
     fn decode_on_side_stream(&self, cache: &mut KvCache) {
@@ -153,37 +164,6 @@ impl DeviceModel for CudaModel {
 }
 
 impl CudaModel {
-    /// Runs `batch`, appending its K/V to the cache's device copy (created from the host
-    /// entries if missing). Returns the last token's logits.
-    ///
-    /// A prefill works in buffers shared by all layers and offers each layer's taps before the
-    /// next layer overwrites them (or, when layer taps are wanted and memory allows, in a slot
-    /// per layer kept with the cache until its next pass). A decode step (one token) works in the cache's own arena,
-    /// one slot per layer, so its taps stay valid until the cache's next pass; its kernels are
-    /// captured once into a CUDA graph and replayed, the step's token and length read from
-    /// device memory.
-    pub fn forward(
-        &self,
-        batch: Batch<'_>,
-        cache: &mut KvCache,
-        step: usize,
-        sink: &mut dyn TapSink,
-    ) -> Vec<f32> {
-        self.pass(batch, cache, step, sink, false).into_host()
-    }
-
-    /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
-    /// their argmax is read back.
-    pub fn forward_step(
-        &self,
-        batch: Batch<'_>,
-        cache: &mut KvCache,
-        step: usize,
-        sink: &mut dyn TapSink,
-    ) -> StepLogits {
-        self.pass(batch, cache, step, sink, true)
-    }
-
     fn pass(
         &self,
         batch: Batch<'_>,
@@ -440,7 +420,7 @@ impl CudaModel {
 
     /// Turns every key of `cache` by `delta` positions on the device and offers them as the
     /// `k_rope` taps of `positions` (see `Model::rerotate`).
-    pub fn rerotate(
+    fn rerotate_keys(
         &self,
         cache: &mut KvCache,
         delta: usize,
