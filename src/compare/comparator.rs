@@ -190,15 +190,6 @@ fn group_of(id: TapId) -> (u8, usize) {
     }
 }
 
-fn kind_of(id: TapId) -> &'static str {
-    match id {
-        TapId::Embed => "embed",
-        TapId::Layer(_, t) => t.name(),
-        TapId::FinalNorm => "final_norm",
-        TapId::Logits => "logits",
-    }
-}
-
 impl<'a> Comparator<'a> {
     /// A comparator of the taps in `table`; `tokens` are the prompt's, by position.
     pub(crate) fn new(
@@ -247,7 +238,7 @@ impl<'a> Comparator<'a> {
         id: TapId,
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
-        let kind = kind_of(id);
+        let kind = id.kind();
         let grid = &mut self.grid;
         let t = TapStats::of(rows, self.tol.bounds(kind), |pos, d, diverged| {
             grid.add(
@@ -291,7 +282,7 @@ impl<'a> Comparator<'a> {
         if self.first.as_ref().is_some_and(|f| f.order <= order) {
             return;
         }
-        let kind = kind_of(id);
+        let kind = id.kind();
         let index = d.non_finite.unwrap_or(d.index);
         let per_head = self.row_heads(kind).map(|h| width / h);
         let token = self.tokens.get(pos).copied().unwrap_or(0);
@@ -338,7 +329,7 @@ impl TapSink for Comparator<'_> {
             self.reference.insert(v.id, host);
         }
         let r = self.reference.remove(&v.id).expect("present");
-        let kind = kind_of(v.id);
+        let kind = v.id.kind();
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
         let heads = self.heads;

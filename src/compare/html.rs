@@ -8,17 +8,20 @@ const TEMPLATE: &str = include_str!("report.html");
 
 /// The page for a JSON report (`Report` serialized, or a file `--json` wrote).
 pub fn render(report: &serde_json::Value) -> String {
-    // The JSON sits in a script element: "</" must not close it.
-    let json = report.to_string().replace("</", "<\\/");
-    TEMPLATE.replace("__REPORT_JSON__", &json)
+    fill(TEMPLATE, report)
+}
+
+/// `template` with the JSON in its data script element; "</" must not close that element.
+fn fill(template: &str, value: &serde_json::Value) -> String {
+    let json = value.to_string().replace("</", "<\\/");
+    template.replace("__REPORT_JSON__", &json)
 }
 
 const EVAL_TEMPLATE: &str = include_str!("eval.html");
 
 /// The page for `kvdiff eval --json`'s scores: one bar per path and score.
 pub fn render_eval(scores: &serde_json::Value) -> String {
-    let json = scores.to_string().replace("</", "<\\/");
-    EVAL_TEMPLATE.replace("__REPORT_JSON__", &json)
+    fill(EVAL_TEMPLATE, scores)
 }
 
 const SWEEP_TEMPLATE: &str = include_str!("sweep.html");
@@ -26,8 +29,7 @@ const SWEEP_TEMPLATE: &str = include_str!("sweep.html");
 /// The page for `kvdiff sweep summarize`'s summary: per path the counts and sites, and the
 /// worst cases with their rerun commands.
 pub fn render_sweep(summary: &serde_json::Value) -> String {
-    let json = summary.to_string().replace("</", "<\\/");
-    SWEEP_TEMPLATE.replace("__REPORT_JSON__", &json)
+    fill(SWEEP_TEMPLATE, summary)
 }
 
 #[cfg(test)]

@@ -203,19 +203,10 @@ pub fn cpu_tolerance(
 pub fn per_kind(per_tap: &BTreeMap<TapId, f32>) -> BTreeMap<String, f32> {
     let mut out: BTreeMap<String, f32> = BTreeMap::new();
     for (id, &e) in per_tap {
-        let k = out.entry(kind_of(*id).to_string()).or_insert(0.0);
+        let k = out.entry(id.kind().to_string()).or_insert(0.0);
         *k = k.max(e);
     }
     out
-}
-
-pub fn kind_of(id: TapId) -> &'static str {
-    match id {
-        TapId::Embed => "embed",
-        TapId::Layer(_, t) => t.name(),
-        TapId::FinalNorm => "final_norm",
-        TapId::Logits => "logits",
-    }
 }
 
 fn check_plausible(per_tap: &BTreeMap<TapId, f32>, what: &str, limit: f32) -> Result<()> {

@@ -48,6 +48,8 @@ pub struct Sweep<'a> {
 /// What a sweep run did.
 pub struct Outcome {
     pub written: usize,
+    /// Whether a line written now fails (an exact path or invariant diverged).
+    pub failed: bool,
     /// Cases the model could not take: (case, why).
     pub skipped: Vec<(String, String)>,
 }
@@ -167,7 +169,7 @@ impl Sweep<'_> {
                     "choose a writable file",
                 )
             })?;
-        let writer = Mutex::new((file, 0usize));
+        let writer = Mutex::new((file, 0usize, false));
         let skipped = Mutex::new(Vec::new());
         let progress = crate::support::progress::Progress::start(cases.len() as u64, "sweep cases");
         let one = |case: &Case| -> Result<()> {
@@ -199,6 +201,7 @@ impl Sweep<'_> {
                     )
                 })?;
             w.1 += lines.len();
+            w.2 |= lines.iter().any(|l| l.failed);
             progress.advance("");
             Ok(())
         };
@@ -208,10 +211,14 @@ impl Sweep<'_> {
         } else {
             cases.par_iter().try_for_each(one)?;
         }
-        let written = writer.into_inner().unwrap_or_else(|e| e.into_inner()).1;
+        let (_, written, failed) = writer.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut skipped = skipped.into_inner().unwrap_or_else(|e| e.into_inner());
         skipped.sort();
-        Ok(Outcome { written, skipped })
+        Ok(Outcome {
+            written,
+            failed,
+            skipped,
+        })
     }
 
     /// One case's lines, less those already written.

@@ -101,6 +101,16 @@ impl TapId {
         v
     }
 
+    /// The tap's kind, the same for every layer: `embed`, `q_rope`, `logits`, ...
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TapId::Embed => "embed",
+            TapId::Layer(_, t) => t.name(),
+            TapId::FinalNorm => "final_norm",
+            TapId::Logits => "logits",
+        }
+    }
+
     pub fn layer(&self) -> Option<usize> {
         match self {
             TapId::Layer(l, _) => Some(*l),
