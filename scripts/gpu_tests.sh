@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|sweep|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,10 +15,13 @@ export KVDIFF_CACHE_DIR=/tmp/kvdiff-cache
 out=${OUT:-/tmp}
 export KVDIFF_CONFORMANCE_OUT=$out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-if [ "$stage" != bench ]; then
+if [ "$stage" = all ] || [ "$stage" = tests ]; then
   .out/bin/cuda-tests --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
     grep --line-buffered -E "^(test |SKIPPED|CPU vs CUDA|  [a-z_]+ +[0-9]|thread|seed|test result)"
 fi
-if [ "$stage" != tests ]; then
+if [ "$stage" = all ] || [ "$stage" = bench ]; then
   scripts/bench_cuda.sh .out/bin/kvdiff 2>&1 | tee "$out/bench.log" | grep --line-buffered -vE "^(Writing|Loading)"
+fi
+if [ "$stage" = all ] || [ "$stage" = sweep ]; then
+  scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"
 fi

@@ -208,6 +208,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         max_new_tokens: a.max_new_tokens,
         dump: staging.as_ref().map(|s| s.staging.as_path()),
         noise_profile: profile.as_ref().map(|(p, f)| (p, *f)),
+        gpu_noise: None,
         invariants: !a.no_invariants,
     }
     .run()?;

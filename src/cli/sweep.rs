@@ -187,6 +187,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
             .map(|_| Default::default())
             .collect(),
         pinned,
+        gpu_noise: Default::default(),
     };
     let start = std::time::Instant::now();
     let outcome = s.run(&todo, &done, out)?;

@@ -54,6 +54,9 @@ pub struct Request<'a> {
     pub invariants: bool,
     /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now, and its file.
     pub noise_profile: Option<(&'a NoiseProfile, &'a std::path::Path)>,
+    /// The GPU reference's own noise, already held to what bf16 allows (a sweep checks it once
+    /// per process, not per case: the check is a CPU f64 prefill).
+    pub gpu_noise: Option<&'a BackendNoise>,
 }
 
 /// The thresholds of a run: on the reference's backend, across backends, what the report says
@@ -182,9 +185,10 @@ impl Request<'_> {
         // would otherwise look equivalent. A GPU path needs no such check: the comparison
         // itself holds it to the reference.
         let gpu_reference = self.reference.on(self.backend) == Backend::Cuda;
-        let gpu = match self.gpu_model.filter(|_| gpu_reference) {
-            Some(g) => Some(profile.check_gpu(&cal.unwrap_or_else(calibrate), g)?),
-            None => None,
+        let gpu = match (self.gpu_model.filter(|_| gpu_reference), self.gpu_noise) {
+            (Some(_), Some(checked)) => Some(checked.clone()),
+            (Some(g), None) => Some(profile.check_gpu(&cal.unwrap_or_else(calibrate), g)?),
+            (None, _) => None,
         };
         Ok(Learned {
             profile,

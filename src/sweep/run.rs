@@ -11,7 +11,7 @@ use std::sync::{Mutex, OnceLock};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::compare::noise::{Calibration, NoiseProfile};
+use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{Policy, Request};
 use crate::compare::target::{Backend, Target};
@@ -43,6 +43,9 @@ pub struct Sweep<'a> {
     pub profiles: Vec<OnceLock<std::result::Result<NoiseProfile, String>>>,
     /// One profile for every case (`--noise-profile`), instead of calibrating per conversation.
     pub pinned: Option<NoiseProfile>,
+    /// A GPU reference's own noise, held to what bf16 allows once per process, on the first
+    /// case that needs it.
+    pub gpu_noise: OnceLock<std::result::Result<BackendNoise, String>>,
 }
 
 /// What a sweep run did.
@@ -248,6 +251,12 @@ impl Sweep<'_> {
             Policy::Auto => Some(self.profile(case.conversation, &shipped.ids)?),
             _ => None,
         };
+        let gpu_noise = match profile {
+            Some(p) if self.reference.on(self.backend) == Backend::Cuda => {
+                Some(self.gpu_noise(p, &shipped.ids)?)
+            }
+            _ => None,
+        };
         let prompt = if case.chunking == 0 {
             shipped
         } else {
@@ -267,6 +276,7 @@ impl Sweep<'_> {
             max_new_tokens: self.max_new_tokens,
             dump: None,
             noise_profile: profile.map(|p| (p, Path::new("(calibrated once per conversation)"))),
+            gpu_noise,
             invariants: self.invariants,
         }
         .run()?;
@@ -277,6 +287,19 @@ impl Sweep<'_> {
             .into_iter()
             .filter(|l| !done.contains(&l.key()))
             .collect())
+    }
+
+    /// The GPU reference's own noise, checked against `profile` on the first case's tokens.
+    fn gpu_noise(&self, profile: &NoiseProfile, ids: &[u32]) -> Result<&BackendNoise> {
+        let made = self.gpu_noise.get_or_init(|| {
+            let gpu = self
+                .gpu_model
+                .ok_or("the GPU model is not loaded".to_string())?;
+            let last = ids.len() + self.max_new_tokens.max(1) - 1;
+            let cal = Calibration::new(&self.engine.model, ids, last);
+            profile.check_gpu(&cal, gpu).map_err(|e| e.to_string())
+        });
+        made.as_ref().map_err(|e| Error::Calibration(e.clone()))
     }
 
     /// The noise profile of conversation `c`, calibrated on its tokens the first time.
