@@ -13,6 +13,7 @@ macro_rules! say {
 mod args;
 mod calibrate;
 mod compare;
+mod diff;
 mod dump;
 mod eval;
 mod generate;
@@ -67,6 +68,11 @@ enum Command {
     /// Run a prompt set (JSONL conversations or a folder of prompt files) and random chunkings
     /// of it through compare, one JSON line per (case, path); `sweep summarize` merges the files.
     Sweep(sweep::SweepArgs),
+    /// Hold an engine's dump (kvdiff dump, or scripts/kvdiff_capture.py from any engine) to a
+    /// reference: kvdiff's own, run now on the dump's tokens, or a second dump. Reports the
+    /// first step, tap and position where they part, as compare does.
+    #[command(after_help = diff::DIFF_HELP)]
+    Diff(diff::DiffArgs),
     /// Render a JSON report saved by `compare --json` as a self-contained HTML page.
     Report(report::ReportArgs),
     /// Show the chat-template text and token ids of PROMPT.
@@ -91,6 +97,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Tokens(a) => tokens::run(a),
         Command::Report(a) => report::run(a),
         Command::Sweep(a) => sweep::run(a),
+        Command::Diff(a) => diff::run(a),
     }
 }
 

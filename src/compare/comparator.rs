@@ -70,7 +70,7 @@ pub(crate) struct Comparator<'a> {
     reference: HashMap<TapId, Recorded>,
     tol: &'a Tolerance,
     pub(crate) tokens: Vec<u32>,
-    tok: &'a ChatTokenizer,
+    tok: Option<&'a ChatTokenizer>,
     heads: usize,
     kv_heads: usize,
     /// Reference taps kept on the GPU (compared there; only summaries come back).
@@ -195,7 +195,7 @@ impl<'a> Comparator<'a> {
     pub(crate) fn new(
         table: TapTable,
         tol: &'a Tolerance,
-        tok: &'a ChatTokenizer,
+        tok: Option<&'a ChatTokenizer>,
         tokens: Vec<u32>,
         (heads, kv_heads): (usize, usize),
         (layers, positions): (usize, usize),
@@ -292,7 +292,10 @@ impl<'a> Comparator<'a> {
             tap: id.to_string(),
             position: pos,
             token,
-            token_text: self.tok.decode(&[token], false),
+            token_text: self
+                .tok
+                .map(|t| t.decode(&[token], false))
+                .unwrap_or_default(),
             head: per_head.map(|w| index / w),
             index: per_head.map_or(index, |w| index % w),
             kind: if d.non_finite.is_some() {

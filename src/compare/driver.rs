@@ -242,7 +242,7 @@ impl CompareSpec<'_> {
         Comparator::new(
             taps.table(c.num_hidden_layers),
             self.tolerance,
-            self.tokenizer,
+            Some(self.tokenizer),
             self.prompt.ids.clone(),
             (c.num_attention_heads, c.num_key_value_heads),
             (
@@ -374,15 +374,15 @@ impl TapSink for Forward<'_, '_> {
 
 /// How close a token flip was: each side's margin between its top two logits, and whether the
 /// reference's is within what the logits tolerance lets two exact computations move apart.
-struct TokenFlip {
-    reference_margin: f32,
-    path_margin: f32,
-    bound: f32,
-    near_tie: bool,
+pub(crate) struct TokenFlip {
+    pub(crate) reference_margin: f32,
+    pub(crate) path_margin: f32,
+    pub(crate) bound: f32,
+    pub(crate) near_tie: bool,
 }
 
 impl TokenFlip {
-    fn of(reference: &[f32], path: &[f32], bounds: Option<(f32, f32)>) -> Self {
+    pub(crate) fn of(reference: &[f32], path: &[f32], bounds: Option<(f32, f32)>) -> Self {
         let margin = |v: &[f32]| {
             let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
             for &x in v {

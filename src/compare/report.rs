@@ -127,6 +127,9 @@ pub struct Report {
     /// The verdict of each path and the exit code, as the command judged them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
+    /// `kvdiff diff`: the engine's dump, the taps compared and those it did not provide.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::compare::engine_diff::EngineInfo>,
 }
 
 #[derive(Serialize)]
@@ -331,11 +334,74 @@ pub fn text(r: &Report, j: &Judgement, colour: bool) -> String {
         let _ = writeln!(s, "tolerance: {src}");
     }
     let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
+    if let Some(e) = &r.engine {
+        engine_text(&mut s, e);
+    }
     for p in &r.paths {
         let _ = writeln!(s);
         path_text(&mut s, p, j, colour);
     }
     s
+}
+
+/// Tap names summarized by kind: `q_rope x28, logits`.
+fn by_kind(names: &[String]) -> String {
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for n in names {
+        let kind = n.split_once('.').map_or(n.as_str(), |(_, k)| k).to_string();
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, c)) => *c += 1,
+            None => kinds.push((kind, 1)),
+        }
+    }
+    kinds
+        .iter()
+        .map(|(k, c)| {
+            if *c > 1 {
+                format!("{k} x{c}")
+            } else {
+                k.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn engine_text(s: &mut String, e: &crate::compare::engine_diff::EngineInfo) {
+    let _ = writeln!(
+        s,
+        "engine: {} ({}), {} steps from {}",
+        e.engine, e.dtype, e.steps, e.dump
+    );
+    let _ = writeln!(s, "  taps compared: {}", by_kind(&e.compared));
+    if !e.not_provided.is_empty() {
+        let _ = writeln!(
+            s,
+            "  not provided by the engine: {}",
+            by_kind(&e.not_provided)
+        );
+    }
+    if !e.ignored.is_empty() {
+        let _ = writeln!(s, "  ignored (no kvdiff tap): {}", e.ignored.join(", "));
+    }
+    if !e.rope_position_ids.is_empty() {
+        let list: Vec<String> = e
+            .rope_position_ids
+            .iter()
+            .map(|(p, r)| format!("{p} (fed {r})"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "  the engine fed RoPE other position ids than the rows' positions: {}",
+            list.join(", ")
+        );
+    }
+    if let Some(step) = e.stopped_at_step {
+        let _ = writeln!(
+            s,
+            "  stopped at step {step}: the two sides were fed different tokens from there on"
+        );
+    }
 }
 
 /// One path's section: verdict, first divergence, tokens, agreement, the per-layer table.

@@ -332,6 +332,7 @@ impl Request<'_> {
             outcome: None,
             tolerance,
             paths,
+            engine: None,
         }
     }
 }

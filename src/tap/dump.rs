@@ -143,6 +143,14 @@ impl Dumper {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
+        let mut meta_json = meta_json.clone();
+        if let Some(m) = meta_json.as_object_mut() {
+            m.insert("format".into(), crate::tap::read::FORMAT.into());
+            m.insert("version".into(), crate::tap::read::VERSION.into());
+            m.entry("engine").or_insert_with(|| "kvdiff".into());
+            m.entry("dtype").or_insert_with(|| "float32".into());
+        }
+        let meta_json = &meta_json;
         let meta_path = self.dir.staging.join("meta.json");
         std::fs::write(
             &meta_path,

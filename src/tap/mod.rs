@@ -9,6 +9,7 @@
 use std::fmt;
 
 pub mod dump;
+pub mod read;
 mod sink;
 
 pub use sink::{Device, DeviceTap, Masked, NullSink, Recorded, Recorder, TapSink, Tee};

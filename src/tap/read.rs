@@ -1,0 +1,589 @@
+//! Reading a dump folder (format `kvdiff-dump`, version 1; the README's "Dump format" section is
+//! its spec): kvdiff's own dumps and those the capture module writes from any engine.
+//!
+//! A step may come in several files (a chunked prefill is several forward calls, a
+//! tensor-parallel engine writes one file per rank): rows are matched by global position,
+//! never by file order; ranks' head shards are joined in rank order.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result};
+use crate::tap::{LayerTap, Recorded, TapFilter, TapId};
+
+pub const FORMAT: &str = "kvdiff-dump";
+pub const VERSION: u64 = 1;
+
+/// What `meta.json` says of the run.
+#[derive(Clone, Debug)]
+pub struct DumpMeta {
+    pub engine: String,
+    /// float32, bfloat16 or float16: the engine's compute dtype (how `auto` holds it).
+    pub dtype: String,
+    /// The model: a Hugging Face folder, or a description.
+    pub model: Option<String>,
+    pub raw: serde_json::Value,
+}
+
+impl DumpMeta {
+    /// Whether the engine computed in a 16-bit float type.
+    pub fn half_precision(&self) -> bool {
+        !matches!(self.dtype.as_str(), "float32" | "f32" | "float64" | "f64")
+    }
+}
+
+/// One file of a step.
+#[derive(Clone, Debug)]
+struct Piece {
+    path: PathBuf,
+    rank: usize,
+    tp_size: usize,
+}
+
+/// An opened dump folder: its meta, and which files hold which step (read on demand).
+pub struct DumpDir {
+    pub dir: PathBuf,
+    pub meta: DumpMeta,
+    steps: BTreeMap<usize, Vec<Piece>>,
+    /// Every kvdiff tap some file holds.
+    pub taps: BTreeSet<TapId>,
+    /// Tensors that are no kvdiff tap (kept out of the comparison, listed in the report).
+    pub ignored: BTreeSet<String>,
+    /// Sequence ids of a batched capture (`seq`), and the one selected.
+    pub sequences: BTreeSet<i64>,
+    seq: Option<i64>,
+}
+
+/// One step of a dump, rows by global position.
+#[derive(Debug, Default)]
+pub struct DumpStep {
+    pub step: usize,
+    pub tokens: BTreeMap<usize, u32>,
+    /// The position ids the engine fed RoPE, where they differ from the row's position.
+    pub rope_positions: BTreeMap<usize, i64>,
+    pub taps: BTreeMap<TapId, Recorded>,
+    /// Each piece's first position: a chunked prefill's boundaries.
+    pub piece_starts: BTreeSet<usize>,
+}
+
+fn bad(path: &Path, what: impl Into<String>) -> Error {
+    Error::input(
+        path,
+        what,
+        "rewrite the dump with kvdiff dump or the capture module (scripts/kvdiff_capture.py); the README's \"Dump format\" section is the spec",
+    )
+}
+
+impl TapId {
+    /// The tap a tensor name names (`L3.q_rope`), if any.
+    pub fn from_name(name: &str) -> Option<TapId> {
+        match name {
+            "embed" => return Some(TapId::Embed),
+            "final_norm" => return Some(TapId::FinalNorm),
+            "logits" => return Some(TapId::Logits),
+            _ => {}
+        }
+        let (layer, kind) = name.strip_prefix('L')?.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        LayerTap::ALL
+            .iter()
+            .find(|t| t.name() == kind)
+            .map(|&t| TapId::Layer(layer, t))
+    }
+
+    /// Taps a tensor-parallel engine splits by head (joined in rank order when read).
+    fn sharded_by_head(&self) -> bool {
+        matches!(
+            self.kind(),
+            "q" | "k" | "v" | "q_rope" | "k_rope" | "attn_probs" | "attn_out"
+        )
+    }
+}
+
+/// Names in a step file that are not taps but describe its rows.
+fn is_row_index(name: &str) -> bool {
+    matches!(name, "tokens" | "positions" | "rope_positions" | "seq")
+        || name.ends_with(".positions")
+        || name.ends_with(".seq")
+}
+
+fn step_from_name(path: &Path) -> Option<usize> {
+    let name = path.file_name()?.to_str()?;
+    let digits: String = name
+        .strip_prefix("step-")?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+fn map(path: &Path) -> Result<memmap2::Mmap> {
+    let f = std::fs::File::open(path).map_err(|e| bad(path, format!("cannot open: {e}")))?;
+    // The file is only read; a writer changing it under us is outside what a dump promises.
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| bad(path, format!("cannot read: {e}")))
+}
+
+impl DumpDir {
+    /// Reads `meta.json` and every step file's header; `seq` selects one sequence of a
+    /// batched capture (needed when the dump holds several).
+    pub fn open(dir: &Path, seq: Option<i64>) -> Result<DumpDir> {
+        if !dir.is_dir() {
+            return Err(Error::input(
+                dir,
+                "is not a dump folder",
+                "give a folder written by kvdiff dump, compare --dump or the capture module",
+            ));
+        }
+        let meta = read_meta(dir)?;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| bad(dir, format!("cannot list: {e}")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(bad(dir, "holds no step files (*.safetensors)"));
+        }
+        let mut d = DumpDir {
+            dir: dir.to_path_buf(),
+            meta,
+            steps: BTreeMap::new(),
+            taps: BTreeSet::new(),
+            ignored: BTreeSet::new(),
+            sequences: BTreeSet::new(),
+            seq,
+        };
+        for path in files {
+            d.index(&path)?;
+        }
+        if let Some(s) = seq {
+            if !d.sequences.contains(&s) {
+                return Err(Error::usage(
+                    "--seq",
+                    format!("{} holds no sequence {s}", dir.display()),
+                    format!("choose one of {:?}", d.sequences),
+                ));
+            }
+        } else if d.sequences.len() > 1 {
+            return Err(Error::usage(
+                "--seq",
+                format!(
+                    "{} holds sequences {:?} (a batched capture)",
+                    dir.display(),
+                    d.sequences
+                ),
+                "choose one with --seq ID",
+            ));
+        }
+        Ok(d)
+    }
+
+    fn index(&mut self, path: &Path) -> Result<()> {
+        let bytes = map(path)?;
+        let (_, header) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| bad(path, format!("not a complete safetensors file ({e:?})")))?;
+        // The data must be all there too: a truncated file fails here, not halfway through.
+        SafeTensors::deserialize(&bytes)
+            .map_err(|e| bad(path, format!("not a complete safetensors file ({e:?})")))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let num = |key: &str| -> Result<Option<usize>> {
+            meta.get(key)
+                .map(|v| {
+                    v.parse()
+                        .map_err(|_| bad(path, format!("metadata {key}={v:?} is not a number")))
+                })
+                .transpose()
+        };
+        let step = match num("step")? {
+            Some(s) => s,
+            None => step_from_name(path).ok_or_else(|| {
+                bad(
+                    path,
+                    "says no step: neither metadata \"step\" nor a name step-NNNN*.safetensors",
+                )
+            })?,
+        };
+        let rank = num("tp_rank")?.unwrap_or(0);
+        let tp_size = num("tp_size")?.unwrap_or(1);
+        if rank >= tp_size {
+            return Err(bad(
+                path,
+                format!("tp_rank {rank} is not below tp_size {tp_size}"),
+            ));
+        }
+        let names: Vec<String> = header.tensors().keys().cloned().collect();
+        for required in ["tokens", "positions"] {
+            if !names.iter().any(|n| n == required) {
+                return Err(bad(path, format!("has no `{required}` tensor")));
+            }
+        }
+        for n in &names {
+            match TapId::from_name(n) {
+                Some(id) => {
+                    self.taps.insert(id);
+                }
+                None if is_row_index(n) => {}
+                None => {
+                    self.ignored.insert(n.clone());
+                }
+            }
+        }
+        if names.iter().any(|n| n == "seq") {
+            let st = SafeTensors::deserialize(&bytes).expect("checked above");
+            let seq = ints(&st, "seq", path)?;
+            self.sequences.extend(seq);
+        } else {
+            self.sequences.insert(0);
+        }
+        self.steps.entry(step).or_default().push(Piece {
+            path: path.to_path_buf(),
+            rank,
+            tp_size,
+        });
+        Ok(())
+    }
+
+    pub fn steps(&self) -> Vec<usize> {
+        self.steps.keys().copied().collect()
+    }
+
+    /// Step `step`'s rows of the taps `filter` selects, pieces merged by position.
+    pub fn load_step(&self, step: usize, filter: &TapFilter) -> Result<DumpStep> {
+        let pieces = self.steps.get(&step).map(Vec::as_slice).unwrap_or(&[]);
+        let tp_size = pieces.first().map_or(1, |p| p.tp_size);
+        let mut ranks: Vec<RankRows> = (0..tp_size).map(|_| RankRows::default()).collect();
+        let mut out = DumpStep {
+            step,
+            ..Default::default()
+        };
+        for p in pieces {
+            if p.tp_size != tp_size {
+                return Err(bad(
+                    &p.path,
+                    format!(
+                        "tp_size {} differs from the step's other files ({tp_size})",
+                        p.tp_size
+                    ),
+                ));
+            }
+            self.read_piece(p, filter, &mut ranks[p.rank], &mut out)?;
+        }
+        for (r, rows) in ranks.iter().enumerate() {
+            if rows.taps.is_empty() && tp_size > 1 && !ranks.iter().all(|x| x.taps.is_empty()) {
+                return Err(bad(
+                    &self.dir,
+                    format!("step {step} has no file from tensor-parallel rank {r} of {tp_size}"),
+                ));
+            }
+        }
+        let mut ranks = ranks.into_iter();
+        let mut merged = ranks.next().unwrap_or_default();
+        for (r, rank) in ranks.enumerate() {
+            merged.join_heads(rank, r + 1, &self.dir, step)?;
+        }
+        for (id, rows) in merged.taps {
+            out.taps.insert(id, pack(step, id, rows, &self.dir)?);
+        }
+        Ok(out)
+    }
+
+    fn read_piece(
+        &self,
+        p: &Piece,
+        filter: &TapFilter,
+        rows: &mut RankRows,
+        out: &mut DumpStep,
+    ) -> Result<()> {
+        let bytes = map(&p.path)?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| bad(&p.path, format!("not a complete safetensors file ({e:?})")))?;
+        let path = p.path.as_path();
+        let positions = positions_of(&st, "positions", path)?;
+        let tokens = ints(&st, "tokens", path)?;
+        if tokens.len() != positions.len() {
+            return Err(bad(
+                path,
+                format!(
+                    "`tokens` has {} entries but `positions` {}",
+                    tokens.len(),
+                    positions.len()
+                ),
+            ));
+        }
+        let seq = match st.tensor("seq") {
+            Ok(_) => ints(&st, "seq", path)?,
+            Err(_) => vec![0; positions.len()],
+        };
+        let wanted = self
+            .seq
+            .unwrap_or_else(|| seq.first().copied().unwrap_or(0));
+        let keep = |s: i64| s == wanted;
+        let rope = match st.tensor("rope_positions") {
+            Ok(_) => Some(ints(&st, "rope_positions", path)?),
+            Err(_) => None,
+        };
+        let mut first = None;
+        for (i, (&pos, &tok)) in positions.iter().zip(&tokens).enumerate() {
+            if !keep(seq[i]) {
+                continue;
+            }
+            first = Some(first.map_or(pos, |f: usize| f.min(pos)));
+            let tok = u32::try_from(tok)
+                .map_err(|_| bad(path, format!("token id {tok} is out of range")))?;
+            if let Some(prev) = out.tokens.insert(pos, tok) {
+                if prev != tok {
+                    return Err(bad(path, format!("position {pos} holds token {tok}, another file of step {} token {prev}", out.step)));
+                }
+            }
+            if let Some(r) = rope.as_ref().map(|r| r[i]).filter(|&r| r != pos as i64) {
+                out.rope_positions.insert(pos, r);
+            }
+        }
+        if let Some(f) = first {
+            out.piece_starts.insert(f);
+        }
+        for (name, view) in st.tensors() {
+            let Some(id) = TapId::from_name(&name) else {
+                continue;
+            };
+            if !filter.matches(id) {
+                continue;
+            }
+            let (tap_pos, tap_seq) = match st.tensor(&format!("{name}.positions")) {
+                Ok(_) => {
+                    let tp = positions_of(&st, &format!("{name}.positions"), path)?;
+                    let ts = match st.tensor(&format!("{name}.seq")) {
+                        Ok(_) => ints(&st, &format!("{name}.seq"), path)?,
+                        Err(_) => vec![wanted; tp.len()],
+                    };
+                    (tp, ts)
+                }
+                Err(_) => (positions.clone(), seq.clone()),
+            };
+            let shape = view.shape();
+            if shape.len() < 2 || shape[0] != tap_pos.len() {
+                return Err(bad(
+                    path,
+                    format!(
+                        "tap {name} has shape {shape:?}: its first axis must be its {} rows (one per position)",
+                        tap_pos.len()
+                    ),
+                ));
+            }
+            let data = floats(&view, &name, path)?;
+            let width = data.len() / shape[0].max(1);
+            for (r, &pos) in tap_pos.iter().enumerate() {
+                if !keep(tap_seq[r]) {
+                    continue;
+                }
+                let row = &data[r * width..(r + 1) * width];
+                if let Some(j) = row.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::input(
+                        path,
+                        format!("tap {name} holds {} at position {pos} (element {j})", row[j]),
+                        "the engine produced a non-finite value there: that is where to look; a dump compared must be finite",
+                    ));
+                }
+                let entry = rows.taps.entry(id).or_default();
+                if entry
+                    .insert(pos, (shape[1..].to_vec(), row.to_vec()))
+                    .is_some()
+                {
+                    return Err(bad(
+                        path,
+                        format!("tap {name} has position {pos} twice in step {} (in this file or another)", out.step),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A tap's rows by position: each row's shape (after the token axis) and values.
+type Rows = BTreeMap<usize, (Vec<usize>, Vec<f32>)>;
+
+/// One rank's rows of a step, per tap.
+#[derive(Default)]
+struct RankRows {
+    taps: BTreeMap<TapId, Rows>,
+}
+
+impl RankRows {
+    /// Appends rank `r`'s head shards to these rows; taps no rank splits keep rank 0's copy.
+    fn join_heads(&mut self, other: RankRows, r: usize, dir: &Path, step: usize) -> Result<()> {
+        for (id, theirs) in other.taps {
+            if !id.sharded_by_head() {
+                continue;
+            }
+            let ours = self.taps.entry(id).or_default();
+            if ours.len() != theirs.len() || !ours.keys().eq(theirs.keys()) {
+                return Err(bad(
+                    dir,
+                    format!("step {step}: tensor-parallel rank {r}'s {id} rows are at other positions than rank 0's"),
+                ));
+            }
+            for (pos, (shape, row)) in theirs {
+                let (s, v) = ours.get_mut(&pos).expect("same keys");
+                if s[1..] != shape[1..] {
+                    return Err(bad(
+                        dir,
+                        format!("step {step}: rank {r}'s {id} rows are {shape:?} per token, rank 0's {s:?}"),
+                    ));
+                }
+                s[0] += shape[0];
+                v.extend(row);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A tap's rows as one tensor, by increasing position. Attention rows of pieces that saw fewer
+/// keys are zero-padded per head to the longest.
+fn pack(
+    step: usize,
+    id: TapId,
+    rows: Rows,
+    dir: &Path,
+) -> Result<Recorded> {
+    let attn = id.kind() == "attn_probs";
+    let first_shape = rows
+        .values()
+        .next()
+        .map(|r| r.0.clone())
+        .unwrap_or_default();
+    let keys = rows
+        .values()
+        .map(|r| *r.0.last().unwrap_or(&0))
+        .max()
+        .unwrap_or(0);
+    let mut data = Vec::new();
+    let mut positions = Vec::with_capacity(rows.len());
+    for (pos, (shape, row)) in rows {
+        if attn && shape.len() == 2 && shape[0] == first_shape[0] {
+            let have = shape[1];
+            for h in 0..shape[0] {
+                data.extend_from_slice(&row[h * have..(h + 1) * have]);
+                data.extend(std::iter::repeat_n(0.0, keys - have));
+            }
+        } else if shape == first_shape {
+            data.extend_from_slice(&row);
+        } else {
+            return Err(bad(
+                dir,
+                format!("step {step}: {id} rows are {first_shape:?} per token at one position, {shape:?} at position {pos}"),
+            ));
+        }
+        positions.push(pos);
+    }
+    let mut shape = vec![positions.len()];
+    shape.extend_from_slice(&first_shape);
+    if attn {
+        if let Some(last) = shape.last_mut() {
+            *last = keys;
+        }
+    }
+    Ok(Recorded {
+        step,
+        id,
+        positions,
+        shape,
+        data,
+    })
+}
+
+fn read_meta(dir: &Path) -> Result<DumpMeta> {
+    let path = dir.join("meta.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        Error::input(
+            &path,
+            format!("cannot read: {e}"),
+            "every dump folder has a meta.json (format, version, engine, dtype); see the README's \"Dump format\"",
+        )
+    })?;
+    let raw: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(&path, format!("is not JSON: {e}")))?;
+    let format = raw.get("format").and_then(|v| v.as_str());
+    if format != Some(FORMAT) {
+        return Err(bad(
+            &path,
+            format!("\"format\" is {format:?}, not \"{FORMAT}\""),
+        ));
+    }
+    match raw.get("version").and_then(|v| v.as_u64()) {
+        Some(VERSION) => {}
+        v => {
+            return Err(Error::input(
+                &path,
+                format!("format version {v:?}; this kvdiff reads version {VERSION}"),
+                "write the dump with a capture module of this kvdiff version, or use the kvdiff that matches it",
+            ))
+        }
+    }
+    let s = |k: &str| raw.get(k).and_then(|v| v.as_str()).map(str::to_string);
+    Ok(DumpMeta {
+        engine: s("engine").unwrap_or_else(|| "engine".into()),
+        dtype: s("dtype").unwrap_or_else(|| "float32".into()),
+        model: s("model"),
+        raw,
+    })
+}
+
+fn ints(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<Vec<i64>> {
+    let v = st
+        .tensor(name)
+        .map_err(|_| bad(path, format!("has no `{name}` tensor")))?;
+    let b = v.data();
+    match v.dtype() {
+        Dtype::I64 => Ok(b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect()),
+        Dtype::I32 => Ok(b
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+            .collect()),
+        d => Err(bad(
+            path,
+            format!("`{name}` is {d:?}; it must be I64 or I32"),
+        )),
+    }
+}
+
+fn positions_of(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<Vec<usize>> {
+    ints(st, name, path)?
+        .into_iter()
+        .map(|p| usize::try_from(p).map_err(|_| bad(path, format!("`{name}` holds {p}"))))
+        .collect()
+}
+
+fn floats(v: &safetensors::tensor::TensorView<'_>, name: &str, path: &Path) -> Result<Vec<f32>> {
+    let b = v.data();
+    Ok(match v.dtype() {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect(),
+        Dtype::BF16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        d => {
+            return Err(bad(
+                path,
+                format!("tap {name} is {d:?}; taps are F32, BF16, F16 or F64"),
+            ))
+        }
+    })
+}

@@ -1,0 +1,401 @@
+//! `kvdiff diff`: dumps written by kvdiff itself, then changed as an engine's capture would
+//! differ (one row of one tap perturbed, a step written in shuffled pieces, bf16 storage,
+//! taps missing), are diffed to exactly the tap and position changed; malformed dumps are
+//! refused with exit 2 and a message naming the file.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+fn kvdiff(args: &[&str]) -> Output {
+    Command::new(common::kvdiff_bin())
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("kvdiff runs")
+}
+
+/// One tensor of a step file, as bytes.
+#[derive(Clone)]
+struct T {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl T {
+    fn f32s(&self) -> Vec<f32> {
+        assert_eq!(self.dtype, Dtype::F32);
+        self.bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+    fn from_f32(shape: Vec<usize>, v: &[f32]) -> T {
+        T {
+            dtype: Dtype::F32,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    fn i64s(&self) -> Vec<i64> {
+        self.bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+    fn from_i64(v: &[i64]) -> T {
+        T {
+            dtype: Dtype::I64,
+            shape: vec![v.len()],
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    /// Rows `keep` (indices along the first axis).
+    fn rows(&self, keep: &[usize]) -> T {
+        let w = self.bytes.len() / self.shape[0].max(1);
+        let mut shape = self.shape.clone();
+        shape[0] = keep.len();
+        T {
+            dtype: self.dtype,
+            shape,
+            bytes: keep
+                .iter()
+                .flat_map(|&r| self.bytes[r * w..(r + 1) * w].to_vec())
+                .collect(),
+        }
+    }
+    fn to_bf16(&self) -> T {
+        T {
+            dtype: Dtype::BF16,
+            shape: self.shape.clone(),
+            bytes: self
+                .f32s()
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+type StepFile = (HashMap<String, T>, HashMap<String, String>);
+
+fn read(path: &Path) -> StepFile {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                T {
+                    dtype: v.dtype(),
+                    shape: v.shape().to_vec(),
+                    bytes: v.data().to_vec(),
+                },
+            )
+        })
+        .collect();
+    (tensors, meta.metadata().clone().unwrap_or_default())
+}
+
+fn write(path: &Path, (tensors, meta): &StepFile) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, Some(meta.clone()), path).unwrap();
+}
+
+/// A dump of the embedded model: a 3-chunk prompt, 4 decode steps, every tap.
+fn dump(dir: &Path) -> PathBuf {
+    let out = dir.join("kvdiff-dump");
+    let prompt = dir.join("p.txt");
+    std::fs::write(
+        &prompt,
+        "@@ system\nBe brief.\n@@ user\nAnna's color is blue.\n@@ chunk\nWhat is Anna's color?\n",
+    )
+    .unwrap();
+    let o = kvdiff(&[
+        "dump",
+        "--max-new-tokens",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn step_file(dir: &Path, step: usize) -> PathBuf {
+    dir.join(format!("step-{step:04}.safetensors"))
+}
+
+/// Adds `delta` times the row's largest magnitude to one element of one row.
+fn perturb(dir: &Path, step: usize, tap: &str, row: usize, delta: f32) {
+    let path = step_file(dir, step);
+    let (mut t, meta) = read(&path);
+    let x = t.get(tap).unwrap_or_else(|| panic!("{tap} in step {step}"));
+    let mut v = x.f32s();
+    let w = v.len() / x.shape[0];
+    let r = &mut v[row * w..(row + 1) * w];
+    let big = r.iter().fold(0f32, |m, y| m.max(y.abs()));
+    r[w / 3] += delta * big;
+    let shape = x.shape.clone();
+    t.insert(tap.into(), T::from_f32(shape, &v));
+    write(&path, &(t, meta));
+}
+
+fn json_of(o: &Output, file: &Path) -> serde_json::Value {
+    assert!(
+        o.status.code() == Some(0) || o.status.code() == Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    common::read_json(file)
+}
+
+/// The first divergence's (step, tap, position), or None.
+fn first(r: &serde_json::Value) -> Option<(u64, String, u64)> {
+    let d = &r["paths"][0]["first_divergence"];
+    (!d.is_null()).then(|| {
+        (
+            d["step"].as_u64().unwrap(),
+            d["tap"].as_str().unwrap().to_string(),
+            d["position"].as_u64().unwrap(),
+        )
+    })
+}
+
+fn diff(args: &[&Path], json: &Path) -> (Option<i32>, serde_json::Value) {
+    let mut a: Vec<&str> = vec!["diff", "--json", json.to_str().unwrap()];
+    a.extend(args.iter().map(|p| p.to_str().unwrap()));
+    let o = kvdiff(&a);
+    let v = json_of(&o, json);
+    (o.status.code(), v)
+}
+
+#[test]
+fn an_unchanged_dump_is_equivalent_and_one_perturbed_row_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let json = tmp.path().join("r.json");
+    let (code, r) = diff(&[&d], &json);
+    assert_eq!(code, Some(0), "{r}");
+    assert_eq!(first(&r), None);
+    assert!(r["engine"]["compared"].as_array().unwrap().len() > 50);
+
+    // A prefill row in the middle of the prompt, and a decode step's row.
+    for (step, tap, row, pos) in [(0, "L2.v", 9, 9), (3, "L1.k_rope", 0, 0)] {
+        let e = tmp.path().join(format!("e-{step}"));
+        copy_dir(&d, &e);
+        perturb(&e, step, tap, row, 0.05);
+        let (code, r) = diff(&[&e], &json);
+        assert_eq!(code, Some(1), "{r}");
+        let (s, t, p) = first(&r).expect("diverged");
+        assert_eq!((s as usize, t.as_str()), (step, tap));
+        if step == 0 {
+            assert_eq!(p as usize, pos);
+        }
+        // Two folders: kvdiff's own dump as the reference gives the same site.
+        let (code2, r2) = diff(&[&d, &e], &json);
+        assert_eq!(code2, Some(1));
+        assert_eq!(first(&r2), first(&r));
+    }
+}
+
+#[test]
+fn pieces_in_any_order_bf16_storage_and_missing_taps_still_line_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let e = tmp.path().join("engine");
+    copy_dir(&d, &e);
+    // Step 0 as three pieces (an engine's chunked prefill), rows shuffled inside each, files
+    // named so that their order says nothing; every tap stored as bf16; attn_probs left out;
+    // attention rows of a piece only as wide as the keys it saw.
+    let (t, meta) = read(&step_file(&e, 0));
+    std::fs::remove_file(step_file(&e, 0)).unwrap();
+    let n = t["positions"].shape[0];
+    let cuts = [0, n / 3, 2 * n / 3, n];
+    for (k, w) in cuts.windows(2).enumerate() {
+        let mut rows: Vec<usize> = (w[0]..w[1]).collect();
+        rows.reverse();
+        let mut piece = HashMap::new();
+        for (name, x) in &t {
+            if name.ends_with("attn_probs") {
+                continue;
+            }
+            let x = x.rows(&rows);
+            let x = if x.dtype == Dtype::F32 {
+                x.to_bf16()
+            } else {
+                x
+            };
+            piece.insert(name.clone(), x);
+        }
+        let file = e.join(format!(
+            "step-0000.piece-{}.safetensors",
+            ["b", "c", "a"][k]
+        ));
+        write(&file, &(piece, meta.clone()));
+    }
+    let mut m = common::read_json(&e.join("meta.json"));
+    m["dtype"] = "bfloat16".into();
+    std::fs::write(e.join("meta.json"), m.to_string()).unwrap();
+    for step in 1..5 {
+        let path = step_file(&e, step);
+        let (mut t, meta) = read(&path);
+        t.retain(|n, _| !n.ends_with("attn_probs"));
+        for x in t.values_mut() {
+            if x.dtype == Dtype::F32 {
+                *x = x.to_bf16();
+            }
+        }
+        write(&path, &(t, meta));
+    }
+    let json = tmp.path().join("r.json");
+    let (code, r) = diff(&[&e], &json);
+    assert_eq!(code, Some(0), "{r}");
+    let missing = r["engine"]["not_provided"].as_array().unwrap();
+    assert!(missing
+        .iter()
+        .all(|t| t.as_str().unwrap().ends_with("attn_probs")));
+    assert_eq!(missing.len(), 4, "one per layer");
+    assert!(r["tolerance"]["source"]
+        .as_str()
+        .unwrap()
+        .contains("bfloat16"));
+    // The pieces are the chunks the report shows.
+    assert_eq!(r["chunks"].as_array().unwrap().len(), 3);
+
+    // One row of one piece perturbed beyond bf16 rounding: named there.
+    let file = e.join("step-0000.piece-c.safetensors");
+    let (mut t, meta) = read(&file);
+    let pos = t["positions"].i64s();
+    let x = t["L1.q_rope"].clone();
+    let mut v: Vec<f32> = x
+        .bytes
+        .chunks_exact(2)
+        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    let w = v.len() / x.shape[0];
+    let big = v[..w].iter().fold(0f32, |m, y| m.max(y.abs()));
+    v[w / 2] += 0.5 * big;
+    t.insert(
+        "L1.q_rope".into(),
+        T::from_f32(x.shape.clone(), &v).to_bf16(),
+    );
+    write(&file, &(t, meta));
+    let (code, r) = diff(&[&e], &json);
+    assert_eq!(code, Some(1));
+    assert_eq!(first(&r), Some((0, "L1.q_rope".into(), pos[0] as u64)));
+}
+
+#[test]
+fn an_engine_fed_other_rope_positions_is_named_with_them() {
+    // The positions a capture records are the rows' places in the sequence; `rope_positions`
+    // are what the engine fed RoPE. Here the dump's rows are kvdiff's, but it says a chunk was
+    // rotated from 0: the report lists those ids (the hint for "chunks at local positions").
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let path = step_file(&d, 0);
+    let (mut t, meta) = read(&path);
+    let n = t["positions"].shape[0] as i64;
+    let rope: Vec<i64> = (0..n).map(|p| if p >= 10 { p - 10 } else { p }).collect();
+    t.insert("rope_positions".into(), T::from_i64(&rope));
+    write(&path, &(t, meta));
+    let json = tmp.path().join("r.json");
+    let (code, r) = diff(&[&d], &json);
+    assert_eq!(code, Some(0));
+    let ids = r["engine"]["rope_position_ids"].as_array().unwrap();
+    assert_eq!(ids[0], serde_json::json!([10, 0]));
+}
+
+/// Runs `kvdiff diff` on a broken copy of a dump; expects exit 2 and a message naming `names`.
+fn refused(dir: &Path, names: &str, what: &str) {
+    let o = kvdiff(&["diff", dir.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{what}: {err}");
+    assert!(err.contains(names), "{what}: {err}");
+    assert!(
+        err.lines().next().unwrap().starts_with("error:"),
+        "{what}: {err}"
+    );
+    assert!(!err.contains("panicked"), "{what}: {err}");
+}
+
+#[test]
+fn malformed_dumps_are_refused_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let case = |name: &str, f: &dyn Fn(&Path)| {
+        let e = tmp.path().join(name);
+        copy_dir(&d, &e);
+        f(&e);
+        e
+    };
+    let e = case("shape", &|e| {
+        let (mut t, m) = read(&step_file(e, 0));
+        let x = t["L0.q"].rows(&[0, 1, 2]);
+        t.insert("L0.q".into(), x);
+        write(&step_file(e, 0), &(t, m));
+    });
+    refused(&e, "step-0000.safetensors", "wrong shape");
+    let e = case("nan", &|e| {
+        let (mut t, m) = read(&step_file(e, 2));
+        let x = &t["L3.mlp_out"];
+        let mut v = x.f32s();
+        v[5] = f32::NAN;
+        t.insert("L3.mlp_out".into(), T::from_f32(x.shape.clone(), &v));
+        write(&step_file(e, 2), &(t, m));
+    });
+    refused(&e, "step-0002.safetensors", "NaN");
+    let e = case("tokens", &|e| {
+        let (mut t, m) = read(&step_file(e, 1));
+        t.remove("tokens");
+        write(&step_file(e, 1), &(t, m));
+    });
+    refused(&e, "step-0001.safetensors", "missing tokens");
+    let e = case("version", &|e| {
+        let mut m = common::read_json(&e.join("meta.json"));
+        m["version"] = 99.into();
+        std::fs::write(e.join("meta.json"), m.to_string()).unwrap();
+    });
+    refused(&e, "meta.json", "unknown version");
+    let e = case("truncated", &|e| {
+        let p = step_file(e, 3);
+        let b = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &b[..b.len() - 100]).unwrap();
+    });
+    refused(&e, "step-0003.safetensors", "truncated");
+    let e = case("nometa", &|e| {
+        std::fs::remove_file(e.join("meta.json")).unwrap()
+    });
+    refused(&e, "meta.json", "no meta.json");
+    let e = case("twice", &|e| {
+        std::fs::copy(step_file(e, 1), e.join("step-0001.again.safetensors")).unwrap();
+    });
+    refused(&e, "twice", "a position twice");
+    refused(&tmp.path().join("absent"), "absent", "no folder");
+}
