@@ -399,3 +399,32 @@ fn malformed_dumps_are_refused_naming_the_file() {
     refused(&e, "twice", "a position twice");
     refused(&tmp.path().join("absent"), "absent", "no folder");
 }
+
+/// `scripts/kvdiff_capture.py` without torch: kvdiff's dump replayed through it as an engine
+/// would write it (prefill in two calls, rows numbered by the capture, plain lists).
+#[test]
+fn the_python_capture_module_writes_what_kvdiff_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let script = common::root().join("scripts/capture_selftest.py");
+    let json = tmp.path().join("r.json");
+    for (name, perturb) in [("replay", None), ("perturbed", Some(("L2.k", "0", "17")))] {
+        let out = tmp.path().join(name);
+        let mut c = Command::new("python3");
+        c.arg(&script).arg(&d).arg(&out);
+        if let Some((tap, step, row)) = perturb {
+            c.args(["--perturb", tap, step, row]);
+        }
+        let o = c.output().expect("python3 runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let (code, r) = diff(&[&out], &json);
+        assert_eq!(r["engine"]["engine"], "replay");
+        match perturb {
+            None => assert_eq!((code, first(&r)), (Some(0), None), "{r}"),
+            Some(_) => assert_eq!(
+                (code, first(&r)),
+                (Some(1), Some((0, "L2.k".into(), 17)))
+            ),
+        }
+    }
+}
