@@ -421,10 +421,7 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
         assert_eq!(r["engine"]["engine"], "replay");
         match perturb {
             None => assert_eq!((code, first(&r)), (Some(0), None), "{r}"),
-            Some(_) => assert_eq!(
-                (code, first(&r)),
-                (Some(1), Some((0, "L2.k".into(), 17)))
-            ),
+            Some(_) => assert_eq!((code, first(&r)), (Some(1), Some((0, "L2.k".into(), 17)))),
         }
     }
 }

@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use rayon::prelude::*;
+
 use crate::compare::diff::{diverged_within, row_diff, RowDiff, Tolerance};
 use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
 use crate::compare::grid::{CellGrid, Row};
@@ -336,27 +338,33 @@ impl TapSink for Comparator<'_> {
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
         let heads = self.heads;
-        let rows = v.positions.iter().enumerate().filter_map(|(row, &pos)| {
-            // Reference rows are usually consecutive positions: try the direct index first.
-            let direct = pos
-                .checked_sub(r.positions[0])
-                .filter(|&i| r.positions.get(i) == Some(&pos));
-            let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
-            let a = &v.data[row * width..(row + 1) * width];
-            let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
-            // Attention rows over fewer keys: pad each head's row to the reference's key span.
-            let padded;
-            let a = if kind == "attn_probs" && width != rwidth {
-                padded = pad_heads(a, heads, rwidth / heads);
-                &padded[..]
-            } else {
-                a
-            };
-            let d = row_diff(a, b);
-            let bitwise_equal =
-                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            Some((pos, d, bitwise_equal, a.len().max(b.len())))
-        });
+        // Rows diffed in parallel (a long prefill's tap is thousands of rows), booked in order.
+        let rows: Vec<(usize, RowDiff, bool, usize)> = v
+            .positions
+            .par_iter()
+            .enumerate()
+            .filter_map(|(row, &pos)| {
+                // Reference rows are usually consecutive positions: try the direct index first.
+                let direct = pos
+                    .checked_sub(r.positions[0])
+                    .filter(|&i| r.positions.get(i) == Some(&pos));
+                let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
+                let a = &v.data[row * width..(row + 1) * width];
+                let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
+                // Attention rows over fewer keys: pad each head's row to the reference's key span.
+                let padded;
+                let a = if kind == "attn_probs" && width != rwidth {
+                    padded = pad_heads(a, heads, rwidth / heads);
+                    &padded[..]
+                } else {
+                    a
+                };
+                let d = row_diff(a, b);
+                let bitwise_equal =
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                Some((pos, d, bitwise_equal, a.len().max(b.len())))
+            })
+            .collect();
         self.book(step, v.id, rows);
         if kind == "attn_probs" {
             self.keep_attn_rows(step, &v, &r);
