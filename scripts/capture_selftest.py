@@ -3,7 +3,10 @@ as two forward calls, each decode step as one, rows numbered by the capture itse
 written through `tap()` as plain Python lists. `kvdiff diff` must find the replay equivalent to
 the original, and name the one row `--perturb` changes.
 
-  python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW]
+  python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW] [--batched]
+
+--batched packs two copies of the run into every call as sequences 0 and 1 (continuous
+batching); only sequence 1 is perturbed.
 """
 import json
 import os
@@ -45,6 +48,8 @@ def nest(flat, shape):
 def main():
     src, out = sys.argv[1], sys.argv[2]
     perturb = sys.argv[4:7] if len(sys.argv) > 3 and sys.argv[3] == "--perturb" else None
+    batched = "--batched" in sys.argv
+    copies = 2 if batched else 1
     meta = json.load(open(os.path.join(src, "meta.json")))
     steps = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     with kc.capture(None, out, engine="replay", dtype="float32", model_name=meta["model"]) as cap:
@@ -54,19 +59,27 @@ def main():
             n = t["positions"][1][0]
             calls = [range(0, n // 2), range(n // 2, n)] if step == 0 else [range(n)]
             for call in calls:
-                cap.begin([t["tokens"][2][i] for i in call])
+                toks = [t["tokens"][2][i] for i in call]
+                if batched:
+                    cap.begin(toks * 2, positions=[t["positions"][2][i] for i in call] * 2,
+                              seq=[0] * len(call) + [1] * len(call))
+                else:
+                    cap.begin(toks)
                 for name, tensor in t.items():
                     if name in ("tokens", "positions") or name.endswith(".positions"):
                         continue
-                    r, shape = rows(tensor, call)
-                    if perturb and name == perturb[0] and step == int(perturb[1]):
-                        want = int(perturb[2])
-                        for k, i in enumerate(call):
-                            if i == want:
-                                big = max(abs(x) for x in r[k])
-                                r[k] = list(r[k])
-                                r[k][len(r[k]) // 3] += 0.05 * big
-                    kc.tap(name, [nest(x, shape) for x in r])
+                    out_rows = []
+                    for copy in range(copies):
+                        r, shape = rows(tensor, call)
+                        if perturb and name == perturb[0] and step == int(perturb[1]) and copy == copies - 1:
+                            want = int(perturb[2])
+                            for k, i in enumerate(call):
+                                if i == want:
+                                    big = max(abs(x) for x in r[k])
+                                    r[k] = list(r[k])
+                                    r[k][len(r[k]) // 3] += 0.05 * big
+                        out_rows += [nest(x, shape) for x in r]
+                    kc.tap(name, out_rows)
                 cap.end()
 
 

@@ -111,8 +111,9 @@ class Capture:
         shutil.rmtree(self.partial, ignore_errors=True)
         os.makedirs(self.partial)
         self.engine, self.dtype, self.model = engine, dtype, model
-        self.prompt_len = prompt_len
-        self.prompt_growing = prompt_len is None
+        # Every sequence's prompt length when given; else learned per sequence from its calls.
+        self.fixed_prompt_len = prompt_len
+        self.prompt_len, self.prompt_growing = {}, {}
         self.patterns = [p.strip() for p in taps.split(",") if p.strip()] if isinstance(taps, str) else list(taps)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.calls = 0
@@ -165,32 +166,59 @@ class Capture:
                 t[name + ".seq"] = self._ints(seq)
 
     def end(self):
-        """Writes the call's file. Step 0 holds the prompt's positions, step k the k-th decoded
-        token's."""
+        """Writes the call: one file per sequence in it, each at that sequence's step (step 0
+        holds its prompt's positions, step k its k-th decoded token)."""
         c, self.current = self.current, None
         if c is None or not c["tokens"]:
             return
-        lo, hi = min(c["positions"]), max(c["positions"])
-        per_seq = len(c["positions"]) / max(len(set(c["seq"])), 1)
-        if self.prompt_len is None or (self.prompt_growing and per_seq > 1):
-            # Calls of several tokens per sequence before the first one-token call are the
-            # prompt's pieces (a chunked prefill); pass prompt_len when a piece is one token.
-            self.prompt_len = max(self.prompt_len or 0, hi + 1)
-        if per_seq <= 1:
-            self.prompt_growing = False
-        step = 0 if hi < self.prompt_len else lo - self.prompt_len + 1
+        for s in sorted(set(c["seq"])):
+            self._write_seq(c, s)
+        self.calls += 1
+
+    def _write_seq(self, c, s):
+        rows = [i for i, q in enumerate(c["seq"]) if q == s]
+        pos = [c["positions"][i] for i in rows]
+        lo, hi = min(pos), max(pos)
+        plen = self.fixed_prompt_len or self.prompt_len.get(s)
+        if self.fixed_prompt_len is None:
+            if plen is None or (self.prompt_growing.get(s, True) and len(rows) > 1):
+                # Calls of several tokens before the sequence's first one-token call are its
+                # prompt's pieces (a chunked prefill); pass prompt_len when a piece is one token.
+                plen = self.prompt_len[s] = max(plen or 0, hi + 1)
+            if len(rows) == 1:
+                self.prompt_growing[s] = False
+        step = 0 if hi < plen else lo - plen + 1
         meta = {"step": str(step)}
         rank = f".rank-{self.tp_rank}" if self.tp_rank is not None else ""
         if self.tp_size is not None:
             meta.update(tp_rank=str(self.tp_rank or 0), tp_size=str(self.tp_size))
-        path = os.path.join(self.partial, f"step-{step:04d}.call-{self.calls:05d}{rank}.safetensors")
-        self.calls += 1
-        tensors = dict(c["tensors"])
-        tensors["tokens"], tensors["positions"] = c["tokens"], c["positions"]
-        if len(set(c["seq"])) > 1 or c["seq"][0] != 0:
-            tensors["seq"] = c["seq"]
+        name = f"step-{step:04d}.call-{self.calls:05d}.seq-{s}{rank}.safetensors"
+        batched = len(set(c["seq"])) > 1 or s != 0
+        every = len(c["tokens"])
+        tensors = {"tokens": [c["tokens"][i] for i in rows], "positions": pos}
+        if batched:
+            tensors["seq"] = [s] * len(rows)
         if "rope_positions" in c:
-            tensors["rope_positions"] = c["rope_positions"]
+            tensors["rope_positions"] = [c["rope_positions"][i] for i in rows]
+        for k, v in c["tensors"].items():
+            if k.endswith((".positions", ".seq")):
+                continue
+            own_pos, own_seq = c["tensors"].get(k + ".positions"), c["tensors"].get(k + ".seq")
+            if own_pos is not None:
+                seqs = own_seq if own_seq is not None else [c["seq"][0]] * len(own_pos)
+                keep = [i for i, q in enumerate(seqs) if q == s]
+                if not keep:
+                    continue
+                tensors[k + ".positions"] = [own_pos[i] for i in keep]
+                if batched:
+                    tensors[k + ".seq"] = [s] * len(keep)
+            else:
+                n = v.shape[0] if _is_torch(v) else len(v)
+                if n != every:
+                    raise ValueError(f"{k} has {n} rows, the call {every} tokens: pass positions=")
+                keep = rows
+            tensors[k] = _take(v, keep)
+        path = os.path.join(self.partial, name)
         if any(_is_torch(v) for v in tensors.values()):
             import torch
             from safetensors.torch import save_file
@@ -209,7 +237,7 @@ class Capture:
             shutil.rmtree(self.partial, ignore_errors=True)
             return
         meta = {"format": FORMAT, "version": VERSION, "engine": self.engine,
-                "dtype": self.dtype or "float32", "prompt_len": self.prompt_len}
+                "dtype": self.dtype or "float32"}
         if self.model is not None:
             meta["model"] = self.model
         with open(os.path.join(self.partial, "meta.json"), "w") as f:
@@ -222,6 +250,16 @@ class Capture:
         if _is_torch(x):
             return [int(v) for v in x.detach().reshape(-1).tolist()]
         return [int(v) for v in x]
+
+
+def _take(v, rows):
+    """Rows `rows` of a torch tensor or a list."""
+    if _is_torch(v):
+        import torch
+        if rows == list(range(v.shape[0])):
+            return v
+        return v.index_select(0, torch.tensor(rows, dtype=torch.long)).contiguous()
+    return [v[i] for i in rows]
 
 
 def _TORCH_KEEP():

@@ -424,4 +424,96 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
             Some(_) => assert_eq!((code, first(&r)), (Some(1), Some((0, "L2.k".into(), 17)))),
         }
     }
+    // Two sequences packed into every call (continuous batching), only the second perturbed:
+    // kvdiff asks which one, and finds each as it is.
+    let out = tmp.path().join("batched");
+    let o = Command::new("python3")
+        .arg(&script)
+        .arg(&d)
+        .arg(&out)
+        .args(["--perturb", "L2.k", "0", "17", "--batched"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = kvdiff(&["diff", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--seq"));
+    for (seq, want) in [("0", None), ("1", Some((0, "L2.k".to_string(), 17)))] {
+        let o = kvdiff(&[
+            "diff",
+            "--seq",
+            seq,
+            "--json",
+            json.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(first(&json_of(&o, &json)), want, "seq {seq}");
+    }
+}
+
+/// A tensor-parallel engine writes one file per rank, each with its own heads: kvdiff joins the
+/// shards in rank order. Rank 1's files are written first, so file order says nothing.
+#[test]
+fn tensor_parallel_shards_are_joined_by_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let e = tmp.path().join("tp");
+    copy_dir(&d, &e);
+    let sharded = ["q", "k", "v", "q_rope", "k_rope", "attn_probs", "attn_out"];
+    for step in 0..5 {
+        let path = step_file(&e, step);
+        let (t, meta) = read(&path);
+        std::fs::remove_file(&path).unwrap();
+        for rank in [1usize, 0] {
+            let mut part = HashMap::new();
+            for (name, x) in &t {
+                let kind = name.rsplit('.').next().unwrap();
+                let x = if name.starts_with('L') && sharded.contains(&kind) {
+                    // Half the heads (attn_out: half the head·dim columns) per rank.
+                    let w = x.bytes.len() / x.shape[0];
+                    let mut shape = x.shape.clone();
+                    shape[1] /= 2;
+                    let bytes = x
+                        .bytes
+                        .chunks_exact(w)
+                        .flat_map(|row| row[rank * w / 2..(rank + 1) * w / 2].to_vec())
+                        .collect();
+                    T {
+                        dtype: x.dtype,
+                        shape,
+                        bytes,
+                    }
+                } else {
+                    x.clone()
+                };
+                part.insert(name.clone(), x);
+            }
+            let mut m = meta.clone();
+            m.insert("tp_rank".into(), rank.to_string());
+            m.insert("tp_size".into(), "2".into());
+            let file = e.join(format!("step-{step:04}.rank-{rank}.safetensors"));
+            write(&file, &(part, m));
+        }
+    }
+    let json = tmp.path().join("r.json");
+    let (code, r) = diff(&[&e], &json);
+    assert_eq!((code, first(&r)), (Some(0), None), "{r}");
+    // Rank 1's half of L0.k_rope changed: named at a head of the second half.
+    let p = e.join("step-0000.rank-1.safetensors");
+    let (mut t, m) = read(&p);
+    let x = t["L0.k_rope"].clone();
+    let mut v = x.f32s();
+    let w = v.len() / x.shape[0];
+    v[4 * w] += 1.0;
+    t.insert("L0.k_rope".into(), T::from_f32(x.shape.clone(), &v));
+    write(&p, &(t, m));
+    let (code, r) = diff(&[&e], &json);
+    assert_eq!(code, Some(1));
+    assert_eq!(first(&r), Some((0, "L0.k_rope".into(), 4)));
+    let kv_heads = x.shape[1] * 2;
+    assert_eq!(
+        r["paths"][0]["first_divergence"]["head"].as_u64().unwrap() as usize,
+        kv_heads / 2,
+        "the first head of rank 1"
+    );
 }

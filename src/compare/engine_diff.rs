@@ -8,7 +8,7 @@ use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::TokenFlip;
-use crate::compare::report::{PathReport, TokenDivergence};
+use crate::compare::report::{EngineInfo, PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
@@ -154,28 +154,6 @@ pub struct EngineDiff {
     /// Tokens by position, prompt then decode steps, as fed.
     pub tokens: Vec<u32>,
     pub info: EngineInfo,
-}
-
-/// What the report says of the engine and its dump.
-#[derive(serde::Serialize, Clone, Debug, Default)]
-pub struct EngineInfo {
-    pub dump: String,
-    pub engine: String,
-    pub dtype: String,
-    pub steps: usize,
-    /// Tap names compared (both sides had them).
-    pub compared: Vec<String>,
-    /// Taps the reference has that the engine did not provide (e.g. `attn_probs` under flash
-    /// attention).
-    pub not_provided: Vec<String>,
-    /// Tensors in the dump that are no kvdiff tap.
-    pub ignored: Vec<String>,
-    /// The first positions where the engine fed RoPE another position id than the row's
-    /// position: (position, position id).
-    pub rope_position_ids: Vec<(usize, i64)>,
-    /// Steps not compared because the two sides were fed different tokens from there on.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stopped_at_step: Option<usize>,
 }
 
 pub struct DumpDiff<'a> {

@@ -129,7 +129,29 @@ pub struct Report {
     pub outcome: Option<Outcome>,
     /// `kvdiff diff`: the engine's dump, the taps compared and those it did not provide.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub engine: Option<crate::compare::engine_diff::EngineInfo>,
+    pub engine: Option<EngineInfo>,
+}
+
+/// What the report says of the engine and its dump.
+#[derive(Serialize, Clone, Debug, Default)]
+pub struct EngineInfo {
+    pub dump: String,
+    pub engine: String,
+    pub dtype: String,
+    pub steps: usize,
+    /// Tap names compared (both sides had them).
+    pub compared: Vec<String>,
+    /// Taps the reference has that the engine did not provide (e.g. `attn_probs` under flash
+    /// attention).
+    pub not_provided: Vec<String>,
+    /// Tensors in the dump that are no kvdiff tap.
+    pub ignored: Vec<String>,
+    /// The first positions where the engine fed RoPE another position id than the row's
+    /// position: (position, position id).
+    pub rope_position_ids: Vec<(usize, i64)>,
+    /// Steps not compared because the two sides were fed different tokens from there on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_at_step: Option<usize>,
 }
 
 #[derive(Serialize)]
@@ -367,7 +389,7 @@ fn by_kind(names: &[String]) -> String {
         .join(", ")
 }
 
-fn engine_text(s: &mut String, e: &crate::compare::engine_diff::EngineInfo) {
+fn engine_text(s: &mut String, e: &EngineInfo) {
     let _ = writeln!(
         s,
         "engine: {} ({}), {} steps from {}",

@@ -360,7 +360,7 @@ impl DumpDir {
             })
             .collect();
         // Each tap's rows decoded on its own core: a 0.6B-sized prefill step is ~1 GB.
-        let decoded: Vec<Result<(TapId, Vec<(usize, Vec<usize>, Vec<f32>)>)>> = wanted_taps
+        let decoded: Vec<Result<(TapId, Vec<DecodedRow>)>> = wanted_taps
             .par_iter()
             .map(|(id, name, view)| {
                 let (tap_pos, tap_seq) = match st.tensor(&format!("{name}.positions")) {
@@ -419,6 +419,9 @@ impl DumpDir {
         Ok(())
     }
 }
+
+/// One row of a step file: its position, its shape after the token axis, its values.
+type DecodedRow = (usize, Vec<usize>, Vec<f32>);
 
 /// A tap's rows by position: each row's shape (after the token axis) and values.
 type Rows = BTreeMap<usize, (Vec<usize>, Vec<f32>)>;
