@@ -13,6 +13,9 @@ use crate::compare::report::{AttnRows, Divergence, LayerRow};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
+/// Taps with at least this many values are diffed on every core.
+const PARALLEL_VALUES: usize = 1 << 18;
+
 /// The reference's taps of one step, as the comparator holds them: copied to the host, or,
 /// with `on_device`, kept in GPU memory where the reference ran.
 pub(crate) struct ReferenceRecorder {
@@ -338,33 +341,41 @@ impl TapSink for Comparator<'_> {
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
         let heads = self.heads;
-        // Rows diffed in parallel (a long prefill's tap is thousands of rows), booked in order.
-        let rows: Vec<(usize, RowDiff, bool, usize)> = v
-            .positions
-            .par_iter()
-            .enumerate()
-            .filter_map(|(row, &pos)| {
-                // Reference rows are usually consecutive positions: try the direct index first.
-                let direct = pos
-                    .checked_sub(r.positions[0])
-                    .filter(|&i| r.positions.get(i) == Some(&pos));
-                let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
-                let a = &v.data[row * width..(row + 1) * width];
-                let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
-                // Attention rows over fewer keys: pad each head's row to the reference's key span.
-                let padded;
-                let a = if kind == "attn_probs" && width != rwidth {
-                    padded = pad_heads(a, heads, rwidth / heads);
-                    &padded[..]
-                } else {
-                    a
-                };
-                let d = row_diff(a, b);
-                let bitwise_equal =
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                Some((pos, d, bitwise_equal, a.len().max(b.len())))
-            })
-            .collect();
+        let diff_row = |(row, &pos): (usize, &usize)| {
+            // Reference rows are usually consecutive positions: try the direct index first.
+            let direct = pos
+                .checked_sub(r.positions[0])
+                .filter(|&i| r.positions.get(i) == Some(&pos));
+            let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
+            let a = &v.data[row * width..(row + 1) * width];
+            let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
+            // Attention rows over fewer keys: pad each head's row to the reference's key span.
+            let padded;
+            let a = if kind == "attn_probs" && width != rwidth {
+                padded = pad_heads(a, heads, rwidth / heads);
+                &padded[..]
+            } else {
+                a
+            };
+            let d = row_diff(a, b);
+            let bitwise_equal =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            Some((pos, d, bitwise_equal, a.len().max(b.len())))
+        };
+        // A long prefill's tap (thousands of rows) is diffed on every core, booked in order.
+        let rows: Vec<(usize, RowDiff, bool, usize)> = if v.data.len() >= PARALLEL_VALUES {
+            v.positions
+                .par_iter()
+                .enumerate()
+                .filter_map(diff_row)
+                .collect()
+        } else {
+            v.positions
+                .iter()
+                .enumerate()
+                .filter_map(diff_row)
+                .collect()
+        };
         self.book(step, v.id, rows);
         if kind == "attn_probs" {
             self.keep_attn_rows(step, &v, &r);

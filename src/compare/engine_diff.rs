@@ -208,6 +208,8 @@ impl DumpDiff<'_> {
             };
             if step > 0 {
                 all_tokens.extend(e.tokens.values().copied());
+                // Tokens by position, for the report's token texts.
+                cmp.tokens.extend(e.tokens.values().copied());
             }
             rope_ids.extend(e.rope_positions.iter().map(|(&p, &r)| (p, r)));
             let r = reference.step(step, &e, self.taps)?;

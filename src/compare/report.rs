@@ -355,13 +355,24 @@ pub fn text(r: &Report, j: &Judgement, colour: bool) -> String {
     if let Some(src) = &r.tolerance.source {
         let _ = writeln!(s, "tolerance: {src}");
     }
-    let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
-    if let Some(e) = &r.engine {
-        engine_text(&mut s, e);
+    match &r.engine {
+        None => {
+            let _ = writeln!(s, "reference answer: {:?}", r.reference_text);
+        }
+        Some(e) => {
+            // Both sides ran on the tokens the engine was fed.
+            let _ = writeln!(s, "tokens fed after the prompt: {:?}", r.reference_text);
+            engine_text(&mut s, e);
+        }
     }
+    let fed = if r.engine.is_some() {
+        "both ran on the engine's tokens"
+    } else {
+        "both fed the reference's tokens from there on"
+    };
     for p in &r.paths {
         let _ = writeln!(s);
-        path_text(&mut s, p, j, colour);
+        path_text(&mut s, p, j, colour, fed);
     }
     s
 }
@@ -427,7 +438,7 @@ fn engine_text(s: &mut String, e: &EngineInfo) {
 }
 
 /// One path's section: verdict, first divergence, tokens, agreement, the per-layer table.
-fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool) {
+fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool, fed: &str) {
     let _ = writeln!(s, "{}", verdict_line(p, j, colour));
     divergence_text(s, p.first_divergence.as_ref(), colour);
     match &p.first_token_divergence {
@@ -437,7 +448,7 @@ fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool) {
         Some(t) => {
             let _ = writeln!(
                 s,
-                "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; both fed the reference's tokens from there on",
+                "  first token divergence: step {}, position {}: reference {:?} vs path {:?}; {fed}",
                 t.step, t.position, t.reference_text, t.path_text
             );
             let _ = writeln!(
