@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|sweep|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|sweep|capture|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,4 +24,11 @@ if [ "$stage" = all ] || [ "$stage" = bench ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = sweep ]; then
   scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"
+fi
+if [ "$stage" = all ] || [ "$stage" = capture ]; then
+  # HF transformers and a nano-vllm layout captured by scripts/kvdiff_capture.py, then kvdiff diff.
+  python3 scripts/capture_hf_test.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/capture.log" | grep -vE "^\(|Writing|Loading"
+  for m in fixtures/default-model fixtures/random-model; do
+    python3 scripts/capture_nano_test.py .out/bin/kvdiff "$m"
+  done
 fi

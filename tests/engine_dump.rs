@@ -397,6 +397,12 @@ fn malformed_dumps_are_refused_naming_the_file() {
         std::fs::copy(step_file(e, 1), e.join("step-0001.again.safetensors")).unwrap();
     });
     refused(&e, "twice", "a position twice");
+    let e = case("nomodel", &|e| {
+        let mut m = common::read_json(&e.join("meta.json"));
+        m["model"] = "/nowhere/model".into();
+        std::fs::write(e.join("meta.json"), m.to_string()).unwrap();
+    });
+    refused(&e, "--model", "a model that is not here");
     refused(&tmp.path().join("absent"), "absent", "no folder");
 }
 

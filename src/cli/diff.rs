@@ -105,9 +105,9 @@ fn load_model(a: &DiffArgs, engine_dump: &DumpDir, required: bool) -> Result<Opt
         None if required => Err(Error::usage(
             "--model",
             format!(
-                "{}'s meta.json names no model folder found here ({:?})",
+                "{}'s meta.json names no model folder found here ({})",
                 engine_dump.dir.display(),
-                engine_dump.meta.model
+                engine_dump.meta.model.as_deref().unwrap_or("no \"model\" key")
             ),
             "pass --model DIR (the Hugging Face folder the engine ran)",
         )),
