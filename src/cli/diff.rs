@@ -107,7 +107,11 @@ fn load_model(a: &DiffArgs, engine_dump: &DumpDir, required: bool) -> Result<Opt
             format!(
                 "{}'s meta.json names no model folder found here ({})",
                 engine_dump.dir.display(),
-                engine_dump.meta.model.as_deref().unwrap_or("no \"model\" key")
+                engine_dump
+                    .meta
+                    .model
+                    .as_deref()
+                    .unwrap_or("no \"model\" key")
             ),
             "pass --model DIR (the Hugging Face folder the engine ran)",
         )),

@@ -1,0 +1,215 @@
+//! The CPU backend against this machine's limits, measured in one run (`cargo bench --bench
+//! cpu`, or `scripts/bench_cpu.sh`): a model of Qwen3-0.6B's shape with random weights,
+//!   prefill GFLOP/s  against the f32 GEMM rate of `matrixmultiply::sgemm` (a tuned,
+//!                    multithreaded SGEMM) on the prefill's own shapes;
+//!   decode GB/s      against the read bandwidth of a parallel sum over a buffer as large as
+//!                    the weights.
+//! Prints a table last. KVDIFF_BENCH_TOKENS sets the prompt lengths (default "128,512").
+
+use std::time::Instant;
+
+use kvdiff::engine::config::Config;
+use kvdiff::engine::model::{Batch, Model};
+use kvdiff::engine::ops::matmul_t;
+use kvdiff::tap::NullSink;
+use rayon::prelude::*;
+
+/// y[n, out] = x[n, inp] · wᵀ.
+type Matmul = dyn Fn(&[f32], usize, &[f32], usize) -> Vec<f32>;
+
+fn qwen3_0_6b() -> Config {
+    Config {
+        vocab_size: 151_936,
+        hidden_size: 1024,
+        intermediate_size: 3072,
+        num_hidden_layers: 28,
+        num_attention_heads: 16,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        max_position_embeddings: 40_960,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        tie_word_embeddings: true,
+        eos_token_ids: vec![],
+    }
+}
+
+/// Seconds of the fastest of `reps` runs.
+fn best(reps: usize, mut f: impl FnMut()) -> f64 {
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// `matrixmultiply::sgemm` of y[n, out] = x[n, inp] · wᵀ, split over the cores by output
+/// columns as kvdiff splits its own (sgemm itself is single-threaded here).
+fn sgemm(x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+    let inp = w.len() / out;
+    let cols = out.div_ceil(rayon::current_num_threads());
+    let parts: Vec<(usize, Vec<f32>)> = (0..out)
+        .step_by(cols)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|lo| {
+            let hi = (lo + cols).min(out);
+            let mut y = vec![0f32; n * (hi - lo)];
+            unsafe {
+                matrixmultiply::sgemm(
+                    n,
+                    inp,
+                    hi - lo,
+                    1.0,
+                    x.as_ptr(),
+                    inp as isize,
+                    1,
+                    w[lo * inp..].as_ptr(),
+                    1,
+                    inp as isize,
+                    0.0,
+                    y.as_mut_ptr(),
+                    (hi - lo) as isize,
+                    1,
+                );
+            }
+            (lo, y)
+        })
+        .collect();
+    let mut y = vec![0f32; n * out];
+    for (lo, part) in parts {
+        let w = part.len() / n;
+        for i in 0..n {
+            y[i * out + lo..i * out + lo + w].copy_from_slice(&part[i * w..(i + 1) * w]);
+        }
+    }
+    y
+}
+
+fn main() {
+    let c = qwen3_0_6b();
+    let cores = rayon::current_num_threads();
+    let tokens: Vec<usize> = std::env::var("KVDIFF_BENCH_TOKENS")
+        .unwrap_or_else(|_| "128,512".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    eprintln!("building a random model of Qwen3-0.6B's shape (f32, {cores} threads)");
+    let model = Model::random(c.clone(), 7);
+    let (h, qd, kvd, i, v) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.vocab_size,
+    );
+    let layer_params = h * (qd + 2 * kvd) + qd * h + 3 * h * i;
+    let weight_bytes = 4 * (c.num_hidden_layers * layer_params + v * h);
+
+    // The GEMM ceiling, on the prefill's own shapes (one layer's projections), and kvdiff's
+    // matmul on the same shapes.
+    let n = *tokens.iter().max().unwrap_or(&512);
+    let rnd = |len: usize| {
+        (0..len)
+            .map(|k| ((k * 7919 % 1000) as f32 - 500.0) * 1e-3)
+            .collect::<Vec<f32>>()
+    };
+    let x = rnd(n * h);
+    let xi = rnd(n * i);
+    let xq = rnd(n * qd);
+    let shapes = [(qd + 2 * kvd, h), (h, qd), (2 * i, h), (h, i)];
+    let ws: Vec<Vec<f32>> = shapes.iter().map(|&(o, inp)| rnd(o * inp)).collect();
+    let flops: f64 = shapes
+        .iter()
+        .map(|&(o, inp)| 2.0 * (n * o * inp) as f64)
+        .sum();
+    let run = |f: &Matmul| {
+        for (w, &(o, inp)) in ws.iter().zip(&shapes) {
+            let input = match inp {
+                _ if inp == i => &xi,
+                _ if inp == qd => &xq,
+                _ => &x,
+            };
+            std::hint::black_box(f(input, n, w, o));
+        }
+    };
+    let peak = flops / best(5, || run(&sgemm)) / 1e9;
+    let ours_gemm = flops / best(5, || run(&matmul_t)) / 1e9;
+
+    // Read bandwidth over a buffer as large as the weights.
+    let buf = vec![1f32; weight_bytes / 4];
+    let read = best(5, || {
+        // Sixteen independent sums per chunk: the loads, not the adds, set the pace.
+        let s: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0f32; 16];
+                for ch in c.chunks_exact(16) {
+                    for k in 0..16 {
+                        acc[k] += ch[k];
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(s);
+    });
+    let bandwidth = weight_bytes as f64 / read / 1e9;
+    drop(buf);
+
+    let mut rows = Vec::new();
+    for &t in &tokens {
+        let ids: Vec<u32> = (0..t as u32).map(|k| (k * 31 + 7) % v as u32).collect();
+        let pos: Vec<usize> = (0..t).collect();
+        let mut sink = NullSink::new(c.num_hidden_layers);
+        let mut cache = model.new_cache();
+        let secs = best(1, || {
+            cache = model.new_cache();
+            model.forward(Batch::new(&ids, &pos), &mut cache, 0, &mut sink);
+        });
+        // Projections and MLP per token, attention scores and values, and the last token's
+        // LM head (prefill returns one row of logits).
+        let attn = 4.0
+            * (c.num_hidden_layers * c.num_attention_heads * c.head_dim) as f64
+            * (t * (t + 1) / 2) as f64;
+        let prefill_flops =
+            2.0 * (t * c.num_hidden_layers * layer_params) as f64 + attn + 2.0 * (v * h) as f64;
+        let steps = 8;
+        let mut at = t;
+        let decode = best(1, || {
+            for _ in 0..steps {
+                model.forward(Batch::new(&[1], &[at]), &mut cache, 1, &mut sink);
+                at += 1;
+            }
+        }) / steps as f64;
+        rows.push((
+            t,
+            prefill_flops / secs / 1e9,
+            secs,
+            weight_bytes as f64 / decode / 1e9,
+            decode,
+        ));
+    }
+    println!(
+        "\nQwen3-0.6B shape, f32, {cores} threads; weights {:.2} GB",
+        weight_bytes as f64 / 1e9
+    );
+    println!("f32 GEMM ceiling (matrixmultiply sgemm, {n} x layer shapes): {peak:.1} GFLOP/s; kvdiff matmul_t on the same: {ours_gemm:.1} GFLOP/s ({:.0}%)", 100.0 * ours_gemm / peak);
+    println!(
+        "read bandwidth (parallel sum, {:.1} GB): {bandwidth:.1} GB/s",
+        weight_bytes as f64 / 1e9
+    );
+    println!(
+        "{:>8} {:>14} {:>10} {:>9} {:>14} {:>10} {:>9}",
+        "tokens", "prefill GF/s", "prefill s", "of peak", "decode GB/s", "step s", "of bw"
+    );
+    for (t, gf, s, gb, d) in rows {
+        println!(
+            "{t:>8} {gf:>14.1} {s:>10.2} {:>8.0}% {gb:>14.1} {d:>10.3} {:>8.0}%",
+            100.0 * gf / peak,
+            100.0 * gb / bandwidth
+        );
+    }
+}

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The CPU backend against this machine's limits, one run (benches/cpu.rs): a random-weight model
+# of Qwen3-0.6B's shape; prefill GFLOP/s against matrixmultiply's SGEMM on the prefill's own
+# shapes, decode GB/s against a parallel read of a buffer as large as the weights. Table last.
+#   scripts/bench_cpu.sh [TOKENS,...]      (default 128,512; 1024 takes about a minute on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVDIFF_BENCH_TOKENS=${1:-128,512} cargo bench --bench cpu 2>&1 | grep -vE "^\s+(Compiling|Finished|Running)"
