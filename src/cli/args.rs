@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
+use kvdiff::compare::run::Policy;
 use kvdiff::compare::target::{Backend, Target};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
@@ -174,5 +175,57 @@ pub fn print_timings(model: Option<&kvdiff::engine::model::Model>) {
     }
     if let Some(r) = kvdiff::support::timing::report() {
         eprint!("{r}");
+    }
+}
+
+/// How rows are judged: what `compare` and `diff` share.
+#[derive(Args)]
+pub struct ToleranceArgs {
+    /// auto (per tap kind, a safety factor times the summed rounding error of the two sides,
+    /// each measured against an f64 recomputation), exact (bitwise), or fixed (--atol/--rtol;
+    /// giving either implies fixed).
+    #[arg(long, value_enum, default_value_t = TolPolicy::Auto)]
+    pub tolerance: TolPolicy,
+    /// Absolute tolerance (fixed policy): a row diverges when max|diff| > atol + rtol·max|ref|.
+    #[arg(long, value_name = "X")]
+    pub atol: Option<f32>,
+    /// Relative tolerance (fixed policy).
+    #[arg(long, value_name = "X")]
+    pub rtol: Option<f32>,
+    /// Thresholds from a noise profile written by `kvdiff calibrate`, instead of calibrating
+    /// now (auto policy): CI can pin them, and a change in them shows in review.
+    #[arg(long, value_name = "FILE")]
+    pub noise_profile: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+pub enum TolPolicy {
+    Auto,
+    Exact,
+    Fixed,
+}
+
+impl ToleranceArgs {
+    /// The policy, `--atol` and `--rtol` checked (either of them selects fixed).
+    pub fn policy(&self) -> Result<Policy> {
+        for (flag, v) in [("--atol", self.atol), ("--rtol", self.rtol)] {
+            if v.is_some_and(|x| !(x.is_finite() && x >= 0.0)) {
+                return Err(Error::usage(
+                    flag,
+                    "must be a finite number >= 0",
+                    "e.g. --rtol 1e-4",
+                ));
+            }
+        }
+        let fixed =
+            self.tolerance == TolPolicy::Fixed || self.atol.is_some() || self.rtol.is_some();
+        Ok(match (fixed, self.tolerance) {
+            (true, _) => Policy::Fixed {
+                atol: self.atol.unwrap_or(0.0),
+                rtol: self.rtol.unwrap_or(0.0),
+            },
+            (false, TolPolicy::Exact) => Policy::Exact,
+            (false, _) => Policy::Auto,
+        })
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 
 use kvdiff::compare::noise::NoiseProfile;
 use kvdiff::compare::report::{self, Judgement};
@@ -13,7 +13,9 @@ use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
 use kvdiff::io::prompt::Prompt;
 use kvdiff::support::progress;
 
-use super::args::{load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs};
+use super::args::{
+    load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs, ToleranceArgs,
+};
 
 pub const COMPARE_HELP: &str = "\
 PATHS:
@@ -39,21 +41,8 @@ pub struct CompareArgs {
     model: Option<PathBuf>,
     #[command(flatten)]
     which: PathArgs,
-    /// auto (per tap kind, a safety factor times the summed rounding error of the two sides,
-    /// each measured against an f64 recomputation), exact (bitwise), or fixed (--atol/--rtol;
-    /// giving either implies fixed).
-    #[arg(long, value_enum, default_value_t = TolPolicy::Auto)]
-    tolerance: TolPolicy,
-    /// Absolute tolerance (fixed policy): a row diverges when max|diff| > atol + rtol·max|ref|.
-    #[arg(long, value_name = "X")]
-    atol: Option<f32>,
-    /// Relative tolerance (fixed policy).
-    #[arg(long, value_name = "X")]
-    rtol: Option<f32>,
-    /// Thresholds from a noise profile written by `kvdiff calibrate`, instead of calibrating
-    /// now (auto policy): CI can pin them, and a change in them shows in review.
-    #[arg(long, value_name = "FILE")]
-    noise_profile: Option<PathBuf>,
+    #[command(flatten)]
+    tol: ToleranceArgs,
     /// Fail (exit 1) when an approximate path's next-token logits differ from the
     /// reference's by more than this relative L2 at any step.
     #[arg(long, value_name = "X")]
@@ -150,13 +139,6 @@ fn parse_cuts(list: &str, len: usize) -> Result<Vec<usize>> {
         .collect()
 }
 
-#[derive(Clone, Copy, PartialEq, ValueEnum)]
-enum TolPolicy {
-    Auto,
-    Exact,
-    Fixed,
-}
-
 pub fn run(a: CompareArgs) -> Result<i32> {
     set_threads(a.threads)?;
     for (path, flag) in [
@@ -174,7 +156,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if uses_cuda {
         require_cuda()?;
     }
-    let profile = match &a.noise_profile {
+    let profile = match &a.tol.noise_profile {
         Some(f) => Some((NoiseProfile::load(f)?, f.as_path())),
         None => None,
     };
@@ -244,18 +226,8 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     Ok(code)
 }
 
-/// `--tolerance`, `--atol`, `--rtol` (either of the last two selects fixed), and `--budget`
-/// checked.
+/// The tolerance flags, and `--budget`, checked.
 fn policy(a: &CompareArgs) -> Result<Policy> {
-    for (flag, v) in [("--atol", a.atol), ("--rtol", a.rtol)] {
-        if v.is_some_and(|x| !(x.is_finite() && x >= 0.0)) {
-            return Err(Error::usage(
-                flag,
-                "must be a finite number >= 0",
-                "e.g. --rtol 1e-4",
-            ));
-        }
-    }
     if a.budget.is_some_and(|b| !(b.is_finite() && b >= 0.0)) {
         return Err(Error::usage(
             "--budget",
@@ -263,15 +235,7 @@ fn policy(a: &CompareArgs) -> Result<Policy> {
             "e.g. --budget 0.05",
         ));
     }
-    let fixed = a.tolerance == TolPolicy::Fixed || a.atol.is_some() || a.rtol.is_some();
-    Ok(match (fixed, a.tolerance) {
-        (true, _) => Policy::Fixed {
-            atol: a.atol.unwrap_or(0.0),
-            rtol: a.rtol.unwrap_or(0.0),
-        },
-        (false, TolPolicy::Exact) => Policy::Exact,
-        (false, _) => Policy::Auto,
-    })
+    a.tol.policy()
 }
 
 /// The JSON and HTML reports, each written atomically where asked.

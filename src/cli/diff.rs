@@ -9,6 +9,7 @@ use kvdiff::compare::diff::Tolerance;
 use kvdiff::compare::engine_diff::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
 use kvdiff::compare::noise::{Calibration, NoiseProfile};
 use kvdiff::compare::report::{self, ChunkInfo, Judgement, Report, ToleranceInfo, SCHEMA};
+use kvdiff::compare::run::Policy;
 use kvdiff::engine::chunks::ChunkedPrompt;
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
@@ -18,7 +19,7 @@ use kvdiff::support::progress;
 use kvdiff::tap::read::DumpDir;
 use kvdiff::tap::TapFilter;
 
-use super::args::{print_timings, require_cuda, set_threads, BackendArg};
+use super::args::{print_timings, require_cuda, set_threads, BackendArg, ToleranceArgs};
 use super::compare::write_outputs;
 
 pub const DIFF_HELP: &str = "\
@@ -51,18 +52,8 @@ pub struct DiffArgs {
     /// Comma-separated globs over tap names to compare.
     #[arg(long, value_name = "GLOB", default_value = "*")]
     taps: String,
-    /// auto, exact (bitwise) or fixed (--atol/--rtol; either implies fixed).
-    #[arg(long, value_name = "POLICY", default_value = "auto")]
-    tolerance: String,
-    #[arg(long, value_name = "X")]
-    atol: Option<f32>,
-    #[arg(long, value_name = "X")]
-    rtol: Option<f32>,
-    /// Thresholds from `kvdiff calibrate` instead of calibrating now (faster for a large
-    /// model: calibration is an f64 prefill on the CPU; make it with --backend cuda when the
-    /// reference runs there).
-    #[arg(long, value_name = "FILE")]
-    noise_profile: Option<PathBuf>,
+    #[command(flatten)]
+    tol: ToleranceArgs,
     /// The sequence to compare in a batched capture (its `seq` ids).
     #[arg(long, value_name = "ID")]
     seq: Option<i64>,
@@ -136,21 +127,14 @@ pub fn run(a: DiffArgs) -> Result<i32> {
             check_output_parent(p, flag)?;
         }
     }
-    let fixed = a.atol.is_some() || a.rtol.is_some() || a.tolerance == "fixed";
-    if !matches!(a.tolerance.as_str(), "auto" | "exact" | "fixed") {
-        return Err(Error::usage(
-            "--tolerance",
-            format!("{:?} is not a policy", a.tolerance),
-            "auto, exact or fixed",
-        ));
-    }
+    let policy = a.tol.policy()?;
     let (reference_dump, engine_dump) = match a.dumps.as_slice() {
         [e] => (None, DumpDir::open(e, a.seq)?),
         [r, e] => (Some(DumpDir::open(r, a.seq)?), DumpDir::open(e, a.seq)?),
         _ => unreachable!("clap takes one or two"),
     };
-    let auto = !fixed && a.tolerance == "auto";
-    let needs_model = reference_dump.is_none() || (auto && a.noise_profile.is_none());
+    let auto = policy == Policy::Auto;
+    let needs_model = reference_dump.is_none() || (auto && a.tol.noise_profile.is_none());
     let engine = load_model(&a, &engine_dump, needs_model)?;
     let cuda = reference_dump.is_none() && a.backend == BackendArg::Cuda;
     if cuda {
@@ -183,25 +167,25 @@ pub fn run(a: DiffArgs) -> Result<i32> {
         None => side(cuda),
     };
     let engine_side = side(engine_dump.meta.half_precision());
-    let (tolerance, mut info) = if fixed {
-        let t = Tolerance::Fixed {
-            atol: a.atol.unwrap_or(0.0),
-            rtol: a.rtol.unwrap_or(0.0),
-        };
-        let i = ToleranceInfo::new(&t);
-        (t, i)
-    } else if a.tolerance == "exact" {
-        (Tolerance::Exact, ToleranceInfo::new(&Tolerance::Exact))
-    } else {
-        let steps = engine_dump.steps().len();
-        auto_tolerance(
-            &a,
-            engine.as_ref(),
-            gpu_model.as_ref(),
-            &prompt_ids,
-            steps,
-            (ref_side, engine_side),
-        )?
+    let (tolerance, mut info) = match policy {
+        Policy::Fixed { atol, rtol } => {
+            let t = Tolerance::Fixed { atol, rtol };
+            let i = ToleranceInfo::new(&t);
+            (t, i)
+        }
+        Policy::Exact => (Tolerance::Exact, ToleranceInfo::new(&Tolerance::Exact)),
+        Policy::Auto => {
+            let steps = engine_dump.steps().len();
+            let sides = (ref_side, engine_side);
+            auto_tolerance(
+                &a,
+                engine.as_ref(),
+                gpu_model.as_ref(),
+                &prompt_ids,
+                steps,
+                sides,
+            )?
+        }
     };
     if auto {
         let held = |s: &str| match s {
@@ -275,7 +259,7 @@ fn auto_tolerance(
     steps: usize,
     (ref_side, engine_side): (&str, &str),
 ) -> Result<(Tolerance, ToleranceInfo)> {
-    let (profile, source, cal) = match &a.noise_profile {
+    let (profile, source, cal) = match &a.tol.noise_profile {
         Some(f) => {
             let p = NoiseProfile::load(f)?;
             if let Some(e) = engine {

@@ -178,6 +178,7 @@ impl DumpDiff<'_> {
             ));
         }
         let prompt_ids: Vec<u32> = step0.tokens.values().copied().collect();
+        let mut piece_starts: Vec<usize> = step0.piece_starts.iter().copied().collect();
         let total = step0.tokens.keys().next_back().map_or(0, |&p| p + 1) + steps.len() - 1;
         let (heads, kv_heads, layers) = reference
             .dims()
@@ -244,9 +245,13 @@ impl DumpDiff<'_> {
             }
             // The next token each side predicts from this step's last position.
             let next_pos = e.tokens.keys().next_back().map_or(0, |&p| p + 1);
-            let engine_next = steps
-                .get(i + 1)
-                .and_then(|_| self.engine_next_token(&steps, i, next_pos));
+            // The next step, read now: the token the engine was fed there is its choice.
+            if let Some(&next) = steps.get(i + 1) {
+                pending = Some(self.engine.load_step(next, self.taps)?);
+            }
+            let engine_next = pending
+                .as_ref()
+                .and_then(|n| n.tokens.get(&next_pos).copied());
             let e_logits = last_logits(&e);
             if let (Some(el), Some(rl)) = (&e_logits, &r.next_logits) {
                 agreement.add(StepLogits::Host(el.clone()), StepLogits::Host(rl.clone()));
@@ -301,12 +306,6 @@ impl DumpDiff<'_> {
             noise: cmp.noise,
             reference_tokens: all_tokens[prompt_ids.len()..].to_vec(),
         };
-        let mut piece_starts: Vec<usize> = self
-            .engine
-            .load_step(0, &TapFilter::none())?
-            .piece_starts
-            .into_iter()
-            .collect();
         piece_starts.retain(|&p| p > 0);
         let names = |s: &BTreeSet<TapId>| s.iter().map(TapId::to_string).collect::<Vec<_>>();
         let not_provided: BTreeSet<TapId> = ref_has
@@ -331,15 +330,6 @@ impl DumpDiff<'_> {
                 stopped_at_step: stopped,
             },
         })
-    }
-
-    /// The token the engine was fed at `pos` in the step after `steps[i]`.
-    fn engine_next_token(&self, steps: &[usize], i: usize, pos: usize) -> Option<u32> {
-        let next = self
-            .engine
-            .load_step(steps[i + 1], &TapFilter::none())
-            .ok()?;
-        next.tokens.get(&pos).copied()
     }
 
     fn token_divergence(
