@@ -196,7 +196,6 @@ impl DumpDiff<'_> {
         let mut ref_has = BTreeSet::new();
         let mut first_token: Option<TokenDivergence> = None;
         let mut engine_tokens: Vec<u32> = Vec::new();
-        let mut all_tokens = prompt_ids.clone();
         let mut rope_ids: BTreeMap<usize, i64> = BTreeMap::new();
         let mut stopped = None;
         let mut pending = Some(step0);
@@ -208,8 +207,7 @@ impl DumpDiff<'_> {
                 None => self.engine.load_step(step, self.taps)?,
             };
             if step > 0 {
-                all_tokens.extend(e.tokens.values().copied());
-                // Tokens by position, for the report's token texts.
+                // Tokens by position: the report's token texts, and what was fed.
                 cmp.tokens.extend(e.tokens.values().copied());
             }
             rope_ids.extend(e.rope_positions.iter().map(|(&p, &r)| (p, r)));
@@ -274,6 +272,7 @@ impl DumpDiff<'_> {
             progress.advance("");
         }
         cmp.flush();
+        let all_tokens = std::mem::take(&mut cmp.tokens);
         let first_divergence = cmp.first.take();
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {
