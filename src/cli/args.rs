@@ -229,3 +229,43 @@ impl ToleranceArgs {
         })
     }
 }
+
+/// Where `compare` and `diff` also write their report.
+#[derive(Args)]
+pub struct ReportFiles {
+    /// Also write the report as JSON (schema 1) to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Also write the report as one self-contained HTML page (heatmaps, the first divergence
+    /// marked, a cell's numbers on click) to FILE, atomically.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+}
+
+impl ReportFiles {
+    /// Both folders exist and are writable, before any work.
+    pub fn check(&self) -> Result<()> {
+        for (p, flag) in [(&self.json, "--json"), (&self.html, "--html")] {
+            if let Some(p) = p {
+                kvdiff::io::output::check_output_parent(p, flag)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The JSON and HTML reports, each written atomically where asked.
+    pub fn write(&self, report: &kvdiff::compare::report::Report) -> Result<()> {
+        use kvdiff::io::output::write_atomic;
+        let value = serde_json::to_value(report).map_err(|e| Error::Internal(e.to_string()))?;
+        if let Some(path) = &self.json {
+            let bytes =
+                serde_json::to_vec_pretty(&value).map_err(|e| Error::Internal(e.to_string()))?;
+            write_atomic(path, &bytes, "--json")?;
+        }
+        if let Some(path) = &self.html {
+            let page = kvdiff::compare::html::render(&value);
+            write_atomic(path, page.as_bytes(), "--html")?;
+        }
+        Ok(())
+    }
+}

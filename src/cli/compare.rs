@@ -9,12 +9,13 @@ use kvdiff::compare::noise::NoiseProfile;
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
 use kvdiff::error::{Error, Result};
-use kvdiff::io::output::{check_output_parent, write_atomic, StagedDir};
+use kvdiff::io::output::{check_output_parent, StagedDir};
 use kvdiff::io::prompt::Prompt;
 use kvdiff::support::progress;
 
 use super::args::{
-    load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs, ToleranceArgs,
+    load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs, ReportFiles,
+    ToleranceArgs,
 };
 
 pub const COMPARE_HELP: &str = "\
@@ -58,13 +59,8 @@ pub struct CompareArgs {
     /// Most tokens to decode in lockstep.
     #[arg(long, value_name = "N", default_value_t = 16)]
     max_new_tokens: usize,
-    /// Also write the report as JSON (schema 1) to FILE, atomically.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Also write the report as one self-contained HTML page (heatmaps, the first divergence
-    /// marked, a cell's numbers on click) to FILE, atomically.
-    #[arg(long, value_name = "FILE")]
-    html: Option<PathBuf>,
+    #[command(flatten)]
+    files: ReportFiles,
     /// Also dump the taps of the reference and of each path into DIR/<path>/step-*.safetensors
     /// (same layout as `kvdiff dump`; both fed the reference's tokens).
     #[arg(long, value_name = "DIR")]
@@ -141,14 +137,9 @@ fn parse_cuts(list: &str, len: usize) -> Result<Vec<usize>> {
 
 pub fn run(a: CompareArgs) -> Result<i32> {
     set_threads(a.threads)?;
-    for (path, flag) in [
-        (&a.json, "--json"),
-        (&a.html, "--html"),
-        (&a.dump, "--dump"),
-    ] {
-        if let Some(p) = path {
-            check_output_parent(p, flag)?;
-        }
+    a.files.check()?;
+    if let Some(p) = &a.dump {
+        check_output_parent(p, "--dump")?;
     }
     let backend = a.which.backend.backend();
     let (reference, targets, uses_cuda) = a.which.targets()?;
@@ -211,7 +202,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         strict: a.strict,
     };
     let code = report.judge(&judge);
-    write_outputs(&report, a.json.as_deref(), a.html.as_deref())?;
+    a.files.write(&report)?;
     if kvdiff::support::progress::quiet() {
         print!("{}", report::verdict_lines(&report, &judge));
     } else {
@@ -236,26 +227,4 @@ fn policy(a: &CompareArgs) -> Result<Policy> {
         ));
     }
     a.tol.policy()
-}
-
-/// The JSON and HTML reports, each written atomically where asked.
-pub fn write_outputs(
-    report: &kvdiff::compare::report::Report,
-    json: Option<&std::path::Path>,
-    html: Option<&std::path::Path>,
-) -> Result<()> {
-    let value = serde_json::to_value(report).map_err(|e| Error::Internal(e.to_string()))?;
-    if let Some(path) = json {
-        let bytes =
-            serde_json::to_vec_pretty(&value).map_err(|e| Error::Internal(e.to_string()))?;
-        write_atomic(path, &bytes, "--json")?;
-    }
-    if let Some(path) = html {
-        write_atomic(
-            path,
-            kvdiff::compare::html::render(&value).as_bytes(),
-            "--html",
-        )?;
-    }
-    Ok(())
 }

@@ -14,13 +14,13 @@ use kvdiff::engine::chunks::ChunkedPrompt;
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
 use kvdiff::io::model_source::ModelSource;
-use kvdiff::io::output::check_output_parent;
 use kvdiff::support::progress;
 use kvdiff::tap::read::DumpDir;
 use kvdiff::tap::TapFilter;
 
-use super::args::{print_timings, require_cuda, set_threads, BackendArg, ToleranceArgs};
-use super::compare::write_outputs;
+use super::args::{
+    print_timings, require_cuda, set_threads, BackendArg, ReportFiles, ToleranceArgs,
+};
 
 pub const DIFF_HELP: &str = "\
 EXAMPLES:
@@ -60,12 +60,8 @@ pub struct DiffArgs {
     /// Fail on a near-tie token flip too.
     #[arg(long)]
     strict: bool,
-    /// Also write the report as JSON, atomically.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Also write the report as a self-contained HTML page, atomically.
-    #[arg(long, value_name = "FILE")]
-    html: Option<PathBuf>,
+    #[command(flatten)]
+    files: ReportFiles,
     /// Worker threads of kvdiff's own reference.
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -122,11 +118,7 @@ fn side(half: bool) -> &'static str {
 
 pub fn run(a: DiffArgs) -> Result<i32> {
     set_threads(a.threads)?;
-    for (p, flag) in [(&a.json, "--json"), (&a.html, "--html")] {
-        if let Some(p) = p {
-            check_output_parent(p, flag)?;
-        }
-    }
+    a.files.check()?;
     let policy = a.tol.policy()?;
     let (reference_dump, engine_dump) = match a.dumps.as_slice() {
         [e] => (None, DumpDir::open(e, a.seq)?),
@@ -239,7 +231,7 @@ pub fn run(a: DiffArgs) -> Result<i32> {
         strict: a.strict,
     };
     let code = report.judge(&judge);
-    write_outputs(&report, a.json.as_deref(), a.html.as_deref())?;
+    a.files.write(&report)?;
     if progress::quiet() {
         print!("{}", report::verdict_lines(&report, &judge));
     } else {
@@ -265,7 +257,7 @@ fn auto_tolerance(
             if let Some(e) = engine {
                 p.check_model(&e.model, f)?;
             }
-            let src = format!("noise profile {}; {}", f.display(), p.describe());
+            let src = p.describe_pinned(f);
             (p, src, None)
         }
         None => {
@@ -280,18 +272,12 @@ fn auto_tolerance(
     };
     // A GPU reference is held to what bf16 allows; a pinned profile (`kvdiff calibrate
     // --backend cuda`) was checked on this GPU when it was made.
-    if let (Some(g), Some(cal)) = (gpu_model, &cal) {
-        profile.check_gpu(cal, g)?;
-    }
+    let gpu = match (gpu_model, &cal) {
+        (Some(g), Some(cal)) => Some(profile.check_gpu(cal, g)?),
+        _ => None,
+    };
     let t = profile.tolerance(ref_side, engine_side)?;
-    let mut info = ToleranceInfo::new(&t);
-    info.source = Some(source);
-    info.safety = Some(profile.safety);
-    info.noise = profile
-        .backends
-        .iter()
-        .map(|(b, n)| (b.clone(), n.per_kind.clone()))
-        .collect();
+    let info = ToleranceInfo::learned(&t, &profile, source, gpu);
     Ok((t, info))
 }
 

@@ -298,6 +298,11 @@ impl NoiseProfile {
         Ok(measured)
     }
 
+    /// Where the thresholds come from when read from `file` (`--noise-profile`).
+    pub fn describe_pinned(&self, file: &std::path::Path) -> String {
+        format!("noise profile {}; {}", file.display(), self.describe())
+    }
+
     /// One line saying where the thresholds come from.
     pub fn describe(&self) -> String {
         let (a, b) = self.rope_positions;

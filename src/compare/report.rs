@@ -188,6 +188,28 @@ pub struct ToleranceInfo {
 }
 
 impl ToleranceInfo {
+    /// Thresholds `t` from a noise profile: where they came from, the safety factor, each
+    /// backend's noise, and the GPU's own where it was measured.
+    pub fn learned(
+        t: &Tolerance,
+        profile: &crate::compare::noise::NoiseProfile,
+        source: String,
+        gpu: Option<crate::compare::noise::BackendNoise>,
+    ) -> Self {
+        let mut info = ToleranceInfo::new(t);
+        info.source = Some(source);
+        info.safety = Some(profile.safety);
+        info.noise = profile
+            .backends
+            .iter()
+            .map(|(b, n)| (b.clone(), n.per_kind.clone()))
+            .collect();
+        if let Some(g) = gpu {
+            info.noise.insert("cuda (measured)".into(), g.per_kind);
+        }
+        info
+    }
+
     pub fn new(t: &Tolerance) -> Self {
         match t {
             Tolerance::Exact => ToleranceInfo {

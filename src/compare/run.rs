@@ -166,7 +166,7 @@ impl Request<'_> {
         let (profile, cal, source) = match self.noise_profile {
             Some((p, file)) => {
                 p.check_model(model, file)?;
-                let source = format!("noise profile {}; {}", file.display(), p.describe());
+                let source = p.describe_pinned(file);
                 (p.clone(), None, source)
             }
             None => {
@@ -221,18 +221,7 @@ impl Request<'_> {
         let cross = other
             .map(|o| learned.profile.tolerance(ref_backend, o))
             .transpose()?;
-        let mut info = ToleranceInfo::new(&same);
-        info.source = Some(learned.source);
-        info.safety = Some(learned.profile.safety);
-        info.noise = learned
-            .profile
-            .backends
-            .iter()
-            .map(|(b, n)| (b.clone(), n.per_kind.clone()))
-            .collect();
-        if let Some(g) = learned.gpu {
-            info.noise.insert("cuda (measured)".into(), g.per_kind);
-        }
+        let mut info = ToleranceInfo::learned(&same, &learned.profile, learned.source, learned.gpu);
         info.cross_backend = cross.as_ref().map(ToleranceInfo::new).map(Box::new);
         Ok(Tolerances {
             same,

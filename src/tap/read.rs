@@ -126,6 +126,11 @@ fn map(path: &Path) -> Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&f) }.map_err(|e| bad(path, format!("cannot read: {e}")))
 }
 
+fn parse<'a>(bytes: &'a [u8], path: &Path) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(bytes)
+        .map_err(|e| bad(path, format!("not a complete safetensors file ({e:?})")))
+}
+
 impl DumpDir {
     /// Reads `meta.json` and every step file's header; `seq` selects one sequence of a
     /// batched capture (needed when the dump holds several).
@@ -183,11 +188,9 @@ impl DumpDir {
 
     fn index(&mut self, path: &Path) -> Result<()> {
         let bytes = map(path)?;
-        let (_, header) = SafeTensors::read_metadata(&bytes)
-            .map_err(|e| bad(path, format!("not a complete safetensors file ({e:?})")))?;
         // The data must be all there too: a truncated file fails here, not halfway through.
-        SafeTensors::deserialize(&bytes)
-            .map_err(|e| bad(path, format!("not a complete safetensors file ({e:?})")))?;
+        let st = parse(&bytes, path)?;
+        let (_, header) = SafeTensors::read_metadata(&bytes).expect("parsed above");
         let meta = header.metadata().clone().unwrap_or_default();
         let num = |key: &str| -> Result<Option<usize>> {
             meta.get(key)
@@ -232,7 +235,6 @@ impl DumpDir {
             }
         }
         if names.iter().any(|n| n == "seq") {
-            let st = SafeTensors::deserialize(&bytes).expect("checked above");
             let seq = ints(&st, "seq", path)?;
             self.sequences.extend(seq);
         } else {
@@ -304,8 +306,7 @@ impl DumpDir {
         out: &mut DumpStep,
     ) -> Result<()> {
         let bytes = map(&p.path)?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| bad(&p.path, format!("not a complete safetensors file ({e:?})")))?;
+        let st = parse(&bytes, &p.path)?;
         let path = p.path.as_path();
         let positions = positions_of(&st, "positions", path)?;
         let tokens = ints(&st, "tokens", path)?;
