@@ -250,7 +250,10 @@ mod tests {
             .map(|i| ((i * 53 % 97) as f32 - 48.0) / 11.0)
             .collect();
         // The dispatched kernel (AVX2 where the CPU has it) and the portable one.
-        for y in [matmul_t(&x, n, &w, out), features_block(&x, n, &w, inp, 0, out)] {
+        for y in [
+            matmul_t(&x, n, &w, out),
+            features_block(&x, n, &w, inp, 0, out),
+        ] {
             for i in 0..n {
                 for j in 0..out {
                     let d = dot(&x[i * inp..(i + 1) * inp], &w[j * inp..(j + 1) * inp]);
