@@ -31,6 +31,7 @@ fn qwen3_0_6b() -> Config {
         rope_theta: 1_000_000.0,
         tie_word_embeddings: true,
         eos_token_ids: vec![],
+        arch: Default::default(),
     }
 }
 

@@ -1,4 +1,5 @@
-// Qwen3's per-head RMSNorm of q and k followed by RoPE ("rotate half": pairs (i, i + d/2) turn
+// Qwen3's per-head RMSNorm of q and k (skipped when q_weight is null: families without it)
+// followed by RoPE ("rotate half": pairs (i, i + d/2) turn
 // by position * inv_freq[i]), and the KV-cache append, in one launch. Reads a row of the fused
 // QKV output ([q heads | k heads | v heads] per token); writes the normalised and rotated heads,
 // contiguous [token, head, head_dim], and puts each token's rotated key and its value at cache
@@ -9,7 +10,7 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
                                         const int* meta, int n, const float* inv_freq,
                                         float* q_normed, float* q_rotated, float* k_normed,
                                         float* k_rotated, float* keys, float* values,
-                                        float eps) {
+                                        float eps, float rope_scale) {
     PDL_ENTER();
     __shared__ float scratch[32];
     extern __shared__ float row[];
@@ -21,7 +22,7 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
     float v = qkv[(size_t)t * ld + col + i];
     float ss = block_sum(v * v, scratch);
     const bf16_t* weight = is_k ? k_weight : q_weight;
-    float y = bf16_to_f32(weight[i]) * (v * (1.0f / sqrtf(ss / head_dim + eps)));
+    float y = q_weight ? bf16_to_f32(weight[i]) * (v * (1.0f / sqrtf(ss / head_dim + eps))) : v;
     size_t out = ((size_t)t * nh + head) * head_dim + i;
     (is_k ? k_normed : q_normed)[out] = y;
     row[i] = y;
@@ -30,6 +31,9 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
     float angle = (float)meta[is_k ? n + t : t] * inv_freq[j];
     float s, c;
     sincosf(angle, &s, &c);
+    // YaRN's attention factor scales cos and sin (exactly 1 for other RoPE types).
+    s *= rope_scale;
+    c *= rope_scale;
     float r = i < half ? row[i] * c - row[i + half] * s : row[i] * c + row[i - half] * s;
     (is_k ? k_rotated : q_rotated)[out] = r;
     if (is_k) {
@@ -53,4 +57,12 @@ extern "C" __global__ void rotate_keys(float* keys, int first, int kv_heads, int
     float a = k[i], b = k[i + half];
     k[i] = a * c - b * s;
     k[i + half] = b * c + a * s;
+}
+
+// x[t, j] += bias[j] for n rows of width `width` (q/k/v projection biases, in place, before
+// anything reads the projection). Grid: ceil(n * width / 256); 256 threads.
+extern "C" __global__ void add_bias(float* x, const float* bias, int width, int n) {
+    PDL_ENTER();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (size_t)n * width) x[i] += bias[i % width];
 }

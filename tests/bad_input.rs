@@ -204,9 +204,25 @@ fn every_bad_input_exits_2_with_a_short_message_and_writes_nothing() {
         "mlp.gate_proj.weight has shape",
     );
     let m = ModelDir::new(&root, "config-rope");
-    m.edit_config(|c| c["rope_scaling"] = serde_json::json!({"type": "yarn"}));
+    m.edit_config(|c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e6})
+    });
     add(
-        "config asks for what kvdiff lacks",
+        "config asks for a RoPE type kvdiff lacks",
+        generate(&m),
+        "rope_parameters.rope_type \"longrope\" is not supported",
+    );
+    let m = ModelDir::new(&root, "config-arch");
+    m.edit_config(|c| c["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]));
+    add(
+        "config names an architecture kvdiff lacks",
+        generate(&m),
+        "architectures [\"Gemma2ForCausalLM\"]",
+    );
+    let m = ModelDir::new(&root, "config-rope-disagree");
+    m.edit_config(|c| c["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0}));
+    add(
+        "config's rope_parameters and rope_scaling disagree",
         generate(&m),
         "rope_scaling",
     );

@@ -122,7 +122,13 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         assert_written("qk_norm_rope", &rotated);
         let want_n = ops::rms_norm(&x, &w, 1e-6);
         let mut want_r = want_n.clone();
-        ops::rope(&mut want_r, &pos, heads, hd, theta);
+        let inv_freq = kvdiff::engine::rope::RopeTable::new(
+            &kvdiff::engine::rope::RopeScaling::Default,
+            theta,
+            hd,
+        )
+        .inv_freq_f32;
+        ops::rope(&mut want_r, &pos, heads, hd, &inv_freq, 1.0);
         assert!(rel_l2(&normed, &want_n) < F32_TOL, "q/k norm");
         assert!(
             rel_l2(&rotated, &want_r) < F32_TOL,
@@ -156,6 +162,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             n,
             entries - n,
             split,
+            None,
             heads,
             kvh,
             hd,
@@ -733,6 +740,7 @@ fn sweep_models() -> Vec<(&'static str, Model)> {
         rope_theta: 1_000_000.0,
         tie_word_embeddings: false,
         eos_token_ids: vec![],
+        arch: Default::default(),
     };
     vec![
         (

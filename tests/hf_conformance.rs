@@ -1,5 +1,6 @@
-//! kvdiff's CPU engine against HF transformers' Qwen3 (eager attention, float32), dumped by
-//! scripts/hf_reference.py: every tap within relative L2 1e-5, identical greedy tokens.
+//! kvdiff's CPU engine against HF transformers (eager attention, float32) on every supported
+//! family (Qwen3, Qwen3-MoE, Qwen2, Llama 3, Mistral), dumped by scripts/hf_reference.py: every
+//! tap within relative L2 1e-5, the same experts chosen, identical greedy tokens.
 
 mod common;
 
@@ -32,16 +33,25 @@ fn to_token_first(name: &str, t: &RefTensor) -> Vec<f32> {
 }
 
 fn check_model(dir: &str) -> BTreeMap<String, f64> {
+    check_model_at(dir, &format!("reference/{dir}"))
+}
+
+fn check_model_at(dir: &str, reference: &str) -> BTreeMap<String, f64> {
     let engine = Engine::load(ModelSource::Dir(fixture(dir))).unwrap();
     let layers = engine.model.config.num_hidden_layers;
-    let ref_dir = fixture(&format!("reference/{dir}"));
+    let arch = engine.model.config.arch.clone();
+    let ref_dir = fixture(reference);
     let manifest = read_json(&ref_dir.join("manifest.json"));
     let mut worst: BTreeMap<String, f64> = BTreeMap::new();
     let mut failures = Vec::new();
     for p in manifest["prompts"].as_array().unwrap() {
         let name = p["name"].as_str().unwrap();
         let msgs = messages(&p["messages"]);
-        let text = engine.tokenizer.render(&msgs, &Default::default()).unwrap();
+        let kwargs = p["template_kwargs"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        let text = engine.tokenizer.render(&msgs, &kwargs).unwrap();
         assert_eq!(
             text,
             p["text"].as_str().unwrap(),
@@ -59,7 +69,7 @@ fn check_model(dir: &str) -> BTreeMap<String, f64> {
             .model
             .forward(Batch::new(&ids, &positions), &mut cache, 0, &mut rec);
         let mut compared = 0;
-        for id in TapId::all(layers) {
+        for id in TapId::all_where(layers, |l| arch.sparse(l).is_some()) {
             let tap = id.to_string();
             let Some(r) = reference.get(&tap) else {
                 continue;
@@ -121,6 +131,53 @@ fn check_model(dir: &str) -> BTreeMap<String, f64> {
 #[test]
 fn default_model_matches_transformers() {
     let worst = check_model("default-model");
+    assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
+}
+
+/// The families beyond dense Qwen3, one small random checkpoint each (scripts/make_arch_models.py).
+fn check_arch(name: &str) -> BTreeMap<String, f64> {
+    check_model_at(&format!("arch/{name}"), &format!("reference/arch-{name}"))
+}
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    // Yarn RoPE, a dense layer between sparse ones, 8 experts, top 2 renormalised, bf16.
+    let worst = check_arch("qwen3-moe");
+    for kind in [
+        "router_logits",
+        "experts",
+        "q_rope",
+        "attn_probs",
+        "mlp_out",
+    ] {
+        assert!(
+            worst.contains_key(kind),
+            "{kind} not compared: {:?}",
+            worst.keys()
+        );
+    }
+    assert_eq!(worst["experts"], 0.0, "a different expert was chosen");
+}
+
+#[test]
+fn qwen2_matches_transformers() {
+    // q/k/v biases, no q/k norm, a sliding window of 12 on layer 1 only, four f32 shards.
+    let worst = check_arch("qwen2");
+    assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
+}
+
+#[test]
+fn llama3_matches_transformers() {
+    // Llama 3 RoPE scaling with a short original context, so the scaled bands are exercised.
+    let worst = check_arch("llama3");
+    assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    // Linear RoPE scaling, a sliding window of 10 on every layer, head_dim given (32 ≠ 64 / 4),
+    // one KV head for four query heads, untied head.
+    let worst = check_arch("mistral");
     assert!(worst.len() >= 15, "tap kinds compared: {:?}", worst.keys());
 }
 

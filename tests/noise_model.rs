@@ -78,6 +78,7 @@ fn random_model(seed: u64, kv_heads: usize, group: usize, head_dim: usize) -> Mo
         rope_theta: 1_000_000.0,
         tie_word_embeddings: seed % 2 == 0,
         eos_token_ids: vec![],
+        arch: Default::default(),
     };
     Model::random(config, seed)
 }

@@ -90,6 +90,7 @@ fn model(c: &Case) -> Model {
         rope_theta: c.theta,
         tie_word_embeddings: c.tied,
         eos_token_ids: vec![],
+        arch: Default::default(),
     };
     Model::random(config, c.seed)
 }

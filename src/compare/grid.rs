@@ -32,19 +32,29 @@ pub struct CellGrid {
 }
 
 /// Tap kinds in forward order, as cells name them.
+/// The mixture-of-experts kinds come last so that the dense kinds keep their indices.
 pub fn tap_kinds() -> Vec<&'static str> {
     let mut v = vec!["embed"];
-    v.extend(LayerTap::ALL.iter().map(|t| t.name()));
+    v.extend(LayerTap::DENSE.iter().map(|t| t.name()));
     v.extend(["final_norm", "logits"]);
+    v.extend([LayerTap::RouterLogits.name(), LayerTap::Experts.name()]);
     v
 }
 
 fn kind_index(id: TapId) -> u8 {
+    let dense = LayerTap::DENSE.len() as u8;
     match id {
         TapId::Embed => 0,
-        TapId::Layer(_, t) => 1 + t as u8,
-        TapId::FinalNorm => 1 + LayerTap::ALL.len() as u8,
-        TapId::Logits => 2 + LayerTap::ALL.len() as u8,
+        TapId::Layer(_, LayerTap::RouterLogits) => dense + 3,
+        TapId::Layer(_, LayerTap::Experts) => dense + 4,
+        TapId::Layer(_, t) => {
+            1 + LayerTap::DENSE
+                .iter()
+                .position(|&d| d == t)
+                .expect("a dense kind") as u8
+        }
+        TapId::FinalNorm => 1 + dense,
+        TapId::Logits => 2 + dense,
     }
 }
 

@@ -574,6 +574,21 @@ impl CudaModel {
         } else {
             g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
         }
+        if let Some(bias) = &w.qkv_bias {
+            g.launch(
+                "add_bias",
+                (n * qkvd).div_ceil(256) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(io.qkv),
+                    Arg::Ptr(ptr(g, bias, 0)),
+                    Arg::I32(qkvd as i32),
+                    Arg::I32(n as i32),
+                ],
+            );
+        }
+        let norm_ptr = |s: &Option<CudaSlice<u16>>| s.as_ref().map_or(0, |s| ptr(g, s, 0));
         g.launch(
             "qk_norm_rope",
             (n * (heads + kvh)) as u32,
@@ -584,8 +599,8 @@ impl CudaModel {
                 Arg::I32(heads as i32),
                 Arg::I32(kvh as i32),
                 Arg::I32(hd as i32),
-                Arg::Ptr(pb(&w.q_norm)),
-                Arg::Ptr(pb(&w.k_norm)),
+                Arg::Ptr(norm_ptr(&w.q_norm)),
+                Arg::Ptr(norm_ptr(&w.k_norm)),
                 Arg::Ptr(ws.meta_ptr(g, n)),
                 Arg::I32(n as i32),
                 Arg::Ptr(ptr(g, &self.inv_freq, 0)),
@@ -596,6 +611,7 @@ impl CudaModel {
                 Arg::Ptr(kvp.0),
                 Arg::Ptr(kvp.1),
                 Arg::F32(c.rms_norm_eps),
+                Arg::F32(self.rope_scale),
             ],
         );
         let base_ptr = ws.meta_ptr(g, 3 * n + 1);

@@ -32,6 +32,7 @@ const SOURCES: &[(&str, &str)] = &[
 const KERNELS: &[&str] = &[
     "add_rms_norm",
     "qk_norm_rope",
+    "add_bias",
     "rotate_keys",
     "attention",
     "attention_decode",

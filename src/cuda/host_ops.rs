@@ -75,9 +75,9 @@ pub fn qk_norm_rope(
 ) -> (Vec<f32>, Vec<f32>) {
     let hd = w.len();
     let n = rope_positions.len();
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / (theta.powf((2 * i) as f64 / hd as f64)) as f32)
-        .collect();
+    let inv_freq =
+        crate::engine::rope::RopeTable::new(&crate::engine::rope::RopeScaling::Default, theta, hd)
+            .inv_freq_f32;
     // Query heads only (no key heads, so nothing is appended): meta is the RoPE positions,
     // unused key positions, and base 0.
     let mut meta: Vec<i32> = rope_positions.iter().map(|&p| p as i32).collect();
@@ -112,6 +112,7 @@ pub fn qk_norm_rope(
             Arg::Ptr(unused),
             Arg::Ptr(unused),
             Arg::F32(eps),
+            Arg::F32(1.0),
         ],
     );
     (

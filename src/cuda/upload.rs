@@ -10,17 +10,20 @@ use half::bf16;
 use super::gpu::{ptr, Gpu};
 use super::workspace::WARM_ROWS;
 use crate::engine::config::Config;
-use crate::engine::model::{HostWeights, Model};
+use crate::engine::model::{HostWeights, Mlp, Model};
 use crate::error::{Error, Result};
 use crate::tap::Device;
 
 pub(super) struct Layer {
     pub(super) input_norm: CudaSlice<u16>,
     pub(super) post_norm: CudaSlice<u16>,
-    pub(super) q_norm: CudaSlice<u16>,
-    pub(super) k_norm: CudaSlice<u16>,
+    /// Absent for families without q/k norm.
+    pub(super) q_norm: Option<CudaSlice<u16>>,
+    pub(super) k_norm: Option<CudaSlice<u16>>,
     /// q_proj, k_proj, v_proj stacked: `[q_dim + 2·kv_dim, hidden]`.
     pub(super) qkv: CudaSlice<u16>,
+    /// Their biases stacked (bf16-rounded, kept in f32), when the family has them.
+    pub(super) qkv_bias: Option<CudaSlice<f32>>,
     pub(super) o: CudaSlice<u16>,
     /// gate_proj over up_proj: `[2·intermediate, hidden]`.
     pub(super) gate_up: CudaSlice<u16>,
@@ -37,13 +40,51 @@ pub struct CudaModel {
     pub(super) norm: CudaSlice<u16>,
     pub(super) layers: Vec<Layer>,
     pub(super) inv_freq: CudaSlice<f32>,
+    /// RoPE's cos/sin factor (YaRN's attention factor; 1 otherwise).
+    pub(super) rope_scale: f32,
+}
+
+/// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
+/// than run wrong.
+pub fn unsupported(c: &Config) -> Option<String> {
+    let a = &c.arch;
+    let family = a.family.architecture();
+    if a.moe.is_some() {
+        return Some(format!(
+            "{family}'s mixture-of-experts MLP (num_experts {}) is not implemented in the CUDA kernels",
+            a.moe.as_ref().map_or(0, |m| m.num_experts)
+        ));
+    }
+    if a.o_bias {
+        return Some(format!(
+            "attention_bias = true on {family} (an o_proj bias) is not implemented in the CUDA kernels"
+        ));
+    }
+    if a.mlp_bias {
+        return Some("mlp_bias = true is not implemented in the CUDA kernels".into());
+    }
+    match a.sliding_window {
+        Some(w) if w < c.max_position_embeddings => Some(format!(
+            "sliding_window {w} (below max_position_embeddings {}) is not implemented in the CUDA kernels",
+            c.max_position_embeddings
+        )),
+        _ => None,
+    }
 }
 
 /// The same model with its forward pass on the GPU (weights in bf16). Fails with a one-line
-/// error where CUDA is unavailable or the weights do not fit.
+/// error where CUDA is unavailable, the configuration is one the kernels do not implement, or
+/// the weights do not fit.
 pub fn to_cuda(model: &Model) -> Result<Model> {
     if model.device().is_some() {
         return Err(Error::Internal("model is already on a device".into()));
+    }
+    if let Some(why) = unsupported(&model.config) {
+        return Err(Error::usage(
+            "--backend cuda",
+            why,
+            "use --backend cpu for this model",
+        ));
     }
     let gpu = Gpu::open()?;
     let cm = CudaModel::upload(gpu, &model.config, &model.host_weights())?;
@@ -73,7 +114,7 @@ pub fn weight_bytes(c: &Config) -> u64 {
         c.vocab_size as u64,
     );
     let (qd, kvd, hd) = (c.q_dim() as u64, c.kv_dim() as u64, c.head_dim as u64);
-    let per_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h + 2 * h + 2 * hd;
+    let per_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h + 2 * h + 2 * hd + 2 * (qd + 2 * kvd);
     let head = if c.tie_word_embeddings { 0 } else { v * h };
     2 * (v * h + head + h + per_layer * c.num_hidden_layers as u64)
 }
@@ -108,34 +149,49 @@ impl CudaModel {
                 "free GPU memory, use a smaller model, or use --backend cpu",
             ));
         }
+        if let Some(why) = unsupported(config) {
+            return Err(Error::usage(
+                "--backend cuda",
+                why,
+                "use --backend cpu for this model",
+            ));
+        }
         let up = |parts: &[&[f32]]| gpu.upload(&to_bf16_bits(parts));
+        let opt = |t: &[f32]| (!t.is_empty()).then(|| up(&[t]));
         let layers = w
             .layers
             .iter()
-            .map(|l| Layer {
-                input_norm: up(&[&l.input_layernorm]),
-                post_norm: up(&[&l.post_attention_layernorm]),
-                q_norm: up(&[&l.q_norm]),
-                k_norm: up(&[&l.k_norm]),
-                qkv: up(&[&l.q_proj, &l.k_proj, &l.v_proj]),
-                o: up(&[&l.o_proj]),
-                gate_up: up(&[&l.gate_proj, &l.up_proj]),
-                down: up(&[&l.down_proj]),
+            .map(|l| {
+                let Mlp::Dense(f) = &l.mlp else {
+                    unreachable!("sparse layers are refused above")
+                };
+                let bias = (!l.q_bias.is_empty()).then(|| {
+                    let rounded: Vec<f32> = [&l.q_bias, &l.k_bias, &l.v_bias]
+                        .iter()
+                        .flat_map(|b| b.iter().map(|&x| bf16::from_f32(x).to_f32()))
+                        .collect();
+                    gpu.upload(&rounded)
+                });
+                Layer {
+                    input_norm: up(&[&l.input_layernorm]),
+                    post_norm: up(&[&l.post_attention_layernorm]),
+                    q_norm: opt(&l.q_norm),
+                    k_norm: opt(&l.k_norm),
+                    qkv: up(&[&l.q_proj, &l.k_proj, &l.v_proj]),
+                    qkv_bias: bias,
+                    o: up(&[&l.o_proj]),
+                    gate_up: up(&[&f.gate_proj, &f.up_proj]),
+                    down: up(&[&f.down_proj]),
+                }
             })
             .collect();
-        let half = config.head_dim / 2;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| {
-                1.0 / (config
-                    .rope_theta
-                    .powf((2 * i) as f64 / config.head_dim as f64)) as f32
-            })
-            .collect();
+        let rope = config.rope_table();
         let model = CudaModel {
+            rope_scale: rope.scale as f32,
             embed: up(&[w.embed_tokens]),
             lm_head: w.lm_head.map(|h| up(&[h])),
             norm: up(&[w.norm]),
-            inv_freq: gpu.upload(&inv_freq),
+            inv_freq: gpu.upload(&rope.inv_freq_f32),
             layers,
             config: config.clone(),
             device: gpu.clone(),

@@ -3,8 +3,9 @@
 
 use half::bf16;
 
+use crate::engine::arch::Moe;
 use crate::engine::kv_cache::KvCache;
-use crate::engine::model::{Batch, Layer, Model};
+use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
 use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
 use crate::support::fault::{self, Fault};
 use crate::tap::{emit, scatter_by_position, LayerTap, TapId, TapSink};
@@ -18,6 +19,78 @@ impl Model {
         } else {
             matmul_t(x, n, w, out)
         }
+    }
+
+    /// `x · wᵀ + bias` (no bias when `bias` is empty).
+    fn linear(&self, x: &[f32], n: usize, w: &[f32], bias: &[f32], out: usize) -> Vec<f32> {
+        let mut y = self.matmul(x, n, w, out);
+        if !bias.is_empty() {
+            for row in y.chunks_exact_mut(out) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
+        y
+    }
+
+    /// A SwiGLU block on `n` rows.
+    fn ffn(&self, f: &Ffn, x: &[f32], n: usize) -> Vec<f32> {
+        let (h, i) = (
+            self.config.hidden_size,
+            f.up_proj.len() / self.config.hidden_size,
+        );
+        let gate = self.linear(x, n, &f.gate_proj, &f.gate_bias, i);
+        let up = self.linear(x, n, &f.up_proj, &f.up_bias, i);
+        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+        self.linear(&act, n, &f.down_proj, &f.down_bias, h)
+    }
+
+    /// Qwen3-MoE's sparse block: router logits, softmax in f32, the top k experts per token
+    /// (renormalised when configured), and each expert run on the tokens routed to it, summed
+    /// in expert order as HF does.
+    fn sparse_mlp(
+        &self,
+        moe: &Moe,
+        router: &[f32],
+        experts: &[Ffn],
+        x: &[f32],
+        n: usize,
+        tap: &mut LayerEmitter<'_, '_>,
+    ) -> Vec<f32> {
+        let (h, e) = (self.config.hidden_size, moe.num_experts);
+        let logits = self.matmul(x, n, router, e);
+        tap.emit(LayerTap::RouterLogits, &[n, e], &logits);
+        let routes: Vec<Vec<(usize, f32)>> = logits
+            .chunks_exact(e)
+            .map(|row| route(row, moe.top_k, moe.norm_topk_prob))
+            .collect();
+        let chosen: Vec<f32> = routes
+            .iter()
+            .flat_map(|r| r.iter().map(|&(id, _)| id as f32))
+            .collect();
+        tap.emit(LayerTap::Experts, &[n, moe.top_k], &chosen);
+        let mut out = vec![0f32; n * h];
+        for (id, expert) in experts.iter().enumerate() {
+            let picked: Vec<(usize, f32)> = routes
+                .iter()
+                .enumerate()
+                .filter_map(|(t, r)| r.iter().find(|&&(x, _)| x == id).map(|&(_, w)| (t, w)))
+                .collect();
+            if picked.is_empty() {
+                continue;
+            }
+            let rows: Vec<f32> = picked
+                .iter()
+                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
+                .collect();
+            let y = self.ffn(expert, &rows, picked.len());
+            for (&(t, w), yr) in picked.iter().zip(y.chunks_exact(h)) {
+                out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(yr)
+                    .for_each(|(o, v)| *o += v * w);
+            }
+        }
+        out
     }
 
     /// `Model::rerotate` on the CPU.
@@ -36,13 +109,16 @@ impl Model {
         };
         let deltas = vec![sign * delta as f32; cache.len()];
         let shape = [positions.len(), c.num_key_value_heads, c.head_dim];
+        // A pure rotation: the keys already carry RoPE's cos/sin factor once.
+        let inv_freq = c.rope_table().inv_freq_f32;
         for (l, layer) in cache.layers_mut().iter_mut().enumerate() {
             crate::engine::ops::rope_at(
                 &mut layer.keys,
                 &deltas,
                 c.num_key_value_heads,
                 c.head_dim,
-                c.rope_theta,
+                &inv_freq,
+                1.0,
             );
             let id = TapId::Layer(l, LayerTap::KRope);
             emit(sink, 0, id, positions, &shape, &layer.keys);
@@ -119,44 +195,68 @@ impl Model {
         // 1. Pre-attention norm and projections.
         let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
         tap.emit(LayerTap::AttnNorm, &[n, h], &xn);
-        let q = self.matmul(&xn, n, &w.q_proj, heads * hd);
-        let k = self.matmul(&xn, n, &w.k_proj, kv_heads * hd);
-        let v = self.matmul(&xn, n, &w.v_proj, kv_heads * hd);
+        let q = self.linear(&xn, n, &w.q_proj, &w.q_bias, heads * hd);
+        let k = self.linear(&xn, n, &w.k_proj, &w.k_bias, kv_heads * hd);
+        let v = self.linear(&xn, n, &w.v_proj, &w.v_bias, kv_heads * hd);
 
-        // 2. Per-head RMSNorm of q and k (Qwen3), before RoPE.
-        let mut q = rms_norm(&q, &w.q_norm, c.rms_norm_eps);
-        let mut k = rms_norm(&k, &w.k_norm, c.rms_norm_eps);
+        // 2. Per-head RMSNorm of q and k before RoPE, where the family has it (Qwen3).
+        let (mut q, mut k) = match c.arch.qk_norm {
+            true => (
+                rms_norm(&q, &w.q_norm, c.rms_norm_eps),
+                rms_norm(&k, &w.k_norm, c.rms_norm_eps),
+            ),
+            false => (q, k),
+        };
         tap.emit(LayerTap::Q, &[n, heads, hd], &q);
         tap.emit(LayerTap::K, &[n, kv_heads, hd], &k);
         tap.emit(LayerTap::V, &[n, kv_heads, hd], &v);
 
         // 3. RoPE.
-        rope(&mut q, batch.rope_positions, heads, hd, c.rope_theta);
-        rope(&mut k, batch.rope_positions, kv_heads, hd, c.rope_theta);
+        let table = c.rope_table();
+        let scale = table.scale as f32;
+        rope(
+            &mut q,
+            batch.rope_positions,
+            heads,
+            hd,
+            &table.inv_freq_f32,
+            scale,
+        );
+        rope(
+            &mut k,
+            batch.rope_positions,
+            kv_heads,
+            hd,
+            &table.inv_freq_f32,
+            scale,
+        );
         tap.emit(LayerTap::QRope, &[n, heads, hd], &q);
         tap.emit(LayerTap::KRope, &[n, kv_heads, hd], &k);
 
         // 4. Append to the cache the path gave us.
         cache.push_host(l, &k, &v);
 
-        // 5. Causal GQA attention: token t sees cache entries 0..=base+t.
+        // 5. Causal GQA attention: token t sees cache entries 0..=base+t (the last `window`
+        // of them in a sliding layer).
         let attn = self.cached_attention(l, &q, batch, base, cache, &mut tap);
         tap.emit(LayerTap::AttnOut, &[n, heads * hd], &attn);
 
         // 6. Output projection and residual.
-        let o = self.matmul(&attn, n, &w.o_proj, h);
+        let o = self.linear(&attn, n, &w.o_proj, &w.o_bias, h);
         tap.emit(LayerTap::OProj, &[n, h], &o);
         let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
         tap.emit(LayerTap::ResidMid, &[n, h], &mid);
 
-        // 7. SwiGLU MLP and residual.
+        // 7. MLP (dense SwiGLU, or routed experts) and residual.
         let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
         tap.emit(LayerTap::MlpNorm, &[n, h], &mn);
-        let i = c.intermediate_size;
-        let gate = self.matmul(&mn, n, &w.gate_proj, i);
-        let up = self.matmul(&mn, n, &w.up_proj, i);
-        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-        let mlp = self.matmul(&act, n, &w.down_proj, h);
+        let mlp = match (&w.mlp, c.arch.sparse(l)) {
+            (Mlp::Sparse { router, experts }, Some(moe)) => {
+                self.sparse_mlp(moe, router, experts, &mn, n, &mut tap)
+            }
+            (Mlp::Dense(f), _) => self.ffn(f, &mn, n),
+            (Mlp::Sparse { .. }, None) => unreachable!("sparse weights only on sparse layers"),
+        };
         tap.emit(LayerTap::MlpOut, &[n, h], &mlp);
         let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
         tap.emit(LayerTap::ResidOut, &[n, h], &out);
@@ -196,6 +296,7 @@ impl Model {
             n,
             seen,
             batch.cascade_split,
+            c.arch.window(l),
             heads,
             c.num_key_value_heads,
             c.head_dim,
@@ -234,7 +335,8 @@ impl LayerEmitter<'_, '_> {
 
 /// Scaled-dot-product attention of `n` new queries over cache entries; query `t` sees entries
 /// `0..=base + t`. With `split > 0`, entries `0..split` and `split..` are attended separately
-/// and merged by log-sum-exp (cascade). `on_probs(t, head, row)` observes each full softmax row.
+/// and merged by log-sum-exp (cascade). With a `window`, query `t` sees only the last `window`
+/// of its entries. `on_probs(t, head, row)` observes each full softmax row.
 /// Returns `[n, heads·hd]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
@@ -244,6 +346,7 @@ pub fn attention(
     n: usize,
     base: usize,
     split: usize,
+    window: Option<usize>,
     heads: usize,
     kv_heads: usize,
     hd: usize,
@@ -256,6 +359,9 @@ pub fn attention(
     let mut row = Vec::new();
     for t in 0..n {
         let visible = base + t + 1;
+        let first = window.map_or(0, |w| visible.saturating_sub(w));
+        // A cascade split the window has passed leaves one segment: plain attention.
+        let split = if split > first { split } else { 0 };
         for head in 0..heads {
             let kvh = head / group;
             let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
@@ -266,6 +372,7 @@ pub fn attention(
                     &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
                 ) * scale
             }));
+            row[..first].fill(f32::NEG_INFINITY);
             let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
             let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
             if split > 0 && split < visible {
@@ -304,4 +411,19 @@ pub fn attention(
         }
     }
     out
+}
+
+/// The `k` experts of highest router probability for one token, with their weights: softmax in
+/// f32, top k (ties to the lower id, as a stable sort gives), renormalised when asked.
+pub fn route(logits: &[f32], k: usize, renormalise: bool) -> Vec<(usize, f32)> {
+    let mut probs = logits.to_vec();
+    softmax(&mut probs);
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let mut top: Vec<(usize, f32)> = order[..k].iter().map(|&i| (i, probs[i])).collect();
+    if renormalise {
+        let sum: f32 = top.iter().map(|p| p.1).sum();
+        top.iter_mut().for_each(|p| p.1 /= sum);
+    }
+    top
 }

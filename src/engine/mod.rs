@@ -3,6 +3,7 @@
 //! generation. The forward pass runs on the CPU (`forward.rs`, the f32 reference) or on a
 //! device plugged in through `device.rs`; nothing here knows which device that is.
 
+pub mod arch;
 pub mod chat_template;
 pub mod chunks;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod model;
 pub mod ops;
 pub mod oracle;
 pub mod pass;
+pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 

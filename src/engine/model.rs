@@ -1,4 +1,4 @@
-//! The model: Qwen3 weights and config, and the stateless forward pass's interface. Weights
+//! The model: weights and config of a supported family, and the stateless forward pass's interface. Weights
 //! in, a batch of tokens and the KV cache to attend to in, logits out, every intermediate
 //! offered to a tap sink on the way. The pass runs on the CPU (`forward.rs`) or on a device
 //! that took the weights (`device.rs`).
@@ -16,6 +16,8 @@ use crate::error::Result;
 use crate::io::model_source::ModelSource;
 use crate::tap::TapSink;
 
+/// One decoder layer's weights. Optional parts (q/k norm, biases) are empty when the family
+/// has none.
 #[derive(Clone)]
 pub(crate) struct Layer {
     pub(crate) input_layernorm: Vec<f32>,
@@ -26,9 +28,111 @@ pub(crate) struct Layer {
     pub(crate) o_proj: Vec<f32>,
     pub(crate) q_norm: Vec<f32>,
     pub(crate) k_norm: Vec<f32>,
+    pub(crate) q_bias: Vec<f32>,
+    pub(crate) k_bias: Vec<f32>,
+    pub(crate) v_bias: Vec<f32>,
+    pub(crate) o_bias: Vec<f32>,
+    pub(crate) mlp: Mlp,
+}
+
+/// A SwiGLU feed-forward block (biases empty when absent).
+#[derive(Clone)]
+pub(crate) struct Ffn {
     pub(crate) gate_proj: Vec<f32>,
     pub(crate) up_proj: Vec<f32>,
     pub(crate) down_proj: Vec<f32>,
+    pub(crate) gate_bias: Vec<f32>,
+    pub(crate) up_bias: Vec<f32>,
+    pub(crate) down_bias: Vec<f32>,
+}
+
+#[derive(Clone)]
+pub(crate) enum Mlp {
+    Dense(Ffn),
+    /// Router `[experts, hidden]` and the experts.
+    Sparse {
+        router: Vec<f32>,
+        experts: Vec<Ffn>,
+    },
+}
+
+impl Ffn {
+    fn tensors(&self) -> [&Vec<f32>; 6] {
+        [
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+            &self.gate_bias,
+            &self.up_bias,
+            &self.down_bias,
+        ]
+    }
+
+    fn map(&self, f: &impl Fn(&Vec<f32>) -> Vec<f32>) -> Ffn {
+        Ffn {
+            gate_proj: f(&self.gate_proj),
+            up_proj: f(&self.up_proj),
+            down_proj: f(&self.down_proj),
+            gate_bias: f(&self.gate_bias),
+            up_bias: f(&self.up_bias),
+            down_bias: f(&self.down_bias),
+        }
+    }
+}
+
+impl Layer {
+    /// Every tensor of the layer, in a fixed order (empty ones included).
+    pub(crate) fn tensors(&self) -> Vec<&Vec<f32>> {
+        let mut v = vec![
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.q_norm,
+            &self.k_norm,
+            &self.q_bias,
+            &self.k_bias,
+            &self.v_bias,
+            &self.o_bias,
+        ];
+        match &self.mlp {
+            Mlp::Dense(f) => v.extend(f.tensors()),
+            Mlp::Sparse { router, experts } => {
+                v.push(router);
+                for e in experts {
+                    v.extend(e.tensors());
+                }
+            }
+        }
+        v
+    }
+
+    /// The layer with `f` applied to every tensor.
+    fn map(&self, f: impl Fn(&Vec<f32>) -> Vec<f32>) -> Layer {
+        Layer {
+            input_layernorm: f(&self.input_layernorm),
+            post_attention_layernorm: f(&self.post_attention_layernorm),
+            q_proj: f(&self.q_proj),
+            k_proj: f(&self.k_proj),
+            v_proj: f(&self.v_proj),
+            o_proj: f(&self.o_proj),
+            q_norm: f(&self.q_norm),
+            k_norm: f(&self.k_norm),
+            q_bias: f(&self.q_bias),
+            k_bias: f(&self.k_bias),
+            v_bias: f(&self.v_bias),
+            o_bias: f(&self.o_bias),
+            mlp: match &self.mlp {
+                Mlp::Dense(d) => Mlp::Dense(d.map(&f)),
+                Mlp::Sparse { router, experts } => Mlp::Sparse {
+                    router: f(router),
+                    experts: experts.iter().map(|e| e.map(&f)).collect(),
+                },
+            },
+        }
+    }
 }
 
 /// The host weights, for a backend to upload.
@@ -57,21 +161,65 @@ impl Model {
     pub fn load(src: &ModelSource) -> Result<Self> {
         let config = Config::load(src)?;
         let mut w = Weights::load(src, &config)?;
+        let a = config.arch.clone();
         let layers = (0..config.num_hidden_layers)
             .map(|l| {
-                let mut t = |n: &str| w.take(&format!("model.layers.{l}.{n}.weight")).data;
+                let p = format!("model.layers.{l}");
+                let mut t = |n: &str| w.take(&format!("{p}.{n}")).data;
+                let mut opt = |on: bool, n: &str| if on { t(n) } else { Vec::new() };
+                let ffn = |t: &mut dyn FnMut(&str) -> Vec<f32>, at: &str, bias: bool| {
+                    let mut b = |n: &str| {
+                        if bias {
+                            t(&format!("{at}.{n}.bias"))
+                        } else {
+                            Vec::new()
+                        }
+                    };
+                    let (gate_bias, up_bias, down_bias) =
+                        (b("gate_proj"), b("up_proj"), b("down_proj"));
+                    Ffn {
+                        gate_proj: t(&format!("{at}.gate_proj.weight")),
+                        up_proj: t(&format!("{at}.up_proj.weight")),
+                        down_proj: t(&format!("{at}.down_proj.weight")),
+                        gate_bias,
+                        up_bias,
+                        down_bias,
+                    }
+                };
+                let (q_norm, k_norm) = (
+                    opt(a.qk_norm, "self_attn.q_norm.weight"),
+                    opt(a.qk_norm, "self_attn.k_norm.weight"),
+                );
+                let (q_bias, k_bias, v_bias) = (
+                    opt(a.qkv_bias, "self_attn.q_proj.bias"),
+                    opt(a.qkv_bias, "self_attn.k_proj.bias"),
+                    opt(a.qkv_bias, "self_attn.v_proj.bias"),
+                );
+                let o_bias = opt(a.o_bias, "self_attn.o_proj.bias");
+                let mut take = |n: &str| w.take(&format!("{p}.{n}")).data;
+                let mlp = match a.sparse(l) {
+                    Some(moe) => Mlp::Sparse {
+                        router: take("mlp.gate.weight"),
+                        experts: (0..moe.num_experts)
+                            .map(|e| ffn(&mut take, &format!("mlp.experts.{e}"), false))
+                            .collect(),
+                    },
+                    None => Mlp::Dense(ffn(&mut take, "mlp", a.mlp_bias)),
+                };
                 Layer {
-                    input_layernorm: t("input_layernorm"),
-                    post_attention_layernorm: t("post_attention_layernorm"),
-                    q_proj: t("self_attn.q_proj"),
-                    k_proj: t("self_attn.k_proj"),
-                    v_proj: t("self_attn.v_proj"),
-                    o_proj: t("self_attn.o_proj"),
-                    q_norm: t("self_attn.q_norm"),
-                    k_norm: t("self_attn.k_norm"),
-                    gate_proj: t("mlp.gate_proj"),
-                    up_proj: t("mlp.up_proj"),
-                    down_proj: t("mlp.down_proj"),
+                    input_layernorm: take("input_layernorm.weight"),
+                    post_attention_layernorm: take("post_attention_layernorm.weight"),
+                    q_proj: take("self_attn.q_proj.weight"),
+                    k_proj: take("self_attn.k_proj.weight"),
+                    v_proj: take("self_attn.v_proj.weight"),
+                    o_proj: take("self_attn.o_proj.weight"),
+                    q_norm,
+                    k_norm,
+                    q_bias,
+                    k_bias,
+                    v_bias,
+                    o_bias,
+                    mlp,
                 }
             })
             .collect();
@@ -102,19 +250,7 @@ impl Model {
         let mut v: Vec<&[f32]> = vec![&self.embed_tokens, &self.norm];
         v.extend(self.lm_head.as_deref());
         for l in &self.layers {
-            v.extend([
-                &l.input_layernorm[..],
-                &l.post_attention_layernorm,
-                &l.q_proj,
-                &l.k_proj,
-                &l.v_proj,
-                &l.o_proj,
-                &l.q_norm,
-                &l.k_norm,
-                &l.gate_proj,
-                &l.up_proj,
-                &l.down_proj,
-            ]);
+            v.extend(l.tensors().into_iter().map(|t| &t[..]));
         }
         v
     }
@@ -161,23 +297,7 @@ impl Model {
             embed_tokens: r(&self.embed_tokens),
             norm: r(&self.norm),
             lm_head: self.lm_head.as_ref().map(r),
-            layers: self
-                .layers
-                .iter()
-                .map(|l| Layer {
-                    input_layernorm: r(&l.input_layernorm),
-                    post_attention_layernorm: r(&l.post_attention_layernorm),
-                    q_proj: r(&l.q_proj),
-                    k_proj: r(&l.k_proj),
-                    v_proj: r(&l.v_proj),
-                    o_proj: r(&l.o_proj),
-                    q_norm: r(&l.q_norm),
-                    k_norm: r(&l.k_norm),
-                    gate_proj: r(&l.gate_proj),
-                    up_proj: r(&l.up_proj),
-                    down_proj: r(&l.down_proj),
-                })
-                .collect(),
+            layers: self.layers.iter().map(|l| l.map(r)).collect(),
             device: None,
             bf16_matmul_inputs: true,
         }
@@ -212,19 +332,69 @@ impl Model {
         );
         let (qd, kvd) = (config.q_dim(), config.kv_dim());
         let s = 1.0 / (h as f32).sqrt();
+        let a = config.arch.clone();
+        // Draw order: the dense Qwen3 tensors first, as always, so its random models stay the
+        // same; a family's extra tensors after them.
         let layers = (0..config.num_hidden_layers)
-            .map(|_| Layer {
-                input_layernorm: draw(h, 0.2, 1.0),
-                post_attention_layernorm: draw(h, 0.2, 1.0),
-                q_norm: draw(hd, 0.2, 1.0),
-                k_norm: draw(hd, 0.2, 1.0),
-                q_proj: draw(qd * h, s, 0.0),
-                k_proj: draw(kvd * h, s, 0.0),
-                v_proj: draw(kvd * h, s, 0.0),
-                o_proj: draw(h * qd, 1.0 / (qd as f32).sqrt(), 0.0),
-                gate_proj: draw(i * h, s, 0.0),
-                up_proj: draw(i * h, s, 0.0),
-                down_proj: draw(h * i, 1.0 / (i as f32).sqrt(), 0.0),
+            .map(|l| {
+                let input_layernorm = draw(h, 0.2, 1.0);
+                let post_attention_layernorm = draw(h, 0.2, 1.0);
+                let (q_norm, k_norm) = match a.qk_norm {
+                    true => (draw(hd, 0.2, 1.0), draw(hd, 0.2, 1.0)),
+                    false => (Vec::new(), Vec::new()),
+                };
+                let q_proj = draw(qd * h, s, 0.0);
+                let k_proj = draw(kvd * h, s, 0.0);
+                let v_proj = draw(kvd * h, s, 0.0);
+                let o_proj = draw(h * qd, 1.0 / (qd as f32).sqrt(), 0.0);
+                let mut ffn = |i: usize, bias: bool| {
+                    let (gate_proj, up_proj) = (draw(i * h, s, 0.0), draw(i * h, s, 0.0));
+                    let down_proj = draw(h * i, 1.0 / (i as f32).sqrt(), 0.0);
+                    let mut b = |n: usize| if bias { draw(n, 0.1, 0.0) } else { Vec::new() };
+                    Ffn {
+                        gate_proj,
+                        up_proj,
+                        down_proj,
+                        gate_bias: b(i),
+                        up_bias: b(i),
+                        down_bias: b(h),
+                    }
+                };
+                let mlp = match a.sparse(l) {
+                    Some(m) => Mlp::Sparse {
+                        router: Vec::new(),
+                        experts: (0..m.num_experts)
+                            .map(|_| ffn(m.intermediate_size, false))
+                            .collect(),
+                    },
+                    None => Mlp::Dense(ffn(i, a.mlp_bias)),
+                };
+                let mut b = |on: bool, n: usize| if on { draw(n, 0.1, 0.0) } else { Vec::new() };
+                let (q_bias, k_bias, v_bias) =
+                    (b(a.qkv_bias, qd), b(a.qkv_bias, kvd), b(a.qkv_bias, kvd));
+                let o_bias = b(a.o_bias, h);
+                let mlp = match (mlp, a.sparse(l)) {
+                    (Mlp::Sparse { experts, .. }, Some(m)) => Mlp::Sparse {
+                        router: draw(m.num_experts * h, s, 0.0),
+                        experts,
+                    },
+                    (mlp, _) => mlp,
+                };
+                Layer {
+                    input_layernorm,
+                    post_attention_layernorm,
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                    q_bias,
+                    k_bias,
+                    v_bias,
+                    o_bias,
+                    mlp,
+                }
             })
             .collect();
         Model {

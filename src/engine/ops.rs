@@ -156,21 +156,34 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 
 /// Rotary embedding, non-interleaved ("rotate half"): pairs (i, i + d/2) of each head are rotated
 /// by `position · theta^(-2i/d)`. Angles are computed in f32 as HF does.
-pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, theta: f64) {
+pub fn rope(
+    x: &mut [f32],
+    positions: &[usize],
+    heads: usize,
+    head_dim: usize,
+    inv_freq: &[f32],
+    scale: f32,
+) {
     let at: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
-    rope_at(x, &at, heads, head_dim, theta);
+    rope_at(x, &at, heads, head_dim, inv_freq, scale);
 }
 
-/// `rope` at positions given as f32 (a negative one turns the other way).
-pub fn rope_at(x: &mut [f32], positions: &[f32], heads: usize, head_dim: usize, theta: f64) {
+/// `rope` at positions given as f32 (a negative one turns the other way). `scale` multiplies
+/// cos and sin (YaRN's attention factor; exactly 1 otherwise).
+pub fn rope_at(
+    x: &mut [f32],
+    positions: &[f32],
+    heads: usize,
+    head_dim: usize,
+    inv_freq: &[f32],
+    scale: f32,
+) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / (theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
-        .collect();
     for (t, &pos) in positions.iter().enumerate() {
-        for i in 0..half {
-            let angle = pos * inv_freq[i];
+        for (i, &f) in inv_freq.iter().enumerate().take(half) {
+            let angle = pos * f;
             let (sin, cos) = angle.sin_cos();
+            let (sin, cos) = (sin * scale, cos * scale);
             for h in 0..heads {
                 let base = (t * heads + h) * head_dim;
                 let (a, b) = (x[base + i], x[base + i + half]);
@@ -267,9 +280,15 @@ mod tests {
     fn rope_preserves_norm_and_is_identity_at_zero() {
         let mut x: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
         let orig = x.clone();
-        rope(&mut x, &[0], 2, 8, 10_000.0);
+        let f = crate::engine::rope::RopeTable::new(
+            &crate::engine::rope::RopeScaling::Default,
+            10_000.0,
+            8,
+        )
+        .inv_freq_f32;
+        rope(&mut x, &[0], 2, 8, &f, 1.0);
         assert_eq!(x, orig);
-        rope(&mut x, &[5], 2, 8, 10_000.0);
+        rope(&mut x, &[5], 2, 8, &f, 1.0);
         let n0: f32 = orig.iter().map(|v| v * v).sum();
         let n1: f32 = x.iter().map(|v| v * v).sum();
         assert_relative_eq!(n0, n1, max_relative = 1e-5);

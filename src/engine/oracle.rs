@@ -5,7 +5,8 @@
 
 use rayon::prelude::*;
 
-use crate::engine::model::Model;
+use crate::engine::model::{Ffn, Mlp, Model};
+use crate::engine::rope::RopeTable;
 use crate::tap::{emit, LayerTap, TapId, TapSink};
 
 /// `y[n, out] = x[n, inp] · wᵀ`, `w` `[out, inp]` in f32 (exact in f64), summed in f64.
@@ -35,6 +36,30 @@ fn dot(a: &[f64], b: &[f32]) -> f64 {
     (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
+/// `linear` plus a bias (none when empty).
+fn affine(x: &[f64], n: usize, w: &[f32], bias: &[f32], out: usize) -> Vec<f64> {
+    let mut y = linear(x, n, w, out);
+    if !bias.is_empty() {
+        for row in y.chunks_exact_mut(out) {
+            row.iter_mut().zip(bias).for_each(|(v, &b)| *v += b as f64);
+        }
+    }
+    y
+}
+
+/// A SwiGLU block.
+fn swiglu(f: &Ffn, x: &[f64], n: usize, h: usize) -> Vec<f64> {
+    let i = f.up_proj.len() / h;
+    let gate = affine(x, n, &f.gate_proj, &f.gate_bias, i);
+    let up = affine(x, n, &f.up_proj, &f.up_bias, i);
+    let act: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+        .collect();
+    affine(&act, n, &f.down_proj, &f.down_bias, h)
+}
+
 /// RMSNorm of each `weight.len()`-wide row.
 fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
     let dim = weight.len();
@@ -47,12 +72,12 @@ fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
 }
 
 /// Rotate-half RoPE of `[n, heads, hd]` at `positions`, angles exact in f64.
-fn rotate(x: &mut [f64], positions: &[usize], heads: usize, hd: usize, theta: f64) {
+fn rotate(x: &mut [f64], positions: &[usize], heads: usize, hd: usize, rope: &RopeTable) {
     let half = hd / 2;
     for (t, &p) in positions.iter().enumerate() {
         for i in 0..half {
-            let angle = p as f64 / theta.powf((2 * i) as f64 / hd as f64);
-            let (s, c) = angle.sin_cos();
+            let (s, c) = rope.angle(p as f64, i).sin_cos();
+            let (s, c) = (s * rope.scale, c * rope.scale);
             for h in 0..heads {
                 let at = (t * heads + h) * hd;
                 let (a, b) = (x[at + i], x[at + i + half]);
@@ -122,51 +147,82 @@ fn layer(
     tap(LayerTap::ResidIn, &[n, h], &x);
     let xn = norm(&x, &w.input_layernorm, eps);
     tap(LayerTap::AttnNorm, &[n, h], &xn);
-    let mut q = norm(&linear(&xn, n, &w.q_proj, heads * hd), &w.q_norm, eps);
-    let mut k = norm(&linear(&xn, n, &w.k_proj, kvh * hd), &w.k_norm, eps);
-    let v = linear(&xn, n, &w.v_proj, kvh * hd);
+    let mut q = affine(&xn, n, &w.q_proj, &w.q_bias, heads * hd);
+    let mut k = affine(&xn, n, &w.k_proj, &w.k_bias, kvh * hd);
+    if c.arch.qk_norm {
+        q = norm(&q, &w.q_norm, eps);
+        k = norm(&k, &w.k_norm, eps);
+    }
+    let v = affine(&xn, n, &w.v_proj, &w.v_bias, kvh * hd);
     tap(LayerTap::Q, &[n, heads, hd], &q);
     tap(LayerTap::K, &[n, kvh, hd], &k);
     tap(LayerTap::V, &[n, kvh, hd], &v);
-    rotate(&mut q, rope_positions, heads, hd, c.rope_theta);
-    rotate(&mut k, rope_positions, kvh, hd, c.rope_theta);
+    let rope = c.rope_table();
+    rotate(&mut q, rope_positions, heads, hd, &rope);
+    rotate(&mut k, rope_positions, kvh, hd, &rope);
     tap(LayerTap::QRope, &[n, heads, hd], &q);
     tap(LayerTap::KRope, &[n, kvh, hd], &k);
     let span = positions.iter().max().map_or(0, |m| m + 1);
-    let (attn, probs) = causal_attention(&q, &k, &v, positions, span, (heads, kvh, hd));
+    let window = c.arch.window(l);
+    let (attn, probs) = causal_attention(&q, &k, &v, positions, span, window, (heads, kvh, hd));
     tap(LayerTap::AttnProbs, &[n, heads, span], &probs);
     tap(LayerTap::AttnOut, &[n, heads * hd], &attn);
-    let o = linear(&attn, n, &w.o_proj, h);
+    let o = affine(&attn, n, &w.o_proj, &w.o_bias, h);
     tap(LayerTap::OProj, &[n, h], &o);
     let mid = add(&x, &o);
     tap(LayerTap::ResidMid, &[n, h], &mid);
     let mn = norm(&mid, &w.post_attention_layernorm, eps);
     tap(LayerTap::MlpNorm, &[n, h], &mn);
-    let i = c.intermediate_size;
-    let (gate, up) = (
-        linear(&mn, n, &w.gate_proj, i),
-        linear(&mn, n, &w.up_proj, i),
-    );
-    let act: Vec<f64> = gate
-        .iter()
-        .zip(&up)
-        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-        .collect();
-    let mlp = linear(&act, n, &w.down_proj, h);
+    let mlp = match (&w.mlp, c.arch.sparse(l)) {
+        (Mlp::Sparse { router, experts }, Some(moe)) => {
+            let e = moe.num_experts;
+            let logits = linear(&mn, n, router, e);
+            tap(LayerTap::RouterLogits, &[n, e], &logits);
+            let mut out = vec![0f64; n * h];
+            let mut chosen = Vec::with_capacity(n * moe.top_k);
+            for (t, row) in logits.chunks_exact(e).enumerate() {
+                let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let exps: Vec<f64> = row.iter().map(|v| (v - m).exp()).collect();
+                let sum: f64 = exps.iter().sum();
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]));
+                let top = &order[..moe.top_k];
+                let kept: f64 = top.iter().map(|&i| exps[i] / sum).sum();
+                let xt = &mn[t * h..(t + 1) * h];
+                for &i in top {
+                    chosen.push(i as f64);
+                    let mut wt = exps[i] / sum;
+                    if moe.norm_topk_prob {
+                        wt /= kept;
+                    }
+                    let y = swiglu(&experts[i], xt, 1, h);
+                    out[t * h..(t + 1) * h]
+                        .iter_mut()
+                        .zip(&y)
+                        .for_each(|(o, v)| *o += wt * v);
+                }
+            }
+            tap(LayerTap::Experts, &[n, moe.top_k], &chosen);
+            out
+        }
+        (Mlp::Dense(f), _) => swiglu(f, &mn, n, h),
+        (Mlp::Sparse { .. }, None) => unreachable!("sparse weights only on sparse layers"),
+    };
     tap(LayerTap::MlpOut, &[n, h], &mlp);
     let out = add(&mid, &mlp);
     tap(LayerTap::ResidOut, &[n, h], &out);
     out
 }
 
-/// Token t attends to tokens 0..=t (GQA); returns the output `[n, heads·hd]` and the
-/// probabilities `[n, heads, span]` at the keys' positions.
+/// Token t attends to tokens 0..=t (the last `window` of them when set; GQA); returns the
+/// output `[n, heads·hd]` and the probabilities `[n, heads, span]` at the keys' positions.
 fn causal_attention(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     positions: &[usize],
     span: usize,
+    window: Option<usize>,
     (heads, kvh, hd): (usize, usize, usize),
 ) -> (Vec<f64>, Vec<f64>) {
     let n = positions.len();
@@ -179,7 +235,8 @@ fn causal_attention(
             let g = head / (heads / kvh);
             let qv = &q[(t * heads + head) * hd..][..hd];
             exps.clear();
-            exps.extend((0..=t).map(|e| {
+            let first = window.map_or(0, |w| (t + 1).saturating_sub(w));
+            exps.extend((first..=t).map(|e| {
                 let key = &k[(e * kvh + g) * hd..][..hd];
                 qv.iter().zip(key).map(|(a, b)| a * b).sum::<f64>() * scale
             }));
@@ -187,7 +244,7 @@ fn causal_attention(
             exps.iter_mut().for_each(|s| *s = (*s - m).exp());
             let sum: f64 = exps.iter().sum();
             let o = &mut out[(t * heads + head) * hd..][..hd];
-            for (e, &p) in exps.iter().enumerate() {
+            for (e, &p) in (first..).zip(exps.iter()) {
                 let p = p / sum;
                 probs[(t * heads + head) * span + positions[e]] += p;
                 for (acc, &x) in o.iter_mut().zip(&v[(e * kvh + g) * hd..][..hd]) {

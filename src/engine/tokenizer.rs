@@ -11,6 +11,9 @@ use crate::io::prompt::Message;
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: ChatTemplate,
+    /// The template named "tool_use" of a tokenizer_config.json with named templates, which
+    /// transformers picks when tools are passed.
+    tool_template: Option<ChatTemplate>,
     special: SpecialTokens,
     /// Ids of tokens that end generation according to the tokenizer (its eos_token).
     pub eos_ids: Vec<u32>,
@@ -34,6 +37,14 @@ impl ChatTokenizer {
         } else {
             Json::Null
         };
+        let named = |list: &[Json], name: &str| {
+            list.iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some(name))
+                .and_then(|t| t.get("template"))
+                .and_then(Json::as_str)
+                .map(String::from)
+        };
+        let mut tool_src = None;
         let (template_src, template_path) = if src.exists("chat_template.jinja") {
             (
                 src.text("chat_template.jinja", TOKENIZER_FIX)?.into_owned(),
@@ -44,13 +55,9 @@ impl ChatTokenizer {
                 Some(Json::String(s)) => (s.clone(), cfg_path.clone()),
                 Some(Json::Array(list)) => {
                     // Several named templates: transformers uses the one named "default".
-                    let t = list
-                        .iter()
-                        .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                        .and_then(|t| t.get("template"))
-                        .and_then(Json::as_str);
-                    match t {
-                        Some(s) => (s.to_string(), cfg_path.clone()),
+                    tool_src = named(list, "tool_use");
+                    match named(list, "default") {
+                        Some(s) => (s, cfg_path.clone()),
                         None => return Err(Error::input(&cfg_path, "no chat template named \"default\"", TOKENIZER_FIX)),
                     }
                 }
@@ -63,12 +70,12 @@ impl ChatTokenizer {
                 }
             }
         };
-        let template = ChatTemplate::new(&template_src)
-            .map_err(|e| Error::input(&template_path, e, TOKENIZER_FIX))?;
-        let special = SpecialTokens {
-            bos: token_string(&cfg, "bos_token"),
-            eos: token_string(&cfg, "eos_token"),
+        let compile = |source: &str| {
+            ChatTemplate::new(source).map_err(|e| Error::input(&template_path, e, TOKENIZER_FIX))
         };
+        let template = compile(&template_src)?;
+        let tool_template = tool_src.as_deref().map(compile).transpose()?;
+        let special = SpecialTokens::from_tokenizer_config(&cfg);
         let eos_ids = special
             .eos
             .as_deref()
@@ -78,6 +85,7 @@ impl ChatTokenizer {
         Ok(ChatTokenizer {
             tokenizer,
             template,
+            tool_template,
             special,
             eos_ids,
         })
@@ -89,7 +97,12 @@ impl ChatTokenizer {
         messages: &[Message],
         extra: &serde_json::Map<String, Json>,
     ) -> Result<String, String> {
-        self.template.render(messages, true, &self.special, extra)
+        let with_tools = extra.get("tools").is_some_and(|t| !t.is_null());
+        let template = match &self.tool_template {
+            Some(t) if with_tools => t,
+            _ => &self.template,
+        };
+        template.render(messages, true, &self.special, extra)
     }
 
     /// Token ids of already-rendered chat text (special tokens in the text become their ids;
@@ -119,14 +132,5 @@ impl ChatTokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
-    }
-}
-
-/// `eos_token` may be a plain string or an AddedToken object with a `content` field.
-fn token_string(cfg: &Json, key: &str) -> Option<String> {
-    match cfg.get(key)? {
-        Json::String(s) => Some(s.clone()),
-        Json::Object(o) => o.get("content").and_then(Json::as_str).map(String::from),
-        _ => None,
     }
 }

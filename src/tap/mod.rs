@@ -1,7 +1,9 @@
 //! Taps: named places where a tensor is observed, and the sinks that receive them.
 //!
 //! Names: `embed`, `L{i}.{resid_in,attn_norm,q,k,v,q_rope,k_rope,attn_probs,attn_out,o_proj,
-//! resid_mid,mlp_norm,mlp_out,resid_out}`, `final_norm`, `logits`. The first axis of every tap
+//! resid_mid,mlp_norm,router_logits,experts,mlp_out,resid_out}`, `final_norm`, `logits`
+//! (`router_logits` `[token, expert]` and `experts`, the chosen expert ids `[token, top_k]` as
+//! f32, only on a mixture-of-experts layer). The first axis of every tap
 //! is the token: row `r` belongs to global position `positions[r]`. `attn_probs` rows are
 //! `[head, key position]` and span global key positions `0..=max position`, however the KV was
 //! built. Per-head tensors (`q`, `k`, `v`, `*_rope`) are `[token, head, head_dim]`.
@@ -29,12 +31,35 @@ pub enum LayerTap {
     OProj,
     ResidMid,
     MlpNorm,
+    RouterLogits,
+    Experts,
     MlpOut,
     ResidOut,
 }
 
 impl LayerTap {
-    pub const ALL: [LayerTap; 14] = [
+    /// Every kind, in forward order.
+    pub const ALL: [LayerTap; 16] = [
+        LayerTap::ResidIn,
+        LayerTap::AttnNorm,
+        LayerTap::Q,
+        LayerTap::K,
+        LayerTap::V,
+        LayerTap::QRope,
+        LayerTap::KRope,
+        LayerTap::AttnProbs,
+        LayerTap::AttnOut,
+        LayerTap::OProj,
+        LayerTap::ResidMid,
+        LayerTap::MlpNorm,
+        LayerTap::RouterLogits,
+        LayerTap::Experts,
+        LayerTap::MlpOut,
+        LayerTap::ResidOut,
+    ];
+
+    /// The kinds every layer has (all but the mixture-of-experts ones).
+    pub const DENSE: [LayerTap; 14] = [
         LayerTap::ResidIn,
         LayerTap::AttnNorm,
         LayerTap::Q,
@@ -65,6 +90,8 @@ impl LayerTap {
             LayerTap::OProj => "o_proj",
             LayerTap::ResidMid => "resid_mid",
             LayerTap::MlpNorm => "mlp_norm",
+            LayerTap::RouterLogits => "router_logits",
+            LayerTap::Experts => "experts",
             LayerTap::MlpOut => "mlp_out",
             LayerTap::ResidOut => "resid_out",
         }
@@ -92,11 +119,21 @@ impl fmt::Display for TapId {
 }
 
 impl TapId {
-    /// Every tap of a model with `layers` layers, in forward order.
+    /// Every tap of a dense model with `layers` layers, in forward order.
     pub fn all(layers: usize) -> Vec<TapId> {
+        Self::all_where(layers, |_| false)
+    }
+
+    /// Every tap of a model whose layers `sparse(l)` have a mixture-of-experts MLP.
+    pub fn all_where(layers: usize, sparse: impl Fn(usize) -> bool) -> Vec<TapId> {
         let mut v = vec![TapId::Embed];
         for l in 0..layers {
-            v.extend(LayerTap::ALL.iter().map(|&t| TapId::Layer(l, t)));
+            let kinds: &[LayerTap] = if sparse(l) {
+                &LayerTap::ALL
+            } else {
+                &LayerTap::DENSE
+            };
+            v.extend(kinds.iter().map(|&t| TapId::Layer(l, t)));
         }
         v.extend([TapId::FinalNorm, TapId::Logits]);
         v
@@ -220,7 +257,7 @@ impl TapFilter {
 #[derive(Clone, Debug)]
 pub struct TapTable {
     embed: bool,
-    layer: Vec<[bool; 14]>,
+    layer: Vec<[bool; LayerTap::ALL.len()]>,
     final_norm: bool,
     logits: bool,
 }
