@@ -5,11 +5,13 @@
 // cache. `meta[0]` is base (the cache length before the batch), read on the device so that a
 // captured decode step replays at any length. One block per (token, head); `probs` is [n,
 // heads, stride] and doubles as scratch; columns visible..base+n of each row are zeroed.
-// Writes the output in f32 and bf16 (the o_proj GEMM's input).
+// Writes the output in f32 and bf16 (the o_proj GEMM's input). With window > 0 (a sliding
+// layer) query t sees only its last `window` entries; the others get probability 0, and a
+// cascade split the window has passed leaves one segment.
 extern "C" __global__ void attention(const float* q, const float* keys, const float* values,
                                      float* probs, float* out, bf16_t* out_bf16, const int* meta,
                                      int split, int heads, int kv_heads, int head_dim, int stride,
-                                     float scale) {
+                                     float scale, int window) {
     PDL_ENTER();
     __shared__ float scratch[32];
     extern __shared__ float qs[];
@@ -17,6 +19,7 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int base = meta[0], span = base + gridDim.x / heads;
     int visible = base + t + 1;
+    int first = window > 0 && visible > window ? visible - window : 0;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float* row = probs + (size_t)blockIdx.x * stride;
     const float* qv = q + ((size_t)t * heads + h) * head_dim;
@@ -24,7 +27,8 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     __syncthreads();
 
     // Scores: one warp per key, lanes across the head dimension.
-    for (int e = warp; e < visible; e += warps) {
+    for (int e = threadIdx.x; e < first; e += blockDim.x) row[e] = 0.0f;
+    for (int e = first + warp; e < visible; e += warps) {
         const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
         float acc = 0.0f;
         for (int d = lane; d < head_dim; d += 32) acc += qs[d] * k[d];
@@ -35,8 +39,8 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     __syncthreads();
 
     // Softmax per segment; each segment's weight in the merge is exp(lse_seg - lse_all).
-    int cut = (split > 0 && split < visible) ? split : 0;
-    int seg_start[2] = {0, cut}, seg_end[2] = {cut, visible};
+    int cut = (split > first && split < visible) ? split : first;
+    int seg_start[2] = {first, cut}, seg_end[2] = {cut, visible};
     float lse[2] = {NEG_INF, NEG_INF}, total[2] = {0.0f, 0.0f};
     for (int s = 0; s < 2; s++) {
         if (seg_start[s] == seg_end[s]) continue;
@@ -57,7 +61,8 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     float wa = seg_start[0] == seg_end[0] ? 0.0f : expf(lse[0] - mx);
     float wb = expf(lse[1] - mx);
     float norm_a = wa / (wa + wb) / total[0], norm_b = wb / (wa + wb) / total[1];
-    for (int e = threadIdx.x; e < visible; e += blockDim.x) row[e] *= e < cut ? norm_a : norm_b;
+    for (int e = first + threadIdx.x; e < visible; e += blockDim.x)
+        row[e] *= e < cut ? norm_a : norm_b;
     __syncthreads();
 
     // Output: the block splits into groups of head_dim threads; group g sums keys g, g + G,
@@ -68,7 +73,7 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     float acc0 = 0.0f, acc1 = 0.0f;
     if (g < groups) {
         const float* v = values + kvh * head_dim + d;
-        int e = g;
+        int e = first + g;
         for (; e + groups < visible; e += 2 * groups) {
             acc0 += row[e] * v[(size_t)e * kv_dim];
             acc1 += row[e + groups] * v[(size_t)(e + groups) * kv_dim];

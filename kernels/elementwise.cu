@@ -40,3 +40,36 @@ extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
     block_argmax(bv, bi, best_v, best_i);
     if (threadIdx.x == 0) *out = best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }
+
+// Mixture-of-experts dispatch, in three simple launches per expert: gather the rows of the
+// tokens routed to it, run its SwiGLU with the GEMMs every dense MLP uses, and add each row
+// back weighted by the router. Experts are added one after another on one stream, so the sum
+// runs in expert order as HF's does.
+
+// dst[r] = src[idx[r]] for `count` bf16 rows of `width`. Grid: ceil(count * width / 256).
+extern "C" __global__ void gather_rows_bf16(const bf16_t* src, const int* idx, bf16_t* dst,
+                                            int width, int count) {
+    PDL_ENTER();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)count * width) return;
+    size_t r = i / width, j = i % width;
+    dst[i] = src[(size_t)idx[r] * width + j];
+}
+
+// out[idx[r]] += w[r] * y[r] for `count` f32 rows of `width` (each token at most once per
+// expert, so no two threads add to one element). Grid: ceil(count * width / 256).
+extern "C" __global__ void scatter_add_rows(const float* y, const int* idx, const float* w,
+                                            float* out, int width, int count) {
+    PDL_ENTER();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)count * width) return;
+    size_t r = i / width, j = i % width;
+    out[(size_t)idx[r] * width + j] += w[r] * y[i];
+}
+
+// x[0..n) = 0.
+extern "C" __global__ void zero_f32(float* x, int n) {
+    PDL_ENTER();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = 0.0f;
+}

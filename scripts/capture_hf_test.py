@@ -1,8 +1,9 @@
 """HF transformers' Qwen3 captured with kvdiff_capture and held to kvdiff's reference by
 `kvdiff diff` (GPU machine: torch + transformers; kvdiff built elsewhere and carried).
 
-For each model (the embedded default model's folder and fixtures/random-model), in float32 and
-in bfloat16 on CUDA, eager attention:
+For each model (the embedded default model's folder, fixtures/random-model and the families in
+fixtures/arch: Qwen3-MoE, Qwen2, Llama 3, Mistral; CAPTURE_MODELS=name,name picks some), in
+float32 and in bfloat16 on CUDA, eager attention:
   standard   the prompt in one forward call, then 16 greedy decode steps     -> EQUIVALENT
   chunked    the prompt in three calls through past_key_values, then 16     -> EQUIVALENT
   restart    chunks 2 and 3 fed position ids restarting from 0              -> L0.q_rope at chunk 2
@@ -104,11 +105,23 @@ def model_limit(mdir):
     return json.load(open(f"{mdir}/config.json"))["max_position_embeddings"]
 
 
+def print_rows(rows):
+    print()
+    print(f"{'model':16} {'dtype':9} {'case':9} {'exit':>4} {'first divergence':34} {'expected':24} ok  capture s  diff s")
+    for name, dname, case, code, site, want, ok, cap, wall, extra in rows:
+        print(f"{name:16} {dname:9} {case:9} {code:>4} {str(site):34} {str(want):24} {'yes' if ok else 'NO ':3} "
+              f"{cap:8.2f} {wall:7.2f}  {extra}")
+
+
 def main():
     os.makedirs(WORK, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows, failed = [], 0
     models = [("default-model", "fixtures/default-model"), ("random-model", "fixtures/random-model")]
+    models += [(f"arch/{a}", f"fixtures/arch/{a}") for a in ("qwen3-moe", "qwen2", "llama3", "mistral")]
+    if os.environ.get("CAPTURE_MODELS"):
+        keep = os.environ["CAPTURE_MODELS"].split(",")
+        models = [m for m in models if m[0] in keep]
     for name, mdir in (models if not os.environ.get("CAPTURE_TIMING_ONLY") else []):
         tok = AutoTokenizer.from_pretrained(mdir)
         ids = prompt_ids(tok, MESSAGES)
@@ -126,7 +139,7 @@ def main():
                 ("no-cache", cuts, "no-cache", ("L0.attn_probs", cuts[0])),
                 ("inv-freq", [], "inv-freq", ("L0.q_rope", None)),
             ]:
-                dump = f"{WORK}/{name}-{dname}-{case}"
+                dump = f"{WORK}/{name.replace('/', '-')}-{dname}-{case}"
                 t0 = time.time()
                 run(model, longer if bug == "inv-freq" else ids, dump, c, bug)
                 cap_s = time.time() - t0
@@ -152,6 +165,9 @@ def main():
             del model
             torch.cuda.empty_cache()
 
+    if os.environ.get("CAPTURE_SKIP_TIMING"):
+        print_rows(rows)
+        sys.exit(1 if failed else 0)
     # Capture vs diff time at Qwen3-0.6B's shape, 512 + 64 tokens.
     big = "/tmp/kvdiff-bench/model"
     if not os.path.exists(f"{big}/config.json"):
@@ -183,11 +199,7 @@ def main():
     timing.append(("cuda, noise profile pinned (kvdiff calibrate, once per model)", code, site, wall))
     code, site, wall, r = kvdiff_diff(big, dump, ["--tolerance", "fixed", "-v"], dumps=[dump, dump], env=env)
     timing.append(("none (the dump against itself, fixed tolerance)", code, site, wall))
-    print()
-    print(f"{'model':14} {'dtype':9} {'case':9} {'exit':>4} {'first divergence':34} {'expected':24} ok  capture s  diff s")
-    for name, dname, case, code, site, want, ok, cap, wall, extra in rows:
-        print(f"{name:14} {dname:9} {case:9} {code:>4} {str(site):34} {str(want):24} {'yes' if ok else 'NO ':3} "
-              f"{cap:8.2f} {wall:7.2f}  {extra}")
+    print_rows(rows)
     print(f"\nQwen3-0.6B shape, bf16 eager, {len(ids)} prompt tokens + 64 steps: capture {cap_s:.2f} s "
           f"({size / 1e6:.0f} MB dump)")
     for backend, code, site, wall in timing:

@@ -341,14 +341,16 @@ def _rows(x, heads=None):
 
 
 def hf_adapter(cap, model):
-    """Hugging Face transformers Qwen3 (Qwen3ForCausalLM): every tap kvdiff names;
-    `attn_probs` only under eager attention (sdpa/flash return none: the report lists them as
-    not provided)."""
+    """Hugging Face transformers Qwen3, Qwen3-MoE, Qwen2, Llama and Mistral: every tap kvdiff
+    names (`q`/`k` after q_norm/k_norm where the family has them, else the projections with their
+    bias; `router_logits` and `experts` on sparse layers); `attn_probs` only under eager attention
+    (sdpa/flash return none: the report lists them as not provided)."""
     import torch
     h = _Hooks()
     inner = model.model
     cfg = model.config
     kv_heads = cfg.num_key_value_heads
+    heads = cfg.num_attention_heads
 
     def pre(_m, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -390,6 +392,7 @@ def hf_adapter(cap, model):
         return hook
 
     first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+    b_of = lambda w: w.shape[0]  # noqa: E731
     add = h.handles.append
     add(inner.embed_tokens.register_forward_hook(out_hook("embed")))
     for i, layer in enumerate(inner.layers):
@@ -400,13 +403,31 @@ def hf_adapter(cap, model):
         add(layer.register_forward_pre_hook(in_hook(f"L{i}.resid_in"), with_kwargs=True))
         add(a.register_forward_pre_hook(set_layer, with_kwargs=True))
         add(layer.input_layernorm.register_forward_hook(out_hook(f"L{i}.attn_norm")))
-        add(a.q_norm.register_forward_hook(out_hook(f"L{i}.q")))
-        add(a.k_norm.register_forward_hook(out_hook(f"L{i}.k")))
+        if getattr(a, "q_norm", None) is not None:
+            add(a.q_norm.register_forward_hook(out_hook(f"L{i}.q")))
+            add(a.k_norm.register_forward_hook(out_hook(f"L{i}.k")))
+        else:
+            add(a.q_proj.register_forward_hook(out_hook(f"L{i}.q", lambda o: _rows(o, heads))))
+            add(a.k_proj.register_forward_hook(out_hook(f"L{i}.k", lambda o: _rows(o, kv_heads))))
         add(a.v_proj.register_forward_hook(out_hook(f"L{i}.v", lambda o: _rows(o, kv_heads))))
+        router = getattr(layer.mlp, "gate", None)
+        if router is not None and hasattr(layer.mlp, "experts"):
+            # transformers 5's top-k router returns (logits, weights, chosen ids) per token.
+            def routed(_m, _inp, out, i=i):
+                logits, chosen = out[0], out[-1]
+                cap.tap(f"L{i}.router_logits", logits.reshape(-1, logits.shape[-1]))
+                cap.tap(f"L{i}.experts", chosen.reshape(-1, chosen.shape[-1]).float())
+            add(router.register_forward_hook(routed))
 
         def probs(_m, _inp, out, i=i):
             w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if w is not None:
+                # A sliding-window cache keeps only the last keys: its columns end at the
+                # call's last position, so they are moved right to stand at their positions.
+                pos = cap.positions()
+                missing = (max(pos) + 1 - w.shape[-1]) if pos and b_of(w) == 1 else 0
+                if missing > 0:
+                    w = torch.nn.functional.pad(w, (missing, 0))
                 cap.tap(f"L{i}.attn_probs", w.permute(0, 2, 1, 3).reshape(-1, w.shape[1], w.shape[3]))
         add(a.register_forward_hook(probs))
         add(a.o_proj.register_forward_pre_hook(in_hook(f"L{i}.attn_out"), with_kwargs=True))

@@ -523,3 +523,90 @@ fn tensor_parallel_shards_are_joined_by_rank() {
         "the first head of rank 1"
     );
 }
+
+#[test]
+fn a_token_sent_to_another_expert_is_listed_with_the_router_margin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("moe-dump");
+    let model = common::fixture("arch/qwen3-moe");
+    let prompt = common::fixture("prompts/no-system.json");
+    let o = kvdiff(&[
+        "dump",
+        "--model",
+        model.to_str().unwrap(),
+        "--max-new-tokens",
+        "2",
+        "--out",
+        d.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json = tmp.path().join("r.json");
+    let model_args = ["--model", model.to_str().unwrap()];
+    let run = |dir: &Path| {
+        let mut a: Vec<&str> = vec!["diff", "--json", json.to_str().unwrap()];
+        a.extend(model_args);
+        a.push(dir.to_str().unwrap());
+        let o = kvdiff(&a);
+        (
+            o.status.code(),
+            json_of(&o, &json),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+        )
+    };
+    let (code, r, _) = run(&d);
+    assert_eq!(code, Some(0), "{r}");
+    assert!(r["engine"]["compared"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t == "L0.experts"));
+
+    // Row 9 of layer 0 routed to the best expert the router did not choose.
+    let e = tmp.path().join("flipped");
+    copy_dir(&d, &e);
+    let path = step_file(&e, 0);
+    let (mut t, meta) = read(&path);
+    let logits = t["L0.router_logits"].f32s();
+    let experts = t["L0.experts"].clone();
+    let mut ids = experts.f32s();
+    let (k, n) = (experts.shape[1], logits.len() / experts.shape[0]);
+    let row = &logits[9 * n..10 * n];
+    let chosen: Vec<usize> = ids[9 * k..10 * k].iter().map(|&x| x as usize).collect();
+    let runner_up = (0..n)
+        .filter(|x| !chosen.contains(x))
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+        .unwrap();
+    ids[9 * k + k - 1] = runner_up as f32;
+    let lowest_chosen = chosen.iter().map(|&x| row[x]).fold(f32::INFINITY, f32::min);
+    t.insert(
+        "L0.experts".into(),
+        T::from_f32(experts.shape.clone(), &ids),
+    );
+    write(&path, &(t, meta));
+
+    let (code, r, text) = run(&e);
+    assert_eq!(code, Some(1), "{r}");
+    assert_eq!(first(&r), Some((0, "L0.experts".into(), 9)));
+    let p = &r["paths"][0];
+    assert_eq!(p["expert_flip_count"], 1);
+    let f = &p["expert_flips"][0];
+    assert_eq!(
+        (f["layer"].as_u64(), f["position"].as_u64()),
+        (Some(0), Some(9))
+    );
+    let want: Vec<u64> = chosen.iter().map(|&x| x as u64).collect();
+    assert_eq!(f["reference"], serde_json::json!(want));
+    let path: Vec<u64> = serde_json::from_value(f["path"].clone()).unwrap();
+    assert!(path.contains(&(runner_up as u64)), "{path:?}");
+    let margin = f["margin"].as_f64().unwrap();
+    let want_margin = (lowest_chosen - row[runner_up]) as f64;
+    assert!(
+        (margin - want_margin).abs() <= 1e-3 * want_margin.abs().max(1e-6),
+        "{margin} vs {want_margin}"
+    );
+    assert!(
+        text.contains("expert choice differs from the reference at 1 token-layer"),
+        "{text}"
+    );
+}

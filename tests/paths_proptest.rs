@@ -1,4 +1,6 @@
-//! Random small Qwen3 models, random prompts and random chunkings: exact paths never diverge
+//! Random small models of every supported family (q/k norm or not, projection biases, each
+//! RoPE variant, sliding-window layers, routed experts), random prompts and random chunkings:
+//! exact paths never diverge
 //! (bitwise, on the CPU backend), chunk-reuse paths diverge first exactly where their design
 //! says, and planted bugs are named at the right layer, tap and position.
 
@@ -8,9 +10,11 @@ use common::*;
 use kvdiff::compare::diff::Tolerance;
 use kvdiff::compare::driver::CompareSpec;
 use kvdiff::compare::report::PathReport;
+use kvdiff::engine::arch::{ArchSpec, Family, Moe};
 use kvdiff::engine::chunks::ChunkedPrompt;
 use kvdiff::engine::config::Config;
 use kvdiff::engine::model::{Batch, Model};
+use kvdiff::engine::rope::RopeScaling;
 use kvdiff::engine::tokenizer::ChatTokenizer;
 use kvdiff::io::model_source::ModelSource;
 use kvdiff::paths::{PathSpec, Reuse};
@@ -34,6 +38,68 @@ struct Case {
     seed: u64,
     ids: Vec<u32>,
     cuts: Vec<usize>,
+    arch: ArchSpec,
+}
+
+/// What a family may change, drawn independently so that combinations no checkpoint ships
+/// are covered too.
+fn arch(layers: usize) -> impl Strategy<Value = ArchSpec> {
+    let rope = prop_oneof![
+        Just(RopeScaling::Default),
+        (1.5f64..8.0).prop_map(|factor| RopeScaling::Linear { factor }),
+        Just(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16.0,
+        }),
+        (2.0f64..8.0).prop_map(|factor| RopeScaling::Yarn {
+            factor,
+            attention_factor: RopeScaling::yarn_attention_factor(factor, None, None),
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 16.0,
+            truncate: true,
+        }),
+    ];
+    // Windows of at least 2: with 1, a token sees only itself and a chunk computed alone is
+    // right by construction.
+    let window = prop::option::of((2usize..8, prop::collection::vec(any::<bool>(), layers)));
+    let moe = prop::option::of((
+        3usize..6,
+        1usize..3,
+        any::<bool>(),
+        prop::collection::vec(any::<bool>(), layers),
+    ));
+    (
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        rope,
+        window,
+        moe,
+    )
+        .prop_map(|(qk_norm, qkv_bias, o_bias, rope, window, moe)| ArchSpec {
+            family: if moe.is_some() {
+                Family::Qwen3Moe
+            } else {
+                Family::Qwen3
+            },
+            qk_norm,
+            qkv_bias,
+            o_bias,
+            mlp_bias: false,
+            rope,
+            sliding_window: window.as_ref().map(|w| w.0),
+            sliding_layers: window.map(|w| w.1).unwrap_or_default(),
+            moe: moe.map(|(experts, top_k, norm, sparse)| Moe {
+                num_experts: experts,
+                top_k,
+                norm_topk_prob: norm,
+                intermediate_size: 8,
+                sparse_layers: sparse,
+            }),
+        })
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -58,10 +124,15 @@ fn case() -> impl Strategy<Value = Case> {
             (
                 Just((shape, theta, tied, seed, ids)),
                 prop::collection::vec(1..n, 0..n.min(6)),
+                arch(shape.0),
             )
         })
         .prop_map(
-            |(((layers, kv_heads, group, head_dim, hidden), theta, tied, seed, ids), cuts)| Case {
+            |(
+                ((layers, kv_heads, group, head_dim, hidden), theta, tied, seed, ids),
+                cuts,
+                arch,
+            )| Case {
                 layers,
                 kv_heads,
                 group,
@@ -72,6 +143,7 @@ fn case() -> impl Strategy<Value = Case> {
                 seed,
                 ids,
                 cuts,
+                arch,
             },
         )
 }
@@ -90,7 +162,7 @@ fn model(c: &Case) -> Model {
         rope_theta: c.theta,
         tie_word_embeddings: c.tied,
         eos_token_ids: vec![],
-        arch: Default::default(),
+        arch: c.arch.clone(),
     };
     Model::random(config, c.seed)
 }

@@ -212,7 +212,8 @@ pub fn run(a: DiffArgs) -> Result<i32> {
         None => {
             let e = engine.as_ref().expect("loaded for the one-folder form");
             let model = gpu_model.as_ref().unwrap_or(&e.model);
-            let mut run = ReferenceRun::new(model);
+            let mut run =
+                ReferenceRun::new(model).following_routes(tolerance.bounds("router_logits"));
             (
                 d.run(&mut run)?,
                 format!("kvdiff standard@{}", if cuda { "cuda" } else { "cpu" }),

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use crate::compare::diff::{diverged_within, row_diff, RowDiff, Tolerance};
 use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
 use crate::compare::grid::{CellGrid, Row};
-use crate::compare::report::{AttnRows, Divergence, LayerRow};
+use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
@@ -91,6 +91,11 @@ pub(crate) struct Comparator<'a> {
     pub(crate) first_tap: BTreeMap<(u8, usize), TapId>,
     /// Per layer group and position, the worst row.
     pub(crate) grid: CellGrid,
+    pub(crate) expert_flips: Vec<ExpertFlip>,
+    pub(crate) expert_flip_count: usize,
+    /// The path's router logits of the current step, per layer (to tell a choice the path
+    /// adopted from one it made).
+    path_router: HashMap<usize, Recorded>,
 }
 
 fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
@@ -222,6 +227,9 @@ impl<'a> Comparator<'a> {
             noise: BTreeMap::new(),
             first_tap: BTreeMap::new(),
             grid: CellGrid::new(layers, positions),
+            expert_flips: Vec::new(),
+            expert_flip_count: 0,
+            path_router: HashMap::new(),
         }
     }
 
@@ -321,9 +329,159 @@ impl<'a> Comparator<'a> {
     }
 }
 
+impl Comparator<'_> {
+    /// Lists the tokens of `path`'s `experts` tap routed otherwise than on the reference, each
+    /// with the reference router's margin (from its `router_logits` tap, when recorded).
+    fn note_expert_flips(&mut self, step: usize, path: &TapValue<'_>, r: &Recorded) {
+        let Some(layer) = path.id.layer() else {
+            return;
+        };
+        let k = path.shape.get(1).copied().unwrap_or(1).max(1);
+        let logits_id = TapId::Layer(layer, crate::tap::LayerTap::RouterLogits);
+        for (row, &pos) in path.positions.iter().enumerate() {
+            let Some(rrow) = r.positions.iter().position(|&p| p == pos) else {
+                continue;
+            };
+            let ids = |d: &[f32], i: usize| -> Vec<u32> {
+                d.get(i * k..(i + 1) * k)
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|&x| x as u32)
+                    .collect()
+            };
+            let (mut mine, theirs) = (ids(path.data, row), ids(&r.data, rrow));
+            let (mut a, mut b) = (mine.clone(), theirs.clone());
+            a.sort_unstable();
+            b.sort_unstable();
+            let mut adopted_by = None;
+            let mut theirs = theirs;
+            if a == b {
+                // Equal: one side's own top k may still have differed, if it followed the
+                // other at a near tie (`route_hints`).
+                let path_own = self
+                    .path_router
+                    .get(&layer)
+                    .and_then(|lg| own_choice(lg, pos, k));
+                let ref_own = self
+                    .reference
+                    .get(&logits_id)
+                    .and_then(|lg| own_choice(lg, pos, k));
+                match (path_own, ref_own) {
+                    (Some(own), _) if own != b => {
+                        adopted_by = Some("path");
+                        mine = own;
+                    }
+                    (_, Some(own)) if own != a => {
+                        adopted_by = Some("reference");
+                        theirs = own;
+                    }
+                    _ => continue,
+                }
+            }
+            self.expert_flip_count += 1;
+            if self.expert_flips.len() >= MAX_EXPERT_FLIPS {
+                continue;
+            }
+            let (margin, bound) = match self.reference.get(&logits_id) {
+                Some(lg) => {
+                    let e = lg.shape.get(1).copied().unwrap_or(0);
+                    match lg.positions.iter().position(|&p| p == pos) {
+                        Some(i) if e > 0 => {
+                            let row = &lg.data[i * e..(i + 1) * e];
+                            let chosen = |x: usize| theirs.contains(&(x as u32));
+                            let low = (0..e)
+                                .filter(|&x| chosen(x))
+                                .map(|x| row[x])
+                                .fold(f32::INFINITY, f32::min);
+                            let high = (0..e)
+                                .filter(|&x| !chosen(x))
+                                .map(|x| row[x])
+                                .fold(f32::NEG_INFINITY, f32::max);
+                            let max_ref = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            let bound = self
+                                .tol
+                                .bounds("router_logits")
+                                .map(|(atol, rtol)| atol + rtol * max_ref);
+                            (Some(low - high), bound)
+                        }
+                        _ => (None, None),
+                    }
+                }
+                None => (None, None),
+            };
+            let token = self.tokens.get(pos).copied().unwrap_or(0);
+            self.expert_flips.push(ExpertFlip {
+                step,
+                layer,
+                position: pos,
+                token_text: self
+                    .tok
+                    .map(|t| t.decode(&[token], false))
+                    .unwrap_or_default(),
+                reference: theirs,
+                path: mine,
+                margin,
+                margin_bound: bound,
+                adopted_by,
+            });
+        }
+    }
+
+    /// The reference's expert choices of this step, offered to the path's sparse layers: each
+    /// with twice the router logits' tolerance at its row (either side may move by it). None
+    /// under exact policy.
+    fn reference_routes(&self) -> Option<crate::tap::RouteHints> {
+        let (atol, rtol) = self.tol.bounds("router_logits")?;
+        let mut hints = crate::tap::RouteHints::new();
+        for (id, r) in &self.reference {
+            let (Some(l), "experts") = (id.layer(), id.kind()) else {
+                continue;
+            };
+            let k = r.shape.get(1).copied().unwrap_or(1).max(1);
+            let logits = self
+                .reference
+                .get(&TapId::Layer(l, crate::tap::LayerTap::RouterLogits));
+            for (i, &pos) in r.positions.iter().enumerate() {
+                let ids = r.data[i * k..(i + 1) * k]
+                    .iter()
+                    .map(|&x| x as u32)
+                    .collect();
+                let max_ref = logits
+                    .and_then(|lg| {
+                        let e = *lg.shape.get(1)?;
+                        let j = lg.positions.iter().position(|&p| p == pos)?;
+                        Some(
+                            lg.data[j * e..(j + 1) * e]
+                                .iter()
+                                .fold(0f32, |m, v| m.max(v.abs())),
+                        )
+                    })
+                    .unwrap_or(0.0);
+                hints.insert((l, pos), (ids, 2.0 * (atol + rtol * max_ref)));
+            }
+        }
+        (!hints.is_empty()).then_some(hints)
+    }
+}
+
+/// The `k` experts of highest logit in a router-logits tap's row at `pos` (sorted ids).
+fn own_choice(logits: &Recorded, pos: usize, k: usize) -> Option<Vec<u32>> {
+    let e = *logits.shape.get(1)?;
+    let i = logits.positions.iter().position(|&p| p == pos)?;
+    let row = &logits.data[i * e..(i + 1) * e];
+    let mut order: Vec<usize> = (0..e).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    let mut top: Vec<u32> = order[..k.min(e)].iter().map(|&x| x as u32).collect();
+    top.sort_unstable();
+    Some(top)
+}
+
 impl TapSink for Comparator<'_> {
     fn table(&self) -> &TapTable {
         &self.table
+    }
+    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
+        self.reference_routes()
     }
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
@@ -379,6 +537,23 @@ impl TapSink for Comparator<'_> {
         self.book(step, v.id, rows);
         if kind == "attn_probs" {
             self.keep_attn_rows(step, &v, &r);
+        }
+        if kind == "router_logits" {
+            if let Some(l) = v.id.layer() {
+                self.path_router.insert(
+                    l,
+                    Recorded {
+                        step,
+                        id: v.id,
+                        positions: v.positions.to_vec(),
+                        shape: v.shape.clone(),
+                        data: v.data.to_vec(),
+                    },
+                );
+            }
+        }
+        if kind == "experts" {
+            self.note_expert_flips(step, &v, &r);
         }
         self.reference.insert(v.id, r);
     }

@@ -307,6 +307,8 @@ impl CompareSpec<'_> {
             chunk_hits: store.hits,
             chunk_misses: store.misses,
             layers: cmp.layers.into_values().collect(),
+            expert_flips: std::mem::take(&mut cmp.expert_flips),
+            expert_flip_count: cmp.expert_flip_count,
             noise: cmp.noise,
             cells: Some(cmp.grid),
             grid: None,
@@ -369,6 +371,9 @@ impl TapSink for Forward<'_, '_> {
     }
     fn end_pass(&mut self, step: usize) {
         self.0.end_pass(step);
+    }
+    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
+        self.0.route_hints()
     }
 }
 
@@ -525,5 +530,86 @@ mod tests {
         assert!(!far.near_tie);
         // Under `exact` every flip is a divergence.
         assert!(!TokenFlip::of(&reference, &path, None).near_tie);
+    }
+
+    /// Two models that differ only in a router row nudged across a near tie: under a
+    /// tolerance the path follows the reference's experts there (nothing diverges, each
+    /// adoption listed); under `exact` the first flip is the first divergence.
+    #[test]
+    fn a_near_tie_in_the_router_is_followed_and_a_flip_under_exact_is_named() {
+        use super::CompareSpec;
+        use crate::compare::diff::Tolerance;
+        use crate::engine::chunks::ChunkedPrompt;
+        use crate::engine::config::Config;
+        use crate::engine::model::{Mlp, Model};
+        use crate::engine::tokenizer::ChatTokenizer;
+        use crate::io::model_source::ModelSource;
+        use crate::paths::PathSpec;
+        use crate::tap::TapFilter;
+        let config = Config::parse(
+            &serde_json::json!({
+                "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 852, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true
+            })
+            .to_string(),
+        )
+        .unwrap();
+        // Expert 3's router row a hair below expert 0's on the reference, a hair above on
+        // the path: wherever expert 0 is picked and 3 is not, the two swap.
+        let nudged = |scale: f32| {
+            let mut m = Model::random(config.clone(), 5);
+            if let Mlp::Sparse { router, .. } = &mut m.layers[0].mlp {
+                let row0: Vec<f32> = router[..32].to_vec();
+                router[3 * 32..4 * 32]
+                    .iter_mut()
+                    .zip(&row0)
+                    .for_each(|(r, &x)| *r = x * scale);
+            }
+            m
+        };
+        let (reference, path) = (nudged(1.0 - 1e-6), nudged(1.0 + 1e-6));
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+        let tok = ChatTokenizer::load(&ModelSource::Dir(dir)).unwrap();
+        let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 800) as u32 + 10).collect();
+        let prompt = ChunkedPrompt::from_boundaries(ids, &[8, 16], true);
+        let taps = TapFilter::all();
+        let run = |tol: &Tolerance| {
+            let spec = CompareSpec {
+                model: &reference,
+                path_model: &path,
+                tokenizer: &tok,
+                prompt: &prompt,
+                reference: PathSpec::Standard,
+                taps: &taps,
+                tolerance: tol,
+                max_new_tokens: 2,
+                eos: &[],
+                dump: None,
+                memory_budget: usize::MAX,
+            };
+            spec.run(PathSpec::ChunkedPrefill(5)).unwrap()
+        };
+        let loose = run(&Tolerance::Fixed {
+            atol: 0.0,
+            rtol: 1e-4,
+        });
+        assert!(
+            loose.expert_flip_count > 0,
+            "the nudge must cross a tie somewhere"
+        );
+        assert!(!loose.diverged, "{:?}", loose.first_divergence);
+        assert!(loose
+            .expert_flips
+            .iter()
+            .all(|f| f.adopted_by == Some("path") && f.layer == 0));
+        let exact = run(&Tolerance::Exact);
+        let d = exact.first_divergence.expect("a flip under exact");
+        assert!(
+            d.tap == "L0.router_logits" || d.tap == "L0.experts",
+            "{}",
+            d.tap
+        );
     }
 }

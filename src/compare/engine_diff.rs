@@ -60,6 +60,9 @@ pub struct ReferenceRun<'a> {
     cache: Option<KvCache>,
     /// Positions run so far.
     next: usize,
+    /// The router_logits tolerance (atol, rtol): within it the run follows the engine's expert
+    /// choices at near ties (see `TapSink::route_hints`). None: its own choices always.
+    route_bounds: Option<(f32, f32)>,
 }
 
 impl<'a> ReferenceRun<'a> {
@@ -68,7 +71,50 @@ impl<'a> ReferenceRun<'a> {
             model,
             cache: None,
             next: 0,
+            route_bounds: None,
         }
+    }
+
+    /// Follows the engine's expert choices where the router logits, within `bounds`, cannot
+    /// tell them from this run's own.
+    pub fn following_routes(mut self, bounds: Option<(f32, f32)>) -> Self {
+        self.route_bounds = bounds;
+        self
+    }
+
+    /// The engine's expert choices of one step, with twice the router tolerance at each row.
+    fn engine_routes(&self, engine: &DumpStep) -> Option<crate::tap::RouteHints> {
+        let (atol, rtol) = self.route_bounds?;
+        let mut hints = crate::tap::RouteHints::new();
+        for (id, t) in &engine.taps {
+            let (Some(l), "experts") = (id.layer(), id.kind()) else {
+                continue;
+            };
+            let k = t.shape.get(1).copied().unwrap_or(1).max(1);
+            let logits = engine.taps.get(&crate::tap::TapId::Layer(
+                l,
+                crate::tap::LayerTap::RouterLogits,
+            ));
+            for (i, &pos) in t.positions.iter().enumerate() {
+                let max_ref = logits
+                    .and_then(|lg| {
+                        let e = *lg.shape.get(1)?;
+                        let j = lg.positions.iter().position(|&p| p == pos)?;
+                        Some(
+                            lg.data[j * e..(j + 1) * e]
+                                .iter()
+                                .fold(0f32, |m, v| m.max(v.abs())),
+                        )
+                    })
+                    .unwrap_or(0.0);
+                let ids = t.data[i * k..(i + 1) * k]
+                    .iter()
+                    .map(|&x| x as u32)
+                    .collect();
+                hints.insert((l, pos), (ids, 2.0 * (atol + rtol * max_ref)));
+            }
+        }
+        (!hints.is_empty()).then_some(hints)
     }
 }
 
@@ -89,7 +135,12 @@ impl ReferenceSource for ReferenceRun<'_> {
             ));
         }
         let c = &self.model.config;
-        let mut rec = Recorder::new(taps, c.num_hidden_layers);
+        let mut recorder = Recorder::new(taps, c.num_hidden_layers);
+        let hints = self.engine_routes(engine);
+        let mut rec = crate::tap::Routed {
+            inner: &mut recorder,
+            hints,
+        };
         let logits = match self.cache.take() {
             None => {
                 let prompt = ChunkedPrompt::from_boundaries(tokens.clone(), &[], false);
@@ -119,7 +170,7 @@ impl ReferenceSource for ReferenceRun<'_> {
             tokens: engine.tokens.clone(),
             ..Default::default()
         };
-        for t in rec.taps {
+        for t in recorder.taps {
             out.taps.insert(t.id, t);
         }
         Ok(RefStep {
@@ -300,6 +351,8 @@ impl DumpDiff<'_> {
             chunk_hits: 0,
             chunk_misses: 0,
             layers: cmp.layers.into_values().collect(),
+            expert_flips: std::mem::take(&mut cmp.expert_flips),
+            expert_flip_count: cmp.expert_flip_count,
             grid,
             cells: None,
             noise: cmp.noise,

@@ -108,16 +108,18 @@ impl TapSink for NoiseMeter<'_> {
 
 /// The calibration prefill: the prompt's first tokens, tapped at 0..k and rotated at the top of
 /// the comparison's position range.
-pub struct Calibration {
+pub struct Calibration<'m> {
+    /// The CPU model calibrated: whose weights a re-routed oracle runs on.
+    model: &'m Model,
     tokens: Vec<u32>,
     positions: Vec<usize>,
     rope_positions: Vec<usize>,
     oracle: Recorder,
 }
 
-impl Calibration {
+impl<'m> Calibration<'m> {
     /// `last_position`: the highest position the comparison reaches (prompt + decode steps).
-    pub fn new(model: &Model, prompt_ids: &[u32], last_position: usize) -> Self {
+    pub fn new(model: &'m Model, prompt_ids: &[u32], last_position: usize) -> Self {
         let k = prompt_ids.len().clamp(1, CALIBRATION_TOKENS);
         let tokens = prompt_ids[..k.min(prompt_ids.len())].to_vec();
         let k = tokens.len();
@@ -129,6 +131,7 @@ impl Calibration {
         let _span = crate::support::timing::span("calibration: f64 oracle prefill");
         crate::engine::oracle::prefill(model, &tokens, &positions, &rope_positions, &mut oracle);
         Calibration {
+            model,
             tokens,
             positions,
             rope_positions,
@@ -140,17 +143,47 @@ impl Calibration {
     /// non-finite value.
     pub fn measure(&self, model: &Model, what: &str) -> Result<BTreeMap<TapId, f32>> {
         let layers = model.config.num_hidden_layers;
-        let mut meter = NoiseMeter {
-            table: TapFilter::all().table(layers),
-            oracle: self.oracle.taps.iter().map(|t| (t.id, t)).collect(),
-            per_tap: BTreeMap::new(),
-            non_finite: None,
-        };
-        let mut cache = model.new_cache();
         let batch = Batch {
             rope_positions: &self.rope_positions,
             ..Batch::new(&self.tokens, &self.positions)
         };
+        // With experts, the oracle routes each token as `model` does, so that a near-tie
+        // choice rounding flipped is not booked as rounding error downstream.
+        let routed;
+        let oracle = match model.config.arch.moe.is_some() {
+            false => &self.oracle,
+            true => {
+                let filter = TapFilter::parse("L*.experts", layers).expect("a valid pattern");
+                let mut rec = Recorder::new(&filter, layers);
+                model.forward(batch, &mut model.new_cache(), 0, &mut rec);
+                let routes: crate::engine::oracle::Routes = rec
+                    .taps
+                    .iter()
+                    .filter_map(|t| {
+                        let ids = t.data.iter().map(|&x| x as u32).collect();
+                        t.id.layer().map(|l| (l, ids))
+                    })
+                    .collect();
+                let mut o = Recorder::new(&TapFilter::all(), layers);
+                crate::engine::oracle::prefill_routed(
+                    self.model,
+                    &self.tokens,
+                    &self.positions,
+                    &self.rope_positions,
+                    &routes,
+                    &mut o,
+                );
+                routed = o;
+                &routed
+            }
+        };
+        let mut meter = NoiseMeter {
+            table: TapFilter::all().table(layers),
+            oracle: oracle.taps.iter().map(|t| (t.id, t)).collect(),
+            per_tap: BTreeMap::new(),
+            non_finite: None,
+        };
+        let mut cache = model.new_cache();
         model.forward(batch, &mut cache, 0, &mut meter);
         if let Some((id, pos)) = meter.non_finite {
             return Err(Error::Calibration(format!(
@@ -247,7 +280,7 @@ impl NoiseProfile {
     /// Calibrates `model` for the backends asked for: `cpu` (f32) and `cuda` (the CPU's
     /// emulation of bf16 rounding).
     pub fn calibrate(
-        cal: &Calibration,
+        cal: &Calibration<'_>,
         model: &Model,
         description: String,
         backends: &[&str],
@@ -279,7 +312,7 @@ impl NoiseProfile {
     /// Holds a GPU model to what bf16 rounding allows: its own error against the oracle, per
     /// tap kind, at most `GPU_VS_EMULATION` times the emulation's (plus a few f32 roundings).
     /// Returns the measured noise.
-    pub fn check_gpu(&self, cal: &Calibration, gpu_model: &Model) -> Result<BackendNoise> {
+    pub fn check_gpu(&self, cal: &Calibration<'_>, gpu_model: &Model) -> Result<BackendNoise> {
         let what = "the GPU backend";
         let measured = cal.backend_noise(gpu_model, what, "bf16")?;
         let emulated = self

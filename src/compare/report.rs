@@ -11,6 +11,35 @@ use crate::compare::diff::Tolerance;
 use crate::compare::grid::{CellGrid, Grid};
 use crate::tap::TapId;
 
+/// A token a mixture-of-experts layer sent to other experts on the path than on the reference.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ExpertFlip {
+    pub step: usize,
+    pub layer: usize,
+    pub position: usize,
+    pub token_text: String,
+    /// The chosen experts, in the router's order.
+    pub reference: Vec<u32>,
+    pub path: Vec<u32>,
+    /// On the reference: the lowest chosen router logit minus the highest one not chosen
+    /// (`None` when its router_logits were not tapped).
+    pub margin: Option<f32>,
+    /// The router_logits tolerance at this row (max|ref| · rtol); `None` under exact policy.
+    pub margin_bound: Option<f32>,
+    /// Set when one side's router could not tell its own choice from the other's (a near
+    /// tie) and followed the other: `"path"` or `"reference"` says which one gave way. Nothing
+    /// diverged there; `reference` and `path` are then each side's own choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adopted_by: Option<&'static str>,
+}
+
+impl ExpertFlip {
+    /// A flip whose margin the router logits' tolerated error could close.
+    pub fn near_tie(&self) -> bool {
+        matches!((self.margin, self.margin_bound), (Some(m), Some(b)) if m <= 2.0 * b)
+    }
+}
+
 /// Where a path first left the reference, with the numbers.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Divergence {
@@ -93,6 +122,12 @@ pub struct PathReport {
     pub chunk_hits: usize,
     pub chunk_misses: usize,
     pub layers: Vec<LayerRow>,
+    /// Tokens routed to other experts than on the reference (the first `MAX_EXPERT_FLIPS`),
+    /// and how many there were.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub expert_flips: Vec<ExpertFlip>,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub expert_flip_count: usize,
     /// Per layer group and position, the worst tap row (the HTML report's heatmap).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grid: Option<Grid>,
@@ -107,6 +142,13 @@ pub struct PathReport {
 }
 
 pub const SCHEMA: u32 = 1;
+
+/// Expert flips a path report lists (all are counted).
+pub const MAX_EXPERT_FLIPS: usize = 16;
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
 
 #[derive(Serialize)]
 pub struct Report {
@@ -487,6 +529,7 @@ fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool, fed: &
             );
         }
     }
+    expert_flips_text(s, p);
     let _ = writeln!(s, "  answer: {:?}", p.text);
     let lg = &p.logits;
     let _ = writeln!(
@@ -512,6 +555,62 @@ fn path_text(s: &mut String, p: &PathReport, j: &Judgement, colour: bool, fed: &
             l.max_rel_l2,
             format!("{}/{}", l.rows_diverged, l.rows_compared),
             l.first_tap.as_deref().unwrap_or("-")
+        );
+    }
+}
+
+fn expert_flips_text(s: &mut String, p: &PathReport) {
+    if p.expert_flip_count == 0 {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "  expert choice differs from the reference at {} token-layer(s):",
+        p.expert_flip_count
+    );
+    for f in &p.expert_flips {
+        if let Some(side) = f.adopted_by {
+            let other = if side == "path" { "reference" } else { "path" };
+            let _ = writeln!(
+                s,
+                "    step {}, L{}, position {} (token {:?}): a near tie (reference's own choice {:?}, path's {:?}, router logits within {:.3e}); the {side} followed the {other}",
+                f.step,
+                f.layer,
+                f.position,
+                f.token_text,
+                f.reference,
+                f.path,
+                f.margin_bound.unwrap_or(0.0),
+            );
+            continue;
+        }
+        let margin = f
+            .margin
+            .map_or("unknown (router_logits not tapped)".into(), |m| {
+                format!("{m:.3e}")
+            });
+        let bound = match f.margin_bound {
+            Some(b) => format!(
+                "; router_logits may move {b:.3e}: {}",
+                if f.near_tie() {
+                    "a near tie"
+                } else {
+                    "not a near tie"
+                }
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "    step {}, L{}, position {} (token {:?}): reference experts {:?}, path {:?}; router margin {margin}{bound}",
+            f.step, f.layer, f.position, f.token_text, f.reference, f.path
+        );
+    }
+    if p.expert_flip_count > p.expert_flips.len() {
+        let _ = writeln!(
+            s,
+            "    ... {} more in the JSON report's count",
+            p.expert_flip_count - p.expert_flips.len()
         );
     }
 }

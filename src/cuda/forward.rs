@@ -14,13 +14,13 @@ use super::launch::{
     launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
 };
 use super::taps::{offer_at, TapCtx};
-use super::upload::CudaModel;
+use super::upload::{CudaModel, SparseMlp};
 use super::workspace::{DecodeState, Workspace};
 use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::{Batch, DeviceLogits, StepLogits};
 use crate::support::fault::{self, Fault};
-use crate::tap::{emit, LayerTap, TapId, TapSink};
+use crate::tap::{emit, LayerTap, RouteHints, TapId, TapSink};
 
 /// What one pass's kernels and taps need besides the workspace.
 struct Pass<'a> {
@@ -30,6 +30,8 @@ struct Pass<'a> {
     kv_ptrs: Vec<(u64, u64)>,
     split: usize,
     taps: TapCtx<'a>,
+    /// Routing the sink offers sparse layers for near ties (`TapSink::route_hints`).
+    hints: Option<RouteHints>,
 }
 
 /// How a cache's entries map to positions. Attention rows are over cache entries; when entry
@@ -189,6 +191,10 @@ impl CudaModel {
                 .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
                 .collect(),
             split: batch.cascade_split,
+            hints: match self.config.arch.moe {
+                Some(_) => sink.route_hints(),
+                None => None,
+            },
             taps: TapCtx {
                 step,
                 pos: batch.positions,
@@ -323,7 +329,8 @@ impl CudaModel {
             .expect("CUDA upload");
         let ws = &state.ws;
         let run = || self.decode_kernels(ws, pass);
-        if !g.graphs() {
+        // A sparse layer reads its router logits back on the host: nothing to capture.
+        if !g.graphs() || self.config.arch.moe.is_some() {
             run();
         } else if fresh {
             state.graph = Some((key, g.capture(run)));
@@ -339,7 +346,7 @@ impl CudaModel {
         let g = &*self.gpu;
         self.embed_and_norm(ws, 1);
         for (l, &kvp) in pass.kv_ptrs.iter().enumerate() {
-            self.layer(l, ws, kvp, pass.split);
+            self.layer(l, ws, kvp, pass);
         }
         self.lm_head(ws, 1, ws.logits_ptr(g));
         g.launch(
@@ -381,7 +388,7 @@ impl CudaModel {
         self.embed_and_norm(&ws, n);
         self.offer_outer(sink, &pass.taps, &ws, TapId::Embed);
         for (l, &kvp) in pass.kv_ptrs.iter().enumerate() {
-            self.layer(l, &ws, kvp, pass.split);
+            self.layer(l, &ws, kvp, pass);
             self.offer_layer(sink, &pass.taps, &ws, l);
         }
         self.offer_outer(sink, &pass.taps, &ws, TapId::FinalNorm);
@@ -530,9 +537,12 @@ impl CudaModel {
 
     /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
     /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
-    fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
-        self.attention_half(l, ws, kvp, split);
-        self.mlp_half(l, ws);
+    fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
+        self.attention_half(l, ws, kvp, pass.split);
+        match &self.layers[l].moe {
+            Some(sparse) => self.sparse_mlp(l, ws, sparse, pass),
+            None => self.mlp_half(l, ws),
+        }
     }
 
     /// The QKV projection (fused with the input norm in a decode step), q/k norm + RoPE + KV
@@ -636,6 +646,7 @@ impl CudaModel {
                 head_dim: hd,
                 prefill: PrefillAttention::for_head_dim(hd),
                 write_probs: ws.probs_wanted,
+                window: c.arch.window(l).unwrap_or(0),
             },
         );
     }
@@ -726,6 +737,153 @@ impl CudaModel {
             pb(next_norm),
             io.norm_out,
         );
+    }
+
+    /// A sparse layer's second half: o_proj and residual, the post-attention norm, the router
+    /// GEMM, the top-k choice on the host (the logits are copied back, so a pass with sparse
+    /// layers waits for the GPU at each of them and is never captured into a graph), then per
+    /// chosen expert a gather, its SwiGLU and a weighted scatter-add, and the residual with the
+    /// next norm.
+    fn sparse_mlp(&self, l: usize, ws: &Workspace, sparse: &SparseMlp, pass: &Pass<'_>) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let moe = c.arch.sparse(l).expect("a sparse layer");
+        let (n, io) = (ws.n, ws.io(g, l));
+        let (h, qd, e, mi) = (
+            c.hidden_size,
+            c.q_dim(),
+            moe.num_experts,
+            moe.intermediate_size,
+        );
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        self.project_add_norm(
+            ws,
+            ws.attn_bf(g),
+            pb(&w.o),
+            io.o,
+            qd,
+            io.x_in,
+            io.mid,
+            pb(&w.post_norm),
+            io.mlp_norm,
+        );
+        let logits_d = g.alloc::<f32>(n * e);
+        g.gemm_bf16(
+            ws.xn_bf(g),
+            pb(&sparse.router),
+            ptr(g, &logits_d, 0),
+            n,
+            h,
+            e,
+        );
+        let logits = g.download(&logits_d, n * e);
+        let hint = |p: &usize| pass.hints.as_ref().and_then(|h| h.get(&(l, *p)));
+        let routes: Vec<Vec<(usize, f32)>> = logits
+            .chunks_exact(e)
+            .zip(pass.taps.pos)
+            .map(|(row, p)| moe.route_hinted(row, hint(p)))
+            .collect();
+        // Token lists grouped by expert, uploaded once.
+        let (mut idx, mut weight, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        for expert in 0..e {
+            let start = idx.len();
+            for (t, r) in routes.iter().enumerate() {
+                if let Some(&(_, wt)) = r.iter().find(|p| p.0 == expert) {
+                    idx.push(t as i32);
+                    weight.push(wt);
+                }
+            }
+            if idx.len() > start {
+                spans.push((expert, start, idx.len() - start));
+            }
+        }
+        let (idx_d, weight_d) = (g.upload(&idx), g.upload(&weight));
+        let most = spans.iter().map(|s| s.2).max().unwrap_or(0);
+        let rows_bf = g.alloc::<u16>(most * h);
+        let gu = g.alloc::<f32>(most * 2 * mi);
+        let act = g.alloc::<u16>(most * mi);
+        let y = g.alloc::<f32>(most * h);
+        let grid = |len: usize| len.div_ceil(256) as u32;
+        g.launch(
+            "zero_f32",
+            grid(n * h),
+            256,
+            0,
+            &[Arg::Ptr(io.mlp), Arg::I32((n * h) as i32)],
+        );
+        for (expert, start, count) in spans {
+            let (gate_up, down) = &sparse.experts[expert];
+            let at = |s: &CudaSlice<i32>| ptr(g, s, start);
+            g.launch(
+                "gather_rows_bf16",
+                grid(count * h),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::Ptr(at(&idx_d)),
+                    Arg::Ptr(ptr(g, &rows_bf, 0)),
+                    Arg::I32(h as i32),
+                    Arg::I32(count as i32),
+                ],
+            );
+            g.gemm_bf16(
+                ptr(g, &rows_bf, 0),
+                pb(gate_up),
+                ptr(g, &gu, 0),
+                count,
+                h,
+                2 * mi,
+            );
+            g.launch(
+                "swiglu",
+                grid(count * mi),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(g, &gu, 0)),
+                    Arg::Ptr(ptr(g, &act, 0)),
+                    Arg::I32(mi as i32),
+                    Arg::I32(count as i32),
+                ],
+            );
+            g.gemm_bf16(ptr(g, &act, 0), pb(down), ptr(g, &y, 0), count, mi, h);
+            g.launch(
+                "scatter_add_rows",
+                grid(count * h),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(g, &y, 0)),
+                    Arg::Ptr(at(&idx_d)),
+                    Arg::Ptr(ptr(g, &weight_d, start)),
+                    Arg::Ptr(io.mlp),
+                    Arg::I32(h as i32),
+                    Arg::I32(count as i32),
+                ],
+            );
+        }
+        let next_norm = self
+            .layers
+            .get(l + 1)
+            .map_or(&self.norm, |nl| &nl.input_norm);
+        self.add_norm(
+            n,
+            io.mid,
+            io.mlp,
+            io.x_out,
+            pb(next_norm),
+            io.norm_out,
+            ws.xn_bf(g),
+        );
+        let chosen = crate::tap::expert_ids(&routes);
+        ws.moe_taps
+            .lock()
+            .expect("not poisoned")
+            .push((l, logits, chosen));
+        // The temporaries are freed in stream order, after the launches that read them.
+        g.sync();
     }
 
     /// Whether a pass runs the fused decode kernels: one token, and every projection's input

@@ -35,6 +35,9 @@ pub(crate) struct Attention {
     /// always does: they are its scratch).
     pub prefill: PrefillAttention,
     pub write_probs: bool,
+    /// A sliding layer's window (0: none). Only the per-query kernel implements it, so a
+    /// sliding layer runs that kernel for prefill and decode alike.
+    pub window: usize,
 }
 
 /// The prefill attention kernel.
@@ -70,7 +73,7 @@ fn tile_shared_bytes(head_dim: usize) -> u32 {
 /// idle.
 pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     let scale = 1.0 / (a.head_dim as f32).sqrt();
-    if a.n == 1 {
+    if a.n == 1 && a.window == 0 {
         let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
             .max(a.chunks + 2 * a.head_dim)
             * 4;
@@ -100,7 +103,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         );
         return;
     }
-    if a.prefill == PrefillAttention::Tiled {
+    if a.prefill == PrefillAttention::Tiled && a.window == 0 {
         g.launch(
             "attention_tiled",
             (a.n.div_ceil(TILE_Q) * a.heads) as u32,
@@ -145,6 +148,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             Arg::I32(a.head_dim as i32),
             Arg::I32(a.stride as i32),
             Arg::F32(scale),
+            Arg::I32(a.window as i32),
         ],
     );
 }

@@ -92,6 +92,33 @@ impl CudaModel {
         o(sink, LayerTap::OProj, &[n, h], io.o, 0);
         o(sink, LayerTap::ResidMid, &[n, h], io.mid, 0);
         o(sink, LayerTap::MlpNorm, &[n, h], io.mlp_norm, 0);
+        // A sparse layer's routing, decided on the host (see `sparse_mlp`).
+        let routed: Vec<_> = {
+            let mut kept = ws.moe_taps.lock().expect("not poisoned");
+            let (mine, rest) = kept.drain(..).partition(|m| m.0 == l);
+            *kept = rest;
+            mine
+        };
+        for (_, logits, chosen) in routed {
+            let k = chosen.len() / n.max(1);
+            let e = logits.len() / n.max(1);
+            crate::tap::emit(
+                sink,
+                t.step,
+                tap(LayerTap::RouterLogits),
+                t.pos,
+                &[n, e],
+                &logits,
+            );
+            crate::tap::emit(
+                sink,
+                t.step,
+                tap(LayerTap::Experts),
+                t.pos,
+                &[n, k],
+                &chosen,
+            );
+        }
         o(sink, LayerTap::MlpOut, &[n, h], io.mlp, 0);
         o(sink, LayerTap::ResidOut, &[n, h], io.x_out, 0);
     }

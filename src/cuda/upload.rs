@@ -25,9 +25,17 @@ pub(super) struct Layer {
     /// Their biases stacked (bf16-rounded, kept in f32), when the family has them.
     pub(super) qkv_bias: Option<CudaSlice<f32>>,
     pub(super) o: CudaSlice<u16>,
-    /// gate_proj over up_proj: `[2·intermediate, hidden]`.
+    /// gate_proj over up_proj: `[2·intermediate, hidden]` (a sparse layer: its first
+    /// expert's, so the buffers have one shape per role).
     pub(super) gate_up: CudaSlice<u16>,
     pub(super) down: CudaSlice<u16>,
+    /// A sparse layer's router `[experts, hidden]` and every expert's (gate_up, down).
+    pub(super) moe: Option<SparseMlp>,
+}
+
+pub(super) struct SparseMlp {
+    pub(super) router: CudaSlice<u16>,
+    pub(super) experts: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
 }
 
 pub struct CudaModel {
@@ -49,12 +57,6 @@ pub struct CudaModel {
 pub fn unsupported(c: &Config) -> Option<String> {
     let a = &c.arch;
     let family = a.family.architecture();
-    if a.moe.is_some() {
-        return Some(format!(
-            "{family}'s mixture-of-experts MLP (num_experts {}) is not implemented in the CUDA kernels",
-            a.moe.as_ref().map_or(0, |m| m.num_experts)
-        ));
-    }
     if a.o_bias {
         return Some(format!(
             "attention_bias = true on {family} (an o_proj bias) is not implemented in the CUDA kernels"
@@ -63,13 +65,7 @@ pub fn unsupported(c: &Config) -> Option<String> {
     if a.mlp_bias {
         return Some("mlp_bias = true is not implemented in the CUDA kernels".into());
     }
-    match a.sliding_window {
-        Some(w) if w < c.max_position_embeddings => Some(format!(
-            "sliding_window {w} (below max_position_embeddings {}) is not implemented in the CUDA kernels",
-            c.max_position_embeddings
-        )),
-        _ => None,
-    }
+    None
 }
 
 /// The same model with its forward pass on the GPU (weights in bf16). Fails with a one-line
@@ -114,9 +110,18 @@ pub fn weight_bytes(c: &Config) -> u64 {
         c.vocab_size as u64,
     );
     let (qd, kvd, hd) = (c.q_dim() as u64, c.kv_dim() as u64, c.head_dim as u64);
-    let per_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h + 2 * h + 2 * hd + 2 * (qd + 2 * kvd);
+    let attention = (qd + 2 * kvd) * h + h * qd + 2 * h + 2 * hd + 2 * (qd + 2 * kvd);
+    let mlp = |l: usize| match c.arch.sparse(l) {
+        Some(m) => {
+            let (e, mi) = (m.num_experts as u64, m.intermediate_size as u64);
+            // Every expert, the router, and the first expert's copy in `gate_up`/`down`.
+            (e + 1) * 3 * mi * h + e * h
+        }
+        None => 3 * i * h,
+    };
+    let layers: u64 = (0..c.num_hidden_layers).map(|l| attention + mlp(l)).sum();
     let head = if c.tie_word_embeddings { 0 } else { v * h };
-    2 * (v * h + head + h + per_layer * c.num_hidden_layers as u64)
+    2 * (v * h + head + h + layers)
 }
 
 impl CudaModel {
@@ -162,8 +167,18 @@ impl CudaModel {
             .layers
             .iter()
             .map(|l| {
-                let Mlp::Dense(f) = &l.mlp else {
-                    unreachable!("sparse layers are refused above")
+                let (f, moe) = match &l.mlp {
+                    Mlp::Dense(f) => (f, None),
+                    Mlp::Sparse { router, experts } => (
+                        &experts[0],
+                        Some(SparseMlp {
+                            router: up(&[router]),
+                            experts: experts
+                                .iter()
+                                .map(|e| (up(&[&e.gate_proj, &e.up_proj]), up(&[&e.down_proj])))
+                                .collect(),
+                        }),
+                    ),
                 };
                 let bias = (!l.q_bias.is_empty()).then(|| {
                     let rounded: Vec<f32> = [&l.q_bias, &l.k_bias, &l.v_bias]
@@ -182,6 +197,7 @@ impl CudaModel {
                     o: up(&[&l.o_proj]),
                     gate_up: up(&[&f.gate_proj, &f.up_proj]),
                     down: up(&[&f.down_proj]),
+                    moe,
                 }
             })
             .collect();
@@ -207,7 +223,11 @@ impl CudaModel {
     fn warm_up(&self) {
         let g = &*self.gpu;
         let c = &self.config;
-        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let inter = c
+            .arch
+            .sparse(0)
+            .map_or(c.intermediate_size, |m| m.intermediate_size);
+        let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
         let Some(w) = self.layers.first() else {
             return;
         };

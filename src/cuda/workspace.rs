@@ -15,6 +15,10 @@ pub struct DecodeState {
     pub(super) graph: Option<((usize, usize, u64), Graph)>,
 }
 
+/// A sparse layer's routing of one pass: (layer, router logits `[n, experts]`, chosen experts
+/// `[n, top_k]`).
+pub(super) type RoutedLayer = (usize, Vec<f32>, Vec<f32>);
+
 /// Device addresses one layer reads and writes.
 pub(super) struct LayerIo {
     pub(super) x_in: u64,
@@ -66,6 +70,10 @@ pub(crate) struct Workspace {
     pub(super) body_len: usize,
     pub(super) logits: usize,
     pub(super) shape: Shape,
+    /// Per sparse layer run in this workspace's last pass: its router logits `[n, experts]` and
+    /// the chosen experts `[n, top_k]`, on the host (where the routing is decided), until
+    /// offered as taps.
+    pub(super) moe_taps: std::sync::Mutex<Vec<RoutedLayer>>,
 }
 
 /// A workspace's sizes and offsets (see `Workspace`).
@@ -121,6 +129,7 @@ impl Workspace {
             body_len: w.body_len,
             logits: w.logits,
             shape: w.shape,
+            moe_taps: Default::default(),
         }
     }
 

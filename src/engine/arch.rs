@@ -58,6 +58,65 @@ pub struct Moe {
     pub sparse_layers: Vec<bool>,
 }
 
+impl Moe {
+    /// The `top_k` experts of highest router probability for one token, with their weights:
+    /// softmax in f32, top k (ties to the lower id, as a stable sort gives), renormalised when
+    /// the config asks. Every backend routes with this one function.
+    pub fn route(&self, logits: &[f32]) -> Vec<(usize, f32)> {
+        let mut probs = logits.to_vec();
+        crate::engine::ops::softmax(&mut probs);
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let mut top: Vec<(usize, f32)> =
+            order[..self.top_k].iter().map(|&i| (i, probs[i])).collect();
+        if self.norm_topk_prob {
+            let sum: f32 = top.iter().map(|p| p.1).sum();
+            top.iter_mut().for_each(|p| p.1 /= sum);
+        }
+        top
+    }
+
+    /// `route`, unless `hint` names other experts that this token's router cannot tell apart
+    /// from its own choice: each within `hint.1` of the lowest logit it chose. Those are then
+    /// taken, weighted by this router's own probabilities.
+    pub fn route_hinted(
+        &self,
+        logits: &[f32],
+        hint: Option<&(Vec<u32>, f32)>,
+    ) -> Vec<(usize, f32)> {
+        let own = self.route(logits);
+        let Some((ids, bound)) = hint else {
+            return own;
+        };
+        let mut mine: Vec<usize> = own.iter().map(|p| p.0).collect();
+        let mut theirs: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        mine.sort_unstable();
+        theirs.sort_unstable();
+        if mine == theirs || theirs.len() != self.top_k || theirs.iter().any(|&i| i >= logits.len())
+        {
+            return own;
+        }
+        let lowest = own
+            .iter()
+            .map(|p| logits[p.0])
+            .fold(f32::INFINITY, f32::min);
+        if theirs.iter().any(|&i| lowest - logits[i] > *bound) {
+            return own;
+        }
+        let mut probs = logits.to_vec();
+        crate::engine::ops::softmax(&mut probs);
+        let mut top: Vec<(usize, f32)> = ids
+            .iter()
+            .map(|&i| (i as usize, probs[i as usize]))
+            .collect();
+        if self.norm_topk_prob {
+            let sum: f32 = top.iter().map(|p| p.1).sum();
+            top.iter_mut().for_each(|p| p.1 /= sum);
+        }
+        top
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ArchSpec {
     pub family: Family,

@@ -8,7 +8,7 @@ use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
 use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
 use crate::support::fault::{self, Fault};
-use crate::tap::{emit, scatter_by_position, LayerTap, TapId, TapSink};
+use crate::tap::{emit, scatter_by_position, LayerTap, RouteHints, TapId, TapSink};
 
 impl Model {
     /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
@@ -47,6 +47,7 @@ impl Model {
     /// Qwen3-MoE's sparse block: router logits, softmax in f32, the top k experts per token
     /// (renormalised when configured), and each expert run on the tokens routed to it, summed
     /// in expert order as HF does.
+    #[allow(clippy::too_many_arguments)]
     fn sparse_mlp(
         &self,
         moe: &Moe,
@@ -55,18 +56,18 @@ impl Model {
         x: &[f32],
         n: usize,
         tap: &mut LayerEmitter<'_, '_>,
+        hints: Option<&RouteHints>,
     ) -> Vec<f32> {
         let (h, e) = (self.config.hidden_size, moe.num_experts);
         let logits = self.matmul(x, n, router, e);
         tap.emit(LayerTap::RouterLogits, &[n, e], &logits);
+        let hint = |p: &usize| hints.and_then(|h| h.get(&(tap.layer, *p)));
         let routes: Vec<Vec<(usize, f32)>> = logits
             .chunks_exact(e)
-            .map(|row| route(row, moe.top_k, moe.norm_topk_prob))
+            .zip(tap.positions)
+            .map(|(row, p)| moe.route_hinted(row, hint(p)))
             .collect();
-        let chosen: Vec<f32> = routes
-            .iter()
-            .flat_map(|r| r.iter().map(|&(id, _)| id as f32))
-            .collect();
+        let chosen = crate::tap::expert_ids(&routes);
         tap.emit(LayerTap::Experts, &[n, moe.top_k], &chosen);
         let mut out = vec![0f32; n * h];
         for (id, expert) in experts.iter().enumerate() {
@@ -149,8 +150,13 @@ impl Model {
 
         let base = cache.len();
         cache.positions.extend_from_slice(pos);
+        let hints = match c.arch.moe {
+            Some(_) => sink.route_hints(),
+            None => None,
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            x = self.layer_forward(l, layer, x, batch, base, cache, step, sink);
+            let hints = hints.as_ref();
+            x = self.layer_forward(l, layer, x, batch, base, cache, step, sink, hints);
         }
 
         cache.commit_host();
@@ -180,6 +186,7 @@ impl Model {
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
+        hints: Option<&RouteHints>,
     ) -> Vec<f32> {
         let c = &self.config;
         let (n, h, hd) = (batch.tokens.len(), c.hidden_size, c.head_dim);
@@ -252,7 +259,7 @@ impl Model {
         tap.emit(LayerTap::MlpNorm, &[n, h], &mn);
         let mlp = match (&w.mlp, c.arch.sparse(l)) {
             (Mlp::Sparse { router, experts }, Some(moe)) => {
-                self.sparse_mlp(moe, router, experts, &mn, n, &mut tap)
+                self.sparse_mlp(moe, router, experts, &mn, n, &mut tap, hints)
             }
             (Mlp::Dense(f), _) => self.ffn(f, &mn, n),
             (Mlp::Sparse { .. }, None) => unreachable!("sparse weights only on sparse layers"),
@@ -411,19 +418,4 @@ pub fn attention(
         }
     }
     out
-}
-
-/// The `k` experts of highest router probability for one token, with their weights: softmax in
-/// f32, top k (ties to the lower id, as a stable sort gives), renormalised when asked.
-pub fn route(logits: &[f32], k: usize, renormalise: bool) -> Vec<(usize, f32)> {
-    let mut probs = logits.to_vec();
-    softmax(&mut probs);
-    let mut order: Vec<usize> = (0..probs.len()).collect();
-    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-    let mut top: Vec<(usize, f32)> = order[..k].iter().map(|&i| (i, probs[i])).collect();
-    if renormalise {
-        let sum: f32 = top.iter().map(|p| p.1).sum();
-        top.iter_mut().for_each(|p| p.1 /= sum);
-    }
-    top
 }

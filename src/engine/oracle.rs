@@ -106,6 +106,31 @@ pub fn prefill(
     rope_positions: &[usize],
     sink: &mut dyn TapSink,
 ) {
+    prefill_routed(
+        model,
+        tokens,
+        positions,
+        rope_positions,
+        &Routes::new(),
+        sink,
+    )
+}
+
+/// Per sparse layer, the experts each token is sent to (`[n · top_k]`, in the router's order).
+pub type Routes = std::collections::BTreeMap<usize, Vec<u32>>;
+
+/// `prefill`, with the sparse layers in `routes` sending each token to the experts given there
+/// instead of the oracle's own top k (weighted by the oracle's probabilities of those experts).
+/// Measuring a backend's rounding needs this: at a near tie, rounding legitimately picks
+/// another expert, and the jump that follows is routing, not rounding error.
+pub fn prefill_routed(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    rope_positions: &[usize],
+    routes: &Routes,
+    sink: &mut dyn TapSink,
+) {
     let c = &model.config;
     let (n, h) = (tokens.len(), c.hidden_size);
     sink.begin_step(0, tokens, positions);
@@ -116,7 +141,7 @@ pub fn prefill(
         .collect();
     emit(sink, 0, TapId::Embed, positions, &[n, h], &to_f32(&x));
     for l in 0..c.num_hidden_layers {
-        x = layer(model, l, x, positions, rope_positions, sink);
+        x = layer(model, l, x, positions, rope_positions, routes.get(&l), sink);
     }
     let x = norm(&x, &model.norm, c.rms_norm_eps as f64);
     emit(sink, 0, TapId::FinalNorm, positions, &[n, h], &to_f32(&x));
@@ -134,6 +159,7 @@ fn layer(
     x: Vec<f64>,
     positions: &[usize],
     rope_positions: &[usize],
+    forced: Option<&Vec<u32>>,
     sink: &mut dyn TapSink,
 ) -> Vec<f64> {
     let c = &model.config;
@@ -186,11 +212,17 @@ fn layer(
                 let sum: f64 = exps.iter().sum();
                 let mut order: Vec<usize> = (0..e).collect();
                 order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]));
-                let top = &order[..moe.top_k];
+                let k = moe.top_k;
+                if let Some(f) = forced.and_then(|f| f.get(t * k..(t + 1) * k)) {
+                    order = f.iter().map(|&i| (i as usize).min(e - 1)).collect();
+                }
+                let top = &order[..k];
+                let mut ids = top.to_vec();
+                ids.sort_unstable();
+                chosen.extend(ids.iter().map(|&i| i as f64));
                 let kept: f64 = top.iter().map(|&i| exps[i] / sum).sum();
                 let xt = &mn[t * h..(t + 1) * h];
                 for &i in top {
-                    chosen.push(i as f64);
                     let mut wt = exps[i] / sum;
                     if moe.norm_topk_prob {
                         wt /= kept;

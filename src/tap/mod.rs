@@ -14,7 +14,9 @@ pub mod dump;
 pub mod read;
 mod sink;
 
-pub use sink::{Device, DeviceTap, Masked, NullSink, Recorded, Recorder, TapSink, Tee};
+pub use sink::{
+    Device, DeviceTap, Masked, NullSink, Recorded, Recorder, RouteHints, Routed, TapSink, Tee,
+};
 
 /// The kind of a tap inside a layer, in the order the forward pass reaches them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -95,6 +97,27 @@ impl LayerTap {
             LayerTap::MlpOut => "mlp_out",
             LayerTap::ResidOut => "resid_out",
         }
+    }
+}
+
+/// The `experts` tap of a batch's routes: each token's chosen ids in ascending order. The
+/// order the router ranks them in is left out: at a near tie it is rounding, and the sum over
+/// the chosen experts does not depend on it.
+pub fn expert_ids(routes: &[Vec<(usize, f32)>]) -> Vec<f32> {
+    routes
+        .iter()
+        .flat_map(|r| {
+            let mut ids: Vec<usize> = r.iter().map(|p| p.0).collect();
+            ids.sort_unstable();
+            ids.into_iter().map(|i| i as f32)
+        })
+        .collect()
+}
+
+/// Sorts each `k`-wide row of an `experts` tap read from elsewhere (see `expert_ids`).
+pub fn sort_expert_rows(data: &mut [f32], k: usize) {
+    for row in data.chunks_mut(k.max(1)) {
+        row.sort_by(f32::total_cmp);
     }
 }
 
@@ -201,7 +224,7 @@ impl TapFilter {
         if patterns.is_empty() {
             return Err("empty tap selection".into());
         }
-        let all = TapId::all(layers);
+        let all = TapId::all_where(layers, |_| true);
         for p in &patterns {
             if !all.iter().any(|t| glob_match(p, &t.to_string())) {
                 return Err(format!(

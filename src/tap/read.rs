@@ -503,6 +503,9 @@ fn pack(step: usize, id: TapId, rows: Rows, dir: &Path) -> Result<Recorded> {
             *last = keys;
         }
     }
+    if id.kind() == "experts" {
+        crate::tap::sort_expert_rows(&mut data, first_shape.iter().product());
+    }
     Ok(Recorded {
         step,
         id,

@@ -37,6 +37,10 @@ pub struct DeviceTap<'a> {
 }
 
 /// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
+/// Routing a mixture-of-experts pass may adopt at a near tie: per (layer, position), the experts
+/// another run chose there, and how far apart two correct runs' router logits may lie.
+pub type RouteHints = std::collections::HashMap<(usize, usize), (Vec<u32>, f32)>;
+
 pub trait TapSink {
     fn table(&self) -> &TapTable;
     fn record(&mut self, step: usize, value: TapValue<'_>);
@@ -50,6 +54,13 @@ pub trait TapSink {
     /// Called when a GPU forward pass has offered all its taps: work a sink deferred on
     /// persistent taps must be enqueued now, before the next pass on any cache.
     fn end_pass(&mut self, _step: usize) {}
+    /// The routing a sparse layer should follow where its own choice is a near tie with it
+    /// (asked once per pass, only by models with experts). A comparing sink offers the
+    /// reference's, so that rounding that flips a near tie does not send one side down other
+    /// experts and report the jump that follows as a bug.
+    fn route_hints(&self) -> Option<RouteHints> {
+        None
+    }
 }
 
 /// Wants nothing; the forward pass then computes no tap.
@@ -89,6 +100,9 @@ impl TapSink for Tee<'_> {
     fn end_pass(&mut self, step: usize) {
         self.first.end_pass(step);
         self.second.end_pass(step);
+    }
+    fn route_hints(&self) -> Option<RouteHints> {
+        self.first.route_hints()
     }
 }
 
@@ -158,5 +172,36 @@ impl TapSink for Masked<'_> {
     }
     fn end_pass(&mut self, step: usize) {
         self.inner.end_pass(step);
+    }
+    fn route_hints(&self) -> Option<RouteHints> {
+        self.inner.route_hints()
+    }
+}
+
+/// Passes taps to another sink and offers fixed routing (`TapSink::route_hints`): a reference
+/// run that follows an engine's expert choices at near ties.
+pub struct Routed<'a> {
+    pub inner: &'a mut dyn TapSink,
+    pub hints: Option<RouteHints>,
+}
+
+impl TapSink for Routed<'_> {
+    fn table(&self) -> &TapTable {
+        self.inner.table()
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        self.inner.record(step, value);
+    }
+    fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
+        self.inner.record_device(step, tap)
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        self.inner.begin_step(step, tokens, positions);
+    }
+    fn end_pass(&mut self, step: usize) {
+        self.inner.end_pass(step);
+    }
+    fn route_hints(&self) -> Option<RouteHints> {
+        self.hints.clone()
     }
 }
