@@ -649,3 +649,31 @@ fn arch_templates_match_transformers_references() {
         }
     }
 }
+
+/// A JSON prompt's `chat_template_kwargs` reach the template (Llama 3.2's fixed date), and a
+/// conversation the template refuses (Mistral's role order) is an input error naming the
+/// prompt file, with the template's own message.
+#[test]
+fn prompt_template_kwargs_and_refused_conversations() {
+    use kvdiff::engine::Engine;
+    use kvdiff::io::prompt::parse_json;
+    let path = std::path::Path::new("p.json");
+    let llama = Engine::load(ModelSource::Dir(fixture("arch/llama3"))).unwrap();
+    let p = parse_json(
+        r#"{"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"date_string": "02 Feb 2031"}}"#,
+    )
+    .unwrap();
+    let ids = llama.encode(&p, path, 4).unwrap().ids;
+    let text = llama.tokenizer.decode(&ids, false);
+    assert!(text.contains("Today Date: 02 Feb 2031"), "{text}");
+
+    let mistral = Engine::load(ModelSource::Dir(fixture("arch/mistral"))).unwrap();
+    let p = parse_json(
+        r#"{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}"#,
+    )
+    .unwrap();
+    let e = mistral.encode(&p, path, 4).unwrap_err().to_string();
+    assert!(e.starts_with("p.json"), "{e}");
+    assert!(e.contains("roles must alternate"), "{e}");
+}

@@ -69,7 +69,7 @@ impl Engine {
 
     /// Renders and tokenizes a prompt, checking it fits the model with `max_new` tokens after it.
     pub fn encode(&self, prompt: &Prompt, prompt_path: &Path, max_new: usize) -> Result<Encoded> {
-        let text = self.render(prompt)?;
+        let text = self.render(prompt, prompt_path)?;
         let ids = self
             .tokenizer
             .encode(&text)
@@ -85,22 +85,32 @@ impl Engine {
         prompt_path: &Path,
         max_new: usize,
     ) -> Result<ChunkedPrompt> {
-        let text = self.render(prompt)?;
+        let text = self.render(prompt, prompt_path)?;
         let chunked = ChunkedPrompt::from_prompt(&self.tokenizer, prompt, &text)
             .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
         self.check_fits(chunked.ids.len(), prompt_path, max_new)?;
         Ok(chunked)
     }
 
-    fn render(&self, prompt: &Prompt) -> Result<String> {
+    fn render(&self, prompt: &Prompt, prompt_path: &Path) -> Result<String> {
         self.tokenizer
-            .render(&prompt.messages, &Default::default())
+            .render(&prompt.messages, &prompt.template_kwargs)
             .map_err(|e| {
-                Error::input(
-                    self.source.path_of("chat_template.jinja"),
-                    e,
-                    "fix the model's chat template",
-                )
+                // A template that raises refuses this conversation (Mistral's role order,
+                // say): the prompt is what to fix.
+                if e.contains("raised an exception") {
+                    Error::input(
+                        prompt_path,
+                        e,
+                        "write the conversation the way the model's chat template accepts it",
+                    )
+                } else {
+                    Error::input(
+                        self.source.path_of("chat_template.jinja"),
+                        e,
+                        "fix the model's chat template",
+                    )
+                }
             })
     }
 

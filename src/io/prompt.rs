@@ -62,6 +62,9 @@ impl Message {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prompt {
     pub messages: Vec<Message>,
+    /// Variables for the chat template (a JSON prompt's `chat_template_kwargs`, as the
+    /// OpenAI-compatible servers call them): `date_string`, `enable_thinking`, ...
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 const JSON_FIX: &str =
@@ -116,7 +119,11 @@ impl Prompt {
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum JsonPrompt {
-    Object { messages: Vec<JsonMessage> },
+    Object {
+        messages: Vec<JsonMessage>,
+        #[serde(default)]
+        chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    },
     Bare(Vec<JsonMessage>),
 }
 
@@ -140,8 +147,12 @@ pub fn parse_json(text: &str) -> std::result::Result<Prompt, String> {
     let parsed: JsonPrompt = serde_json::from_value(value).map_err(|e| {
         format!("not a chat prompt ({e}); expected a messages array of {{role, content}}")
     })?;
-    let raw = match parsed {
-        JsonPrompt::Object { messages } | JsonPrompt::Bare(messages) => messages,
+    let (raw, kwargs) = match parsed {
+        JsonPrompt::Object {
+            messages,
+            chat_template_kwargs,
+        } => (messages, chat_template_kwargs),
+        JsonPrompt::Bare(messages) => (messages, Default::default()),
     };
     let mut messages = Vec::with_capacity(raw.len());
     for (i, m) in raw.into_iter().enumerate() {
@@ -166,7 +177,9 @@ pub fn parse_json(text: &str) -> std::result::Result<Prompt, String> {
         };
         messages.push(msg);
     }
-    finish(messages)
+    let mut prompt = finish(messages)?;
+    prompt.template_kwargs = kwargs;
+    Ok(prompt)
 }
 
 pub fn parse_txt(text: &str) -> std::result::Result<Prompt, String> {
@@ -240,7 +253,10 @@ fn finish(messages: Vec<Message>) -> std::result::Result<Prompt, String> {
     if messages.iter().all(|m| m.content.trim().is_empty()) {
         return Err("every message is empty".into());
     }
-    Ok(Prompt { messages })
+    Ok(Prompt {
+        messages,
+        template_kwargs: Default::default(),
+    })
 }
 
 #[cfg(test)]
