@@ -85,10 +85,14 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 }
 
 /// Fails before anything is loaded where CUDA is missing: that is then the whole answer.
+/// Where it is, the device starts opening now, beside reading the model.
 pub fn require_cuda() -> Result<()> {
     match kvdiff::cuda::unavailable_reason() {
         Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
-        None => Ok(()),
+        None => {
+            kvdiff::cuda::open_in_background();
+            Ok(())
+        }
     }
 }
 

@@ -159,8 +159,14 @@ fn cublas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlic
 
 /// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached).
 fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<CudaFunction>> {
-    let ptx = compiled_ptx(major, minor)?;
-    let module = ctx.load_module(ptx).map_err(internal("module load"))?;
+    let _span = crate::support::timing::span("startup: kernels (cubin cache or NVRTC)");
+    // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
+    // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
+    let image = match compiled_cubin(major, minor) {
+        Ok(cubin) => Ptx::from_binary(cubin),
+        Err(_) => compiled_ptx(major, minor)?,
+    };
+    let module = ctx.load_module(image).map_err(internal("module load"))?;
     KERNELS
         .iter()
         .map(|k| {
@@ -171,13 +177,42 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
         .collect()
 }
 
+/// A device being opened on another thread (`open_in_background`).
+type Opening = std::thread::JoinHandle<Result<Arc<Gpu>>>;
+static EARLY: std::sync::Mutex<Option<Opening>> = std::sync::Mutex::new(None);
+
+/// Starts opening the GPU (driver, context, cuBLAS, kernels) on another thread, so that it
+/// overlaps reading the model; `Gpu::open` then takes it. For a command that knows it will
+/// run on CUDA, right after checking that CUDA is there.
+pub fn open_in_background() {
+    let mut early = EARLY.lock().unwrap_or_else(|e| e.into_inner());
+    if early.is_none() {
+        *early = Some(std::thread::spawn(Gpu::open_now));
+    }
+}
+
 impl Gpu {
-    /// Opens device 0 and compiles (or loads cached) kernels; a one-line error if CUDA is
-    /// unusable here.
+    /// Opens device 0 and compiles (or loads cached) kernels, or takes the device
+    /// `open_in_background` opened; a one-line error if CUDA is unusable here.
     pub fn open() -> Result<Arc<Gpu>> {
+        let early = EARLY.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match early {
+            Some(handle) => {
+                let _span = crate::support::timing::span("startup: waiting for the GPU to open");
+                handle
+                    .join()
+                    .map_err(|_| Error::Internal("opening the GPU panicked".into()))?
+            }
+            None => Self::open_now(),
+        }
+    }
+
+    fn open_now() -> Result<Arc<Gpu>> {
+        let _span = crate::support::timing::span("startup: GPU open (whole)");
         if let Some(why) = unavailable_reason() {
             return Err(Error::usage("--backend cuda", why, CUDA_FIX));
         }
+        let context_span = crate::support::timing::span("startup: CUDA driver + context");
         let ctx = CudaContext::new(0).map_err(|e| {
             Error::usage(
                 "--backend cuda",
@@ -194,7 +229,10 @@ impl Gpu {
         let side = ctx.new_stream().map_err(internal("stream"))?;
         let side_done = ctx.new_event(None).map_err(internal("event"))?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
+        drop(context_span);
+        let blas_span = crate::support::timing::span("startup: cuBLAS handle");
         let (blas, blas_workspace) = cublas_with_workspace(&stream)?;
+        drop(blas_span);
         let (major, minor) = ctx
             .compute_capability()
             .map_err(internal("compute capability"))?;
@@ -219,6 +257,7 @@ impl Gpu {
         });
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
+        let _first = crate::support::timing::span("startup: first GEMM");
         let (x, y) = (gpu.zeros::<u16>(64), gpu.zeros::<f32>(16));
         gpu.gemm_bf16_now(
             ptr(&gpu, &x, 0),
@@ -613,6 +652,60 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// PTX for the device's architecture: from the on-disk cache when the sources and architecture
 /// match, else compiled by NVRTC and cached.
+/// The kernels as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
+/// cached); an error where NVRTC cannot target the device.
+fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let source: String = SOURCES
+        .iter()
+        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
+        .collect();
+    let arch = format!("sm_{major}{minor}");
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (source.as_str(), arch.as_str()).hash(&mut h);
+    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{:016x}.cubin", h.finish())));
+    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+        return Ok(bytes);
+    }
+    let _span = crate::support::timing::span("startup: NVRTC compile (cold cache)");
+    let fail = |what: &str| Error::Internal(format!("NVRTC cubin for {arch}: {what}"));
+    let src = std::ffi::CString::new(source).map_err(|_| fail("source has a NUL"))?;
+    let prog = result::create_program(&src, None).map_err(|e| fail(&e.to_string()))?;
+    let opt = format!("--gpu-architecture={arch}");
+    // Safety: `prog` is a live program; it is destroyed below on every path.
+    let cubin = unsafe {
+        let compiled =
+            result::compile_program(prog, &[opt.as_str()]).map_err(|e| fail(&e.to_string()));
+        let cubin = compiled.and_then(|()| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| fail(&e.to_string()))?;
+            let mut buf = vec![0u8; size];
+            sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+                .result()
+                .map_err(|e| fail(&e.to_string()))?;
+            Ok(buf)
+        });
+        let _ = result::destroy_program(prog);
+        cubin?
+    };
+    if cubin.is_empty() {
+        return Err(fail("empty cubin"));
+    }
+    if let Some(f) = &file {
+        // Best effort: a read-only cache folder only costs a recompile next time.
+        if let Some(dir) = f.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = f.with_extension(format!("tmp-{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, f);
+        }
+    }
+    Ok(cubin)
+}
+
 fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
     let source: String = SOURCES
         .iter()

@@ -20,7 +20,7 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
-pub use gpu::{ptr, unavailable_reason, Arg, Gpu};
+pub use gpu::{open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
 pub use launch::PrefillAttention;
 pub use upload::{gpu_of, to_cuda, weight_bytes, CudaModel};

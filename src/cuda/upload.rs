@@ -96,10 +96,16 @@ pub fn gpu_of(model: &Model) -> Option<&Arc<Gpu>> {
 }
 
 fn to_bf16_bits(parts: &[&[f32]]) -> Vec<u16> {
-    parts
-        .iter()
-        .flat_map(|p| p.iter().map(|&x| bf16::from_f32(x).to_bits()))
-        .collect()
+    use rayon::prelude::*;
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        let mut bits = Vec::new();
+        p.par_iter()
+            .map(|&x| bf16::from_f32(x).to_bits())
+            .collect_into_vec(&mut bits);
+        out.extend_from_slice(&bits);
+    }
+    out
 }
 
 /// Bytes the model's weights take on the device (bf16).
@@ -161,6 +167,7 @@ impl CudaModel {
                 "use --backend cpu for this model",
             ));
         }
+        let upload_span = crate::support::timing::span("startup: weights to bf16 + uploaded");
         let up = |parts: &[&[f32]]| gpu.upload(&to_bf16_bits(parts));
         let opt = |t: &[f32]| (!t.is_empty()).then(|| up(&[t]));
         let layers = w
@@ -213,6 +220,8 @@ impl CudaModel {
             device: gpu.clone(),
             gpu,
         };
+        drop(upload_span);
+        let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
         model.warm_up();
         Ok(model)
     }

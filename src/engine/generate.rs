@@ -36,7 +36,9 @@ pub struct Generation {
 impl Engine {
     pub fn load(source: ModelSource) -> Result<Self> {
         let model = Model::load(&source)?;
+        let span = crate::support::timing::span("startup: tokenizer + chat template");
         let tokenizer = ChatTokenizer::load(&source)?;
+        drop(span);
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(Error::input(
                 source.path_of("tokenizer.json"),

@@ -35,6 +35,7 @@ pub struct Weights {
 
 impl Weights {
     pub fn load(src: &ModelSource, config: &Config) -> Result<Self> {
+        let mapped_span = crate::support::timing::span("startup: weights mapped + checked");
         let files = shard_files(src)?;
         let mut mapped = Vec::with_capacity(files.len());
         for name in &files {
@@ -54,6 +55,8 @@ impl Weights {
             "holding the weights as f32",
             &ckpt.first_file(),
         )?;
+        drop(mapped_span);
+        let _span = crate::support::timing::span("startup: weights converted to f32");
         ckpt.convert(expected)
     }
 
@@ -175,28 +178,34 @@ impl<'a> Checkpoint<'a> {
         Ok(())
     }
 
-    /// Every expected tensor as f32, refusing NaN and Inf.
+    /// Every expected tensor as f32, refusing NaN and Inf; tensors and the rows of large ones
+    /// convert on every core.
     fn convert(&self, expected: Vec<(String, Vec<usize>)>) -> Result<Weights> {
+        use rayon::prelude::*;
         let src = self.src;
-        let mut tensors = HashMap::with_capacity(expected.len());
-        for (name, shape) in expected {
-            let (file, st) = &self.parsed[self.location[&name]];
-            let view = st
-                .tensor(&name)
-                .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
-            let data = to_f32(view.dtype(), view.data());
-            if let Some(bad) = data.iter().position(|x| !x.is_finite()) {
-                return Err(Error::input(
-                    src.path_of(file),
-                    format!(
-                        "tensor {name} holds a non-finite value ({}) at flat index {bad}",
-                        data[bad]
-                    ),
-                    "the checkpoint is damaged; re-export it from a healthy copy",
-                ));
-            }
-            tensors.insert(name, Weight { shape, data });
-        }
+        let converted: Vec<Result<(String, Weight)>> = expected
+            .into_par_iter()
+            .map(|(name, shape)| {
+                let (file, st) = &self.parsed[self.location[&name]];
+                let view = st
+                    .tensor(&name)
+                    .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
+                let data = to_f32(view.dtype(), view.data());
+                if let Some(bad) = data.par_iter().position_first(|x| !x.is_finite()) {
+                    return Err(Error::input(
+                        src.path_of(file),
+                        format!(
+                            "tensor {name} holds a non-finite value ({}) at flat index {bad}",
+                            data[bad]
+                        ),
+                        "the checkpoint is damaged; re-export it from a healthy copy",
+                    ));
+                }
+                Ok((name, Weight { shape, data }))
+            })
+            .collect();
+        // The first failure in checkpoint order, as a sequential loop would report it.
+        let tensors = converted.into_iter().collect::<Result<HashMap<_, _>>>()?;
         Ok(Weights { tensors })
     }
 }
@@ -246,8 +255,25 @@ fn shard_files(src: &ModelSource) -> Result<Vec<String>> {
     Ok(files)
 }
 
-/// Converts little-endian raw tensor bytes to f32.
+/// Converts little-endian raw tensor bytes to f32 (large tensors on every core).
 pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    use rayon::prelude::*;
+    const PIECE: usize = 1 << 20;
+    if bytes.len() > PIECE {
+        let width = match dtype {
+            Dtype::F32 => 4,
+            _ => 2,
+        };
+        let pieces: Vec<Vec<f32>> = bytes
+            .par_chunks(PIECE - PIECE % width)
+            .map(|c| to_f32_serial(dtype, c))
+            .collect();
+        return pieces.concat();
+    }
+    to_f32_serial(dtype, bytes)
+}
+
+fn to_f32_serial(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
     match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)
