@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|sweep|capture|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|startup|sweep|capture|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +21,9 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
   scripts/bench_cuda.sh .out/bin/kvdiff 2>&1 | tee "$out/bench.log" | grep --line-buffered -vE "^(Writing|Loading)"
+fi
+if [ "$stage" = all ] || [ "$stage" = startup ]; then
+  scripts/bench_startup.sh .out/bin/kvdiff 2>&1 | tee "$out/startup.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = sweep ]; then
   scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"

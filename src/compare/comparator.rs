@@ -79,7 +79,8 @@ pub(crate) struct Comparator<'a> {
     heads: usize,
     kv_heads: usize,
     /// Reference taps kept on the GPU (compared there; only summaries come back).
-    device_reference: HashMap<TapId, DeviceRecorded>,
+    /// Per tap, one record per reference pass (a chunked reference prefills in several).
+    device_reference: HashMap<TapId, Vec<DeviceRecorded>>,
     diffs: DeviceDiffs,
     pending: Vec<PendingDiff>,
     /// Diffs whose summaries are being copied back (see `start_flush`).
@@ -488,10 +489,17 @@ impl TapSink for Comparator<'_> {
         let _span = crate::support::timing::span("compare: host-side tap diff");
         // A reference kept on the GPU, met by a tap the path computed on the host.
         if !self.reference.contains_key(&v.id) {
-            let Some(r) = self.device_reference.get(&v.id) else {
+            let Some(recs) = self.device_reference.get(&v.id) else {
                 return;
             };
-            let host = r.to_host();
+            let heads = self.heads;
+            let Some(host) = recs
+                .iter()
+                .map(DeviceRecorded::to_host)
+                .reduce(|a, b| merge_passes(a, b, heads))
+            else {
+                return;
+            };
             self.reference.insert(v.id, host);
         }
         let r = self.reference.remove(&v.id).expect("present");
@@ -559,24 +567,42 @@ impl TapSink for Comparator<'_> {
     }
 
     fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
-        let Some(r) = self.device_reference.get(&t.id) else {
+        // The reference pass whose rows hold every position of this tap.
+        let found = self.device_reference.get(&t.id).and_then(|recs| {
+            let rows = |r: &DeviceRecorded| -> Vec<Option<usize>> {
+                t.positions.iter().map(|&p| reference_row(r, p)).collect()
+            };
+            match recs.as_slice() {
+                // One pass: the rows it lacks are left out, as on the host.
+                [only] => Some((0, rows(only))),
+                _ => recs.iter().enumerate().find_map(|(i, r)| {
+                    let rr = rows(r);
+                    rr.iter().all(Option::is_some).then_some((i, rr))
+                }),
+            }
+        });
+        let Some(recs) = self.device_reference.get(&t.id) else {
             // Nothing to compare against unless the reference is on the host.
-            return !self.reference.contains_key(&t.id);
+            let on_host = self.reference.contains_key(&t.id);
+            if on_host {
+                let _span =
+                    crate::support::timing::span("compare: path tap to host (reference on host)");
+            }
+            return !on_host;
         };
+        let Some((which, rrows)) = found else {
+            // Rows spread over several reference passes: compared on the host.
+            let _span =
+                crate::support::timing::span("compare: path tap to host (rows in several passes)");
+            return recs.is_empty();
+        };
+        let r = &recs[which];
         if r.rows_per_token != t.rows_per_token {
+            let _span =
+                crate::support::timing::span("compare: path tap to host (row layouts differ)");
             return false;
         }
         let rpt = t.rows_per_token;
-        // Reference rows are usually consecutive positions: try the direct index first.
-        let rrows: Vec<Option<usize>> = t
-            .positions
-            .iter()
-            .map(|&pos| {
-                pos.checked_sub(r.positions[0])
-                    .filter(|&i| r.positions.get(i) == Some(&pos))
-                    .or_else(|| r.positions.iter().position(|&p| p == pos))
-            })
-            .collect();
         let b_rows = || {
             rrows
                 .iter()
@@ -586,7 +612,7 @@ impl TapSink for Comparator<'_> {
             Some(o) => o,
             None => {
                 self.flush();
-                let r = &self.device_reference[&t.id];
+                let r = &self.device_reference[&t.id][which];
                 self.diffs
                     .enqueue(t, r, b_rows())
                     .expect("an empty buffer holds any tap")
@@ -597,7 +623,7 @@ impl TapSink for Comparator<'_> {
         if !t.persistent {
             self.diffs.launch();
         }
-        let r = &self.device_reference[&t.id];
+        let r = &self.device_reference[&t.id][which];
         self.pending.push(PendingDiff {
             step,
             id: t.id,
@@ -622,6 +648,15 @@ impl TapSink for Comparator<'_> {
         self.finish_flush();
         self.start_flush();
     }
+}
+
+/// The row of `r` holding position `pos`. Rows are usually consecutive positions, so the
+/// direct index is tried first.
+fn reference_row(r: &DeviceRecorded, pos: usize) -> Option<usize> {
+    let first = *r.positions.first()?;
+    pos.checked_sub(first)
+        .filter(|&i| r.positions.get(i) == Some(&pos))
+        .or_else(|| r.positions.iter().position(|&p| p == pos))
 }
 
 /// A tap diffed on the GPU whose summaries are not read back yet.
@@ -650,12 +685,10 @@ impl Comparator<'_> {
                 }
             }
         }
-        self.device_reference = rec
-            .device
-            .unwrap_or_default()
-            .into_iter()
-            .map(|t| (t.id, t))
-            .collect();
+        self.device_reference = HashMap::new();
+        for t in rec.device.unwrap_or_default() {
+            self.device_reference.entry(t.id).or_default().push(t);
+        }
     }
 
     /// When the first divergence is this `attn_probs` tap's, keeps its head's rows (reference and

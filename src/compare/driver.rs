@@ -219,13 +219,13 @@ impl CompareSpec<'_> {
     }
 
     /// The recorder of the reference's taps of one step. A GPU reference keeps its taps on
-    /// the GPU unless they are to be dumped; a decode step's recorder sees one pass whose taps
-    /// the path uses before the reference's next pass, so it may keep them by address.
+    /// the GPU unless they are to be dumped (a reference prefill of several passes keeps one
+    /// record per pass, and a path tap is diffed against the pass that holds its rows); a
+    /// decode step's recorder sees one pass whose taps the path uses before the reference's
+    /// next pass, so it may keep them by address.
     fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
         let layers = self.model.config.num_hidden_layers;
-        // A reference prefill of several passes is gathered on the host (`set_reference`).
-        let one_pass = decode || self.reference == PathSpec::Standard;
-        if self.model.device().is_some() && self.dump.is_none() && one_pass {
+        if self.model.device().is_some() && self.dump.is_none() {
             let r = ReferenceRecorder::on_device(taps, layers);
             if decode {
                 r.borrowing()

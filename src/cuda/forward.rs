@@ -388,7 +388,10 @@ impl CudaModel {
         self.embed_and_norm(&ws, n);
         self.offer_outer(sink, &pass.taps, &ws, TapId::Embed);
         for (l, &kvp) in pass.kv_ptrs.iter().enumerate() {
+            let kernels = crate::support::timing::span("cuda prefill: layer enqueued");
             self.layer(l, &ws, kvp, pass);
+            drop(kernels);
+            let _offer = crate::support::timing::span("cuda prefill: layer taps offered");
             self.offer_layer(sink, &pass.taps, &ws, l);
         }
         self.offer_outer(sink, &pass.taps, &ws, TapId::FinalNorm);

@@ -224,6 +224,7 @@ pub(super) fn offer_at(
         shape: shape.to_vec(),
     };
     if !sink.record_device(step, &tap) {
+        let _span = crate::support::timing::span("cuda taps: copied to the host for the sink");
         let data = gpu.download_rows(at, rows, width, stride);
         emit(sink, step, id, positions, shape, &data);
     }

@@ -35,10 +35,19 @@ pub struct Generation {
 
 impl Engine {
     pub fn load(source: ModelSource) -> Result<Self> {
-        let model = Model::load(&source)?;
-        let span = crate::support::timing::span("startup: tokenizer + chat template");
-        let tokenizer = ChatTokenizer::load(&source)?;
-        drop(span);
+        // The tokenizer (hundreds of ms for a 150k vocabulary) parses beside the weights.
+        let (model, tokenizer) = std::thread::scope(|s| {
+            let tokenizer = s.spawn(|| {
+                let _span = crate::support::timing::span("startup: tokenizer + chat template");
+                ChatTokenizer::load(&source)
+            });
+            let model = Model::load(&source);
+            let tokenizer = tokenizer
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (model, tokenizer)
+        });
+        let (model, tokenizer) = (model?, tokenizer?);
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(Error::input(
                 source.path_of("tokenizer.json"),

@@ -258,19 +258,27 @@ fn shard_files(src: &ModelSource) -> Result<Vec<String>> {
 /// Converts little-endian raw tensor bytes to f32 (large tensors on every core).
 pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
     use rayon::prelude::*;
-    const PIECE: usize = 1 << 20;
-    if bytes.len() > PIECE {
-        let width = match dtype {
-            Dtype::F32 => 4,
-            _ => 2,
-        };
-        let pieces: Vec<Vec<f32>> = bytes
-            .par_chunks(PIECE - PIECE % width)
-            .map(|c| to_f32_serial(dtype, c))
-            .collect();
-        return pieces.concat();
+    if bytes.len() <= 1 << 20 {
+        return to_f32_serial(dtype, bytes);
     }
-    to_f32_serial(dtype, bytes)
+    // Written straight into the output's spare capacity: no zeroing pass over gigabytes.
+    let mut out = Vec::new();
+    match dtype {
+        Dtype::F32 => bytes
+            .par_chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect_into_vec(&mut out),
+        Dtype::BF16 => bytes
+            .par_chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect_into_vec(&mut out),
+        Dtype::F16 => bytes
+            .par_chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect_into_vec(&mut out),
+        other => unreachable!("dtype {other:?} is rejected before conversion"),
+    }
+    out
 }
 
 fn to_f32_serial(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
