@@ -11,7 +11,9 @@ use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
 use crate::compare::grid::{CellGrid, Row};
 use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
-use crate::tap::{DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+use crate::tap::{
+    row_at, DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue,
+};
 
 /// Taps with at least this many values are diffed on every core.
 const PARALLEL_VALUES: usize = 1 << 18;
@@ -340,7 +342,7 @@ impl Comparator<'_> {
         let k = path.shape.get(1).copied().unwrap_or(1).max(1);
         let logits_id = TapId::Layer(layer, crate::tap::LayerTap::RouterLogits);
         for (row, &pos) in path.positions.iter().enumerate() {
-            let Some(rrow) = r.positions.iter().position(|&p| p == pos) else {
+            let Some(rrow) = row_at(&r.positions, pos) else {
                 continue;
             };
             let ids = |d: &[f32], i: usize| -> Vec<u32> {
@@ -386,7 +388,7 @@ impl Comparator<'_> {
             let (margin, bound) = match self.reference.get(&logits_id) {
                 Some(lg) => {
                     let e = lg.shape.get(1).copied().unwrap_or(0);
-                    match lg.positions.iter().position(|&p| p == pos) {
+                    match row_at(&lg.positions, pos) {
                         Some(i) if e > 0 => {
                             let row = &lg.data[i * e..(i + 1) * e];
                             let chosen = |x: usize| theirs.contains(&(x as u32));
@@ -428,47 +430,22 @@ impl Comparator<'_> {
         }
     }
 
-    /// The reference's expert choices of this step, offered to the path's sparse layers: each
-    /// with twice the router logits' tolerance at its row (either side may move by it). None
-    /// under exact policy.
+    /// The reference's expert choices of this step, offered to the path's sparse layers (see
+    /// `route_hints_from`). None under exact policy.
     fn reference_routes(&self) -> Option<crate::tap::RouteHints> {
-        let (atol, rtol) = self.tol.bounds("router_logits")?;
-        let mut hints = crate::tap::RouteHints::new();
-        for (id, r) in &self.reference {
-            let (Some(l), "experts") = (id.layer(), id.kind()) else {
-                continue;
-            };
-            let k = r.shape.get(1).copied().unwrap_or(1).max(1);
-            let logits = self
-                .reference
-                .get(&TapId::Layer(l, crate::tap::LayerTap::RouterLogits));
-            for (i, &pos) in r.positions.iter().enumerate() {
-                let ids = r.data[i * k..(i + 1) * k]
-                    .iter()
-                    .map(|&x| x as u32)
-                    .collect();
-                let max_ref = logits
-                    .and_then(|lg| {
-                        let e = *lg.shape.get(1)?;
-                        let j = lg.positions.iter().position(|&p| p == pos)?;
-                        Some(
-                            lg.data[j * e..(j + 1) * e]
-                                .iter()
-                                .fold(0f32, |m, v| m.max(v.abs())),
-                        )
-                    })
-                    .unwrap_or(0.0);
-                hints.insert((l, pos), (ids, 2.0 * (atol + rtol * max_ref)));
-            }
-        }
-        (!hints.is_empty()).then_some(hints)
+        let bounds = self.tol.bounds("router_logits")?;
+        let logits = |l| {
+            self.reference
+                .get(&TapId::Layer(l, crate::tap::LayerTap::RouterLogits))
+        };
+        crate::tap::route_hints_from(self.reference.values(), logits, bounds)
     }
 }
 
 /// The `k` experts of highest logit in a router-logits tap's row at `pos` (sorted ids).
 fn own_choice(logits: &Recorded, pos: usize, k: usize) -> Option<Vec<u32>> {
     let e = *logits.shape.get(1)?;
-    let i = logits.positions.iter().position(|&p| p == pos)?;
+    let i = row_at(&logits.positions, pos)?;
     let row = &logits.data[i * e..(i + 1) * e];
     let mut order: Vec<usize> = (0..e).collect();
     order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
@@ -508,11 +485,7 @@ impl TapSink for Comparator<'_> {
         let rwidth = r.data.len() / r.positions.len().max(1);
         let heads = self.heads;
         let diff_row = |(row, &pos): (usize, &usize)| {
-            // Reference rows are usually consecutive positions: try the direct index first.
-            let direct = pos
-                .checked_sub(r.positions[0])
-                .filter(|&i| r.positions.get(i) == Some(&pos));
-            let rrow = direct.or_else(|| r.positions.iter().position(|&p| p == pos))?;
+            let rrow = row_at(&r.positions, pos)?;
             let a = &v.data[row * width..(row + 1) * width];
             let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
             // Attention rows over fewer keys: pad each head's row to the reference's key span.
@@ -570,7 +543,10 @@ impl TapSink for Comparator<'_> {
         // The reference pass whose rows hold every position of this tap.
         let found = self.device_reference.get(&t.id).and_then(|recs| {
             let rows = |r: &DeviceRecorded| -> Vec<Option<usize>> {
-                t.positions.iter().map(|&p| reference_row(r, p)).collect()
+                t.positions
+                    .iter()
+                    .map(|&p| row_at(&r.positions, p))
+                    .collect()
             };
             match recs.as_slice() {
                 // One pass: the rows it lacks are left out, as on the host.
@@ -648,15 +624,6 @@ impl TapSink for Comparator<'_> {
         self.finish_flush();
         self.start_flush();
     }
-}
-
-/// The row of `r` holding position `pos`. Rows are usually consecutive positions, so the
-/// direct index is tried first.
-fn reference_row(r: &DeviceRecorded, pos: usize) -> Option<usize> {
-    let first = *r.positions.first()?;
-    pos.checked_sub(first)
-        .filter(|&i| r.positions.get(i) == Some(&pos))
-        .or_else(|| r.positions.iter().position(|&p| p == pos))
 }
 
 /// A tap diffed on the GPU whose summaries are not read back yet.

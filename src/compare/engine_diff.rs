@@ -82,39 +82,15 @@ impl<'a> ReferenceRun<'a> {
         self
     }
 
-    /// The engine's expert choices of one step, with twice the router tolerance at each row.
+    /// The engine's expert choices of one step (see `route_hints_from`).
     fn engine_routes(&self, engine: &DumpStep) -> Option<crate::tap::RouteHints> {
-        let (atol, rtol) = self.route_bounds?;
-        let mut hints = crate::tap::RouteHints::new();
-        for (id, t) in &engine.taps {
-            let (Some(l), "experts") = (id.layer(), id.kind()) else {
-                continue;
-            };
-            let k = t.shape.get(1).copied().unwrap_or(1).max(1);
-            let logits = engine.taps.get(&crate::tap::TapId::Layer(
+        let logits = |l| {
+            engine.taps.get(&crate::tap::TapId::Layer(
                 l,
                 crate::tap::LayerTap::RouterLogits,
-            ));
-            for (i, &pos) in t.positions.iter().enumerate() {
-                let max_ref = logits
-                    .and_then(|lg| {
-                        let e = *lg.shape.get(1)?;
-                        let j = lg.positions.iter().position(|&p| p == pos)?;
-                        Some(
-                            lg.data[j * e..(j + 1) * e]
-                                .iter()
-                                .fold(0f32, |m, v| m.max(v.abs())),
-                        )
-                    })
-                    .unwrap_or(0.0);
-                let ids = t.data[i * k..(i + 1) * k]
-                    .iter()
-                    .map(|&x| x as u32)
-                    .collect();
-                hints.insert((l, pos), (ids, 2.0 * (atol + rtol * max_ref)));
-            }
-        }
-        (!hints.is_empty()).then_some(hints)
+            ))
+        };
+        crate::tap::route_hints_from(engine.taps.values(), logits, self.route_bounds?)
     }
 }
 

@@ -88,7 +88,7 @@ impl TapSink for NoiseMeter<'_> {
         let owidth = o.data.len() / o.positions.len().max(1);
         let mut worst = 0f32;
         for (r, &pos) in v.positions.iter().enumerate() {
-            let Some(or) = o.positions.iter().position(|&p| p == pos) else {
+            let Some(or) = crate::tap::row_at(&o.positions, pos) else {
                 continue;
             };
             let d = row_diff(

@@ -699,17 +699,7 @@ impl CudaModel {
                 return;
             }
         } else {
-            self.project_add_norm(
-                ws,
-                ws.attn_bf(g),
-                pb(&w.o),
-                io.o,
-                qd,
-                io.x_in,
-                io.mid,
-                pb(&w.post_norm),
-                io.mlp_norm,
-            );
+            self.attention_output(l, ws);
             g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, rows, h, 2 * inter);
             g.launch(
                 "swiglu",
@@ -742,6 +732,26 @@ impl CudaModel {
         );
     }
 
+    /// o_proj, the residual after attention and its post-attention norm (f32 and bf16 rows),
+    /// as the unfused dense MLP and every sparse layer start.
+    fn attention_output(&self, l: usize, ws: &Workspace) {
+        let g = &*self.gpu;
+        let w = &self.layers[l];
+        let io = ws.io(g, l);
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        self.project_add_norm(
+            ws,
+            ws.attn_bf(g),
+            pb(&w.o),
+            io.o,
+            self.config.q_dim(),
+            io.x_in,
+            io.mid,
+            pb(&w.post_norm),
+            io.mlp_norm,
+        );
+    }
+
     /// A sparse layer's second half: o_proj and residual, the post-attention norm, the router
     /// GEMM, the top-k choice on the host (the logits are copied back, so a pass with sparse
     /// layers waits for the GPU at each of them and is never captured into a graph), then per
@@ -750,27 +760,11 @@ impl CudaModel {
     fn sparse_mlp(&self, l: usize, ws: &Workspace, sparse: &SparseMlp, pass: &Pass<'_>) {
         let g = &*self.gpu;
         let c = &self.config;
-        let w = &self.layers[l];
         let moe = c.arch.sparse(l).expect("a sparse layer");
         let (n, io) = (ws.n, ws.io(g, l));
-        let (h, qd, e, mi) = (
-            c.hidden_size,
-            c.q_dim(),
-            moe.num_experts,
-            moe.intermediate_size,
-        );
+        let (h, e, mi) = (c.hidden_size, moe.num_experts, moe.intermediate_size);
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
-        self.project_add_norm(
-            ws,
-            ws.attn_bf(g),
-            pb(&w.o),
-            io.o,
-            qd,
-            io.x_in,
-            io.mid,
-            pb(&w.post_norm),
-            io.mlp_norm,
-        );
+        self.attention_output(l, ws);
         let logits_d = g.alloc::<f32>(n * e);
         g.gemm_bf16(
             ws.xn_bf(g),

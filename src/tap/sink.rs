@@ -116,6 +116,53 @@ pub struct Recorded {
     pub data: Vec<f32>,
 }
 
+/// The row of a tap holding position `pos`. Rows are usually consecutive positions, so the
+/// direct index is tried before a search.
+pub fn row_at(positions: &[usize], pos: usize) -> Option<usize> {
+    let first = *positions.first()?;
+    pos.checked_sub(first)
+        .filter(|&i| positions.get(i) == Some(&pos))
+        .or_else(|| positions.iter().position(|&p| p == pos))
+}
+
+impl Recorded {
+    /// The row at position `pos`, if the tap has it.
+    pub fn row(&self, pos: usize) -> Option<&[f32]> {
+        let i = row_at(&self.positions, pos)?;
+        let w = self.data.len() / self.positions.len().max(1);
+        self.data.get(i * w..(i + 1) * w)
+    }
+}
+
+/// Route hints from one side's taps: for every row of every `L{i}.experts` tap in `taps`, its
+/// experts and twice the router tolerance `atol + rtol·max|logits row|` (either side may move
+/// by it), the logits from the same layer's `router_logits` tap when there is one.
+pub fn route_hints_from<'a>(
+    taps: impl Iterator<Item = &'a Recorded>,
+    logits_of: impl Fn(usize) -> Option<&'a Recorded>,
+    (atol, rtol): (f32, f32),
+) -> Option<RouteHints> {
+    let mut hints = RouteHints::new();
+    for t in taps {
+        let (Some(l), "experts") = (t.id.layer(), t.id.kind()) else {
+            continue;
+        };
+        let logits = logits_of(l);
+        let k = t.shape.get(1).copied().unwrap_or(1).max(1);
+        for (i, &pos) in t.positions.iter().enumerate() {
+            let ids = t.data[i * k..(i + 1) * k]
+                .iter()
+                .map(|&x| x as u32)
+                .collect();
+            let max_ref = logits
+                .and_then(|lg| lg.row(pos))
+                .map_or(0.0, |row| row.iter().fold(0f32, |m, v| m.max(v.abs())));
+            hints.insert((l, pos), (ids, 2.0 * (atol + rtol * max_ref)));
+        }
+    }
+    (!hints.is_empty()).then_some(hints)
+}
+
 /// Keeps every selected tap in memory, in the order they arrive (a tap on a device is
 /// copied to the host).
 pub struct Recorder {
