@@ -29,8 +29,8 @@ use kvdiff::error::{Result, EXIT_BAD_INPUT, EXIT_OK};
 
 use args::PROMPT_HELP;
 
-/// Correctness-differential harness for LLM inference: runs a Qwen3 model with a tap at every
-/// layer and shows where two ways of computing it part.
+/// Correctness-differential harness for LLM inference: runs a Qwen3, Qwen3-MoE, Qwen2, Llama 3
+/// or Mistral checkpoint with a tap at every layer and shows where two ways of computing it part.
 #[derive(Parser)]
 #[command(name = "kvdiff", version, after_help = PROMPT_HELP, arg_required_else_help = true)]
 pub struct Cli {

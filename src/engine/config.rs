@@ -93,7 +93,7 @@ const MAX_HEADS: usize = 1024;
 const MAX_HEAD_DIM: usize = 4096;
 
 const CONFIG_FIX: &str =
-    "point --model at a Qwen3 checkpoint directory whose config.json is intact";
+    "point --model at a checkpoint directory (Qwen3, Qwen3-MoE, Qwen2, Llama or Mistral) whose config.json is intact";
 
 impl Config {
     pub fn load(src: &ModelSource) -> Result<Self> {
