@@ -715,10 +715,7 @@ impl CudaModel {
             );
         }
         // The residual leaving this layer, normed for the next one (or the final norm).
-        let next_norm = self
-            .layers
-            .get(l + 1)
-            .map_or(&self.norm, |nl| &nl.input_norm);
+        let next_norm = self.next_norm(l);
         self.project_add_norm(
             ws,
             ws.act_bf(g),
@@ -730,6 +727,13 @@ impl CudaModel {
             pb(next_norm),
             io.norm_out,
         );
+    }
+
+    /// The norm applied to layer `l`'s output: the next layer's input norm, or the final norm.
+    fn next_norm(&self, l: usize) -> &CudaSlice<u16> {
+        self.layers
+            .get(l + 1)
+            .map_or(&self.norm, |nl| &nl.input_norm)
     }
 
     /// o_proj, the residual after attention and its post-attention norm (f32 and bf16 rows),
@@ -861,10 +865,7 @@ impl CudaModel {
                 ],
             );
         }
-        let next_norm = self
-            .layers
-            .get(l + 1)
-            .map_or(&self.norm, |nl| &nl.input_norm);
+        let next_norm = self.next_norm(l);
         self.add_norm(
             n,
             io.mid,
