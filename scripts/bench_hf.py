@@ -3,6 +3,8 @@
   bench_hf.py build TOKENIZER_DIR OUT_DIR PROMPT_FILE   random Qwen3-0.6B-shaped model + 512-token prompt
   bench_hf.py time MODEL_DIR PROMPT_FILE NEW_TOKENS      HF transformers timings, JSON on stdout
   bench_hf.py ceilings                                   measured bandwidth and bf16 GEMM rate, JSON
+  bench_hf.py prompt MODEL_DIR TOKENS PROMPT_FILE        a system + two contexts + query prompt of
+                                                         about TOKENS tokens (RAG-like), JSON on stdout
 
 The model has Qwen3-0.6B's shapes (hidden 1024, 28 layers, 16 heads over 8 KV heads, head_dim 128,
 intermediate 3072, vocab 151936, tied embeddings) and seeded random weights in bf16.
@@ -67,6 +69,40 @@ def build(tok_dir, out_dir, prompt_file):
     print(json.dumps({"prompt_tokens": length(k)}))
 
 
+def rag_prompt(model_dir, tokens, prompt_file):
+    """Two long contexts (each about 45 % of the prompt) between a system prompt and a query."""
+    tokens = int(tokens)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    words = ("the river rises in the northern hills and runs past seven old mills before it "
+             "reaches the harbour where ships wait for the tide").split()
+
+    def messages(k):
+        ctx = lambda i: " ".join((words * (k // len(words) + 2))[i:i + k])
+        return [
+            {"role": "system", "content": "You are a careful assistant. Answer from the documents."},
+            {"role": "user", "content": "Document 1: " + ctx(0)},
+            {"role": "assistant", "content": "ok."},
+            {"role": "user", "content": "Document 2: " + ctx(5)},
+            {"role": "assistant", "content": "ok."},
+            {"role": "user", "content": "Question: where do the ships wait?"},
+        ]
+
+    def length(k):
+        text = tok.apply_chat_template(messages(k), add_generation_prompt=True, tokenize=False)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    lo, hi = 0, tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if length(mid) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    with open(prompt_file, "w") as f:
+        json.dump({"messages": messages(lo)}, f)
+    print(json.dumps({"prompt_tokens": length(lo)}))
+
+
 def timed(fn, reps):
     fn()
     torch.cuda.synchronize()
@@ -120,6 +156,8 @@ if __name__ == "__main__":
         build(*sys.argv[2:5])
     elif cmd == "time":
         time_hf(*sys.argv[2:5])
+    elif cmd == "prompt":
+        rag_prompt(*sys.argv[2:5])
     elif cmd == "ceilings":
         ceilings()
     else:

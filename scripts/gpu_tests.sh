@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|sweep|capture|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +24,9 @@ if [ "$stage" = all ] || [ "$stage" = bench ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = startup ]; then
   scripts/bench_startup.sh .out/bin/kvdiff 2>&1 | tee "$out/startup.log"
+fi
+if [ "$stage" = all ] || [ "$stage" = long ]; then
+  scripts/bench_long.sh .out/bin/kvdiff 2>&1 | tee "$out/long.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = sweep ]; then
   scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"

@@ -541,6 +541,47 @@ fn random_model_on_cuda_matches_the_cpu_tap_by_tap() {
     }
 }
 
+#[test]
+fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
+    if gpu().is_none() {
+        return;
+    }
+    // bf16, f16, f32 in shards, and a sparse model: the checkpoint read straight as bf16 must
+    // give the uploaded CPU model's every tap, bit for bit.
+    for rel in [
+        "default-model",
+        "random-model",
+        "arch/qwen2",
+        "arch/qwen3-moe",
+    ] {
+        let src = ModelSource::Dir(fixture(rel));
+        let cpu = Model::load(&src).unwrap();
+        let uploaded = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        let direct = kvdiff::cuda::load_on_cuda(&src, &cpu.config).unwrap();
+        let layers = cpu.config.num_hidden_layers;
+        let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let run = |m: &Model| {
+            let mut rec = Recorder::new(&TapFilter::all(), layers);
+            let logits = m.forward(
+                Batch::new(&ids, &positions),
+                &mut m.new_cache(),
+                0,
+                &mut rec,
+            );
+            (logits, rec)
+        };
+        let ((la, ra), (lb, rb)) = (run(&uploaded), run(&direct));
+        assert_eq!(la, lb, "{rel}: logits");
+        assert_eq!(ra.taps.len(), rb.taps.len(), "{rel}");
+        for (a, b) in ra.taps.iter().zip(&rb.taps) {
+            assert_eq!(a.id, b.id, "{rel}");
+            assert!(a.data == b.data, "{rel}: {:?} differs", a.id);
+        }
+        eprintln!("{rel}: {} taps identical", ra.taps.len());
+    }
+}
+
 fn kvdiff(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     Command::new(common::kvdiff_bin())
         .args(args)

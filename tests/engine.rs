@@ -266,6 +266,60 @@ fn rejects_non_finite_weight() {
         e.contains(VICTIM) && e.contains("non-finite") && e.contains("flat index 10"),
         "{e}"
     );
+    // The GPU-only load reads the checkpoint as bf16: the same refusal, word for word.
+    let src = ModelSource::Dir(dir.path().to_path_buf());
+    let direct = read_bf16(&src).map(|_| ()).unwrap_err().to_string();
+    assert_eq!(direct, e);
+}
+
+/// Every tensor of a checkpoint as the GPU-only load reads it (bf16 bits), by name.
+fn read_bf16(src: &ModelSource) -> kvdiff::error::Result<HashMap<String, Vec<u16>>> {
+    use kvdiff::engine::weights::{Checkpoint, TensorSource};
+    let config = kvdiff::engine::config::Config::load(src)?;
+    Checkpoint::with(src, &config, |ckpt| {
+        config
+            .expected_tensors()
+            .into_iter()
+            .map(|(n, _)| Ok((n.clone(), ckpt.bf16_bits(&[&n])?)))
+            .collect()
+    })
+}
+
+#[test]
+fn checkpoint_read_as_bf16_equals_the_f32_model_rounded() {
+    use kvdiff::engine::weights::TensorSource;
+    // bf16, f16, f32 in four shards, and a sparse model: the GPU-only load must upload the
+    // very bits the CPU model would after rounding to bf16.
+    for rel in [
+        "default-model",
+        "random-model",
+        "arch/qwen2",
+        "arch/qwen3-moe",
+    ] {
+        let src = ModelSource::Dir(fixture(rel));
+        let direct = read_bf16(&src).unwrap();
+        let model = kvdiff::engine::model::Model::load(&src).unwrap();
+        let named = model.named_tensors();
+        let mut expected: Vec<String> = model
+            .config
+            .expected_tensors()
+            .into_iter()
+            .map(|t| t.0)
+            .collect();
+        expected.sort();
+        assert_eq!(named.names(), expected, "{rel}: tensor names");
+        for (name, bits) in &direct {
+            assert_eq!(&named.bf16_bits(&[name]).unwrap(), bits, "{rel}: {name}");
+        }
+        // Stacking is concatenation in the order asked.
+        let (a, b) = ("model.norm.weight", "model.embed_tokens.weight");
+        let stacked = named.bf16_bits(&[a, b]).unwrap();
+        assert_eq!(
+            stacked,
+            [direct[a].clone(), direct[b].clone()].concat(),
+            "{rel}"
+        );
+    }
 }
 
 #[test]

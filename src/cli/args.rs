@@ -103,19 +103,24 @@ pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
         require_cuda()?;
     }
     let prompt = Prompt::load(&run.prompt)?;
-    let mut engine = load_engine(run.model.as_deref())?;
+    let mut engine = load_engine(run.model.as_deref(), run.backend.backend())?;
     engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
-    if run.backend == BackendArg::Cuda {
-        engine.model = kvdiff::cuda::to_cuda(&engine.model)?;
-    }
     Ok((engine, prompt))
 }
 
 /// The model and tokenizer of `--model` (the embedded default without it), with a progress
-/// line while they load.
-pub fn load_engine(model: Option<&std::path::Path>) -> Result<Engine> {
+/// line while they load. `Backend::Cuda`: the model only on the GPU, read from the checkpoint
+/// as bf16 with no f32 copy on the host (for commands that run nothing on the CPU).
+pub fn load_engine(model: Option<&std::path::Path>, on: Backend) -> Result<Engine> {
     let _progress = kvdiff::support::progress::Progress::spinner("loading the model");
-    Engine::load(ModelSource::from_arg(model)?)
+    let source = ModelSource::from_arg(model)?;
+    match on {
+        Backend::Cpu => Engine::load(source),
+        Backend::Cuda => Engine::load_with(source, |src| {
+            let config = kvdiff::engine::config::Config::load(src)?;
+            kvdiff::cuda::load_on_cuda(src, &config)
+        }),
+    }
 }
 
 /// Which paths run where, and which taps are compared: what `compare` and `sweep` share.

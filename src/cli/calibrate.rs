@@ -45,7 +45,7 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
         require_cuda()?;
     }
     let p = Prompt::load(&a.prompt)?;
-    let engine = load_engine(a.model.as_deref())?;
+    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
     let enc = engine.encode(&p, &a.prompt, a.max_new_tokens)?;
     let last = enc.ids.len() + a.max_new_tokens.max(1) - 1;
     let cal = Calibration::new(&engine.model, &enc.ids, last);

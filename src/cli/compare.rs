@@ -8,6 +8,7 @@ use clap::Args;
 use kvdiff::compare::noise::NoiseProfile;
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::compare::run::{Policy, Request};
+use kvdiff::compare::target::Backend;
 use kvdiff::error::{Error, Result};
 use kvdiff::io::output::{check_output_parent, StagedDir};
 use kvdiff::io::prompt::Prompt;
@@ -151,18 +152,32 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         Some(f) => Some((NoiseProfile::load(f)?, f.as_path())),
         None => None,
     };
+    // Everything on the GPU and nothing to calibrate: no CPU model is needed at all.
+    let cpu_unused = !targets
+        .iter()
+        .chain(std::iter::once(&reference))
+        .any(|t| t.on(backend) == Backend::Cpu)
+        && policy != Policy::Auto;
     let p = load_prompt(&a)?;
-    let mut engine = load_engine(a.model.as_deref())?;
+    let mut engine = load_engine(
+        a.model.as_deref(),
+        if cpu_unused {
+            Backend::Cuda
+        } else {
+            Backend::Cpu
+        },
+    )?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
     let filter = tap_filter(&a.which.taps, engine.model.config.num_hidden_layers)?;
     let mut chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
     if let Some(list) = &a.cuts {
         chunked = kvdiff::sweep::cases::rechunk(&chunked, &parse_cuts(list, chunked.ids.len())?);
     }
-    let gpu_model = match uses_cuda {
-        true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
-        false => None,
+    let gpu_model = match (uses_cuda, cpu_unused) {
+        (true, false) => Some(kvdiff::cuda::to_cuda(&engine.model)?),
+        _ => None,
     };
+    let gpu_model = gpu_model.as_ref().or(cpu_unused.then_some(&engine.model));
     let staging = match &a.dump {
         Some(out) => Some(StagedDir::create(out, a.force, "--dump")?),
         None => None,
@@ -170,7 +185,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     let start = std::time::Instant::now();
     let mut report = Request {
         engine: &engine,
-        gpu_model: gpu_model.as_ref(),
+        gpu_model,
         prompt: &chunked,
         prompt_label: a.prompt.display().to_string(),
         reference,
@@ -188,7 +203,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if let (Some(folder), Some(out)) = (&staging, &a.dump) {
         folder.commit(out)?;
     }
-    let gpu = gpu_model.as_ref().and_then(kvdiff::cuda::gpu_of);
+    let gpu = gpu_model.and_then(kvdiff::cuda::gpu_of);
     say!(
         "kvdiff: compared {} paths in {:.0} ms{}",
         report.paths.len(),
@@ -196,7 +211,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         gpu.map(|g| format!(" (GPU: {})", g.name))
             .unwrap_or_default()
     );
-    print_timings(gpu_model.as_ref());
+    print_timings(gpu_model);
     let judge = Judgement {
         budget: a.budget,
         strict: a.strict,

@@ -58,7 +58,7 @@ pub fn run(a: EvalArgs) -> Result<i32> {
             (eval::parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
         }
     };
-    let engine = load_engine(a.model.as_deref())?;
+    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
     let start = std::time::Instant::now();
     let rows = eval::run(&engine, &task_list, &paths, a.max_new_tokens, &tasks_path)?;
     say!(

@@ -149,7 +149,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
             "fix the line, or drop --strict-input to skip it",
         ));
     }
-    let engine = load_engine(a.model.as_deref())?;
+    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
     let pinned = match &a.noise_profile {
         Some(f) => {
             let p = kvdiff::compare::noise::NoiseProfile::load(f)?;

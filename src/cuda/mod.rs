@@ -23,4 +23,4 @@ pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
 pub use launch::PrefillAttention;
-pub use upload::{gpu_of, to_cuda, weight_bytes, CudaModel};
+pub use upload::{gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel};

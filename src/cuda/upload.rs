@@ -10,8 +10,10 @@ use half::bf16;
 use super::gpu::{ptr, Gpu};
 use super::workspace::WARM_ROWS;
 use crate::engine::config::Config;
-use crate::engine::model::{HostWeights, Mlp, Model};
+use crate::engine::model::Model;
+use crate::engine::weights::{Checkpoint, TensorSource};
 use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
 use crate::tap::Device;
 
 pub(super) struct Layer {
@@ -68,6 +70,17 @@ pub fn unsupported(c: &Config) -> Option<String> {
     None
 }
 
+fn refuse_unsupported(config: &Config) -> Result<()> {
+    match unsupported(config) {
+        Some(why) => Err(Error::usage(
+            "--backend cuda",
+            why,
+            "use --backend cpu for this model",
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The same model with its forward pass on the GPU (weights in bf16). Fails with a one-line
 /// error where CUDA is unavailable, the configuration is one the kernels do not implement, or
 /// the weights do not fit.
@@ -75,16 +88,27 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
     if model.device().is_some() {
         return Err(Error::Internal("model is already on a device".into()));
     }
-    if let Some(why) = unsupported(&model.config) {
-        return Err(Error::usage(
-            "--backend cuda",
-            why,
-            "use --backend cpu for this model",
-        ));
-    }
-    let gpu = Gpu::open()?;
-    let cm = CudaModel::upload(gpu, &model.config, &model.host_weights())?;
+    refuse_unsupported(&model.config)?;
+    let host = HostModel::read(&model.config, &model.named_tensors())?;
+    let cm = CudaModel::upload(Gpu::open()?, &model.config, host)?;
     Ok(Model::on_device(model.config.clone(), Arc::new(cm)))
+}
+
+/// The model of `src` straight onto the GPU: the checkpoint's tensors read as bf16 (as stored,
+/// when they are bf16) and uploaded, with no f32 copy on the host. What a command that runs
+/// only on the GPU loads; the same weights, bit for bit, as `to_cuda` of the CPU model.
+pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
+    refuse_unsupported(config)?;
+    let host = Checkpoint::with(src, config, |ckpt| {
+        crate::support::resources::check_memory(
+            weight_bytes(config),
+            "holding the weights as bf16 before the upload",
+            &ckpt.first_file(),
+        )?;
+        HostModel::read(config, ckpt)
+    })?;
+    let cm = CudaModel::upload(Gpu::open()?, config, host)?;
+    Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
 
 /// The GPU `model` runs on, if it runs on one.
@@ -95,17 +119,108 @@ pub fn gpu_of(model: &Model) -> Option<&Arc<Gpu>> {
         .map(|m| &m.gpu)
 }
 
-fn to_bf16_bits(parts: &[&[f32]]) -> Vec<u16> {
-    use rayon::prelude::*;
-    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
-    for p in parts {
-        let mut bits = Vec::new();
-        p.par_iter()
-            .map(|&x| bf16::from_f32(x).to_bits())
-            .collect_into_vec(&mut bits);
-        out.extend_from_slice(&bits);
+/// One layer's weights as bf16 on the host, laid out as the GPU holds them.
+struct HostLayer {
+    input_norm: Vec<u16>,
+    post_norm: Vec<u16>,
+    q_norm: Option<Vec<u16>>,
+    k_norm: Option<Vec<u16>>,
+    qkv: Vec<u16>,
+    qkv_bias: Option<Vec<f32>>,
+    o: Vec<u16>,
+    gate_up: Vec<u16>,
+    down: Vec<u16>,
+    /// Router, then every expert's (gate_up, down).
+    moe: Option<(Vec<u16>, Vec<HostFfn>)>,
+}
+
+/// gate_proj over up_proj, and down_proj.
+type HostFfn = (Vec<u16>, Vec<u16>);
+
+/// The whole model as bf16 on the host: read (on every core) before the GPU is waited for.
+pub(crate) struct HostModel {
+    embed: Vec<u16>,
+    lm_head: Option<Vec<u16>>,
+    norm: Vec<u16>,
+    layers: Vec<HostLayer>,
+}
+
+impl HostModel {
+    pub(crate) fn read(config: &Config, src: &dyn TensorSource) -> Result<Self> {
+        use rayon::prelude::*;
+        let _span = crate::support::timing::span("startup: weights read as bf16");
+        let a = &config.arch;
+        let layers: Vec<Result<HostLayer>> = (0..config.num_hidden_layers)
+            .into_par_iter()
+            .map(|l| {
+                let name = |n: &str| format!("model.layers.{l}.{n}");
+                let get = |ns: &[&str]| {
+                    let full: Vec<String> = ns.iter().map(|n| name(n)).collect();
+                    src.bf16_bits(&full.iter().map(String::as_str).collect::<Vec<_>>())
+                };
+                let opt = |on: bool, n: &str| on.then(|| get(&[n])).transpose();
+                let ffn = |at: &str| -> Result<HostFfn> {
+                    Ok((
+                        get(&[
+                            &format!("{at}.gate_proj.weight"),
+                            &format!("{at}.up_proj.weight"),
+                        ])?,
+                        get(&[&format!("{at}.down_proj.weight")])?,
+                    ))
+                };
+                let (moe, (gate_up, down)) = match a.sparse(l) {
+                    Some(m) => {
+                        let experts = (0..m.num_experts)
+                            .map(|e| ffn(&format!("mlp.experts.{e}")))
+                            .collect::<Result<Vec<_>>>()?;
+                        let first = experts[0].clone();
+                        (Some((get(&["mlp.gate.weight"])?, experts)), first)
+                    }
+                    None => (None, ffn("mlp")?),
+                };
+                let qkv_bias = match a.qkv_bias {
+                    // Rounded to bf16 like every weight, kept in f32 for the bias kernel.
+                    true => Some(
+                        get(&[
+                            "self_attn.q_proj.bias",
+                            "self_attn.k_proj.bias",
+                            "self_attn.v_proj.bias",
+                        ])?
+                        .into_iter()
+                        .map(|b| bf16::from_bits(b).to_f32())
+                        .collect(),
+                    ),
+                    false => None,
+                };
+                Ok(HostLayer {
+                    input_norm: get(&["input_layernorm.weight"])?,
+                    post_norm: get(&["post_attention_layernorm.weight"])?,
+                    q_norm: opt(a.qk_norm, "self_attn.q_norm.weight")?,
+                    k_norm: opt(a.qk_norm, "self_attn.k_norm.weight")?,
+                    qkv: get(&[
+                        "self_attn.q_proj.weight",
+                        "self_attn.k_proj.weight",
+                        "self_attn.v_proj.weight",
+                    ])?,
+                    qkv_bias,
+                    o: get(&["self_attn.o_proj.weight"])?,
+                    gate_up,
+                    down,
+                    moe,
+                })
+            })
+            .collect();
+        // The first failure in layer order, as a sequential read would report it.
+        let layers = layers.into_iter().collect::<Result<Vec<_>>>()?;
+        Ok(HostModel {
+            embed: src.bf16_bits(&["model.embed_tokens.weight"])?,
+            lm_head: (!config.tie_word_embeddings)
+                .then(|| src.bf16_bits(&["lm_head.weight"]))
+                .transpose()?,
+            norm: src.bf16_bits(&["model.norm.weight"])?,
+            layers,
+        })
     }
-    out
 }
 
 /// Bytes the model's weights take on the device (bf16).
@@ -132,7 +247,7 @@ pub fn weight_bytes(c: &Config) -> u64 {
 
 impl CudaModel {
     /// Uploads the weights as bf16, failing before any allocation if they cannot fit.
-    pub(crate) fn upload(gpu: Arc<Gpu>, config: &Config, w: &HostWeights<'_>) -> Result<Self> {
+    fn upload(gpu: Arc<Gpu>, config: &Config, w: HostModel) -> Result<Self> {
         if config.head_dim > 1024 {
             return Err(Error::usage(
                 "--backend cuda",
@@ -160,60 +275,33 @@ impl CudaModel {
                 "free GPU memory, use a smaller model, or use --backend cpu",
             ));
         }
-        if let Some(why) = unsupported(config) {
-            return Err(Error::usage(
-                "--backend cuda",
-                why,
-                "use --backend cpu for this model",
-            ));
-        }
-        let upload_span = crate::support::timing::span("startup: weights to bf16 + uploaded");
-        let up = |parts: &[&[f32]]| gpu.upload(&to_bf16_bits(parts));
-        let opt = |t: &[f32]| (!t.is_empty()).then(|| up(&[t]));
+        let upload_span = crate::support::timing::span("startup: weights uploaded");
+        let up = |t: &[u16]| gpu.upload(t);
         let layers = w
             .layers
             .iter()
-            .map(|l| {
-                let (f, moe) = match &l.mlp {
-                    Mlp::Dense(f) => (f, None),
-                    Mlp::Sparse { router, experts } => (
-                        &experts[0],
-                        Some(SparseMlp {
-                            router: up(&[router]),
-                            experts: experts
-                                .iter()
-                                .map(|e| (up(&[&e.gate_proj, &e.up_proj]), up(&[&e.down_proj])))
-                                .collect(),
-                        }),
-                    ),
-                };
-                let bias = (!l.q_bias.is_empty()).then(|| {
-                    let rounded: Vec<f32> = [&l.q_bias, &l.k_bias, &l.v_bias]
-                        .iter()
-                        .flat_map(|b| b.iter().map(|&x| bf16::from_f32(x).to_f32()))
-                        .collect();
-                    gpu.upload(&rounded)
-                });
-                Layer {
-                    input_norm: up(&[&l.input_layernorm]),
-                    post_norm: up(&[&l.post_attention_layernorm]),
-                    q_norm: opt(&l.q_norm),
-                    k_norm: opt(&l.k_norm),
-                    qkv: up(&[&l.q_proj, &l.k_proj, &l.v_proj]),
-                    qkv_bias: bias,
-                    o: up(&[&l.o_proj]),
-                    gate_up: up(&[&f.gate_proj, &f.up_proj]),
-                    down: up(&[&f.down_proj]),
-                    moe,
-                }
+            .map(|l| Layer {
+                input_norm: up(&l.input_norm),
+                post_norm: up(&l.post_norm),
+                q_norm: l.q_norm.as_deref().map(up),
+                k_norm: l.k_norm.as_deref().map(up),
+                qkv: up(&l.qkv),
+                qkv_bias: l.qkv_bias.as_deref().map(|b| gpu.upload(b)),
+                o: up(&l.o),
+                gate_up: up(&l.gate_up),
+                down: up(&l.down),
+                moe: l.moe.as_ref().map(|(router, experts)| SparseMlp {
+                    router: up(router),
+                    experts: experts.iter().map(|(gu, d)| (up(gu), up(d))).collect(),
+                }),
             })
             .collect();
         let rope = config.rope_table();
         let model = CudaModel {
             rope_scale: rope.scale as f32,
-            embed: up(&[w.embed_tokens]),
-            lm_head: w.lm_head.map(|h| up(&[h])),
-            norm: up(&[w.norm]),
+            embed: up(&w.embed),
+            lm_head: w.lm_head.as_deref().map(up),
+            norm: up(&w.norm),
             inv_freq: gpu.upload(&rope.inv_freq_f32),
             layers,
             config: config.clone(),

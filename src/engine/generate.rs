@@ -35,13 +35,21 @@ pub struct Generation {
 
 impl Engine {
     pub fn load(source: ModelSource) -> Result<Self> {
+        Self::load_with(source, Model::load)
+    }
+
+    /// The engine with its model loaded by `load_model` (e.g. straight onto a device).
+    pub fn load_with(
+        source: ModelSource,
+        load_model: impl FnOnce(&ModelSource) -> Result<Model>,
+    ) -> Result<Self> {
         // The tokenizer (hundreds of ms for a 150k vocabulary) parses beside the weights.
         let (model, tokenizer) = std::thread::scope(|s| {
             let tokenizer = s.spawn(|| {
                 let _span = crate::support::timing::span("startup: tokenizer + chat template");
                 ChatTokenizer::load(&source)
             });
-            let model = Model::load(&source);
+            let model = load_model(&source);
             let tokenizer = tokenizer
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p));

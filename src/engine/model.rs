@@ -3,6 +3,7 @@
 //! offered to a tap sink on the way. The pass runs on the CPU (`forward.rs`) or on a device
 //! that took the weights (`device.rs`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use half::bf16;
@@ -11,7 +12,7 @@ use crate::engine::config::Config;
 use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
 pub use crate::engine::pass::{Batch, StepLogits};
-use crate::engine::weights::Weights;
+use crate::engine::weights::{TensorSource, Weights};
 use crate::error::Result;
 use crate::io::model_source::ModelSource;
 use crate::tap::TapSink;
@@ -57,17 +58,6 @@ pub(crate) enum Mlp {
 }
 
 impl Ffn {
-    fn tensors(&self) -> [&Vec<f32>; 6] {
-        [
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-            &self.gate_bias,
-            &self.up_bias,
-            &self.down_bias,
-        ]
-    }
-
     fn map(&self, f: &impl Fn(&Vec<f32>) -> Vec<f32>) -> Ffn {
         Ffn {
             gate_proj: f(&self.gate_proj),
@@ -81,28 +71,46 @@ impl Ffn {
 }
 
 impl Layer {
-    /// Every tensor of the layer, in a fixed order (empty ones included).
-    pub(crate) fn tensors(&self) -> Vec<&Vec<f32>> {
-        let mut v = vec![
-            &self.input_layernorm,
-            &self.post_attention_layernorm,
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.q_norm,
-            &self.k_norm,
-            &self.q_bias,
-            &self.k_bias,
-            &self.v_bias,
-            &self.o_bias,
-        ];
+    /// Every tensor the layer has, named as the checkpoint names it after `model.layers.{i}.`
+    /// (parts the family lacks are empty).
+    fn named(&self) -> Vec<(String, &Vec<f32>)> {
+        let mut v: Vec<(String, &Vec<f32>)> = [
+            ("input_layernorm.weight", &self.input_layernorm),
+            (
+                "post_attention_layernorm.weight",
+                &self.post_attention_layernorm,
+            ),
+            ("self_attn.q_proj.weight", &self.q_proj),
+            ("self_attn.k_proj.weight", &self.k_proj),
+            ("self_attn.v_proj.weight", &self.v_proj),
+            ("self_attn.o_proj.weight", &self.o_proj),
+            ("self_attn.q_norm.weight", &self.q_norm),
+            ("self_attn.k_norm.weight", &self.k_norm),
+            ("self_attn.q_proj.bias", &self.q_bias),
+            ("self_attn.k_proj.bias", &self.k_bias),
+            ("self_attn.v_proj.bias", &self.v_bias),
+            ("self_attn.o_proj.bias", &self.o_bias),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t))
+        .collect();
+        fn ffn<'f>(at: &str, f: &'f Ffn) -> [(String, &'f Vec<f32>); 6] {
+            [
+                ("gate_proj.weight", &f.gate_proj),
+                ("up_proj.weight", &f.up_proj),
+                ("down_proj.weight", &f.down_proj),
+                ("gate_proj.bias", &f.gate_bias),
+                ("up_proj.bias", &f.up_bias),
+                ("down_proj.bias", &f.down_bias),
+            ]
+            .map(|(n, t)| (format!("{at}.{n}"), t))
+        }
         match &self.mlp {
-            Mlp::Dense(f) => v.extend(f.tensors()),
+            Mlp::Dense(f) => v.extend(ffn("mlp", f)),
             Mlp::Sparse { router, experts } => {
-                v.push(router);
-                for e in experts {
-                    v.extend(e.tensors());
+                v.push(("mlp.gate.weight".into(), router));
+                for (e, f) in experts.iter().enumerate() {
+                    v.extend(ffn(&format!("mlp.experts.{e}"), f));
                 }
             }
         }
@@ -135,12 +143,33 @@ impl Layer {
     }
 }
 
-/// The host weights, for a backend to upload.
-pub(crate) struct HostWeights<'a> {
-    pub(crate) embed_tokens: &'a [f32],
-    pub(crate) norm: &'a [f32],
-    pub(crate) lm_head: Option<&'a [f32]>,
-    pub(crate) layers: &'a [Layer],
+/// A model's host weights by checkpoint name: what `to_cuda` uploads from.
+pub struct NamedTensors<'a>(HashMap<String, &'a [f32]>);
+
+impl NamedTensors<'_> {
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.0.keys().map(String::as_str).collect();
+        v.sort();
+        v
+    }
+}
+
+impl TensorSource for NamedTensors<'_> {
+    fn bf16_bits(&self, names: &[&str]) -> Result<Vec<u16>> {
+        use rayon::prelude::*;
+        let mut out = Vec::new();
+        for name in names {
+            let t = self.0.get(*name).ok_or_else(|| {
+                crate::error::Error::Internal(format!("the model has no tensor {name}"))
+            })?;
+            let mut bits = Vec::new();
+            t.par_iter()
+                .map(|&x| bf16::from_f32(x).to_bits())
+                .collect_into_vec(&mut bits);
+            out.extend_from_slice(&bits);
+        }
+        Ok(out)
+    }
 }
 
 pub struct Model {
@@ -250,19 +279,28 @@ impl Model {
         let mut v: Vec<&[f32]> = vec![&self.embed_tokens, &self.norm];
         v.extend(self.lm_head.as_deref());
         for l in &self.layers {
-            v.extend(l.tensors().into_iter().map(|t| &t[..]));
+            v.extend(l.named().into_iter().map(|(_, t)| &t[..]));
         }
         v
     }
 
-    /// The host weights, for a device backend to upload.
-    pub(crate) fn host_weights(&self) -> HostWeights<'_> {
-        HostWeights {
-            embed_tokens: &self.embed_tokens,
-            norm: &self.norm,
-            lm_head: self.lm_head.as_deref(),
-            layers: &self.layers,
+    /// The host weights by their checkpoint names (`Config::expected_tensors`), for a device
+    /// backend to upload.
+    pub fn named_tensors(&self) -> NamedTensors<'_> {
+        let mut m: HashMap<String, &[f32]> = HashMap::new();
+        m.insert("model.embed_tokens.weight".into(), &self.embed_tokens);
+        m.insert("model.norm.weight".into(), &self.norm);
+        if let Some(h) = &self.lm_head {
+            m.insert("lm_head.weight".into(), h);
         }
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, t) in l.named() {
+                if !t.is_empty() {
+                    m.insert(format!("model.layers.{i}.{name}"), t);
+                }
+            }
+        }
+        NamedTensors(m)
     }
 
     /// A model whose forward pass runs on `device`, which holds its weights.

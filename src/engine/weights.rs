@@ -35,29 +35,20 @@ pub struct Weights {
 
 impl Weights {
     pub fn load(src: &ModelSource, config: &Config) -> Result<Self> {
-        let mapped_span = crate::support::timing::span("startup: weights mapped + checked");
-        let files = shard_files(src)?;
-        let mut mapped = Vec::with_capacity(files.len());
-        for name in &files {
-            mapped.push((name.clone(), src.bytes(name, WEIGHTS_FIX)?));
-        }
-        let ckpt = Checkpoint::parse(src, &mapped)?;
-        let expected = config.expected_tensors();
-        // Shape and dtype of every tensor first: a wrong checkpoint fails before any conversion.
-        ckpt.check_expected(&expected)?;
-        ckpt.check_extra(&expected, config)?;
-        let need: u64 = expected
-            .iter()
-            .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
-            .sum();
-        crate::support::resources::check_memory(
-            need,
-            "holding the weights as f32",
-            &ckpt.first_file(),
-        )?;
-        drop(mapped_span);
-        let _span = crate::support::timing::span("startup: weights converted to f32");
-        ckpt.convert(expected)
+        Checkpoint::with(src, config, |ckpt| {
+            let need: u64 = config
+                .expected_tensors()
+                .iter()
+                .map(|(_, shape)| 4 * shape.iter().map(|&d| d as u64).product::<u64>())
+                .sum();
+            crate::support::resources::check_memory(
+                need,
+                "holding the weights as f32",
+                &ckpt.first_file(),
+            )?;
+            let _span = crate::support::timing::span("startup: weights converted to f32");
+            ckpt.convert(config.expected_tensors())
+        })
     }
 
     /// Removes and returns a tensor that `load` has already checked.
@@ -72,11 +63,43 @@ impl Weights {
     }
 }
 
-/// The safetensors files of a checkpoint, parsed, and which file holds each tensor.
-struct Checkpoint<'a> {
+/// Where a device backend reads the weights it uploads, tensors named as the checkpoint names
+/// them: the checkpoint itself (no f32 copy), or a model already in memory.
+pub trait TensorSource: Sync {
+    /// The named tensors stacked row after row, rounded to bf16 (bit patterns), refusing
+    /// non-finite values.
+    fn bf16_bits(&self, names: &[&str]) -> Result<Vec<u16>>;
+}
+
+/// The safetensors files of a checkpoint, parsed and checked against the config, and which
+/// file holds each tensor.
+pub struct Checkpoint<'a> {
     src: &'a ModelSource,
     parsed: Vec<(String, SafeTensors<'a>)>,
     location: HashMap<String, usize>,
+}
+
+impl Checkpoint<'_> {
+    /// Maps and parses the checkpoint of `src`, checks every tensor's name, shape and dtype
+    /// against `config`, and hands it to `f`: a wrong checkpoint fails before any conversion.
+    pub fn with<T>(
+        src: &ModelSource,
+        config: &Config,
+        f: impl FnOnce(&Checkpoint<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let mapped_span = crate::support::timing::span("startup: weights mapped + checked");
+        let files = shard_files(src)?;
+        let mut mapped = Vec::with_capacity(files.len());
+        for name in &files {
+            mapped.push((name.clone(), src.bytes(name, WEIGHTS_FIX)?));
+        }
+        let ckpt = Checkpoint::parse(src, &mapped)?;
+        let expected = config.expected_tensors();
+        ckpt.check_expected(&expected)?;
+        ckpt.check_extra(&expected, config)?;
+        drop(mapped_span);
+        f(&ckpt)
+    }
 }
 
 impl<'a> Checkpoint<'a> {
@@ -106,7 +129,7 @@ impl<'a> Checkpoint<'a> {
     }
 
     /// The file errors about the checkpoint as a whole name.
-    fn first_file(&self) -> std::path::PathBuf {
+    pub(crate) fn first_file(&self) -> std::path::PathBuf {
         let first = self.parsed.first().map(|(n, _)| n.as_str());
         self.src.path_of(first.unwrap_or(SINGLE))
     }
@@ -192,14 +215,7 @@ impl<'a> Checkpoint<'a> {
                     .map_err(|e| Error::input(src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
                 let data = to_f32(view.dtype(), view.data());
                 if let Some(bad) = data.par_iter().position_first(|x| !x.is_finite()) {
-                    return Err(Error::input(
-                        src.path_of(file),
-                        format!(
-                            "tensor {name} holds a non-finite value ({}) at flat index {bad}",
-                            data[bad]
-                        ),
-                        "the checkpoint is damaged; re-export it from a healthy copy",
-                    ));
+                    return Err(non_finite(&src.path_of(file), &name, data[bad], bad));
                 }
                 Ok((name, Weight { shape, data }))
             })
@@ -207,6 +223,51 @@ impl<'a> Checkpoint<'a> {
         // The first failure in checkpoint order, as a sequential loop would report it.
         let tensors = converted.into_iter().collect::<Result<HashMap<_, _>>>()?;
         Ok(Weights { tensors })
+    }
+}
+
+/// The error for a NaN or infinite weight.
+fn non_finite(file: &std::path::Path, name: &str, value: f32, index: usize) -> Error {
+    Error::input(
+        file,
+        format!("tensor {name} holds a non-finite value ({value}) at flat index {index}"),
+        "the checkpoint is damaged; re-export it from a healthy copy",
+    )
+}
+
+impl TensorSource for Checkpoint<'_> {
+    fn bf16_bits(&self, names: &[&str]) -> Result<Vec<u16>> {
+        use rayon::prelude::*;
+        let mut out = Vec::new();
+        for &name in names {
+            let (file, st) = &self.parsed[self.location[name]];
+            let view = st
+                .tensor(name)
+                .map_err(|e| Error::input(self.src.path_of(file), e.to_string(), WEIGHTS_FIX))?;
+            let mut bits = Vec::new();
+            match view.dtype() {
+                // Stored as bf16: the bits as they are, unaligned in the file.
+                Dtype::BF16 => view
+                    .data()
+                    .par_chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect_into_vec(&mut bits),
+                dtype => to_f32(dtype, view.data())
+                    .par_iter()
+                    .map(|&x| bf16::from_f32(x).to_bits())
+                    .collect_into_vec(&mut bits),
+            }
+            // Exponent all ones: Inf or NaN, in bf16 as in the f32 it came from.
+            if let Some(bad) = bits.par_iter().position_first(|b| b & 0x7f80 == 0x7f80) {
+                let value = match view.dtype() {
+                    Dtype::BF16 => bf16::from_bits(bits[bad]).to_f32(),
+                    dtype => to_f32(dtype, view.data())[bad],
+                };
+                return Err(non_finite(&self.src.path_of(file), name, value, bad));
+            }
+            out.extend_from_slice(&bits);
+        }
+        Ok(out)
     }
 }
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Long prompts on the GPU machine (binaries built elsewhere and carried): the benchmark model of
+# scripts/bench_cuda.sh (Qwen3-0.6B's shape), RAG-like prompts of 1k..32k tokens (system, two
+# long documents, a query), and the same command at every length:
+#   kvdiff compare --backend cuda --paths chunk-reuse:rerotate --max-new-tokens 16   (default
+#   taps and tolerance; the invariant rerotate = global included)
+# Per length: in-process and wall time, peak GPU memory, and the ratio to the floor of one path
+# (prefill FLOPs with attention over the measured bf16 GEMM rate, plus 16 tokens' weight reads
+# over the measured bandwidth). Prints a table last.
+#   scripts/bench_long.sh [KVDIFF_BINARY] [LENGTHS...]
+set -uo pipefail
+bin=${1:-.out/bin/kvdiff}
+shift || true
+lengths=("$@")
+[ ${#lengths[@]} -gt 0 ] || lengths=(1024 4096 16384 32768)
+w=/tmp/kvdiff-bench
+mkdir -p "$w"
+[ -f "$w/model/config.json" ] ||
+  python3 scripts/bench_hf.py build .cache/qwen3-tokenizer "$w/model" "$w/prompt.json" > /dev/null
+[ -f "$w/ceilings.json" ] || python3 scripts/bench_hf.py ceilings > "$w/ceilings.json"
+rows=()
+for n in "${lengths[@]}"; do
+  p="$w/long-$n.json"
+  [ -f "$p" ] || python3 scripts/bench_hf.py prompt "$w/model" "$n" "$p" > "$w/long-$n.tokens"
+  tokens=$(python3 -c "import json; print(json.load(open('$w/long-$n.tokens'))['prompt_tokens'])")
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$w/mem-$n.log" &
+  smi=$!
+  t0=$(date +%s%N)
+  KVDIFF_TIMING=1 timeout "${KVDIFF_LONG_TIMEOUT:-300}" "$bin" -v compare --backend cuda --model "$w/model" --paths chunk-reuse:rerotate \
+    --max-new-tokens 16 --json "$w/long-$n.report.json" "$p" > "$w/long-$n.out" 2> "$w/long-$n.err"
+  rc=$?
+  t1=$(date +%s%N)
+  kill $smi 2> /dev/null; wait $smi 2> /dev/null
+  ms=$(grep -oE 'compared [0-9]+ paths in [0-9]+ ms' "$w/long-$n.err" | grep -oE '[0-9]+ ms' | cut -d' ' -f1)
+  peak=$(sort -n "$w/mem-$n.log" | tail -1)
+  echo "--- $tokens tokens: exit $rc, stderr tail:"
+  grep -vE "^\s*$" "$w/long-$n.err" | tail -45
+  rows+=("$tokens ${ms:-nan} $(( (t1 - t0) / 1000000 )) ${peak:-0} $rc")
+done
+printf '%s\n' "${rows[@]}" > "$w/long.rows"
+python3 - "$w" <<'PY'
+import json, sys
+w = sys.argv[1]
+ceil = json.load(open(f"{w}/ceilings.json"))
+h, L, i, v, qd, kvd = 1024, 28, 3072, 151936, 2048, 1024
+params_layer = (qd + 2 * kvd) * h + h * qd + 3 * i * h
+weight_bytes = 2 * (L * params_layer + v * h)
+print(f"\nlong prompts, compare --backend cuda --paths chunk-reuse:rerotate --max-new-tokens 16 "
+      f"(default taps and tolerance); bf16 GEMM {ceil['bf16_flops']/1e12:.0f} TFLOP/s, "
+      f"bandwidth {ceil['bandwidth_Bps']/1e12:.2f} TB/s")
+print(f"{'tokens':>7} {'in-process s':>12} {'wall s':>8} {'peak GPU GiB':>12} {'floor s':>8} {'x floor':>8} {'exit':>5}")
+for line in open(f"{w}/long.rows"):
+    t, ms, wall, peak, rc = line.split()
+    t = int(t)
+    # One path: every layer's GEMMs per prompt token, causal attention (QK and PV), the last
+    # token's logits; then 16 decode steps reading every weight once.
+    flops = 2 * L * params_layer * t + L * 2 * qd * t * t + 2 * v * h
+    floor = flops / ceil["bf16_flops"] + 16 * weight_bytes / ceil["bandwidth_Bps"]
+    s = float(ms) / 1e3 if ms != "nan" else float("nan")
+    print(f"{t:7d} {s:12.3f} {int(wall)/1e3:8.2f} {int(peak)/1024:12.1f} {floor:8.4f} {s/floor:8.1f} {rc:>5}")
+PY
