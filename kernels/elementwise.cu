@@ -73,3 +73,11 @@ extern "C" __global__ void zero_f32(float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = 0.0f;
 }
+
+// *flag = 1 when any of the n bf16 values is Inf or NaN (exponent bits all ones): the load-time
+// check of a checkpoint streamed to the GPU.
+extern "C" __global__ void any_nonfinite_bf16(const unsigned short* x, int n, int* flag) {
+    PDL_ENTER();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        if ((x[i] & 0x7f80) == 0x7f80) *flag = 1;
+}

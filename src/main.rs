@@ -10,12 +10,21 @@ use clap::Parser;
 use kvdiff::error::EXIT_INTERNAL;
 
 fn main() -> ExitCode {
+    let started = std::time::Instant::now();
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return cli::usage_error(e),
     };
     kvdiff::support::interrupt::install();
     let outcome = std::panic::catch_unwind(|| cli::run(cli));
+    if kvdiff::support::timing::on() {
+        // After everything the command held is freed: the rest of the wall clock is the
+        // process starting and exiting.
+        eprintln!(
+            "kvdiff timing: command returned {:.0} ms after main started",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    }
     match outcome {
         Ok(Ok(code)) => ExitCode::from(code as u8),
         Ok(Err(e)) => {

@@ -448,7 +448,7 @@ fn quiet_prints_exactly_the_verdict_lines_and_pipes_get_no_progress() {
     ]);
     let err = stderr(&out);
     assert!(
-        err.contains("kvdiff timing") && err.contains("calibration: f64 oracle prefill"),
+        err.contains("kvdiff timing") && err.contains("compare: noise model (auto tolerance)"),
         "{err}"
     );
     assert!(
@@ -458,4 +458,50 @@ fn quiet_prints_exactly_the_verdict_lines_and_pipes_get_no_progress() {
     // -q and -v contradict each other.
     let out = kvdiff(&["-q", "-v", "compare", prompt.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn auto_calibration_is_cached_and_a_cached_run_reports_the_same() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let run = |prompt: &str, json: &str| {
+        let json = tmp.path().join(json);
+        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args([
+                "compare",
+                "--paths",
+                "chunked-prefill:8",
+                "--max-new-tokens",
+                "3",
+            ])
+            .args(["--json", json.to_str().unwrap()])
+            .arg(fixture(prompt))
+            .env("KVDIFF_CACHE_DIR", &cache)
+            .env("KVDIFF_TIMING", "1")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let calibrated = stderr(&out).contains("calibration: f64 oracle prefill");
+        (read_json(&json), calibrated)
+    };
+    let (first, calibrated) = run("prompts/task.json", "1.json");
+    assert!(calibrated, "a cold cache calibrates");
+    let entries: Vec<_> = std::fs::read_dir(cache.join("noise")).unwrap().collect();
+    assert_eq!(entries.len(), 1);
+    let (second, calibrated) = run("prompts/task.json", "2.json");
+    assert!(!calibrated, "the same run again reads the calibration");
+    assert_eq!(
+        first, second,
+        "a cached calibration reports exactly as a fresh one"
+    );
+    // A damaged entry is recalibrated, not an error.
+    let entry = entries[0].as_ref().unwrap().path();
+    std::fs::write(&entry, "{ not json").unwrap();
+    let (third, calibrated) = run("prompts/task.json", "3.json");
+    assert!(calibrated);
+    assert_eq!(first, third);
+    // Another prompt is another calibration.
+    let (_, calibrated) = run("prompts/two-contexts.txt", "4.json");
+    assert!(calibrated);
+    assert_eq!(std::fs::read_dir(cache.join("noise")).unwrap().count(), 2);
 }

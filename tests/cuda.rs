@@ -580,6 +580,30 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         }
         eprintln!("{rel}: {} taps identical", ra.taps.len());
     }
+    // A NaN in a streamed (bf16) checkpoint: refused with the CPU loader's words.
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture("default-model")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let file = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let victim = "model.layers.1.mlp.down_proj.weight";
+    let at = {
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensor(victim).unwrap().data().as_ptr() as usize - bytes.as_ptr() as usize
+    };
+    bytes[at + 14..at + 16].copy_from_slice(&bf16::NAN.to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    let src = ModelSource::Dir(dir.path().to_path_buf());
+    let cpu_err = Model::load(&src).err().expect("NaN refused").to_string();
+    let config = kvdiff::engine::config::Config::load(&src).unwrap();
+    let gpu_err = kvdiff::cuda::load_on_cuda(&src, &config)
+        .err()
+        .expect("NaN refused")
+        .to_string();
+    assert_eq!(gpu_err, cpu_err);
+    assert!(gpu_err.contains("flat index 7"), "{gpu_err}");
 }
 
 fn kvdiff(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {

@@ -87,7 +87,10 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 /// Fails before anything is loaded where CUDA is missing: that is then the whole answer.
 /// Where it is, the device starts opening now, beside reading the model.
 pub fn require_cuda() -> Result<()> {
-    match kvdiff::cuda::unavailable_reason() {
+    let probe = kvdiff::support::timing::span("startup: CUDA libraries probed");
+    let why = kvdiff::cuda::unavailable_reason();
+    drop(probe);
+    match why {
         Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
         None => {
             kvdiff::cuda::open_in_background();
@@ -139,9 +142,22 @@ pub struct PathArgs {
     /// Comma-separated globs over tap names to compare (see `kvdiff dump --help`).
     #[arg(long, value_name = "GLOB", default_value = "*")]
     pub taps: String,
+    /// Also compare the logits of every prompt position. By default a prefill's `logits` tap
+    /// is its last position's (the one that picks the first token) and each decode step's:
+    /// every position costs a tokens x vocab matrix per pass (2 GB at 4k tokens of a 150k
+    /// vocabulary).
+    #[arg(long)]
+    pub all_prompt_logits: bool,
 }
 
 impl PathArgs {
+    /// `--taps` and `--all-prompt-logits` for a model with `layers` layers.
+    pub fn tap_filter(&self, layers: usize) -> Result<TapFilter> {
+        let mut f = tap_filter(&self.taps, layers)?;
+        f.all_prompt_logits = self.all_prompt_logits;
+        Ok(f)
+    }
+
     /// `--reference` and `--paths` (default: every path but the reference on its own
     /// backend), and whether any of them runs on CUDA.
     pub fn targets(&self) -> Result<(Target, Vec<Target>, bool)> {

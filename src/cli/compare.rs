@@ -6,17 +6,18 @@ use std::path::PathBuf;
 use clap::Args;
 
 use kvdiff::compare::noise::NoiseProfile;
+use kvdiff::compare::noise_cache::{self, NoiseCache};
 use kvdiff::compare::report::{self, Judgement};
-use kvdiff::compare::run::{Policy, Request};
+use kvdiff::compare::run::{backend_names, Policy, Request};
 use kvdiff::compare::target::Backend;
+use kvdiff::engine::model::Model;
 use kvdiff::error::{Error, Result};
 use kvdiff::io::output::{check_output_parent, StagedDir};
 use kvdiff::io::prompt::Prompt;
 use kvdiff::support::progress;
 
 use super::args::{
-    load_engine, print_timings, require_cuda, set_threads, tap_filter, PathArgs, ReportFiles,
-    ToleranceArgs,
+    load_engine, print_timings, require_cuda, set_threads, PathArgs, ReportFiles, ToleranceArgs,
 };
 
 pub const COMPARE_HELP: &str = "\
@@ -152,32 +153,50 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         Some(f) => Some((NoiseProfile::load(f)?, f.as_path())),
         None => None,
     };
-    // Everything on the GPU and nothing to calibrate: no CPU model is needed at all.
-    let cpu_unused = !targets
-        .iter()
-        .chain(std::iter::once(&reference))
-        .any(|t| t.on(backend) == Backend::Cpu)
-        && policy != Policy::Auto;
+    // Every side on the GPU: the model goes straight there, and a CPU copy is loaded only to
+    // calibrate the noise model (auto tolerance, with no calibration cached).
+    let gpu_only = uses_cuda
+        && !targets
+            .iter()
+            .chain(std::iter::once(&reference))
+            .any(|t| t.on(backend) == Backend::Cpu);
     let p = load_prompt(&a)?;
     let mut engine = load_engine(
         a.model.as_deref(),
-        if cpu_unused {
+        if gpu_only {
             Backend::Cuda
         } else {
             Backend::Cpu
         },
     )?;
     engine.allow_beyond_max_positions = a.allow_beyond_max_positions;
-    let filter = tap_filter(&a.which.taps, engine.model.config.num_hidden_layers)?;
+    let filter = a.which.tap_filter(engine.model.config.num_hidden_layers)?;
     let mut chunked = engine.chunked(&p, &a.prompt, a.max_new_tokens)?;
     if let Some(list) = &a.cuts {
         chunked = kvdiff::sweep::cases::rechunk(&chunked, &parse_cuts(list, chunked.ids.len())?);
     }
-    let gpu_model = match (uses_cuda, cpu_unused) {
-        (true, false) => Some(kvdiff::cuda::to_cuda(&engine.model)?),
-        _ => None,
+    let cache_key = match policy == Policy::Auto && profile.is_none() {
+        true => noise_cache::key(
+            &engine.source,
+            &chunked.ids,
+            chunked.ids.len() + a.max_new_tokens.max(1) - 1,
+            &backend_names(&reference, &targets, backend),
+            reference.on(backend) == Backend::Cuda,
+        ),
+        false => None,
     };
-    let gpu_model = gpu_model.as_ref().or(cpu_unused.then_some(&engine.model));
+    let cached = cache_key.as_deref().and_then(noise_cache::load);
+    let calibrates = policy == Policy::Auto && profile.is_none() && cached.is_none();
+    let gpu_owned = if gpu_only && calibrates {
+        let _p = progress::Progress::spinner("loading the model on the CPU to calibrate");
+        let cpu = Model::load(&engine.source)?;
+        Some(std::mem::replace(&mut engine.model, cpu))
+    } else if uses_cuda && !gpu_only {
+        Some(kvdiff::cuda::to_cuda(&engine.model)?)
+    } else {
+        None
+    };
+    let gpu_model = gpu_owned.as_ref().or(gpu_only.then_some(&engine.model));
     let staging = match &a.dump {
         Some(out) => Some(StagedDir::create(out, a.force, "--dump")?),
         None => None,
@@ -197,6 +216,10 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         dump: staging.as_ref().map(|s| s.staging.as_path()),
         noise_profile: profile.as_ref().map(|(p, f)| (p, *f)),
         gpu_noise: None,
+        noise_cache: cached
+            .as_ref()
+            .map(NoiseCache::Hit)
+            .or(cache_key.as_deref().map(NoiseCache::Miss)),
         invariants: !a.no_invariants,
     }
     .run()?;

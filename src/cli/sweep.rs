@@ -13,7 +13,7 @@ use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::io::prompt_set;
 use kvdiff::sweep::{cases, run, summary};
 
-use super::args::{load_engine, require_cuda, set_threads, tap_filter, PathArgs};
+use super::args::{load_engine, require_cuda, set_threads, PathArgs};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -158,7 +158,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
         }
         None => None,
     };
-    let taps = tap_filter(&a.which.taps, engine.model.config.num_hidden_layers)?;
+    let taps = a.which.tap_filter(engine.model.config.num_hidden_layers)?;
     let gpu_model = match uses_cuda {
         true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
         false => None,

@@ -146,7 +146,8 @@ impl CompareSpec<'_> {
         let per_layer = 4
             * n
             * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
-        let outer = 4 * n * (2 * c.hidden_size + c.vocab_size);
+        let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
+        let outer = 4 * (n * 2 * c.hidden_size + logit_rows * c.vocab_size);
         if self.dump.is_some() || outer + per_layer * c.num_hidden_layers <= self.memory_budget {
             return vec![self.taps.clone()];
         }

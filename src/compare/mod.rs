@@ -17,6 +17,7 @@ pub mod grid;
 pub mod html;
 pub mod invariants;
 pub mod noise;
+pub mod noise_cache;
 pub mod report;
 pub mod run;
 pub mod target;

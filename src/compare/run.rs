@@ -6,6 +6,7 @@ use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
 use crate::compare::invariants::Invariant;
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
+use crate::compare::noise_cache::{CachedNoise, NoiseCache};
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
 use crate::engine::chunks::ChunkedPrompt;
@@ -18,6 +19,21 @@ use crate::tap::TapFilter;
 /// Reference taps one comparison pass may hold on the host; beyond it, taps are compared in
 /// layer groups.
 pub const HOST_MEMORY_BUDGET: usize = 1 << 30;
+
+/// The backends a comparison runs on (sorted, once each), as a noise profile names them.
+pub fn backend_names(
+    reference: &Target,
+    targets: &[Target],
+    backend: Backend,
+) -> Vec<&'static str> {
+    let mut b: Vec<&'static str> = std::iter::once(reference)
+        .chain(targets)
+        .map(|t| t.on(backend).name())
+        .collect();
+    b.sort();
+    b.dedup();
+    b
+}
 
 /// How rows are judged.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,6 +73,8 @@ pub struct Request<'a> {
     /// The GPU reference's own noise, already held to what bf16 allows (a sweep checks it once
     /// per process, not per case: the check is a CPU f64 prefill).
     pub gpu_noise: Option<&'a BackendNoise>,
+    /// An auto-tolerance calibration from an earlier run, or the key to store this run's under.
+    pub noise_cache: Option<NoiseCache<'a>>,
 }
 
 /// The thresholds of a run: on the reference's backend, across backends, what the report says
@@ -148,18 +166,40 @@ impl Request<'_> {
 
     /// The backends the comparison runs on, as the noise profile names them.
     fn backends(&self) -> Vec<&'static str> {
-        let mut b: Vec<&'static str> = std::iter::once(&self.reference)
-            .chain(self.targets)
-            .map(|t| t.on(self.backend).name())
-            .collect();
-        b.sort();
-        b.dedup();
-        b
+        backend_names(&self.reference, self.targets, self.backend)
     }
 
     /// The noise model: calibrated now (or read from `noise_profile`), and a GPU reference held
     /// to what bf16 rounding allows.
     fn learn(&self) -> Result<Learned> {
+        match self.noise_cache {
+            // Reported exactly as a fresh calibration: the cache only saves time.
+            Some(NoiseCache::Hit(c)) => {
+                if progress::verbosity() >= 1 {
+                    eprintln!("kvdiff: noise model from the cache: {}", c.file.display());
+                }
+                return Ok(Learned {
+                    profile: c.profile.clone(),
+                    source: c.profile.describe(),
+                    gpu: c.gpu.clone(),
+                });
+            }
+            Some(NoiseCache::Miss(key)) if self.noise_profile.is_none() => {
+                let learned = self.calibrate()?;
+                crate::compare::noise_cache::store(&CachedNoise {
+                    key: key.to_string(),
+                    profile: learned.profile.clone(),
+                    gpu: learned.gpu.clone(),
+                    file: Default::default(),
+                });
+                return Ok(learned);
+            }
+            _ => {}
+        }
+        self.calibrate()
+    }
+
+    fn calibrate(&self) -> Result<Learned> {
         let model = &self.engine.model;
         let last = self.prompt.ids.len() + self.max_new_tokens.max(1) - 1;
         let calibrate = || Calibration::new(model, &self.prompt.ids, last);
@@ -210,6 +250,7 @@ impl Request<'_> {
         }
         let learned = {
             let _p = Progress::spinner("calibrating the noise model");
+            let _span = crate::support::timing::span("compare: noise model (auto tolerance)");
             self.learn()?
         };
         if progress::verbosity() >= 2 {

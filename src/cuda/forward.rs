@@ -414,18 +414,19 @@ impl CudaModel {
     ) -> Vec<f32> {
         let g = &*self.gpu;
         let vocab = self.config.vocab_size;
-        if sink.table().wants(TapId::Logits) {
-            let logits = g.alloc::<f32>(n * vocab);
-            self.lm_head(ws, n, ptr(g, &logits, 0));
-            let all = g.download(&logits, n * vocab);
-            let t = &pass.taps;
-            emit(sink, t.step, TapId::Logits, t.pos, &[n, vocab], &all);
-            all[(n - 1) * vocab..].to_vec()
-        } else {
+        let rows = sink.table().logits_rows(n);
+        if rows.is_empty() {
             let logits = g.alloc::<f32>(vocab);
             self.lm_head_rows(ws, n - 1, 1, ptr(g, &logits, 0));
-            g.download(&logits, vocab)
+            return g.download(&logits, vocab);
         }
+        let m = rows.len();
+        let logits = g.alloc::<f32>(m * vocab);
+        self.lm_head_rows(ws, rows.start, m, ptr(g, &logits, 0));
+        let all = g.download(&logits, m * vocab);
+        let t = &pass.taps;
+        emit(sink, t.step, TapId::Logits, &t.pos[rows], &[m, vocab], &all);
+        all[(m - 1) * vocab..].to_vec()
     }
 
     /// Turns every key of `cache` by `delta` positions on the device and offers them as the

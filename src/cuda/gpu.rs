@@ -2,7 +2,6 @@
 //! compiled for the device's architecture (PTX cached on disk), and thin launch helpers.
 
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
@@ -42,6 +41,7 @@ const KERNELS: &[&str] = &[
     "gather_rows_bf16",
     "scatter_add_rows",
     "zero_f32",
+    "any_nonfinite_bf16",
     "argmax",
     "diff_rows",
     "copy_rows",
@@ -640,16 +640,6 @@ pub fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>, offset: usize) -> u64 {
     p + (offset * std::mem::size_of::<T>()) as u64
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("KVDIFF_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("kvdiff"))
-}
-
 /// PTX for the device's architecture: from the on-disk cache when the sources and architecture
 /// match, else compiled by NVRTC and cached.
 /// The kernels as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
@@ -663,7 +653,8 @@ fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
     let arch = format!("sm_{major}{minor}");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (source.as_str(), arch.as_str()).hash(&mut h);
-    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{:016x}.cubin", h.finish())));
+    let name = format!("kernels-{arch}-{:016x}.cubin", h.finish());
+    let file = crate::support::cache::path(&name);
     if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
         return Ok(bytes);
     }
@@ -693,16 +684,8 @@ fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
     if cubin.is_empty() {
         return Err(fail("empty cubin"));
     }
-    if let Some(f) = &file {
-        // Best effort: a read-only cache folder only costs a recompile next time.
-        if let Some(dir) = f.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let tmp = f.with_extension(format!("tmp-{}", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
-            let _ = std::fs::rename(&tmp, f);
-        }
-    }
+    // Best effort: a read-only cache folder only costs a recompile next time.
+    crate::support::cache::write(&name, &cubin);
     Ok(cubin)
 }
 
@@ -714,7 +697,8 @@ fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
     let arch = format!("compute_{major}{minor}");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (source.as_str(), arch.as_str()).hash(&mut h);
-    let file = cache_dir().map(|d| d.join(format!("kernels-{arch}-{:016x}.ptx", h.finish())));
+    let name = format!("kernels-{arch}-{:016x}.ptx", h.finish());
+    let file = crate::support::cache::path(&name);
     if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
         return Ok(Ptx::from_src(text));
     }
@@ -724,15 +708,6 @@ fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts)
         .map_err(|e| Error::Internal(format!("NVRTC compile of kernels/*.cu: {e}")))?;
-    if let Some(f) = &file {
-        // Best effort: a read-only cache folder only costs a recompile next time.
-        if let Some(dir) = f.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let tmp = f.with_extension(format!("tmp-{}", std::process::id()));
-        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
-            let _ = std::fs::rename(&tmp, f);
-        }
-    }
+    crate::support::cache::write(&name, ptx.to_src().as_bytes());
     Ok(ptx)
 }

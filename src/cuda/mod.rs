@@ -15,6 +15,7 @@ mod gpu;
 pub mod host_ops;
 mod kv;
 mod launch;
+mod stream_load;
 mod taps;
 mod upload;
 mod workspace;

@@ -88,26 +88,44 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
     if model.device().is_some() {
         return Err(Error::Internal("model is already on a device".into()));
     }
-    refuse_unsupported(&model.config)?;
-    let host = HostModel::read(&model.config, &model.named_tensors())?;
-    let cm = CudaModel::upload(Gpu::open()?, &model.config, host)?;
-    Ok(Model::on_device(model.config.clone(), Arc::new(cm)))
+    let config = &model.config;
+    refuse_unsupported(config)?;
+    let named = model.named_tensors();
+    let (gpu, buffers) = read_and_upload(config, &named)?;
+    let cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, &named)?);
+    Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
 
-/// The model of `src` straight onto the GPU: the checkpoint's tensors read as bf16 (as stored,
-/// when they are bf16) and uploaded, with no f32 copy on the host. What a command that runs
-/// only on the GPU loads; the same weights, bit for bit, as `to_cuda` of the CPU model.
+/// The model of `src` straight onto the GPU, with no f32 copy on the host: a bf16 checkpoint
+/// in a folder is streamed from its files into place (`stream_load.rs`); other dtypes are
+/// rounded to bf16 on the host first. What a command that runs only on the GPU loads; the
+/// same weights, bit for bit, as `to_cuda` of the CPU model.
 pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
     refuse_unsupported(config)?;
-    let host = Checkpoint::with(src, config, |ckpt| {
-        crate::support::resources::check_memory(
-            weight_bytes(config),
-            "holding the weights as bf16 before the upload",
-            &ckpt.first_file(),
-        )?;
-        HostModel::read(config, ckpt)
+    let cm = Checkpoint::with(src, config, |ckpt| {
+        let (gpu, buffers) = match super::stream_load::streamable(src, ckpt, config) {
+            Some(files) => {
+                let gpu = Gpu::open()?;
+                check_fits(&gpu, config)?;
+                let buffers = super::stream_load::stream(&gpu, ckpt, &files, &plan(config))?;
+                (gpu, buffers)
+            }
+            None => {
+                crate::support::resources::check_memory(
+                    weight_bytes(config),
+                    "holding the weights as bf16 before the upload",
+                    &ckpt.first_file(),
+                )?;
+                read_and_upload(config, ckpt)?
+            }
+        };
+        Ok(CudaModel::assemble(
+            gpu,
+            config,
+            buffers,
+            read_biases(config, ckpt)?,
+        ))
     })?;
-    let cm = CudaModel::upload(Gpu::open()?, config, host)?;
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
 
@@ -119,108 +137,94 @@ pub fn gpu_of(model: &Model) -> Option<&Arc<Gpu>> {
         .map(|m| &m.gpu)
 }
 
-/// One layer's weights as bf16 on the host, laid out as the GPU holds them.
-struct HostLayer {
-    input_norm: Vec<u16>,
-    post_norm: Vec<u16>,
-    q_norm: Option<Vec<u16>>,
-    k_norm: Option<Vec<u16>>,
-    qkv: Vec<u16>,
-    qkv_bias: Option<Vec<f32>>,
-    o: Vec<u16>,
-    gate_up: Vec<u16>,
-    down: Vec<u16>,
-    /// Router, then every expert's (gate_up, down).
-    moe: Option<(Vec<u16>, Vec<HostFfn>)>,
-}
-
-/// gate_proj over up_proj, and down_proj.
-type HostFfn = (Vec<u16>, Vec<u16>);
-
-/// The whole model as bf16 on the host: read (on every core) before the GPU is waited for.
-pub(crate) struct HostModel {
-    embed: Vec<u16>,
-    lm_head: Option<Vec<u16>>,
-    norm: Vec<u16>,
-    layers: Vec<HostLayer>,
-}
-
-impl HostModel {
-    pub(crate) fn read(config: &Config, src: &dyn TensorSource) -> Result<Self> {
-        use rayon::prelude::*;
-        let _span = crate::support::timing::span("startup: weights read as bf16");
-        let a = &config.arch;
-        let layers: Vec<Result<HostLayer>> = (0..config.num_hidden_layers)
-            .into_par_iter()
-            .map(|l| {
-                let name = |n: &str| format!("model.layers.{l}.{n}");
-                let get = |ns: &[&str]| {
-                    let full: Vec<String> = ns.iter().map(|n| name(n)).collect();
-                    src.bf16_bits(&full.iter().map(String::as_str).collect::<Vec<_>>())
-                };
-                let opt = |on: bool, n: &str| on.then(|| get(&[n])).transpose();
-                let ffn = |at: &str| -> Result<HostFfn> {
-                    Ok((
-                        get(&[
-                            &format!("{at}.gate_proj.weight"),
-                            &format!("{at}.up_proj.weight"),
-                        ])?,
-                        get(&[&format!("{at}.down_proj.weight")])?,
-                    ))
-                };
-                let (moe, (gate_up, down)) = match a.sparse(l) {
-                    Some(m) => {
-                        let experts = (0..m.num_experts)
-                            .map(|e| ffn(&format!("mlp.experts.{e}")))
-                            .collect::<Result<Vec<_>>>()?;
-                        let first = experts[0].clone();
-                        (Some((get(&["mlp.gate.weight"])?, experts)), first)
-                    }
-                    None => (None, ffn("mlp")?),
-                };
-                let qkv_bias = match a.qkv_bias {
-                    // Rounded to bf16 like every weight, kept in f32 for the bias kernel.
-                    true => Some(
-                        get(&[
-                            "self_attn.q_proj.bias",
-                            "self_attn.k_proj.bias",
-                            "self_attn.v_proj.bias",
-                        ])?
-                        .into_iter()
-                        .map(|b| bf16::from_bits(b).to_f32())
-                        .collect(),
-                    ),
-                    false => None,
-                };
-                Ok(HostLayer {
-                    input_norm: get(&["input_layernorm.weight"])?,
-                    post_norm: get(&["post_attention_layernorm.weight"])?,
-                    q_norm: opt(a.qk_norm, "self_attn.q_norm.weight")?,
-                    k_norm: opt(a.qk_norm, "self_attn.k_norm.weight")?,
-                    qkv: get(&[
-                        "self_attn.q_proj.weight",
-                        "self_attn.k_proj.weight",
-                        "self_attn.v_proj.weight",
-                    ])?,
-                    qkv_bias,
-                    o: get(&["self_attn.o_proj.weight"])?,
-                    gate_up,
-                    down,
-                    moe,
-                })
-            })
-            .collect();
-        // The first failure in layer order, as a sequential read would report it.
-        let layers = layers.into_iter().collect::<Result<Vec<_>>>()?;
-        Ok(HostModel {
-            embed: src.bf16_bits(&["model.embed_tokens.weight"])?,
-            lm_head: (!config.tie_word_embeddings)
-                .then(|| src.bf16_bits(&["lm_head.weight"]))
-                .transpose()?,
-            norm: src.bf16_bits(&["model.norm.weight"])?,
-            layers,
-        })
+/// The device buffers of a model, in a fixed order, each the checkpoint tensors it stacks
+/// (row after row): what both loaders fill and `CudaModel::assemble` takes apart.
+pub(super) fn plan(config: &Config) -> Vec<Vec<String>> {
+    let a = &config.arch;
+    let one = |n: &str| vec![n.to_string()];
+    let mut b = vec![one("model.embed_tokens.weight"), one("model.norm.weight")];
+    if !config.tie_word_embeddings {
+        b.push(one("lm_head.weight"));
     }
+    for l in 0..config.num_hidden_layers {
+        let at = |ns: &[&str]| -> Vec<String> {
+            ns.iter().map(|n| format!("model.layers.{l}.{n}")).collect()
+        };
+        b.push(at(&["input_layernorm.weight"]));
+        b.push(at(&["post_attention_layernorm.weight"]));
+        if a.qk_norm {
+            b.push(at(&["self_attn.q_norm.weight"]));
+            b.push(at(&["self_attn.k_norm.weight"]));
+        }
+        b.push(at(&[
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ]));
+        b.push(at(&["self_attn.o_proj.weight"]));
+        let ffn = |b: &mut Vec<Vec<String>>, x: &str| {
+            b.push(at(&[
+                &format!("{x}.gate_proj.weight"),
+                &format!("{x}.up_proj.weight"),
+            ]));
+            b.push(at(&[&format!("{x}.down_proj.weight")]));
+        };
+        match a.sparse(l) {
+            // The first expert's copy in `gate_up`/`down` gives every layer one shape per role.
+            Some(m) => {
+                ffn(&mut b, "mlp.experts.0");
+                b.push(at(&["mlp.gate.weight"]));
+                for e in 0..m.num_experts {
+                    ffn(&mut b, &format!("mlp.experts.{e}"));
+                }
+            }
+            None => ffn(&mut b, "mlp"),
+        }
+    }
+    b
+}
+
+/// The q/k/v biases of every layer (bf16-rounded, in f32 for the bias kernel), when the
+/// family has them: small, so always read on the host.
+fn read_biases(config: &Config, src: &dyn TensorSource) -> Result<Vec<Option<Vec<f32>>>> {
+    (0..config.num_hidden_layers)
+        .map(|l| {
+            if !config.arch.qkv_bias {
+                return Ok(None);
+            }
+            let names =
+                ["q", "k", "v"].map(|x| format!("model.layers.{l}.self_attn.{x}_proj.bias"));
+            let bits = src.bf16_bits(&names.each_ref().map(String::as_str))?;
+            Ok(Some(
+                bits.into_iter()
+                    .map(|b| bf16::from_bits(b).to_f32())
+                    .collect(),
+            ))
+        })
+        .collect()
+}
+
+/// Every buffer of the plan as bf16 on the host (on every core), uploaded once the GPU is
+/// open (it opens meanwhile on its own thread).
+fn read_and_upload(
+    config: &Config,
+    src: &dyn TensorSource,
+) -> Result<(Arc<Gpu>, Vec<CudaSlice<u16>>)> {
+    use rayon::prelude::*;
+    let host: Vec<Result<Vec<u16>>> = {
+        let _span = crate::support::timing::span("startup: weights read as bf16");
+        plan(config)
+            .par_iter()
+            .map(|names| src.bf16_bits(&names.iter().map(String::as_str).collect::<Vec<_>>()))
+            .collect()
+    };
+    // The first failure in plan order, as a sequential read would report it.
+    let host = host.into_iter().collect::<Result<Vec<_>>>()?;
+    let gpu = Gpu::open()?;
+    check_fits(&gpu, config)?;
+    let _span = crate::support::timing::span("startup: weights uploaded");
+    let buffers = host.iter().map(|h| gpu.upload(h)).collect();
+    Ok((gpu, buffers))
 }
 
 /// Bytes the model's weights take on the device (bf16).
@@ -245,73 +249,100 @@ pub fn weight_bytes(c: &Config) -> u64 {
     2 * (v * h + head + h + layers)
 }
 
+/// Fails before any allocation where the weights cannot fit, or the head size is beyond the
+/// kernels.
+fn check_fits(gpu: &Gpu, config: &Config) -> Result<()> {
+    if config.head_dim > 1024 {
+        return Err(Error::usage(
+            "--backend cuda",
+            format!(
+                "head_dim {} is above the 1024 the CUDA kernels handle",
+                config.head_dim
+            ),
+            "use --backend cpu for this model",
+        ));
+    }
+    let need = weight_bytes(config);
+    let (free, _) = gpu.memory();
+    // Room for activations and caches on top of the weights.
+    let headroom = 512u64 << 20;
+    if need + headroom > free as u64 {
+        return Err(Error::usage(
+            "--backend cuda",
+            format!(
+                "the weights need {} in bf16 (plus {} of working memory) but {} has {} free",
+                crate::support::resources::human(need),
+                crate::support::resources::human(headroom),
+                gpu.name,
+                crate::support::resources::human(free as u64)
+            ),
+            "free GPU memory, use a smaller model, or use --backend cpu",
+        ));
+    }
+    Ok(())
+}
+
 impl CudaModel {
-    /// Uploads the weights as bf16, failing before any allocation if they cannot fit.
-    fn upload(gpu: Arc<Gpu>, config: &Config, w: HostModel) -> Result<Self> {
-        if config.head_dim > 1024 {
-            return Err(Error::usage(
-                "--backend cuda",
-                format!(
-                    "head_dim {} is above the 1024 the CUDA kernels handle",
-                    config.head_dim
-                ),
-                "use --backend cpu for this model",
-            ));
-        }
-        let need = weight_bytes(config);
-        let (free, _) = gpu.memory();
-        // Room for activations and caches on top of the weights.
-        let headroom = 512u64 << 20;
-        if need + headroom > free as u64 {
-            return Err(Error::usage(
-                "--backend cuda",
-                format!(
-                    "the weights need {} in bf16 (plus {} of working memory) but {} has {} free",
-                    crate::support::resources::human(need),
-                    crate::support::resources::human(headroom),
-                    gpu.name,
-                    crate::support::resources::human(free as u64)
-                ),
-                "free GPU memory, use a smaller model, or use --backend cpu",
-            ));
-        }
-        let upload_span = crate::support::timing::span("startup: weights uploaded");
-        let up = |t: &[u16]| gpu.upload(t);
-        let layers = w
-            .layers
-            .iter()
-            .map(|l| Layer {
-                input_norm: up(&l.input_norm),
-                post_norm: up(&l.post_norm),
-                q_norm: l.q_norm.as_deref().map(up),
-                k_norm: l.k_norm.as_deref().map(up),
-                qkv: up(&l.qkv),
-                qkv_bias: l.qkv_bias.as_deref().map(|b| gpu.upload(b)),
-                o: up(&l.o),
-                gate_up: up(&l.gate_up),
-                down: up(&l.down),
-                moe: l.moe.as_ref().map(|(router, experts)| SparseMlp {
-                    router: up(router),
-                    experts: experts.iter().map(|(gu, d)| (up(gu), up(d))).collect(),
-                }),
+    /// The model from the buffers of `plan(config)`, in its order, and the biases; then every
+    /// GEMM shape warmed up.
+    fn assemble(
+        gpu: Arc<Gpu>,
+        config: &Config,
+        buffers: Vec<CudaSlice<u16>>,
+        biases: Vec<Option<Vec<f32>>>,
+    ) -> Self {
+        let a = &config.arch;
+        let mut next = buffers.into_iter();
+        let mut take = || next.next().expect("one buffer per entry of the plan");
+        let embed = take();
+        let norm = take();
+        let lm_head = (!config.tie_word_embeddings).then(&mut take);
+        let layers = biases
+            .into_iter()
+            .enumerate()
+            .map(|(l, bias)| {
+                let input_norm = take();
+                let post_norm = take();
+                let (q_norm, k_norm) = match a.qk_norm {
+                    true => (Some(take()), Some(take())),
+                    false => (None, None),
+                };
+                let qkv = take();
+                let o = take();
+                let (gate_up, down) = (take(), take());
+                let moe = a.sparse(l).map(|m| SparseMlp {
+                    router: take(),
+                    experts: (0..m.num_experts).map(|_| (take(), take())).collect(),
+                });
+                Layer {
+                    input_norm,
+                    post_norm,
+                    q_norm,
+                    k_norm,
+                    qkv,
+                    qkv_bias: bias.map(|b| gpu.upload(&b)),
+                    o,
+                    gate_up,
+                    down,
+                    moe,
+                }
             })
             .collect();
         let rope = config.rope_table();
         let model = CudaModel {
             rope_scale: rope.scale as f32,
-            embed: up(&w.embed),
-            lm_head: w.lm_head.as_deref().map(up),
-            norm: up(&w.norm),
+            embed,
+            lm_head,
+            norm,
             inv_freq: gpu.upload(&rope.inv_freq_f32),
             layers,
             config: config.clone(),
             device: gpu.clone(),
             gpu,
         };
-        drop(upload_span);
         let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
         model.warm_up();
-        Ok(model)
+        model
     }
 
     /// Runs every layer GEMM shape once per row count of `WARM_ROWS`: cuBLAS picks and loads

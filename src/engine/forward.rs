@@ -166,13 +166,14 @@ impl Model {
         emit(sink, step, TapId::FinalNorm, pos, &[n, h], &x);
         let head = self.lm_head.as_deref().unwrap_or(&self.embed_tokens);
         let v = c.vocab_size;
-        if sink.table().wants(TapId::Logits) {
-            let logits = self.matmul(&x, n, head, v);
-            emit(sink, step, TapId::Logits, pos, &[n, v], &logits);
-            logits[(n - 1) * v..].to_vec()
-        } else {
-            self.matmul(&x[(n - 1) * h..], 1, head, v)
+        let rows = sink.table().logits_rows(n);
+        if rows.is_empty() {
+            return self.matmul(&x[(n - 1) * h..], 1, head, v);
         }
+        let m = rows.len();
+        let logits = self.matmul(&x[rows.start * h..], m, head, v);
+        emit(sink, step, TapId::Logits, &pos[rows], &[m, v], &logits);
+        logits[(m - 1) * v..].to_vec()
     }
 
     #[allow(clippy::too_many_arguments)]

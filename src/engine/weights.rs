@@ -76,6 +76,8 @@ pub trait TensorSource: Sync {
 pub struct Checkpoint<'a> {
     src: &'a ModelSource,
     parsed: Vec<(String, SafeTensors<'a>)>,
+    /// Where each file's bytes start, for the offsets of `segment`.
+    bases: Vec<usize>,
     location: HashMap<String, usize>,
 }
 
@@ -105,6 +107,7 @@ impl Checkpoint<'_> {
 impl<'a> Checkpoint<'a> {
     fn parse(src: &'a ModelSource, mapped: &'a [(String, Bytes)]) -> Result<Self> {
         let mut parsed: Vec<(String, SafeTensors<'_>)> = Vec::new();
+        let mut bases = Vec::new();
         for (name, bytes) in mapped {
             let st = SafeTensors::deserialize(bytes).map_err(|e| {
                 Error::input(
@@ -114,6 +117,7 @@ impl<'a> Checkpoint<'a> {
                 )
             })?;
             parsed.push((name.clone(), st));
+            bases.push(bytes.as_ptr() as usize);
         }
         let mut location: HashMap<String, usize> = HashMap::new();
         for (i, (_, st)) in parsed.iter().enumerate() {
@@ -124,8 +128,24 @@ impl<'a> Checkpoint<'a> {
         Ok(Checkpoint {
             src,
             parsed,
+            bases,
             location,
         })
+    }
+
+    /// Where tensor `name` lies: the index of its file (`file_names`), the byte offset of its
+    /// data in that file, its byte length, and its dtype.
+    pub fn segment(&self, name: &str) -> Option<(usize, u64, usize, Dtype)> {
+        let &i = self.location.get(name)?;
+        let (_, st) = &self.parsed[i];
+        let view = st.tensor(name).ok()?;
+        let offset = view.data().as_ptr() as usize - self.bases[i];
+        Some((i, offset as u64, view.data().len(), view.dtype()))
+    }
+
+    /// The checkpoint's files, in the order `segment` numbers them.
+    pub fn file_names(&self) -> Vec<&str> {
+        self.parsed.iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// The file errors about the checkpoint as a whole name.

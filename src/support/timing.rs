@@ -20,6 +20,11 @@ fn enabled() -> bool {
     }
 }
 
+/// Whether phases are being timed.
+pub fn on() -> bool {
+    enabled()
+}
+
 /// Turns timing on (`-v`), whatever `KVDIFF_TIMING` says.
 pub fn enable() {
     ENABLED.store(1, Ordering::Relaxed);

@@ -277,6 +277,7 @@ impl Sweep<'_> {
             dump: None,
             noise_profile: profile.map(|p| (p, Path::new("(calibrated once per conversation)"))),
             gpu_noise,
+            noise_cache: None,
             invariants: self.invariants,
         }
         .run()?;

@@ -197,6 +197,9 @@ pub struct TapFilter {
     /// Only taps whose group (embed = 0, layer i = i + 1, final_norm and logits = layers + 1)
     /// lies in this range, when set.
     groups: Option<std::ops::Range<usize>>,
+    /// A prefill's `logits` tap for every position (true), or only for its last position, the
+    /// one that picks the next token (and the only one a prefill computes otherwise).
+    pub all_prompt_logits: bool,
 }
 
 impl TapFilter {
@@ -204,6 +207,7 @@ impl TapFilter {
         TapFilter {
             patterns: vec!["*".into()],
             groups: None,
+            all_prompt_logits: true,
         }
     }
 
@@ -211,6 +215,7 @@ impl TapFilter {
         TapFilter {
             patterns: vec![],
             groups: None,
+            all_prompt_logits: true,
         }
     }
 
@@ -236,6 +241,7 @@ impl TapFilter {
         Ok(TapFilter {
             patterns,
             groups: None,
+            all_prompt_logits: true,
         })
     }
 
@@ -261,6 +267,7 @@ impl TapFilter {
         TapFilter {
             patterns: self.patterns.clone(),
             groups: Some(range),
+            all_prompt_logits: self.all_prompt_logits,
         }
     }
 
@@ -274,6 +281,7 @@ impl TapFilter {
             layer,
             final_norm: self.matches(TapId::FinalNorm),
             logits: self.matches(TapId::Logits),
+            all_prompt_logits: self.all_prompt_logits,
         }
     }
 }
@@ -284,9 +292,20 @@ pub struct TapTable {
     layer: Vec<[bool; LayerTap::ALL.len()]>,
     final_norm: bool,
     logits: bool,
+    all_prompt_logits: bool,
 }
 
 impl TapTable {
+    /// The rows of an `n`-token pass whose logits are computed and offered as the `logits` tap
+    /// (none when it is not wanted; the last row is computed regardless).
+    pub fn logits_rows(&self, n: usize) -> std::ops::Range<usize> {
+        match (self.logits, self.all_prompt_logits) {
+            (false, _) => n..n,
+            (true, true) => 0..n,
+            (true, false) => n.saturating_sub(1)..n,
+        }
+    }
+
     pub fn wants(&self, id: TapId) -> bool {
         match id {
             TapId::Embed => self.embed,

@@ -1,0 +1,164 @@
+//! A bf16 checkpoint straight into GPU memory: each tensor's byte range read from its file by
+//! several threads (positioned reads into pinned staging buffers) and copied to its place in
+//! the stacked device buffers. No host copy of the model is made and no mapping is faulted in
+//! page by page; Inf and NaN are looked for on the GPU afterwards.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::driver::CudaSlice;
+use safetensors::Dtype;
+
+use super::gpu::{ptr, Arg, Gpu};
+use crate::engine::config::Config;
+use crate::engine::weights::{Checkpoint, TensorSource};
+use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
+
+/// Bytes one read and copy moves (each reader thread holds a staging buffer this large).
+const PIECE: usize = 16 << 20;
+const READERS: usize = 8;
+
+/// The checkpoint's files, when every tensor is bf16 in a folder (what `stream` loads).
+pub(super) fn streamable(
+    src: &ModelSource,
+    ckpt: &Checkpoint<'_>,
+    config: &Config,
+) -> Option<Vec<PathBuf>> {
+    let ModelSource::Dir(_) = src else {
+        return None;
+    };
+    let all_bf16 = config
+        .expected_tensors()
+        .iter()
+        .all(|(n, _)| ckpt.segment(n).is_some_and(|s| s.3 == Dtype::BF16));
+    all_bf16.then(|| ckpt.file_names().iter().map(|f| src.path_of(f)).collect())
+}
+
+/// One read and copy: `len` bytes at `offset` of file `file`, to device address `dst`.
+struct Piece {
+    file: usize,
+    offset: u64,
+    len: usize,
+    dst: u64,
+}
+
+/// Fills one device buffer per entry of `plan` (its tensors stacked in order) from the files
+/// of `ckpt`; refuses Inf and NaN with the message the host reader gives.
+pub(super) fn stream(
+    gpu: &Gpu,
+    ckpt: &Checkpoint<'_>,
+    files: &[PathBuf],
+    plan: &[Vec<String>],
+) -> Result<Vec<CudaSlice<u16>>> {
+    let span = crate::support::timing::span("startup: weights read into place on the GPU");
+    let mut buffers = Vec::with_capacity(plan.len());
+    let mut pieces = Vec::new();
+    for names in plan {
+        let segs: Vec<_> = names
+            .iter()
+            .map(|n| {
+                ckpt.segment(n)
+                    .expect("checked when the checkpoint was opened")
+            })
+            .collect();
+        let bytes: usize = segs.iter().map(|s| s.2).sum();
+        let buf = gpu.alloc::<u16>(bytes / 2);
+        let mut at = ptr(gpu, &buf, 0);
+        for (file, offset, len, _) in segs {
+            for start in (0..len).step_by(PIECE) {
+                let n = PIECE.min(len - start);
+                pieces.push(Piece {
+                    file,
+                    offset: offset + start as u64,
+                    len: n,
+                    dst: at + start as u64,
+                });
+            }
+            at += len as u64;
+        }
+        buffers.push(buf);
+    }
+    // The copies below are not on the allocating stream.
+    gpu.sync();
+    let handles = files
+        .iter()
+        .map(|p| {
+            File::open(p).map_err(|e| {
+                Error::input(p, crate::io::model_source::open_error(&e), "check the file")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let next = AtomicUsize::new(0);
+    let readers = READERS.min(pieces.len()).max(1);
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..readers)
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let cuda = |e: cudarc::driver::DriverError| {
+                        Error::Internal(format!("CUDA while loading weights: {e}"))
+                    };
+                    // Safety: only the first `len` bytes of a piece are copied, after being read.
+                    let mut staging =
+                        unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(PIECE, 0) }.map_err(cuda)?;
+                    let host = staging.as_mut_slice().map_err(cuda)?;
+                    loop {
+                        let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                            return Ok(());
+                        };
+                        handles[p.file]
+                            .read_exact_at(&mut host[..p.len], p.offset)
+                            .map_err(|e| {
+                                Error::input(
+                                    &files[p.file],
+                                    format!("reading the weights failed: {e}"),
+                                    "check the file and the disk",
+                                )
+                            })?;
+                        // Safety: `dst` lies inside a live buffer `p.len` bytes from its end
+                        // or further; the copy completes before the call returns.
+                        unsafe { cudarc::driver::result::memcpy_htod_sync(p.dst, &host[..p.len]) }
+                            .map_err(cuda)?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    results.into_iter().collect::<Result<()>>()?;
+    drop(span);
+    let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
+    let flags = gpu.zeros::<i32>(buffers.len());
+    const CHUNK: usize = 1 << 30;
+    for (i, b) in buffers.iter().enumerate() {
+        for start in (0..b.len()).step_by(CHUNK) {
+            let n = CHUNK.min(b.len() - start);
+            gpu.launch(
+                "any_nonfinite_bf16",
+                n.div_ceil(256).min(4096) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(gpu, b, start)),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(ptr(gpu, &flags, i)),
+                ],
+            );
+        }
+    }
+    let flags = gpu.download(&flags, buffers.len());
+    if let Some(bad) = flags.iter().position(|&f| f != 0) {
+        // The host reader finds the tensor and index and words the error.
+        let names: Vec<&str> = plan[bad].iter().map(String::as_str).collect();
+        ckpt.bf16_bits(&names)?;
+        return Err(Error::Internal(format!(
+            "the GPU found Inf or NaN in {names:?} but the host reader did not"
+        )));
+    }
+    Ok(buffers)
+}
