@@ -553,6 +553,7 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         "random-model",
         "arch/qwen2",
         "arch/qwen3-moe",
+        "arch/llama3",
     ] {
         let src = ModelSource::Dir(fixture(rel));
         let cpu = Model::load(&src).unwrap();

@@ -84,13 +84,14 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-/// Fails before anything is loaded where CUDA is missing: that is then the whole answer.
-/// Where it is, the device starts opening now, beside reading the model.
+/// Fails at once where the CUDA driver is missing: that is then the whole answer. Where it
+/// is, the GPU starts opening now, beside reading the model (a GPU that cannot open is
+/// reported when the model first needs it).
 pub fn require_cuda() -> Result<()> {
-    let probe = kvdiff::support::timing::span("startup: CUDA libraries probed");
-    let why = kvdiff::cuda::unavailable_reason();
+    let probe = kvdiff::support::timing::span("startup: CUDA driver library probed");
+    let missing = kvdiff::cuda::driver_missing();
     drop(probe);
-    match why {
+    match missing {
         Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
         None => {
             kvdiff::cuda::open_in_background();

@@ -53,9 +53,18 @@ const KERNELS: &[&str] = &[
     "logits_agreement",
 ];
 
-const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
+pub(super) const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
 
 /// Says why CUDA cannot be used here, without touching anything that would abort.
+/// Whether the CUDA driver library is missing: the quick check a command makes before it
+/// starts opening the GPU in the background (`unavailable_reason` says everything, but loads
+/// every library and starts the driver, hundreds of ms).
+pub fn driver_missing() -> Option<String> {
+    // Safety: only probes whether the shared library can be opened.
+    (!unsafe { cudarc::driver::sys::is_culib_present() })
+        .then(|| "the CUDA driver library (libcuda.so) was not found".into())
+}
+
 pub fn unavailable_reason() -> Option<String> {
     // Safety: only probes whether the shared libraries can be opened.
     unsafe {

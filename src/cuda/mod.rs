@@ -21,7 +21,7 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
-pub use gpu::{open_in_background, ptr, unavailable_reason, Arg, Gpu};
+pub use gpu::{driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
 pub use launch::PrefillAttention;
 pub use upload::{gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel};

@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 use safetensors::Dtype;
 
 use super::gpu::{ptr, Arg, Gpu};
@@ -47,12 +47,31 @@ struct Piece {
 
 /// Fills one device buffer per entry of `plan` (its tensors stacked in order) from the files
 /// of `ckpt`; refuses Inf and NaN with the message the host reader gives.
+///
+/// Needs only the device's context, not the rest of `Gpu` (cuBLAS, kernels): the primary
+/// context is shared, so this runs while another thread finishes opening the GPU. `fits`
+/// checks the free memory before anything is allocated.
 pub(super) fn stream(
-    gpu: &Gpu,
     ckpt: &Checkpoint<'_>,
     files: &[PathBuf],
     plan: &[Vec<String>],
+    fits: impl FnOnce(usize, &str) -> Result<()>,
 ) -> Result<Vec<CudaSlice<u16>>> {
+    let cuda = |e: cudarc::driver::DriverError| {
+        Error::Internal(format!("CUDA while loading weights: {e}"))
+    };
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| {
+        Error::usage(
+            "--backend cuda",
+            format!("cannot open GPU 0: {e}"),
+            super::gpu::CUDA_FIX,
+        )
+    })?;
+    // Buffers are used by raw address on the GPU's own streams: no per-buffer events.
+    unsafe { ctx.disable_event_tracking() };
+    let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+    fits(free, &ctx.name().unwrap_or_else(|_| "GPU 0".into()))?;
+    let stream = ctx.new_stream().map_err(cuda)?;
     let span = crate::support::timing::span("startup: weights read into place on the GPU");
     let mut buffers = Vec::with_capacity(plan.len());
     let mut pieces = Vec::new();
@@ -65,8 +84,9 @@ pub(super) fn stream(
             })
             .collect();
         let bytes: usize = segs.iter().map(|s| s.2).sum();
-        let buf = gpu.alloc::<u16>(bytes / 2);
-        let mut at = ptr(gpu, &buf, 0);
+        // Safety: every byte is written by the copies below before any kernel reads it.
+        let buf = unsafe { stream.alloc::<u16>((bytes / 2).max(1)) }.map_err(cuda)?;
+        let (mut at, _) = buf.device_ptr(&stream);
         for (file, offset, len, _) in segs {
             for start in (0..len).step_by(PIECE) {
                 let n = PIECE.min(len - start);
@@ -82,7 +102,7 @@ pub(super) fn stream(
         buffers.push(buf);
     }
     // The copies below are not on the allocating stream.
-    gpu.sync();
+    stream.synchronize().map_err(cuda)?;
     let handles = files
         .iter()
         .map(|p| {
@@ -102,7 +122,7 @@ pub(super) fn stream(
                     };
                     // Safety: only the first `len` bytes of a piece are copied, after being read.
                     let mut staging =
-                        unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(PIECE, 0) }.map_err(cuda)?;
+                        unsafe { ctx.alloc_pinned_with_flags::<u8>(PIECE, 0) }.map_err(cuda)?;
                     let host = staging.as_mut_slice().map_err(cuda)?;
                     loop {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
@@ -132,6 +152,16 @@ pub(super) fn stream(
     });
     results.into_iter().collect::<Result<()>>()?;
     drop(span);
+    Ok(buffers)
+}
+
+/// Refuses Inf and NaN in the streamed buffers, with the message the host reader gives.
+pub(super) fn check_finite(
+    gpu: &Gpu,
+    ckpt: &Checkpoint<'_>,
+    plan: &[Vec<String>],
+    buffers: &[CudaSlice<u16>],
+) -> Result<()> {
     let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
     let flags = gpu.zeros::<i32>(buffers.len());
     const CHUNK: usize = 1 << 30;
@@ -160,5 +190,5 @@ pub(super) fn stream(
             "the GPU found Inf or NaN in {names:?} but the host reader did not"
         )));
     }
-    Ok(buffers)
+    Ok(())
 }

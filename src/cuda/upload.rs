@@ -105,9 +105,12 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
     let cm = Checkpoint::with(src, config, |ckpt| {
         let (gpu, buffers) = match super::stream_load::streamable(src, ckpt, config) {
             Some(files) => {
+                let plan = plan(config);
+                let buffers = super::stream_load::stream(ckpt, &files, &plan, |free, name| {
+                    check_fits(free, name, config)
+                })?;
                 let gpu = Gpu::open()?;
-                check_fits(&gpu, config)?;
-                let buffers = super::stream_load::stream(&gpu, ckpt, &files, &plan(config))?;
+                super::stream_load::check_finite(&gpu, ckpt, &plan, &buffers)?;
                 (gpu, buffers)
             }
             None => {
@@ -221,7 +224,7 @@ fn read_and_upload(
     // The first failure in plan order, as a sequential read would report it.
     let host = host.into_iter().collect::<Result<Vec<_>>>()?;
     let gpu = Gpu::open()?;
-    check_fits(&gpu, config)?;
+    check_fits(gpu.memory().0, &gpu.name, config)?;
     let _span = crate::support::timing::span("startup: weights uploaded");
     let buffers = host.iter().map(|h| gpu.upload(h)).collect();
     Ok((gpu, buffers))
@@ -251,7 +254,7 @@ pub fn weight_bytes(c: &Config) -> u64 {
 
 /// Fails before any allocation where the weights cannot fit, or the head size is beyond the
 /// kernels.
-fn check_fits(gpu: &Gpu, config: &Config) -> Result<()> {
+fn check_fits(free: usize, device: &str, config: &Config) -> Result<()> {
     if config.head_dim > 1024 {
         return Err(Error::usage(
             "--backend cuda",
@@ -263,7 +266,6 @@ fn check_fits(gpu: &Gpu, config: &Config) -> Result<()> {
         ));
     }
     let need = weight_bytes(config);
-    let (free, _) = gpu.memory();
     // Room for activations and caches on top of the weights.
     let headroom = 512u64 << 20;
     if need + headroom > free as u64 {
@@ -273,7 +275,7 @@ fn check_fits(gpu: &Gpu, config: &Config) -> Result<()> {
                 "the weights need {} in bf16 (plus {} of working memory) but {} has {} free",
                 crate::support::resources::human(need),
                 crate::support::resources::human(headroom),
-                gpu.name,
+                device,
                 crate::support::resources::human(free as u64)
             ),
             "free GPU memory, use a smaller model, or use --backend cpu",
