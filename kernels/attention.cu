@@ -327,9 +327,10 @@ __device__ void load_kv_tile(const float* keys, const float* values, float* ks, 
 }
 
 extern "C" __global__ void attention_tiled(const float* q, const float* keys, const float* values,
-                                           float* probs, float* out, bf16_t* out_bf16,
-                                           const int* meta, int n, int split, int heads,
-                                           int kv_heads, int head_dim, int stride, float scale) {
+                                           float* probs, float* stats, float* out,
+                                           bf16_t* out_bf16, const int* meta, int n, int split,
+                                           int heads, int kv_heads, int head_dim, int stride,
+                                           float scale) {
     PDL_ENTER();
     extern __shared__ float sm[];
     __shared__ float alpha[TILE_Q][2], fin[TILE_Q][2], mfin[TILE_Q][2];
@@ -443,6 +444,14 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
         fin[sq][1] = fb;
         mfin[sq][0] = m[0];
         mfin[sq][1] = m[1];
+        // What `probs_from_stats` needs to rebuild the row's probabilities bit for bit.
+        if (stats && sq < nq) {
+            float* st = stats + ((size_t)(q0 + sq) * heads + h) * 4;
+            st[0] = m[0];
+            st[1] = m[1];
+            st[2] = fa;
+            st[3] = fb;
+        }
     }
     __syncthreads();
     if (tid < head_dim) {
@@ -476,5 +485,40 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
             }
             probs[((size_t)(q0 + r) * heads + h) * stride + e] = val;
         }
+    }
+}
+
+// The attention probabilities of chosen rows, rebuilt from what `attention_tiled` kept of them
+// (`stats`: per query and head, each segment's running max and weight) with the arithmetic of
+// its own probabilities loop, so the values are the ones it would have written. This is how a
+// reference keeps a long prompt's attention without tokens^2 memory: q, keys and four floats
+// per row, rows rebuilt a tile at a time where a path's rows are compared.
+// Block per (row, head): `rows[blockIdx.x / heads]` is the query's index in its pass; `out` is
+// [count, heads, span]; entries at or past the query's `base + index + 1` are 0.
+extern "C" __global__ void probs_from_stats(const float* q, const float* keys, const float* stats,
+                                            const int* rows, float* out, int base, int split,
+                                            int heads, int kv_heads, int head_dim, int span,
+                                            float scale) {
+    PDL_ENTER();
+    extern __shared__ float qs[];
+    int r = rows[blockIdx.x / heads], h = blockIdx.x % heads;
+    int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
+    const float* qr = q + ((size_t)r * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    __syncthreads();
+    const float* st = stats + ((size_t)r * heads + h) * 4;
+    int vis = base + r + 1;
+    int cut = (split > 0 && split < vis) ? split : 0;
+    float* o = out + (size_t)blockIdx.x * span;
+    for (int e = threadIdx.x; e < span; e += blockDim.x) {
+        float val = 0.0f;
+        if (e < vis) {
+            const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
+            float acc = 0.0f;
+            for (int d = 0; d < head_dim; d++) acc += qs[d] * k[d];
+            int g = e < cut ? 0 : 1;
+            val = expf(acc * scale - st[g]) * st[2 + g];
+        }
+        o[e] = val;
     }
 }

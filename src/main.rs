@@ -3,17 +3,15 @@
 
 mod cli;
 
-use std::process::ExitCode;
-
 use clap::Parser;
 
 use kvdiff::error::EXIT_INTERNAL;
 
-fn main() -> ExitCode {
+fn main() {
     let started = std::time::Instant::now();
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => return cli::usage_error(e),
+        Err(e) => kvdiff::support::exit::now(cli::usage_error(e)),
     };
     kvdiff::support::interrupt::install();
     let outcome = std::panic::catch_unwind(|| cli::run(cli));
@@ -25,12 +23,13 @@ fn main() -> ExitCode {
             started.elapsed().as_secs_f64() * 1e3
         );
     }
-    match outcome {
-        Ok(Ok(code)) => ExitCode::from(code as u8),
+    let code = match outcome {
+        Ok(Ok(code)) => code,
         Ok(Err(e)) => {
             eprintln!("error: {e}");
-            ExitCode::from(e.exit_code() as u8)
+            e.exit_code()
         }
-        Err(_) => ExitCode::from(EXIT_INTERNAL as u8),
-    }
+        Err(_) => EXIT_INTERNAL,
+    };
+    kvdiff::support::exit::now(code)
 }

@@ -252,6 +252,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if progress::verbosity() >= 1 {
         eprint!("{}", report::noise_table(&report));
     }
+    kvdiff::support::exit::keep((engine, gpu_owned));
     Ok(code)
 }
 

@@ -46,5 +46,6 @@ pub fn run(a: DumpArgs) -> Result<i32> {
     });
     let files = dumper.finish(out, &meta)?;
     say!("kvdiff: wrote {files} step files to {}", out.display());
+    kvdiff::support::exit::keep(engine);
     Ok(EXIT_OK)
 }

@@ -37,5 +37,6 @@ pub fn run(a: GenerateArgs) -> Result<i32> {
     print_timings(Some(&engine.model));
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", gen.text);
+    kvdiff::support::exit::keep(engine);
     Ok(EXIT_OK)
 }

@@ -21,8 +21,6 @@ mod report;
 mod sweep;
 mod tokens;
 
-use std::process::ExitCode;
-
 use clap::{Parser, Subcommand};
 
 use kvdiff::error::{Result, EXIT_BAD_INPUT, EXIT_OK};
@@ -102,16 +100,16 @@ pub fn run(cli: Cli) -> Result<i32> {
 }
 
 /// clap's own messages, cut to what a user needs: the error, clap's tip if any, and a fix line.
-pub fn usage_error(e: clap::Error) -> ExitCode {
+pub fn usage_error(e: clap::Error) -> i32 {
     use clap::error::ErrorKind;
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = e.print();
-            return ExitCode::from(EXIT_OK as u8);
+            return EXIT_OK;
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();
-            return ExitCode::from(EXIT_BAD_INPUT as u8);
+            return EXIT_BAD_INPUT;
         }
         _ => {}
     }
@@ -128,5 +126,5 @@ pub fn usage_error(e: clap::Error) -> ExitCode {
         eprintln!("{detail}");
     }
     eprintln!("  fix: see kvdiff --help, or kvdiff <command> --help");
-    ExitCode::from(EXIT_BAD_INPUT as u8)
+    EXIT_BAD_INPUT
 }

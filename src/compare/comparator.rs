@@ -69,6 +69,9 @@ impl TapSink for ReferenceRecorder {
             None => false,
         }
     }
+    fn probs_by_parts(&self) -> bool {
+        self.device.is_some()
+    }
 }
 
 /// The reference side of one step, and the running comparison.
@@ -578,6 +581,9 @@ impl TapSink for Comparator<'_> {
                 crate::support::timing::span("compare: path tap to host (row layouts differ)");
             return false;
         }
+        if r.parts.is_some() {
+            return self.diff_against_rebuilt(step, t, which, &rrows);
+        }
         let rpt = t.rows_per_token;
         let b_rows = || {
             rrows
@@ -637,7 +643,81 @@ struct PendingDiff {
     offset: usize,
 }
 
+/// Reference attention rows rebuilt at once, at most (bytes of scratch).
+const REBUILD_BYTES: usize = 256 << 20;
+
 impl Comparator<'_> {
+    /// Diffs a path's attention rows against reference rows rebuilt from the parts the
+    /// reference kept (`DeviceRecorded::parts`), a tile of tokens at a time, so neither side's
+    /// rows are ever all in memory at once.
+    fn diff_against_rebuilt(
+        &mut self,
+        step: usize,
+        t: &DeviceTap<'_>,
+        which: usize,
+        rrows: &[Option<usize>],
+    ) -> bool {
+        let _span = crate::support::timing::span("compare: attention rows rebuilt and diffed");
+        let rpt = t.rows_per_token;
+        let r = &self.device_reference[&t.id][which];
+        let (width, lead, gpu) = (r.width, r.lead, r.gpu());
+        let tile = (REBUILD_BYTES / (4 * rpt * width).max(1)).clamp(1, t.positions.len().max(1));
+        let scratch = gpu.alloc::<f32>(tile * rpt * width);
+        let base = crate::cuda::ptr(&gpu, &scratch, 0);
+        for start in (0..t.positions.len()).step_by(tile) {
+            let end = (start + tile).min(t.positions.len());
+            let rows: Vec<i32> = rrows[start..end]
+                .iter()
+                .map(|x| x.unwrap_or(0) as i32)
+                .collect();
+            self.device_reference[&t.id][which].rebuild(&rows, base);
+            let part = DeviceTap {
+                id: t.id,
+                positions: &t.positions[start..end],
+                device: t.device,
+                ptr: t.ptr + (start * rpt * t.stride * 4) as u64,
+                rows: (end - start) * rpt,
+                width: t.width,
+                stride: t.stride,
+                rows_per_token: rpt,
+                lead: t.lead,
+                persistent: t.persistent,
+                shape: vec![end - start, rpt, t.width],
+                parts: None,
+            };
+            let b_rows = || {
+                rrows[start..end]
+                    .iter()
+                    .enumerate()
+                    .flat_map(move |(i, x)| {
+                        (0..rpt)
+                            .map(move |h| x.map(|_| base + (((i * rpt + h) * width) * 4) as u64))
+                    })
+            };
+            let offset = match self.diffs.enqueue_rows(&part, (width, lead), b_rows()) {
+                Some(o) => o,
+                None => {
+                    self.flush();
+                    self.diffs
+                        .enqueue_rows(&part, (width, lead), b_rows())
+                        .expect("an empty buffer holds any tile")
+                }
+            };
+            // The next tile overwrites the scratch: diff this one now.
+            self.diffs.launch();
+            self.pending.push(PendingDiff {
+                step,
+                id: t.id,
+                positions: part.positions.to_vec(),
+                rows_per_token: rpt,
+                path_width: t.lead + t.width,
+                ref_width: lead + width,
+                offset,
+            });
+        }
+        true
+    }
+
     /// The reference's taps of the step about to be compared, on the host or the GPU.
     pub(crate) fn set_reference(&mut self, rec: ReferenceRecorder) {
         self.reference = HashMap::new();

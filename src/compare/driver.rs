@@ -143,9 +143,13 @@ impl CompareSpec<'_> {
     fn passes(&self) -> Vec<TapFilter> {
         let c = &self.model.config;
         let n = self.prompt.ids.len() + self.max_new_tokens;
-        let per_layer = 4
-            * n
-            * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
+        // A GPU reference keeps attention as the parts that rebuild it (a key per position
+        // and a few floats per row), not a row per key.
+        let probs = match self.model.device().is_some() && crate::cuda::attention_by_parts(c) {
+            true => c.kv_dim() + 4 * c.num_attention_heads,
+            false => c.num_attention_heads * n,
+        };
+        let per_layer = 4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + probs);
         let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
         let outer = 4 * (n * 2 * c.hidden_size + logit_rows * c.vocab_size);
         if self.dump.is_some() || outer + per_layer * c.num_hidden_layers <= self.memory_budget {
@@ -375,6 +379,9 @@ impl TapSink for Forward<'_, '_> {
     }
     fn route_hints(&self) -> Option<crate::tap::RouteHints> {
         self.0.route_hints()
+    }
+    fn probs_by_parts(&self) -> bool {
+        self.0.probs_by_parts()
     }
 }
 

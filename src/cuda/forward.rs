@@ -185,8 +185,11 @@ impl CudaModel {
         kv.reserve(n);
         // The previous pass's taps are no longer promised (their diffs are already enqueued).
         kv.last_pass = None;
+        let meta = self.pass_meta(batch, base);
+        // The base attention masks by (`pass_meta`), for rebuilding its rows.
+        let attn_base = meta[3 * n + 1] as usize;
         let pass = Pass {
-            meta: self.pass_meta(batch, base),
+            meta,
             kv_ptrs: (0..self.config.num_hidden_layers)
                 .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
                 .collect(),
@@ -201,6 +204,11 @@ impl CudaModel {
                 base,
                 lead: layout.lead,
                 entry_positions: &layout.positions,
+                keys: (0..self.config.num_hidden_layers)
+                    .map(|l| kv.key_ptr(l))
+                    .collect(),
+                split: batch.cascade_split,
+                attn_base,
             },
         };
         let logits = if n == 1 {
@@ -306,7 +314,7 @@ impl CudaModel {
         let state = match &mut kv.decode {
             Some(s) if s.ws.probs_stride == cap => s,
             slot => slot.insert(DecodeState {
-                ws: Workspace::new(g, &self.config, 1, cap, true),
+                ws: Workspace::new(g, &self.config, 1, cap, true, true),
                 graph: None,
             }),
         };
@@ -377,12 +385,23 @@ impl CudaModel {
         let c = &self.config;
         let _span = crate::support::timing::span("cuda prefill pass (synchronous)");
         let entries = pass.taps.base + n;
-        let per_layer = sink.table().wants_layers()
-            && Workspace::bytes(c, n, entries, true) <= (g.memory().0 / 8).min(2 << 30);
-        let ws_span = crate::support::timing::span("cuda prefill: workspace allocation");
-        let mut ws = Workspace::new(g, c, n, entries, per_layer);
-        ws.probs_wanted = (0..c.num_hidden_layers)
+        let wanted = (0..c.num_hidden_layers)
             .any(|l| sink.table().wants(TapId::Layer(l, LayerTap::AttnProbs)));
+        // A sink that rebuilds attention rows where it compares them takes them as parts,
+        // where every layer runs the tiled kernel (which keeps the statistics) over a cache
+        // whose entries are consecutive positions.
+        let by_parts = wanted
+            && sink.probs_by_parts()
+            && pass.taps.lead.is_some()
+            && !Workspace::needs_probs(c, n, false);
+        let materialized = wanted && !by_parts;
+        let probs = Workspace::needs_probs(c, n, materialized);
+        let per_layer = sink.table().wants_layers()
+            && Workspace::bytes(c, n, entries, true, probs) <= (g.memory().0 / 8).min(2 << 30);
+        let ws_span = crate::support::timing::span("cuda prefill: workspace allocation");
+        let mut ws = Workspace::new(g, c, n, entries, per_layer, probs);
+        ws.probs_wanted = materialized;
+        ws.probs_by_parts = by_parts;
         drop(ws_span);
         ws.meta = g.upload(&pass.meta);
         self.embed_and_norm(&ws, n);
@@ -637,6 +656,7 @@ impl CudaModel {
                 keys: kvp.0,
                 values: kvp.1,
                 probs: io.probs,
+                stats: if n > 1 { io.stats } else { 0 },
                 stride: ws.probs_stride,
                 part: io.part,
                 chunks: ws.chunks,

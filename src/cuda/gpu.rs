@@ -42,6 +42,7 @@ const KERNELS: &[&str] = &[
     "scatter_add_rows",
     "zero_f32",
     "any_nonfinite_bf16",
+    "probs_from_stats",
     "argmax",
     "diff_rows",
     "copy_rows",
@@ -434,6 +435,19 @@ impl Gpu {
                 .expect("CUDA download");
         }
         out
+    }
+
+    /// Copies `len` f32 values from device address `from` to `to`, ordered on the stream.
+    pub fn copy_device(&self, from: u64, to: u64, len: usize) {
+        if len == 0 {
+            return;
+        }
+        // Safety: callers pass ranges inside live buffers; the copy is stream-ordered with
+        // the kernels that write `from` and read `to`.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(to, from, len * 4, self.stream().cu_stream())
+        }
+        .expect("CUDA device copy");
     }
 
     /// `rows` rows of `width` f32 values, `stride` apart from raw device address `at` (an

@@ -156,6 +156,7 @@ pub fn attention(
             keys: ptr(gpu, &dk, 0),
             values: ptr(gpu, &dv, 0),
             probs: ptr(gpu, &probs, 0),
+            stats: 0,
             stride: entries,
             part: ptr(gpu, &part, 0),
             chunks,
@@ -175,6 +176,79 @@ pub fn attention(
     (
         gpu.download(&out, n * heads * hd),
         gpu.download(&probs, n * heads * entries),
+    )
+}
+
+/// The tiled prefill kernel's probabilities as written, and as `probs_from_stats` rebuilds
+/// them from the statistics it kept (every row, in order): a reference's long-prompt attention.
+#[allow(clippy::too_many_arguments)]
+pub fn probs_written_and_rebuilt(
+    gpu: &Gpu,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    split: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let entries = keys.len() / (kv_heads * hd);
+    let base = entries - n;
+    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
+    let meta = gpu.upload(&[base as i32]);
+    let probs = poison_f32(gpu, n * heads * entries);
+    let stats = poison_f32(gpu, n * heads * 4);
+    let out = poison_f32(gpu, n * heads * hd);
+    let out_bf = poison_bf16(gpu, n * heads * hd);
+    super::launch::launch_attention(
+        gpu,
+        &super::launch::Attention {
+            n,
+            q: ptr(gpu, &dq, 0),
+            keys: ptr(gpu, &dk, 0),
+            values: ptr(gpu, &dv, 0),
+            probs: ptr(gpu, &probs, 0),
+            stats: ptr(gpu, &stats, 0),
+            stride: entries,
+            part: 0,
+            chunks: 0,
+            counters: 0,
+            out: ptr(gpu, &out, 0),
+            out_bf: ptr(gpu, &out_bf, 0),
+            meta: ptr(gpu, &meta, 0),
+            split,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            window: 0,
+            prefill: super::launch::PrefillAttention::Tiled,
+            write_probs: true,
+        },
+    );
+    let rows: Vec<i32> = (0..n as i32).collect();
+    let rows = gpu.upload(&rows);
+    let rebuilt = poison_f32(gpu, n * heads * entries);
+    super::launch::launch_probs_from_stats(
+        gpu,
+        &crate::tap::AttnParts {
+            q: ptr(gpu, &dq, 0),
+            keys: ptr(gpu, &dk, 0),
+            stats: ptr(gpu, &stats, 0),
+            base,
+            split,
+            heads,
+            kv_heads,
+            head_dim: hd,
+        },
+        ptr(gpu, &rows, 0),
+        n,
+        entries,
+        ptr(gpu, &rebuilt, 0),
+    );
+    (
+        gpu.download(&probs, n * heads * entries),
+        gpu.download(&rebuilt, n * heads * entries),
     )
 }
 

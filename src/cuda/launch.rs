@@ -17,6 +17,9 @@ pub(crate) struct Attention {
     pub values: u64,
     /// `[n, heads, stride]`.
     pub probs: u64,
+    /// Tiled prefill only: `[n, heads, 4]` per-row softmax statistics for `probs_from_stats`
+    /// (0: not kept).
+    pub stats: u64,
     pub stride: usize,
     /// Decode only: `[heads, chunks, head_dim + 2]` partial results, and `heads` zeroed
     /// counters of finished chunks.
@@ -114,6 +117,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
                 Arg::Ptr(a.keys),
                 Arg::Ptr(a.values),
                 Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
+                Arg::Ptr(a.stats),
                 Arg::Ptr(a.out),
                 Arg::Ptr(a.out_bf),
                 Arg::Ptr(a.meta),
@@ -228,4 +232,36 @@ pub(crate) fn launch_gemv_norm(g: &Gpu, a: &GemvNorm) {
 pub(crate) fn attention_block(blocks: usize, head_dim: usize) -> u32 {
     let t = if blocks < 264 { 1024 } else { 256 };
     t.max(head_dim as u32)
+}
+
+/// Rebuilds the probabilities of `count` rows (their indices in the pass at `rows`, i32) into
+/// `out` (`[count, heads, span]`).
+pub(crate) fn launch_probs_from_stats(
+    g: &Gpu,
+    p: &crate::tap::AttnParts,
+    rows: u64,
+    count: usize,
+    span: usize,
+    out: u64,
+) {
+    g.launch(
+        "probs_from_stats",
+        (count * p.heads) as u32,
+        128,
+        (p.head_dim * 4) as u32,
+        &[
+            Arg::Ptr(p.q),
+            Arg::Ptr(p.keys),
+            Arg::Ptr(p.stats),
+            Arg::Ptr(rows),
+            Arg::Ptr(out),
+            Arg::I32(p.base as i32),
+            Arg::I32(p.split as i32),
+            Arg::I32(p.heads as i32),
+            Arg::I32(p.kv_heads as i32),
+            Arg::I32(p.head_dim as i32),
+            Arg::I32(span as i32),
+            Arg::F32(1.0 / (p.head_dim as f32).sqrt()),
+        ],
+    );
 }

@@ -23,5 +23,12 @@ mod workspace;
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
+pub(crate) use launch::launch_probs_from_stats;
+
+/// Whether a prefill of this model can offer its attention as parts (`AttnParts`): every layer
+/// runs the tiled kernel.
+pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
+    !workspace::Workspace::needs_probs(c, 2, false)
+}
 pub use launch::PrefillAttention;
 pub use upload::{gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel};

@@ -3,10 +3,13 @@
 
 use std::sync::Arc;
 
-use super::gpu::Gpu;
+use super::gpu::{ptr, Gpu};
+use super::launch::launch_probs_from_stats;
 use super::upload::CudaModel;
 use super::workspace::Workspace;
-use crate::tap::{emit, scatter_by_position, Device, DeviceTap, LayerTap, TapId, TapSink};
+use crate::tap::{
+    emit, scatter_by_position, AttnParts, Device, DeviceTap, LayerTap, TapId, TapSink,
+};
 
 /// What every tap of a pass shares.
 pub(super) struct TapCtx<'a> {
@@ -17,6 +20,11 @@ pub(super) struct TapCtx<'a> {
     /// `entry_positions`.
     pub(super) lead: Option<usize>,
     pub(super) entry_positions: &'a [usize],
+    /// Each layer's key buffer, the cascade split, and the base attention masks by (for
+    /// `AttnParts`).
+    pub(super) keys: Vec<u64>,
+    pub(super) split: usize,
+    pub(super) attn_base: usize,
 }
 
 impl CudaModel {
@@ -131,7 +139,9 @@ impl CudaModel {
         let (n, heads) = (ws.n, self.config.num_attention_heads);
         let io = ws.io(g, l);
         let id = TapId::Layer(l, LayerTap::AttnProbs);
-        if sink.table().wants(id) {
+        if sink.table().wants(id) && ws.probs_by_parts {
+            self.offer_probs_parts(sink, t, ws, l);
+        } else if sink.table().wants(id) {
             let span = t.base + n;
             let probs = DeviceTap {
                 id,
@@ -145,6 +155,7 @@ impl CudaModel {
                 lead: t.lead.unwrap_or(0),
                 persistent: ws.per_layer,
                 shape: vec![n, heads, span],
+                parts: None,
             };
             if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
                 let rows = g.download_rows(io.probs, n * heads, span, ws.probs_stride);
@@ -160,6 +171,58 @@ impl CudaModel {
                 emit(sink, t.step, id, t.pos, &[n, heads, width], &out);
             }
         }
+    }
+}
+
+impl CudaModel {
+    /// Offers one layer's attention probabilities as what rebuilds them (the pass did not
+    /// write them); a sink that turns them down after all gets them rebuilt and copied.
+    fn offer_probs_parts(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, l: usize) {
+        let g = &self.gpu;
+        let c = &self.config;
+        let (n, heads) = (ws.n, c.num_attention_heads);
+        let io = ws.io(g, l);
+        let id = TapId::Layer(l, LayerTap::AttnProbs);
+        let span = t.base + n;
+        let parts = AttnParts {
+            q: io.q_r,
+            keys: t.keys[l],
+            stats: io.stats,
+            base: t.attn_base,
+            split: t.split,
+            heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
+        let tap = DeviceTap {
+            id,
+            positions: t.pos,
+            device: &self.device,
+            ptr: 0,
+            rows: n * heads,
+            width: span,
+            stride: span,
+            rows_per_token: heads,
+            lead: t.lead.unwrap_or(0),
+            persistent: ws.per_layer,
+            shape: vec![n, heads, span],
+            parts: Some(parts),
+        };
+        if sink.record_device(t.step, &tap) {
+            return;
+        }
+        let rows: Vec<i32> = (0..n as i32).collect();
+        let rows = g.upload(&rows);
+        let out = g.alloc::<f32>(n * heads * span);
+        launch_probs_from_stats(g, &parts, ptr(g, &rows, 0), n, span, ptr(g, &out, 0));
+        let all = g.download(&out, n * heads * span);
+        let lead = t.lead.unwrap_or(0);
+        let width = lead + span;
+        let mut data = vec![0f32; n * heads * width];
+        for (r, row) in all.chunks_exact(span).enumerate() {
+            data[r * width + lead..(r + 1) * width].copy_from_slice(row);
+        }
+        emit(sink, t.step, id, t.pos, &[n, heads, width], &data);
     }
 }
 
@@ -222,6 +285,7 @@ pub(super) fn offer_at(
         lead: 0,
         persistent,
         shape: shape.to_vec(),
+        parts: None,
     };
     if !sink.record_device(step, &tap) {
         let _span = crate::support::timing::span("cuda taps: copied to the host for the sink");

@@ -29,6 +29,8 @@ pub(super) struct LayerIo {
     pub(super) k_n: u64,
     pub(super) k_r: u64,
     pub(super) probs: u64,
+    /// `[n, heads, 4]`: the tiled prefill kernel's softmax statistics (see `AttnParts`).
+    pub(super) stats: u64,
     pub(super) part: u64,
     pub(super) attn: u64,
     pub(super) o: u64,
@@ -56,6 +58,8 @@ pub(crate) struct Workspace {
     pub(super) pick: CudaSlice<u32>,
     /// Whether a tap wants attention probabilities (kernels that need no scratch skip them).
     pub(super) probs_wanted: bool,
+    /// Whether they are offered as `AttnParts` instead (not written out).
+    pub(super) probs_by_parts: bool,
     pub(super) n: usize,
     /// Rows every buffer has room for (GEMMs run over all of them).
     pub(super) rows: usize,
@@ -101,15 +105,29 @@ pub(super) struct Shape {
 
 impl Workspace {
     /// Bytes `new` allocates.
-    pub(super) fn bytes(c: &Config, n: usize, entries: usize, per_layer: bool) -> usize {
-        let w = Self::layout(c, n, entries, per_layer);
+    pub(super) fn bytes(
+        c: &Config,
+        n: usize,
+        entries: usize,
+        per_layer: bool,
+        probs: bool,
+    ) -> usize {
+        let w = Self::layout(c, n, entries, per_layer, probs);
         4 * w.total + 2 * w.rows * (c.hidden_size + c.q_dim() + c.intermediate_size)
     }
 
     /// Buffers for `n` tokens over at most `entries` cache entries; GEMMs run over
-    /// `gemm_rows(n)` rows (the rows past n are scratch).
-    pub(super) fn new(g: &Gpu, c: &Config, n: usize, entries: usize, per_layer: bool) -> Workspace {
-        let w = Self::layout(c, n, entries, per_layer);
+    /// `gemm_rows(n)` rows (the rows past n are scratch). Attention probabilities (`n x heads x
+    /// entries`, the largest buffer of a long prefill) get room only with `probs`.
+    pub(super) fn new(
+        g: &Gpu,
+        c: &Config,
+        n: usize,
+        entries: usize,
+        per_layer: bool,
+        probs: bool,
+    ) -> Workspace {
+        let w = Self::layout(c, n, entries, per_layer, probs);
         let Shape { h, qd, inter, .. } = w.shape;
         Workspace {
             f: g.alloc::<f32>(w.total),
@@ -117,11 +135,12 @@ impl Workspace {
             meta: g.alloc::<i32>(3 * n + 2),
             counters: g.zeros::<u32>(w.shape.heads + 1),
             pick: g.zeros::<u32>(1),
-            probs_wanted: true,
+            probs_wanted: probs,
+            probs_by_parts: false,
             n,
             rows: w.rows,
             per_layer,
-            probs_stride: entries,
+            probs_stride: if probs { entries } else { 0 },
             chunks: w.chunks,
             xs: w.xs,
             ns: w.ns,
@@ -133,8 +152,19 @@ impl Workspace {
         }
     }
 
+    /// Whether a pass of `n` tokens needs room for attention probabilities: when a tap wants
+    /// them, and always for the kernels that use them as scratch (a decode step's, and the
+    /// per-query kernel of sliding-window layers and head sizes the tiled kernel cannot take).
+    pub(super) fn needs_probs(c: &Config, n: usize, wanted: bool) -> bool {
+        use super::launch::PrefillAttention;
+        wanted
+            || n == 1
+            || PrefillAttention::for_head_dim(c.head_dim) != PrefillAttention::Tiled
+            || (0..c.num_hidden_layers).any(|l| c.arch.window(l).is_some())
+    }
+
     /// Sizes and offsets, with empty buffers.
-    fn layout(c: &Config, n: usize, entries: usize, per_layer: bool) -> Layout {
+    fn layout(c: &Config, n: usize, entries: usize, per_layer: bool, probs: bool) -> Layout {
         let rows = gemm_rows(n);
         let shape = Shape {
             h: c.hidden_size,
@@ -159,8 +189,9 @@ impl Workspace {
             0
         };
         let slots = if per_layer { layers + 1 } else { 2 };
+        let probs_len = if probs { heads * entries } else { 0 };
         let body_len = rows
-            * (qd + 2 * kvd + 2 * qd + 2 * kvd + heads * entries + qd + 4 * h + 2 * inter)
+            * (qd + 2 * kvd + 2 * qd + 2 * kvd + probs_len + 4 * heads + qd + 4 * h + 2 * inter)
             + heads * chunks * (hd + 2);
         let copies = if per_layer { layers } else { 1 };
         let xs = 0;
@@ -209,6 +240,7 @@ impl Workspace {
         let k_n = next(n * kvd);
         let k_r = next(n * kvd);
         let probs = next(n * heads * self.probs_stride);
+        let stats = next(n * heads * 4);
         let attn = next(n * qd);
         let o = next(n * h);
         let mid = next(n * h);
@@ -227,6 +259,7 @@ impl Workspace {
             k_n,
             k_r,
             probs,
+            stats,
             part,
             attn,
             o,

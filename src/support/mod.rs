@@ -1,6 +1,7 @@
 //! What every layer uses and none is about: phase timings, interrupt cleanup, memory checks.
 
 pub mod cache;
+pub mod exit;
 pub mod fault;
 pub mod interrupt;
 pub mod progress;

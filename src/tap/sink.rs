@@ -34,6 +34,26 @@ pub struct DeviceTap<'a> {
     pub persistent: bool,
     /// The shape `record` would get.
     pub shape: Vec<usize>,
+    /// `attn_probs` not written out (`ptr` is 0) but offered as what rebuilds them, to a sink
+    /// that takes them so (`TapSink::probs_by_parts`).
+    pub parts: Option<AttnParts>,
+}
+
+/// What a backend rebuilds a prefill pass's attention probabilities from, as device addresses:
+/// the rotated queries (`[n, heads, head_dim]`), the keys the pass attended to (`[entries,
+/// kv_heads · head_dim]`), and per query and head four softmax statistics; with the pass's
+/// base (cache entries before it) and cascade split. A few floats per row instead of a row
+/// per key: a long prompt's attention without tokens² memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParts {
+    pub q: u64,
+    pub keys: u64,
+    pub stats: u64,
+    pub base: usize,
+    pub split: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
@@ -60,6 +80,11 @@ pub trait TapSink {
     /// experts and report the jump that follows as a bug.
     fn route_hints(&self) -> Option<RouteHints> {
         None
+    }
+    /// Whether the sink takes a prefill's `attn_probs` as `AttnParts` (a GPU reference that
+    /// rebuilds rows only where a path's are compared), so the pass need not write them.
+    fn probs_by_parts(&self) -> bool {
+        false
     }
 }
 
@@ -223,6 +248,9 @@ impl TapSink for Masked<'_> {
     fn route_hints(&self) -> Option<RouteHints> {
         self.inner.route_hints()
     }
+    fn probs_by_parts(&self) -> bool {
+        self.inner.probs_by_parts()
+    }
 }
 
 /// Passes taps to another sink and offers fixed routing (`TapSink::route_hints`): a reference
@@ -250,5 +278,8 @@ impl TapSink for Routed<'_> {
     }
     fn route_hints(&self) -> Option<RouteHints> {
         self.hints.clone()
+    }
+    fn probs_by_parts(&self) -> bool {
+        self.inner.probs_by_parts()
     }
 }

@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 
 use crate::compare::diff::RowDiff;
 use crate::cuda::{ptr, Arg, Gpu};
-use crate::tap::{DeviceTap, Recorded, TapId};
+use crate::tap::{AttnParts, DeviceTap, Recorded, TapId};
 
 /// The GPU a device tap lives on (the CUDA backend is the only one that offers them).
 fn gpu_of(t: &DeviceTap<'_>) -> Arc<Gpu> {
@@ -27,10 +27,13 @@ pub struct DeviceRecorded {
     pub rows_per_token: usize,
     pub width: usize,
     pub lead: usize,
-    /// Address of row 0; rows are `stride` apart.
+    /// Address of row 0; rows are `stride` apart (0 for attention kept as parts).
     pub ptr: u64,
     pub stride: usize,
-    _copy: Option<CudaSlice<f32>>,
+    /// Attention kept as what rebuilds it (copies of the pass's queries, keys and statistics),
+    /// rows rebuilt where a path's are compared.
+    pub parts: Option<AttnParts>,
+    _copy: Vec<CudaSlice<f32>>,
     gpu: Arc<Gpu>,
 }
 
@@ -38,8 +41,28 @@ impl DeviceRecorded {
     /// Keeps `t`: by address when it is persistent and `borrow` allows, else as a copy.
     pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool) -> Self {
         let g = &gpu_of(t);
-        let (ptr_, stride, copy) = if t.persistent && borrow {
-            (t.ptr, t.stride, None)
+        let mut parts = None;
+        let (ptr_, stride, copy) = if let Some(p) = t.parts {
+            // The pass's buffers are reused and the cache's keys may be turned later: copies.
+            let n = t.positions.len();
+            let kv_dim = p.kv_heads * p.head_dim;
+            let copy = |from: u64, len: usize| {
+                let data = g.alloc::<f32>(len);
+                g.copy_device(from, ptr(g, &data, 0), len);
+                data
+            };
+            let q = copy(p.q, n * p.heads * p.head_dim);
+            let keys = copy(p.keys, (p.base + n) * kv_dim);
+            let stats = copy(p.stats, n * p.heads * 4);
+            parts = Some(AttnParts {
+                q: ptr(g, &q, 0),
+                keys: ptr(g, &keys, 0),
+                stats: ptr(g, &stats, 0),
+                ..p
+            });
+            (0, 0, vec![q, keys, stats])
+        } else if t.persistent && borrow {
+            (t.ptr, t.stride, Vec::new())
         } else {
             let data = g.alloc::<f32>(t.rows * t.width);
             g.launch(
@@ -54,7 +77,7 @@ impl DeviceRecorded {
                     Arg::Ptr(ptr(g, &data, 0)),
                 ],
             );
-            (ptr(g, &data, 0), t.width, Some(data))
+            (ptr(g, &data, 0), t.width, vec![data])
         };
         DeviceRecorded {
             step,
@@ -66,9 +89,15 @@ impl DeviceRecorded {
             lead: t.lead,
             ptr: ptr_,
             stride,
+            parts,
             _copy: copy,
             gpu: g.clone(),
         }
+    }
+
+    /// The GPU the tap is kept on.
+    pub fn gpu(&self) -> Arc<Gpu> {
+        self.gpu.clone()
     }
 
     /// Address of row `r`.
@@ -76,12 +105,29 @@ impl DeviceRecorded {
         self.ptr + (r * self.stride * 4) as u64
     }
 
+    /// Rebuilds the attention rows of the pass's queries `rows` (indices into `positions`)
+    /// into `out`, `[rows, heads, width]`.
+    pub fn rebuild(&self, rows: &[i32], out: u64) {
+        let p = self.parts.as_ref().expect("attention kept as parts");
+        let g = &self.gpu;
+        let idx = g.upload(rows);
+        crate::cuda::launch_probs_from_stats(g, p, ptr(g, &idx, 0), rows.len(), self.width, out);
+    }
+
     /// The same tap on the host (rows widened to lead + width, zeros first).
     pub fn to_host(&self) -> Recorded {
         let rows = self.positions.len() * self.rows_per_token;
-        let all = self
-            .gpu
-            .download_rows(self.ptr, rows, self.width, self.stride);
+        let all = match self.parts {
+            Some(_) => {
+                let out = self.gpu.alloc::<f32>(rows * self.width);
+                let idx: Vec<i32> = (0..self.positions.len() as i32).collect();
+                self.rebuild(&idx, ptr(&self.gpu, &out, 0));
+                self.gpu.download(&out, rows * self.width)
+            }
+            None => self
+                .gpu
+                .download_rows(self.ptr, rows, self.width, self.stride),
+        };
         let mut shape = self.shape.clone();
         if let Some(last) = shape.last_mut() {
             *last += self.lead;
@@ -127,6 +173,17 @@ impl DeviceDiffs {
         r: &DeviceRecorded,
         b_rows: impl Iterator<Item = Option<usize>>,
     ) -> Option<usize> {
+        self.enqueue_rows(t, (r.width, r.lead), b_rows.map(|b| b.map(|b| r.row(b))))
+    }
+
+    /// `enqueue` against reference rows given by address (`b_rows`), each `width` wide from
+    /// column `lead`.
+    pub fn enqueue_rows(
+        &mut self,
+        t: &DeviceTap<'_>,
+        (width, lead): (usize, usize),
+        b_rows: impl Iterator<Item = Option<u64>>,
+    ) -> Option<usize> {
         if self.out.is_none() {
             self.cap = (1 << 20).max(t.rows);
             let g = gpu_of(t);
@@ -136,12 +193,12 @@ impl DeviceDiffs {
         if self.used + t.rows > self.cap {
             return None;
         }
-        let widths = t.width as u64 | (r.width as u64) << 32;
-        let leads = t.lead as u64 | (r.lead as u64) << 32;
+        let widths = t.width as u64 | (width as u64) << 32;
+        let leads = t.lead as u64 | (lead as u64) << 32;
         for (i, b) in b_rows.enumerate().take(t.rows) {
             self.jobs.extend([
                 t.ptr + (i * t.stride * 4) as u64,
-                b.map_or(0, |b| r.row(b)),
+                b.unwrap_or(0),
                 widths,
                 leads,
             ]);
