@@ -490,35 +490,63 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
 
 // The attention probabilities of chosen rows, rebuilt from what `attention_tiled` kept of them
 // (`stats`: per query and head, each segment's running max and weight) with the arithmetic of
-// its own probabilities loop, so the values are the ones it would have written. This is how a
-// reference keeps a long prompt's attention without tokens^2 memory: q, keys and four floats
-// per row, rows rebuilt a tile at a time where a path's rows are compared.
-// Block per (row, head): `rows[blockIdx.x / heads]` is the query's index in its pass; `out` is
-// [count, heads, span]; entries at or past the query's `base + index + 1` are 0.
+// its own probabilities loop (same tiles in shared memory, same sums in the same order), so
+// the values are the ones it would have written. This is how a reference keeps a long prompt's
+// attention without tokens^2 memory: q, keys and four floats per row, rows rebuilt a tile at a
+// time where a path's rows are compared.
+// Block per (REBUILD_Q rows of `rows`, head); `rows[i]` is a query's index in its pass; `out`
+// is [count, heads, span]; entries at or past the query's `base + index + 1` are 0.
+// Dynamic shared memory: (REBUILD_Q + TILE_K) * (head_dim + 1) floats.
+#define REBUILD_Q 16
 extern "C" __global__ void probs_from_stats(const float* q, const float* keys, const float* stats,
-                                            const int* rows, float* out, int base, int split,
-                                            int heads, int kv_heads, int head_dim, int span,
-                                            float scale) {
+                                            const int* rows, float* out, int count, int base,
+                                            int split, int heads, int kv_heads, int head_dim,
+                                            int span, float scale) {
     PDL_ENTER();
-    extern __shared__ float qs[];
-    int r = rows[blockIdx.x / heads], h = blockIdx.x % heads;
+    extern __shared__ float sm[];
+    __shared__ float st[REBUILD_Q][4];
+    __shared__ int vis[REBUILD_Q], cut[REBUILD_Q];
+    int hp = head_dim + 1;
+    float* qs = sm;
+    float* ks = qs + REBUILD_Q * hp;
+    int tiles = (count + REBUILD_Q - 1) / REBUILD_Q;
+    int h = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * REBUILD_Q;
+    int nq = min(REBUILD_Q, count - i0);
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
-    const float* qr = q + ((size_t)r * heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    int tid = threadIdx.x;
+    for (int i = tid; i < REBUILD_Q * head_dim; i += blockDim.x) {
+        int r = i / head_dim, d = i % head_dim;
+        qs[r * hp + d] = r < nq ? q[((size_t)rows[i0 + r] * heads + h) * head_dim + d] : 0.0f;
+    }
+    if (tid < REBUILD_Q) {
+        int qi = tid < nq ? rows[i0 + tid] : 0;
+        int v = tid < nq ? base + qi + 1 : 0;
+        vis[tid] = v;
+        cut[tid] = (split > 0 && split < v) ? split : 0;
+        const float* s = stats + ((size_t)qi * heads + h) * 4;
+        for (int j = 0; j < 4; j++) st[tid][j] = tid < nq ? s[j] : 0.0f;
+    }
     __syncthreads();
-    const float* st = stats + ((size_t)r * heads + h) * 4;
-    int vis = base + r + 1;
-    int cut = (split > 0 && split < vis) ? split : 0;
-    float* o = out + (size_t)blockIdx.x * span;
-    for (int e = threadIdx.x; e < span; e += blockDim.x) {
-        float val = 0.0f;
-        if (e < vis) {
-            const float* k = keys + (size_t)e * kv_dim + kvh * head_dim;
-            float acc = 0.0f;
-            for (int d = 0; d < head_dim; d++) acc += qs[d] * k[d];
-            int g = e < cut ? 0 : 1;
-            val = expf(acc * scale - st[g]) * st[2 + g];
+    int kend = 0;
+    for (int r = 0; r < nq; r++) kend = max(kend, vis[r]);
+    int pj = tid % 32, pw = tid / 32, warps = blockDim.x / 32;
+    for (int k0 = 0; k0 < span; k0 += TILE_K) {
+        if (k0 < kend) {
+            __syncthreads();
+            load_kv_tile(keys, nullptr, ks, nullptr, k0, kend, kv_dim, kvh, head_dim, hp);
+            __syncthreads();
         }
-        o[e] = val;
+        int e = k0 + pj;
+        if (e >= span) continue;
+        for (int r = pw; r < nq; r += warps) {
+            float val = 0.0f;
+            if (e < vis[r]) {
+                float acc = 0.0f;
+                for (int d = 0; d < head_dim; d++) acc += qs[r * hp + d] * ks[pj * hp + d];
+                int g = e < cut[r] ? 0 : 1;
+                val = expf(acc * scale - st[r][g]) * st[r][2 + g];
+            }
+            out[((size_t)(i0 + r) * heads + h) * span + e] = val;
+        }
     }
 }

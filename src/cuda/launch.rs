@@ -244,17 +244,19 @@ pub(crate) fn launch_probs_from_stats(
     span: usize,
     out: u64,
 ) {
+    let tiles = count.div_ceil(REBUILD_Q);
     g.launch(
         "probs_from_stats",
-        (count * p.heads) as u32,
-        128,
-        (p.head_dim * 4) as u32,
+        (tiles * p.heads) as u32,
+        TILE_THREADS,
+        ((REBUILD_Q + TILE_K) * (p.head_dim + 1) * 4) as u32,
         &[
             Arg::Ptr(p.q),
             Arg::Ptr(p.keys),
             Arg::Ptr(p.stats),
             Arg::Ptr(rows),
             Arg::Ptr(out),
+            Arg::I32(count as i32),
             Arg::I32(p.base as i32),
             Arg::I32(p.split as i32),
             Arg::I32(p.heads as i32),
@@ -265,3 +267,6 @@ pub(crate) fn launch_probs_from_stats(
         ],
     );
 }
+
+/// `REBUILD_Q` of kernels/attention.cu: rows per block of `probs_from_stats`.
+const REBUILD_Q: usize = 16;
