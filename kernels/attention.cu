@@ -494,10 +494,14 @@ extern "C" __global__ void attention_tiled(const float* q, const float* keys, co
 // the values are the ones it would have written. This is how a reference keeps a long prompt's
 // attention without tokens^2 memory: q, keys and four floats per row, rows rebuilt a tile at a
 // time where a path's rows are compared.
-// Block per (REBUILD_Q rows of `rows`, head); `rows[i]` is a query's index in its pass; `out`
-// is [count, heads, span]; entries at or past the query's `base + index + 1` are 0.
-// Dynamic shared memory: (REBUILD_Q + TILE_K) * (head_dim + 1) floats.
+// Block of 128 threads per (REBUILD_Q rows of `rows`, head): thread t computes rows
+// 2 * (t / 16) + {0, 1} against keys t % 16 + {0, 16, 32, 48} of each REBUILD_K-key tile, every
+// dot product summed over head_dim in order, as the attention kernel sums it. `rows[i]` is a
+// query's index in its pass; `out` is [count, heads, span]; entries at or past the query's
+// `base + index + 1` are 0. Dynamic shared memory: (REBUILD_Q + REBUILD_K) * (head_dim + 1)
+// floats.
 #define REBUILD_Q 16
+#define REBUILD_K 64
 extern "C" __global__ void probs_from_stats(const float* q, const float* keys, const float* stats,
                                             const int* rows, float* out, int count, int base,
                                             int split, int heads, int kv_heads, int head_dim,
@@ -529,24 +533,48 @@ extern "C" __global__ void probs_from_stats(const float* q, const float* keys, c
     __syncthreads();
     int kend = 0;
     for (int r = 0; r < nq; r++) kend = max(kend, vis[r]);
-    int pj = tid % 32, pw = tid / 32, warps = blockDim.x / 32;
-    for (int k0 = 0; k0 < span; k0 += TILE_K) {
+    int kg = tid % 16, r0 = (tid / 16) * 2;
+    int vec = head_dim / 4;
+    for (int k0 = 0; k0 < span; k0 += REBUILD_K) {
+        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         if (k0 < kend) {
             __syncthreads();
-            load_kv_tile(keys, nullptr, ks, nullptr, k0, kend, kv_dim, kvh, head_dim, hp);
-            __syncthreads();
-        }
-        int e = k0 + pj;
-        if (e >= span) continue;
-        for (int r = pw; r < nq; r += warps) {
-            float val = 0.0f;
-            if (e < vis[r]) {
-                float acc = 0.0f;
-                for (int d = 0; d < head_dim; d++) acc += qs[r * hp + d] * ks[pj * hp + d];
-                int g = e < cut[r] ? 0 : 1;
-                val = expf(acc * scale - st[r][g]) * st[r][2 + g];
+            for (int i = tid; i < REBUILD_K * vec; i += blockDim.x) {
+                int r = i / vec, c = (i % vec) * 4;
+                float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (k0 + r < kend) kk = *(const float4*)(keys + (size_t)(k0 + r) * kv_dim + kvh * head_dim + c);
+                float* kr = ks + r * hp + c;
+                kr[0] = kk.x;
+                kr[1] = kk.y;
+                kr[2] = kk.z;
+                kr[3] = kk.w;
             }
-            out[((size_t)(i0 + r) * heads + h) * span + e] = val;
+            __syncthreads();
+            for (int d = 0; d < head_dim; d++) {
+                float a0 = qs[r0 * hp + d], a1 = qs[(r0 + 1) * hp + d];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float kd = ks[(kg + 16 * j) * hp + d];
+                    acc[0][j] += a0 * kd;
+                    acc[1][j] += a1 * kd;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int r = r0 + i;
+            if (r >= nq) continue;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int e = k0 + kg + 16 * j;
+                if (e >= span) continue;
+                float val = 0.0f;
+                if (e < vis[r]) {
+                    int g = e < cut[r] ? 0 : 1;
+                    val = expf(acc[i][j] * scale - st[r][g]) * st[r][2 + g];
+                }
+                out[((size_t)(i0 + r) * heads + h) * span + e] = val;
+            }
         }
     }
 }

@@ -249,7 +249,7 @@ pub(crate) fn launch_probs_from_stats(
         "probs_from_stats",
         (tiles * p.heads) as u32,
         TILE_THREADS,
-        ((REBUILD_Q + TILE_K) * (p.head_dim + 1) * 4) as u32,
+        ((REBUILD_Q + REBUILD_K) * (p.head_dim + 1) * 4) as u32,
         &[
             Arg::Ptr(p.q),
             Arg::Ptr(p.keys),
@@ -268,5 +268,7 @@ pub(crate) fn launch_probs_from_stats(
     );
 }
 
-/// `REBUILD_Q` of kernels/attention.cu: rows per block of `probs_from_stats`.
+/// `REBUILD_Q` and `REBUILD_K` of kernels/attention.cu: rows per block of `probs_from_stats`
+/// and keys per tile.
 const REBUILD_Q: usize = 16;
+const REBUILD_K: usize = 64;
