@@ -1,7 +1,7 @@
 //! Noise calibrations kept between runs. An auto-tolerance run's noise profile (and its check of
 //! the GPU reference) is stored in kvdiff's cache (`support/cache.rs`) under a key of
 //! everything it depends on: the kvdiff binary, the model's files, the calibration tokens and
-//! the positions they are rotated at, and the backends. A run repeated in CI, or a case re-run
+//! the positions they are rotated at, the backends, and the GPU when one takes part. A run repeated in CI, or a case re-run
 //! from a sweep, then skips the f64 recomputation, the costliest part of a short comparison.
 
 use std::hash::{Hash, Hasher};
@@ -33,7 +33,7 @@ pub enum NoiseCache<'a> {
 }
 
 /// The key of a calibration; `None` where the model has no files to identify it by (an
-/// in-memory model) or the binary cannot be found.
+/// in-memory model), the binary cannot be found, or the GPU cannot be named.
 pub fn key(
     src: &ModelSource,
     prompt_ids: &[u32],
@@ -41,6 +41,11 @@ pub fn key(
     backends: &[&str],
     gpu_reference: bool,
 ) -> Option<String> {
+    // A GPU reference's own noise is measured on the device: another GPU is another key.
+    let device = match backends.contains(&"cuda") {
+        true => Some(crate::cuda::device_name()?),
+        false => None,
+    };
     let mut h = std::collections::hash_map::DefaultHasher::new();
     PROFILE_SCHEMA.hash(&mut h);
     // A rebuilt kvdiff may compute differently.
@@ -63,7 +68,7 @@ pub fn key(
         }
     }
     prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
-    (last_position, backends, gpu_reference).hash(&mut h);
+    (last_position, backends, gpu_reference, device).hash(&mut h);
     Some(format!("{:016x}", h.finish()))
 }
 

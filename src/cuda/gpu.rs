@@ -66,6 +66,13 @@ pub fn driver_missing() -> Option<String> {
         .then(|| "the CUDA driver library (libcuda.so) was not found".into())
 }
 
+/// The name of GPU 0, from the driver alone (no context is created), if it can be read.
+pub fn device_name() -> Option<String> {
+    use cudarc::driver::result;
+    result::init().ok()?;
+    result::device::get_name(result::device::get(0).ok()?).ok()
+}
+
 pub fn unavailable_reason() -> Option<String> {
     // Safety: only probes whether the shared libraries can be opened.
     unsafe {

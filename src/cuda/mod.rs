@@ -21,7 +21,7 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
-pub use gpu::{driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
+pub use gpu::{device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
 pub(crate) use launch::launch_probs_from_stats;
 
