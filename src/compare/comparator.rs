@@ -585,36 +585,13 @@ impl TapSink for Comparator<'_> {
             return self.diff_against_rebuilt(step, t, which, &rrows);
         }
         let rpt = t.rows_per_token;
-        let b_rows = || {
-            rrows
-                .iter()
-                .flat_map(|x| (0..rpt).map(move |h| x.map(|x| x * rpt + h)))
-        };
-        let offset = match self.diffs.enqueue(t, r, b_rows()) {
-            Some(o) => o,
-            None => {
-                self.flush();
-                let r = &self.device_reference[&t.id][which];
-                self.diffs
-                    .enqueue(t, r, b_rows())
-                    .expect("an empty buffer holds any tap")
-            }
-        };
+        let b_rows: Vec<Option<u64>> = rrows
+            .iter()
+            .flat_map(|x| (0..rpt).map(move |h| x.map(|x| r.row(x * rpt + h))))
+            .collect();
         // A buffer the pass reuses must be read now; persistent ones wait for `end_pass`,
         // so that a decode step's taps are diffed in one launch.
-        if !t.persistent {
-            self.diffs.launch();
-        }
-        let r = &self.device_reference[&t.id][which];
-        self.pending.push(PendingDiff {
-            step,
-            id: t.id,
-            positions: t.positions.to_vec(),
-            rows_per_token: rpt,
-            path_width: t.lead + t.width,
-            ref_width: r.lead + r.width,
-            offset,
-        });
+        self.queue_diff(step, t, (r.width, r.lead), &b_rows, !t.persistent);
         true
     }
 
@@ -685,37 +662,51 @@ impl Comparator<'_> {
                 shape: vec![end - start, rpt, t.width],
                 parts: None,
             };
-            let b_rows = || {
-                rrows[start..end]
-                    .iter()
-                    .enumerate()
-                    .flat_map(move |(i, x)| {
-                        (0..rpt)
-                            .map(move |h| x.map(|_| base + (((i * rpt + h) * width) * 4) as u64))
-                    })
-            };
-            let offset = match self.diffs.enqueue_rows(&part, (width, lead), b_rows()) {
-                Some(o) => o,
-                None => {
-                    self.flush();
-                    self.diffs
-                        .enqueue_rows(&part, (width, lead), b_rows())
-                        .expect("an empty buffer holds any tile")
-                }
-            };
+            let b_rows: Vec<Option<u64>> = rrows[start..end]
+                .iter()
+                .enumerate()
+                .flat_map(|(i, x)| {
+                    (0..rpt).map(move |h| x.map(|_| base + (((i * rpt + h) * width) * 4) as u64))
+                })
+                .collect();
             // The next tile overwrites the scratch: diff this one now.
-            self.diffs.launch();
-            self.pending.push(PendingDiff {
-                step,
-                id: t.id,
-                positions: part.positions.to_vec(),
-                rows_per_token: rpt,
-                path_width: t.lead + t.width,
-                ref_width: lead + width,
-                offset,
-            });
+            self.queue_diff(step, &part, (width, lead), &b_rows, true);
         }
         true
+    }
+
+    /// Queues the diff of the path rows `t` against reference rows at `b_rows` (addresses,
+    /// `width` wide from column `lead`; `None`: no reference row), reading back the summaries
+    /// first when the buffer is full; launches at once with `now`; books it as pending.
+    fn queue_diff(
+        &mut self,
+        step: usize,
+        t: &DeviceTap<'_>,
+        (width, lead): (usize, usize),
+        b_rows: &[Option<u64>],
+        now: bool,
+    ) {
+        let offset = match self.diffs.enqueue(t, (width, lead), b_rows.iter().copied()) {
+            Some(o) => o,
+            None => {
+                self.flush();
+                self.diffs
+                    .enqueue(t, (width, lead), b_rows.iter().copied())
+                    .expect("an empty buffer holds any tap")
+            }
+        };
+        if now {
+            self.diffs.launch();
+        }
+        self.pending.push(PendingDiff {
+            step,
+            id: t.id,
+            positions: t.positions.to_vec(),
+            rows_per_token: t.rows_per_token,
+            path_width: t.lead + t.width,
+            ref_width: lead + width,
+            offset,
+        });
     }
 
     /// The reference's taps of the step about to be compared, on the host or the GPU.

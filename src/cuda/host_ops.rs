@@ -1,6 +1,7 @@
 //! Each kernel run once on host data, host data back: what the kernel tests hold against the
 //! CPU reference (`crate::engine::ops`, `crate::engine::attention`, `crate::compare::diff::row_diff`).
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gpu::{ptr, Arg, Gpu};
@@ -138,44 +139,17 @@ pub fn attention(
     kv_heads: usize,
     hd: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    let entries = keys.len() / (kv_heads * hd);
-    let base = entries - n;
-    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
-    let meta = gpu.upload(&[base as i32]);
-    let chunks = entries.div_ceil(super::launch::DECODE_CHUNK) + 1;
-    let part = poison_f32(gpu, heads * chunks * (hd + 2));
-    let counters = gpu.zeros::<u32>(heads);
-    let probs = poison_f32(gpu, n * heads * entries);
-    let out = poison_f32(gpu, n * heads * hd);
-    let out_bf = poison_bf16(gpu, n * heads * hd);
-    super::launch::launch_attention(
+    let run = AttentionRun::launch(
         gpu,
-        &super::launch::Attention {
-            n,
-            q: ptr(gpu, &dq, 0),
-            keys: ptr(gpu, &dk, 0),
-            values: ptr(gpu, &dv, 0),
-            probs: ptr(gpu, &probs, 0),
-            stats: 0,
-            stride: entries,
-            part: ptr(gpu, &part, 0),
-            chunks,
-            counters: ptr(gpu, &counters, 0),
-            out: ptr(gpu, &out, 0),
-            out_bf: ptr(gpu, &out_bf, 0),
-            meta: ptr(gpu, &meta, 0),
-            split,
-            heads,
-            kv_heads,
-            head_dim: hd,
-            window,
-            prefill: kernel,
-            write_probs: true,
-        },
+        kernel,
+        (q, keys, values),
+        (n, split, window),
+        (heads, kv_heads, hd),
+        false,
     );
     (
-        gpu.download(&out, n * heads * hd),
-        gpu.download(&probs, n * heads * entries),
+        gpu.download(&run.out, n * heads * hd),
+        gpu.download(&run.probs, n * heads * run.entries),
     )
 }
 
@@ -193,49 +167,25 @@ pub fn probs_written_and_rebuilt(
     kv_heads: usize,
     hd: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    let entries = keys.len() / (kv_heads * hd);
-    let base = entries - n;
-    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
-    let meta = gpu.upload(&[base as i32]);
-    let probs = poison_f32(gpu, n * heads * entries);
-    let stats = poison_f32(gpu, n * heads * 4);
-    let out = poison_f32(gpu, n * heads * hd);
-    let out_bf = poison_bf16(gpu, n * heads * hd);
-    super::launch::launch_attention(
+    let run = AttentionRun::launch(
         gpu,
-        &super::launch::Attention {
-            n,
-            q: ptr(gpu, &dq, 0),
-            keys: ptr(gpu, &dk, 0),
-            values: ptr(gpu, &dv, 0),
-            probs: ptr(gpu, &probs, 0),
-            stats: ptr(gpu, &stats, 0),
-            stride: entries,
-            part: 0,
-            chunks: 0,
-            counters: 0,
-            out: ptr(gpu, &out, 0),
-            out_bf: ptr(gpu, &out_bf, 0),
-            meta: ptr(gpu, &meta, 0),
-            split,
-            heads,
-            kv_heads,
-            head_dim: hd,
-            window: 0,
-            prefill: super::launch::PrefillAttention::Tiled,
-            write_probs: true,
-        },
+        super::launch::PrefillAttention::Tiled,
+        (q, keys, values),
+        (n, split, 0),
+        (heads, kv_heads, hd),
+        true,
     );
+    let entries = run.entries;
     let rows: Vec<i32> = (0..n as i32).collect();
     let rows = gpu.upload(&rows);
     let rebuilt = poison_f32(gpu, n * heads * entries);
     super::launch::launch_probs_from_stats(
         gpu,
         &crate::tap::AttnParts {
-            q: ptr(gpu, &dq, 0),
-            keys: ptr(gpu, &dk, 0),
-            stats: ptr(gpu, &stats, 0),
-            base,
+            q: ptr(gpu, &run.q, 0),
+            keys: ptr(gpu, &run.keys, 0),
+            stats: ptr(gpu, &run.stats, 0),
+            base: entries - n,
             split,
             heads,
             kv_heads,
@@ -247,9 +197,75 @@ pub fn probs_written_and_rebuilt(
         ptr(gpu, &rebuilt, 0),
     );
     (
-        gpu.download(&probs, n * heads * entries),
+        gpu.download(&run.probs, n * heads * entries),
         gpu.download(&rebuilt, n * heads * entries),
     )
+}
+
+/// One attention launch on uploaded host data, its buffers kept for reading.
+struct AttentionRun {
+    q: CudaSlice<f32>,
+    keys: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    probs: CudaSlice<f32>,
+    stats: CudaSlice<f32>,
+    entries: usize,
+}
+
+impl AttentionRun {
+    fn launch(
+        gpu: &Gpu,
+        kernel: super::launch::PrefillAttention,
+        (q, keys, values): (&[f32], &[f32], &[f32]),
+        (n, split, window): (usize, usize, usize),
+        (heads, kv_heads, hd): (usize, usize, usize),
+        keep_stats: bool,
+    ) -> Self {
+        let entries = keys.len() / (kv_heads * hd);
+        let base = entries - n;
+        let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
+        let meta = gpu.upload(&[base as i32]);
+        let chunks = entries.div_ceil(super::launch::DECODE_CHUNK) + 1;
+        let part = poison_f32(gpu, heads * chunks * (hd + 2));
+        let counters = gpu.zeros::<u32>(heads);
+        let probs = poison_f32(gpu, n * heads * entries);
+        let stats = poison_f32(gpu, n * heads * 4);
+        let out = poison_f32(gpu, n * heads * hd);
+        let out_bf = poison_bf16(gpu, n * heads * hd);
+        super::launch::launch_attention(
+            gpu,
+            &super::launch::Attention {
+                n,
+                q: ptr(gpu, &dq, 0),
+                keys: ptr(gpu, &dk, 0),
+                values: ptr(gpu, &dv, 0),
+                probs: ptr(gpu, &probs, 0),
+                stats: if keep_stats { ptr(gpu, &stats, 0) } else { 0 },
+                stride: entries,
+                part: ptr(gpu, &part, 0),
+                chunks,
+                counters: ptr(gpu, &counters, 0),
+                out: ptr(gpu, &out, 0),
+                out_bf: ptr(gpu, &out_bf, 0),
+                meta: ptr(gpu, &meta, 0),
+                split,
+                heads,
+                kv_heads,
+                head_dim: hd,
+                window,
+                prefill: kernel,
+                write_probs: true,
+            },
+        );
+        AttentionRun {
+            q: dq,
+            keys: dk,
+            out,
+            probs,
+            stats,
+            entries,
+        }
+    }
 }
 
 /// `x[n, k] · w[m, k]ᵀ` with both rounded to bf16, f32 out.

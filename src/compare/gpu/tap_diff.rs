@@ -164,21 +164,11 @@ pub struct DeviceDiffs {
 }
 
 impl DeviceDiffs {
-    /// Queues the diff of the path tap's rows against reference rows (`b_rows[r]`: the
-    /// reference row of path row r, `None`: no reference, row skipped). Returns the first
-    /// output row, or `None` when the buffer is full (read it back, then queue again).
+    /// Queues the diff of the path tap's rows against reference rows given by address
+    /// (`b_rows[r]`: path row r's, `None`: no reference, row skipped), each `width` wide from
+    /// column `lead`. Returns the first output row, or `None` when the buffer is full (read it
+    /// back, then queue again).
     pub fn enqueue(
-        &mut self,
-        t: &DeviceTap<'_>,
-        r: &DeviceRecorded,
-        b_rows: impl Iterator<Item = Option<usize>>,
-    ) -> Option<usize> {
-        self.enqueue_rows(t, (r.width, r.lead), b_rows.map(|b| b.map(|b| r.row(b))))
-    }
-
-    /// `enqueue` against reference rows given by address (`b_rows`), each `width` wide from
-    /// column `lead`.
-    pub fn enqueue_rows(
         &mut self,
         t: &DeviceTap<'_>,
         (width, lead): (usize, usize),
