@@ -5,13 +5,19 @@
 //!   decode GB/s      against the read bandwidth of a parallel sum over a buffer as large as
 //!                    the weights.
 //! Prints a table last. KVDIFF_BENCH_TOKENS sets the prompt lengths (default "128,512").
+//! KVDIFF_BENCH_COMPARE (e.g. "1024") also times the long-prompt comparison of
+//! `scripts/bench_long.sh` on the CPU at those lengths: standard vs chunk-reuse:rerotate on a
+//! system + two documents + query prompt, default taps and tolerance (calibration included),
+//! the invariant rerotate = global, 16 tokens.
 
 use std::time::Instant;
 
 use kvdiff::engine::config::Config;
 use kvdiff::engine::model::{Batch, Model};
 use kvdiff::engine::ops::matmul_t;
-use kvdiff::tap::NullSink;
+use kvdiff::engine::Engine;
+use kvdiff::io::model_source::ModelSource;
+use kvdiff::tap::{NullSink, TapFilter};
 use rayon::prelude::*;
 
 /// y[n, out] = x[n, inp] · wᵀ.
@@ -98,7 +104,11 @@ fn main() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     eprintln!("building a random model of Qwen3-0.6B's shape (f32, {cores} threads)");
-    let model = Model::random(c.clone(), 7);
+    // With the embedded model's tokenizer, for the comparison's report texts (prompt ids are
+    // kept inside its vocabulary).
+    let engine = Engine::load_with(ModelSource::Embedded, |_| Ok(Model::random(c.clone(), 7)))
+        .expect("the embedded tokenizer loads");
+    let model = &engine.model;
     let (h, qd, kvd, i, v) = (
         c.hidden_size,
         c.q_dim(),
@@ -213,4 +223,58 @@ fn main() {
             100.0 * gb / bandwidth
         );
     }
+    let lengths: Vec<usize> = std::env::var("KVDIFF_BENCH_COMPARE")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    for t in lengths {
+        let (secs, passes) = long_compare(&engine, t);
+        println!(
+            "compare standard vs chunk-reuse:rerotate, {t} tokens, default taps and tolerance: {secs:.1} s in-process ({passes} pass{} per path)",
+            if passes == 1 { "" } else { "es" }
+        );
+    }
+}
+
+/// The comparison of `scripts/bench_long.sh` on the CPU: seconds, and how many layer-group
+/// passes the host memory budget split it into.
+fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
+    use kvdiff::compare::run::{Policy, Request, HOST_MEMORY_BUDGET};
+    use kvdiff::compare::target::{Backend, Target};
+    use kvdiff::engine::chunks::ChunkedPrompt;
+    let vocab = engine.tokenizer.vocab_size() as u32;
+    let ids: Vec<u32> = (0..t as u32).map(|k| (k * 31 + 7) % vocab).collect();
+    // System, two documents of about 45% each, the query.
+    let (sys, doc) = (t / 20, t * 9 / 20);
+    let prompt = ChunkedPrompt::from_boundaries(ids, &[sys, sys + doc, sys + 2 * doc], true);
+    let mut taps = TapFilter::all();
+    taps.all_prompt_logits = false;
+    let c = &engine.model.config;
+    let n = t + 16;
+    let per_layer =
+        4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
+    let passes = (per_layer * c.num_hidden_layers).div_ceil(HOST_MEMORY_BUDGET);
+    let started = Instant::now();
+    let report = Request {
+        engine,
+        gpu_model: None,
+        prompt: &prompt,
+        prompt_label: format!("{t} tokens"),
+        reference: Target::parse("standard").expect("a path"),
+        targets: &[Target::parse("chunk-reuse:rerotate").expect("a path")],
+        backend: Backend::Cpu,
+        taps: &taps,
+        policy: Policy::Auto,
+        max_new_tokens: 16,
+        dump: None,
+        invariants: true,
+        noise_profile: None,
+        gpu_noise: None,
+        noise_cache: None,
+    }
+    .run()
+    .expect("the comparison runs");
+    std::hint::black_box(report);
+    (started.elapsed().as_secs_f64(), passes.max(1))
 }
