@@ -151,6 +151,10 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         (33, 33, 0, 0, 4, 4, 32),
         (7, 19, 5, 0, 2, 1, 24),
         (3, 10, 0, 0, 2, 2, 200),
+        // Several blocks of the tensor-core kernel (64 queries each) with a split; a head size
+        // it leaves to the f32 tiled kernel (not a multiple of 8).
+        (150, 200, 70, 0, 4, 2, 64),
+        (10, 30, 12, 0, 4, 2, 20),
         // Windows: inside the prompt, in decode, past a cascade split and before one.
         (12, 12, 0, 5, 6, 2, 16),
         (1, 90, 0, 10, 4, 1, 32),

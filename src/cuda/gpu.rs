@@ -20,6 +20,10 @@ const SOURCES: &[(&str, &str)] = &[
     ("rope.cu", include_str!("../../kernels/rope.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     (
+        "attention_mma.cu",
+        include_str!("../../kernels/attention_mma.cu"),
+    ),
+    (
         "elementwise.cu",
         include_str!("../../kernels/elementwise.cu"),
     ),
@@ -36,6 +40,8 @@ const KERNELS: &[&str] = &[
     "attention",
     "attention_decode",
     "attention_tiled",
+    "attention_mma",
+    "probs_from_stats_mma",
     "embed",
     "swiglu",
     "gather_rows_bf16",
@@ -121,6 +127,11 @@ pub struct Gpu {
     /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless
     /// `KVDIFF_CUDA_PDL=0`): see `pdl_wait` in kernels/common.cuh.
     pdl: bool,
+    /// Pinned buffers that `upload_staged` copies from, each with the event of its last copy.
+    staging: std::sync::Mutex<Vec<Staging>>,
+    /// Prefill attention runs on tensor cores (`kernels/attention_mma.cu`: sm_80 and later,
+    /// unless `KVDIFF_CUDA_MMA=0`).
+    tensor_cores: bool,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -184,14 +195,32 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
         Err(_) => compiled_ptx(major, minor)?,
     };
     let module = ctx.load_module(image).map_err(internal("module load"))?;
-    KERNELS
+    let kernels: Vec<CudaFunction> = KERNELS
         .iter()
         .map(|k| {
             module
                 .load_function(k)
                 .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    if major >= 8 {
+        // The tensor-core attention kernels hold more than the default 48 KiB of dynamic
+        // shared memory per block; sm_80 and later allow it on request.
+        for k in ["attention_mma", "probs_from_stats_mma"] {
+            let f = &kernels[KERNELS.iter().position(|n| *n == k).expect("listed")];
+            // Safety: a live function of the module just loaded.
+            unsafe {
+                cudarc::driver::sys::cuFuncSetAttribute(
+                    f.cu_function(),
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    super::launch::MMA_MAX_SHARED as i32,
+                )
+            }
+            .result()
+            .map_err(internal("kernel shared memory"))?;
+        }
+    }
+    Ok(kernels)
 }
 
 /// A device being opened on another thread (`open_in_background`).
@@ -271,6 +300,8 @@ impl Gpu {
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
+            staging: Default::default(),
+            tensor_cores: major >= 8 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"),
         });
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
@@ -354,6 +385,11 @@ impl Gpu {
         &self.kernels[i]
     }
 
+    /// Whether prefill attention runs on tensor cores (see `launch::attention_kernel`).
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores
+    }
+
     /// Free and total device memory in bytes.
     pub fn memory(&self) -> (usize, usize) {
         self.ctx.mem_get_info().unwrap_or((usize::MAX, usize::MAX))
@@ -415,6 +451,56 @@ impl Gpu {
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
         self.stream().clone_htod(host).expect("CUDA upload")
+    }
+
+    /// `upload` without waiting for the stream: a copy from pageable memory larger than the
+    /// driver's small-copy buffer waits until the stream has run everything queued before it,
+    /// which idles the GPU while the host prepares the next launch. This one goes through a
+    /// pinned buffer, reused once its copy is done.
+    pub fn upload_staged<T: DeviceRepr + Copy>(&self, host: &[T]) -> CudaSlice<T> {
+        let bytes = std::mem::size_of_val(host);
+        if bytes <= 64 << 10 {
+            return self.upload(host);
+        }
+        let stream = self.stream();
+        // Safety: written by the copy below before anything reads it.
+        let dev = unsafe { stream.alloc::<T>(host.len()) }.expect("CUDA allocation");
+        let mut pool = self.staging.lock().expect("not poisoned");
+        let fits = |s: &Staging| s.buf.len() >= bytes;
+        let free = pool
+            .iter()
+            .position(|s| fits(s) && s.done.as_ref().is_none_or(|e| e.is_complete()));
+        let at = match free {
+            Some(i) => i,
+            // Enough buffers in flight: wait for the oldest that fits.
+            None if pool.iter().filter(|s| fits(s)).count() >= 4 => {
+                let i = pool.iter().position(fits).expect("counted");
+                if let Some(e) = &pool[i].done {
+                    e.synchronize().expect("CUDA event");
+                }
+                i
+            }
+            None => {
+                // Safety: only the first `bytes` are copied from, after being written.
+                let buf = unsafe { self.ctx.alloc_pinned::<u8>(bytes.next_power_of_two()) }
+                    .expect("CUDA pinned allocation");
+                pool.push(Staging { buf, done: None });
+                pool.len() - 1
+            }
+        };
+        let slot = &mut pool[at];
+        let dst = &mut slot.buf.as_mut_slice().expect("pinned buffer")[..bytes];
+        // Safety: `host` is `bytes` long, `dst` as long, and they do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(host.as_ptr() as *const u8, dst.as_mut_ptr(), bytes)
+        };
+        // Safety: `dev` holds `bytes`; the pinned source stays untouched until `done` completes.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(ptr(self, &dev, 0), &*dst, stream.cu_stream())
+        }
+        .expect("CUDA upload");
+        slot.done = Some(stream.record_event(None).expect("CUDA event"));
+        dev
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(
@@ -642,6 +728,12 @@ impl Gpu {
         )
         .result()
     }
+}
+
+/// A pinned staging buffer of `Gpu::upload_staged` and the event of the copy from it.
+struct Staging {
+    buf: cudarc::driver::PinnedHostSlice<u8>,
+    done: Option<cudarc::driver::CudaEvent>,
 }
 
 /// A captured sequence of GPU work, replayed with `launch`.

@@ -71,6 +71,21 @@ fn tile_shared_bytes(head_dim: usize) -> u32 {
     (((TILE_Q + TILE_K) * (head_dim + 1) + TILE_K * head_dim + 2 * TILE_Q * TILE_K) * 4) as u32
 }
 
+/// `MMA_BQ`, `MMA_KT` of kernels/attention_mma.cu: queries per block and keys per tile of the
+/// tensor-core kernels.
+const MMA_BQ: usize = 64;
+const MMA_KT: usize = 32;
+/// `MMA_RB_KEYS`: keys per block of `probs_from_stats_mma`.
+const MMA_RB_KEYS: usize = 1024;
+/// The most dynamic shared memory a tensor-core kernel asks for (head_dim 128).
+pub(crate) const MMA_MAX_SHARED: usize = (MMA_BQ + 2 * MMA_KT) * (128 + 4) * 4;
+
+/// Whether the tiled prefill attention (and the rebuild of its rows) of this head size runs on
+/// tensor cores (`attention_mma`) rather than in f32 on the CUDA cores (`attention_tiled`).
+fn tensor_core_attention(g: &Gpu, head_dim: usize) -> bool {
+    g.tensor_cores() && head_dim % 8 == 0 && head_dim <= 128
+}
+
 /// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
 /// over the keys, for a single query, whose one block per head would leave most of the GPU
 /// idle.
@@ -107,11 +122,17 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         return;
     }
     if a.prefill == PrefillAttention::Tiled && a.window == 0 {
+        let (kernel, rows, shared) = if tensor_core_attention(g, a.head_dim) {
+            let shared = (MMA_BQ + 2 * MMA_KT) * (a.head_dim + 4) * 4;
+            ("attention_mma", MMA_BQ, shared as u32)
+        } else {
+            ("attention_tiled", TILE_Q, tile_shared_bytes(a.head_dim))
+        };
         g.launch(
-            "attention_tiled",
-            (a.n.div_ceil(TILE_Q) * a.heads) as u32,
+            kernel,
+            (a.n.div_ceil(rows) * a.heads) as u32,
             TILE_THREADS,
-            tile_shared_bytes(a.head_dim),
+            shared,
             &[
                 Arg::Ptr(a.q),
                 Arg::Ptr(a.keys),
@@ -244,12 +265,19 @@ pub(crate) fn launch_probs_from_stats(
     span: usize,
     out: u64,
 ) {
-    let tiles = count.div_ceil(REBUILD_Q);
+    let (kernel, blocks, shared) = if tensor_core_attention(g, p.head_dim) {
+        let shared = (MMA_BQ + MMA_KT) * (p.head_dim + 4) * 4;
+        let blocks = count.div_ceil(MMA_BQ) * span.div_ceil(MMA_RB_KEYS);
+        ("probs_from_stats_mma", blocks, shared)
+    } else {
+        let shared = (REBUILD_Q + REBUILD_K) * (p.head_dim + 1) * 4;
+        ("probs_from_stats", count.div_ceil(REBUILD_Q), shared)
+    };
     g.launch(
-        "probs_from_stats",
-        (tiles * p.heads) as u32,
+        kernel,
+        (blocks * p.heads) as u32,
         TILE_THREADS,
-        ((REBUILD_Q + REBUILD_K) * (p.head_dim + 1) * 4) as u32,
+        shared as u32,
         &[
             Arg::Ptr(p.q),
             Arg::Ptr(p.keys),

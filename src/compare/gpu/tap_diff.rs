@@ -110,7 +110,7 @@ impl DeviceRecorded {
     pub fn rebuild(&self, rows: &[i32], out: u64) {
         let p = self.parts.as_ref().expect("attention kept as parts");
         let g = &self.gpu;
-        let idx = g.upload(rows);
+        let idx = g.upload_staged(rows);
         crate::cuda::launch_probs_from_stats(g, p, ptr(g, &idx, 0), rows.len(), self.width, out);
     }
 
@@ -208,7 +208,7 @@ impl DeviceDiffs {
         };
         let rows = self.jobs.len() / 4;
         let first = self.used - rows;
-        let jobs = g.upload(&self.jobs);
+        let jobs = g.upload_staged(&self.jobs);
         g.launch(
             "diff_rows",
             rows as u32,
