@@ -12,7 +12,8 @@ use crate::compare::grid::{CellGrid, Row};
 use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{
-    row_at, DeviceTap, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue,
+    row_at, DeviceTap, PositionIndex, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable,
+    TapValue,
 };
 
 /// Taps with at least this many values are diffed on every core.
@@ -63,6 +64,7 @@ impl TapSink for ReferenceRecorder {
     fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
         match &mut self.device {
             Some(kept) => {
+                let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
                 kept.push(DeviceRecorded::keep(step, tap, self.borrow));
                 true
             }
@@ -344,8 +346,9 @@ impl Comparator<'_> {
         };
         let k = path.shape.get(1).copied().unwrap_or(1).max(1);
         let logits_id = TapId::Layer(layer, crate::tap::LayerTap::RouterLogits);
+        let index = PositionIndex::of(&r.positions);
         for (row, &pos) in path.positions.iter().enumerate() {
-            let Some(rrow) = row_at(&r.positions, pos) else {
+            let Some(rrow) = index.row(pos) else {
                 continue;
             };
             let ids = |d: &[f32], i: usize| -> Vec<u32> {
@@ -487,8 +490,9 @@ impl TapSink for Comparator<'_> {
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
         let heads = self.heads;
+        let index = PositionIndex::of(&r.positions);
         let diff_row = |(row, &pos): (usize, &usize)| {
-            let rrow = row_at(&r.positions, pos)?;
+            let rrow = index.row(pos)?;
             let a = &v.data[row * width..(row + 1) * width];
             let b = &r.data[rrow * rwidth..(rrow + 1) * rwidth];
             // Attention rows over fewer keys: pad each head's row to the reference's key span.
@@ -543,13 +547,11 @@ impl TapSink for Comparator<'_> {
     }
 
     fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
+        let locate = crate::support::timing::span("compare: reference rows located");
         // The reference pass whose rows hold every position of this tap.
         let found = self.device_reference.get(&t.id).and_then(|recs| {
             let rows = |r: &DeviceRecorded| -> Vec<Option<usize>> {
-                t.positions
-                    .iter()
-                    .map(|&p| row_at(&r.positions, p))
-                    .collect()
+                t.positions.iter().map(|&p| r.index.row(p)).collect()
             };
             match recs.as_slice() {
                 // One pass: the rows it lacks are left out, as on the host.
@@ -560,6 +562,7 @@ impl TapSink for Comparator<'_> {
                 }),
             }
         });
+        drop(locate);
         let Some(recs) = self.device_reference.get(&t.id) else {
             // Nothing to compare against unless the reference is on the host.
             let on_host = self.reference.contains_key(&t.id);
@@ -584,6 +587,7 @@ impl TapSink for Comparator<'_> {
         if r.parts.is_some() {
             return self.diff_against_rebuilt(step, t, which, &rrows);
         }
+        let _span = crate::support::timing::span("compare: path tap diff queued");
         let rpt = t.rows_per_token;
         let b_rows: Vec<Option<u64>> = rrows
             .iter()

@@ -87,8 +87,9 @@ impl TapSink for NoiseMeter<'_> {
         let width = v.data.len() / v.positions.len().max(1);
         let owidth = o.data.len() / o.positions.len().max(1);
         let mut worst = 0f32;
+        let index = crate::tap::PositionIndex::of(&o.positions);
         for (r, &pos) in v.positions.iter().enumerate() {
-            let Some(or) = crate::tap::row_at(&o.positions, pos) else {
+            let Some(or) = index.row(pos) else {
                 continue;
             };
             let d = row_diff(

@@ -141,8 +141,48 @@ pub struct Recorded {
     pub data: Vec<f32>,
 }
 
-/// The row of a tap holding position `pos`. Rows are usually consecutive positions, so the
-/// direct index is tried before a search.
+/// Rows of a tap by position, for looking up many: a direct index where the positions run
+/// consecutively (the usual case), else a map built once. A search per row would make a long
+/// prompt's comparison quadratic in its length (tens of seconds at 16k tokens).
+#[derive(Clone, Debug)]
+pub enum PositionIndex {
+    Consecutive {
+        first: usize,
+        len: usize,
+    },
+    /// Position to its first row.
+    Map(std::collections::HashMap<usize, usize>),
+}
+
+impl PositionIndex {
+    pub fn of(positions: &[usize]) -> Self {
+        let first = positions.first().copied().unwrap_or(0);
+        if positions.iter().enumerate().all(|(i, &p)| p == first + i) {
+            return PositionIndex::Consecutive {
+                first,
+                len: positions.len(),
+            };
+        }
+        let mut map = std::collections::HashMap::with_capacity(positions.len());
+        for (i, &p) in positions.iter().enumerate() {
+            map.entry(p).or_insert(i);
+        }
+        PositionIndex::Map(map)
+    }
+
+    /// The row holding position `pos` (the first, if several do).
+    pub fn row(&self, pos: usize) -> Option<usize> {
+        match self {
+            PositionIndex::Consecutive { first, len } => {
+                pos.checked_sub(*first).filter(|i| i < len)
+            }
+            PositionIndex::Map(m) => m.get(&pos).copied(),
+        }
+    }
+}
+
+/// The row of a tap holding position `pos`, for a single lookup (`PositionIndex` for many).
+/// Rows are usually consecutive positions, so the direct index is tried before a search.
 pub fn row_at(positions: &[usize], pos: usize) -> Option<usize> {
     let first = *positions.first()?;
     pos.checked_sub(first)
@@ -281,5 +321,38 @@ impl TapSink for Routed<'_> {
     }
     fn probs_by_parts(&self) -> bool {
         self.inner.probs_by_parts()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{row_at, PositionIndex};
+
+    /// The index answers every lookup as the search it replaces does: consecutive runs from
+    /// any start, gaps, shuffled positions, repeats (the first row wins) and misses.
+    #[test]
+    fn position_index_agrees_with_the_search() {
+        let cases: [&[usize]; 6] = [
+            &[],
+            &[7],
+            &[3, 4, 5, 6],
+            &[0, 1, 2, 10, 11, 12],
+            &[9, 2, 5, 0, 7],
+            &[4, 5, 4, 6, 5],
+        ];
+        for positions in cases {
+            let index = PositionIndex::of(positions);
+            for pos in 0..16 {
+                assert_eq!(
+                    index.row(pos),
+                    row_at(positions, pos),
+                    "{positions:?} at {pos}"
+                );
+            }
+        }
+        assert!(matches!(
+            PositionIndex::of(&[3, 4, 5]),
+            PositionIndex::Consecutive { first: 3, len: 3 }
+        ));
     }
 }

@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 
 use crate::compare::diff::RowDiff;
 use crate::cuda::{ptr, Arg, Gpu};
-use crate::tap::{AttnParts, DeviceTap, Recorded, TapId};
+use crate::tap::{AttnParts, DeviceTap, PositionIndex, Recorded, TapId};
 
 /// The GPU a device tap lives on (the CUDA backend is the only one that offers them).
 fn gpu_of(t: &DeviceTap<'_>) -> Arc<Gpu> {
@@ -23,6 +23,8 @@ pub struct DeviceRecorded {
     pub step: usize,
     pub id: TapId,
     pub positions: Vec<usize>,
+    /// Rows of `positions`, for looking up a path tap's rows.
+    pub index: PositionIndex,
     pub shape: Vec<usize>,
     pub rows_per_token: usize,
     pub width: usize,
@@ -83,6 +85,7 @@ impl DeviceRecorded {
             step,
             id: t.id,
             positions: t.positions.to_vec(),
+            index: PositionIndex::of(t.positions),
             shape: t.shape.clone(),
             rows_per_token: t.rows_per_token,
             width: t.width,
