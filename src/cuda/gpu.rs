@@ -205,7 +205,11 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
         .collect::<Result<_>>()?;
     if major >= 8 {
         // The tensor-core attention kernels hold more than the default 48 KiB of dynamic
-        // shared memory per block; sm_80 and later allow it on request.
+        // shared memory per block (up to 66 KiB at head_dim 128); sm_80 and later allow it on
+        // request, up to the device's limit.
+        let limit = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(internal("shared memory limit"))?;
         for k in ["attention_mma", "probs_from_stats_mma"] {
             let f = &kernels[KERNELS.iter().position(|n| *n == k).expect("listed")];
             // Safety: a live function of the module just loaded.
@@ -213,7 +217,7 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
                 cudarc::driver::sys::cuFuncSetAttribute(
                     f.cu_function(),
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    super::launch::MMA_MAX_SHARED as i32,
+                    limit,
                 )
             }
             .result()

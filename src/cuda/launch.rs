@@ -77,8 +77,6 @@ const MMA_BQ: usize = 64;
 const MMA_KT: usize = 32;
 /// `MMA_RB_KEYS`: keys per block of `probs_from_stats_mma`.
 const MMA_RB_KEYS: usize = 1024;
-/// The most dynamic shared memory a tensor-core kernel asks for (head_dim 128).
-pub(crate) const MMA_MAX_SHARED: usize = (MMA_BQ + 2 * MMA_KT) * (128 + 4) * 4;
 
 /// Whether the tiled prefill attention (and the rebuild of its rows) of this head size runs on
 /// tensor cores (`attention_mma`) rather than in f32 on the CUDA cores (`attention_tiled`).
