@@ -106,6 +106,13 @@ impl CompareSpec<'_> {
         prefill: impl Prefill,
     ) -> Result<PathReport> {
         let passes = self.passes();
+        if passes.len() > 1 && crate::support::progress::verbosity() > 0 {
+            eprintln!(
+                "kvdiff: {name}: the reference's taps exceed the memory budget ({} MiB): compared in {} layer groups, each re-running both sides",
+                self.memory_budget >> 20,
+                passes.len()
+            );
+        }
         let mut merged: Option<PathReport> = None;
         for taps in &passes {
             let r = self.run_pass(taps, name, exact, split, &prefill)?;

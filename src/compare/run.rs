@@ -16,9 +16,23 @@ use crate::error::Result;
 use crate::support::progress::{self, Progress};
 use crate::tap::TapFilter;
 
-/// Reference taps one comparison pass may hold on the host; beyond it, taps are compared in
-/// layer groups.
+/// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
+/// are compared in layer groups.
 pub const HOST_MEMORY_BUDGET: usize = 1 << 30;
+
+/// The host budget: a quarter of the memory available now (`KVDIFF_MEMORY_LIMIT`, the
+/// kernel's `MemAvailable`, the cgroup's limit), so that a machine with room compares a long
+/// prompt in one pass instead of re-running every path per layer group; never below
+/// `HOST_MEMORY_BUDGET`.
+pub fn host_memory_budget() -> usize {
+    budget_of(crate::support::resources::available_memory().ok().flatten())
+}
+
+fn budget_of(available: Option<u64>) -> usize {
+    usize::try_from(available.unwrap_or(0) / 4)
+        .unwrap_or(usize::MAX)
+        .max(HOST_MEMORY_BUDGET)
+}
 
 /// The backends a comparison runs on (sorted, once each), as a noise profile names them.
 pub fn backend_names(
@@ -129,7 +143,7 @@ impl Request<'_> {
             dump: self.dump,
             // A GPU reference holds its taps in GPU memory: half of what is free there.
             memory_budget: crate::cuda::gpu_of(ref_model)
-                .map_or(HOST_MEMORY_BUDGET, |g| g.memory().0 / 2),
+                .map_or_else(host_memory_budget, |g| g.memory().0 / 2),
         };
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
@@ -364,5 +378,17 @@ impl Request<'_> {
             paths,
             engine: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{budget_of, HOST_MEMORY_BUDGET};
+
+    #[test]
+    fn host_budget_is_a_quarter_of_what_is_available_and_at_least_the_floor() {
+        assert_eq!(budget_of(None), HOST_MEMORY_BUDGET);
+        assert_eq!(budget_of(Some(1 << 30)), HOST_MEMORY_BUDGET);
+        assert_eq!(budget_of(Some(24 << 30)), 6 << 30);
     }
 }
