@@ -240,7 +240,7 @@ fn main() {
 /// The comparison of `scripts/bench_long.sh` on the CPU: seconds, and how many layer-group
 /// passes the host memory budget split it into.
 fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
-    use kvdiff::compare::run::{Policy, Request, HOST_MEMORY_BUDGET};
+    use kvdiff::compare::run::{host_memory_budget, Policy, Request};
     use kvdiff::compare::target::{Backend, Target};
     use kvdiff::engine::chunks::ChunkedPrompt;
     let vocab = engine.tokenizer.vocab_size() as u32;
@@ -254,7 +254,7 @@ fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
     let n = t + 16;
     let per_layer =
         4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
-    let passes = (per_layer * c.num_hidden_layers).div_ceil(HOST_MEMORY_BUDGET);
+    let passes = (per_layer * c.num_hidden_layers).div_ceil(host_memory_budget());
     let started = Instant::now();
     let report = Request {
         engine,
