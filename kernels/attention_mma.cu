@@ -204,21 +204,23 @@ extern "C" __global__ void __launch_bounds__(128)
         }
     }
     // Segment weights as in `attention`: exp(lse_segment - lse_all), over each segment's sum
-    // (taken relative to the segment's own max).
+    // relative to its own max. The sums here are relative to M, so that sum is l·exp(M - m)
+    // and the weight w / (l·exp(M - m)) = w·exp(m - M) / l, which cannot overflow however far
+    // below M a segment's max lies.
     float fin[2][2], norm[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         fin[i][0] = fin[i][1] = norm[i] = 0.0f;
         if (!row_ok[i]) continue;
         norm[i] = 1.0f / (l[i][0] + l[i][1]);
-        float l0 = l[i][0] > 0.0f ? l[i][0] * expf(mall[i] - m[i][0]) : 0.0f;
-        float l1 = l[i][1] * expf(mall[i] - m[i][1]);
-        float lse_a = l0 > 0.0f ? m[i][0] + logf(l0) : NEG_INF;
-        float lse_b = m[i][1] + logf(l1);
+        float lse_a = l[i][0] > 0.0f ? mall[i] + logf(l[i][0]) : NEG_INF;
+        // Either sum may underflow to 0 when its segment lies far below the other.
+        float lse_b = l[i][1] > 0.0f ? mall[i] + logf(l[i][1]) : NEG_INF;
         float mm = fmaxf(lse_a, lse_b);
-        float wa = l0 > 0.0f ? expf(lse_a - mm) : 0.0f, wb = expf(lse_b - mm);
-        fin[i][0] = l0 > 0.0f ? wa / (wa + wb) / l0 : 0.0f;
-        fin[i][1] = wb / (wa + wb) / l1;
+        float wa = l[i][0] > 0.0f ? expf(lse_a - mm) : 0.0f;
+        float wb = l[i][1] > 0.0f ? expf(lse_b - mm) : 0.0f;
+        fin[i][0] = l[i][0] > 0.0f ? wa / (wa + wb) * expf(m[i][0] - mall[i]) / l[i][0] : 0.0f;
+        fin[i][1] = l[i][1] > 0.0f ? wb / (wa + wb) * expf(m[i][1] - mall[i]) / l[i][1] : 0.0f;
         if (stats && t == 0) {
             float* st = stats + ((size_t)(qw0 + g + 8 * i) * heads + h) * 4;
             st[0] = m[i][0];

@@ -215,6 +215,74 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             );
         }
     }
+    // Cascade segments far apart: scaled scores about 96 above the rest in one segment, past
+    // where exp overflows in f32 if a segment's sum is rescaled to the other's max; both ways
+    // round. Everything stays finite, accurate and rebuildable.
+    for loud_first in [false, true] {
+        let (n, entries, split, heads, kvh, hd) = (4usize, 40, 20, 2, 1, 64);
+        let q = vec![1.0f32; n * heads * hd];
+        let mut k = rng.vec(entries * kvh * hd, 1.0);
+        for (e, row) in k.chunks_exact_mut(kvh * hd).enumerate() {
+            if (e < split) == loud_first {
+                row.fill(12.0);
+            }
+        }
+        let v = rng.vec(entries * kvh * hd, 1.0);
+        let mut want_probs = vec![0f32; n * heads * entries];
+        let want = attention(
+            &q,
+            &k,
+            &v,
+            n,
+            entries - n,
+            split,
+            None,
+            heads,
+            kvh,
+            hd,
+            |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
+        );
+        let what = format!("attention, segments far apart (loud first: {loud_first})");
+        let (out, probs) = host_ops::attention(
+            &g,
+            PrefillAttention::Tiled,
+            &q,
+            &k,
+            &v,
+            n,
+            split,
+            0,
+            heads,
+            kvh,
+            hd,
+        );
+        let (written, rebuilt) =
+            host_ops::probs_written_and_rebuilt(&g, &q, &k, &v, n, split, heads, kvh, hd);
+        assert!(
+            out.iter()
+                .chain(&probs)
+                .chain(&rebuilt)
+                .all(|x| x.is_finite()),
+            "{what}: non-finite output"
+        );
+        assert!(
+            written
+                .iter()
+                .zip(&rebuilt)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: rebuilt rows differ"
+        );
+        assert!(
+            rel_l2(&out, &want) < F32_TOL,
+            "{what}: {}",
+            rel_l2(&out, &want)
+        );
+        assert!(
+            rel_l2(&probs, &want_probs) < F32_TOL,
+            "{what} probs: {}",
+            rel_l2(&probs, &want_probs)
+        );
+    }
     // GEMM with bf16 operands, f32 accumulation: against f64 on the same rounded operands.
     for &(n, k, m) in &[
         (1usize, 1024usize, 3072usize),
