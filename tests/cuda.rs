@@ -79,6 +79,64 @@ fn assert_written(what: &str, x: &[f32]) {
     );
 }
 
+/// Runs one attention `kernel` on the GPU and holds it to the CPU reference: output
+/// and probabilities written, finite and within F32_TOL; for the tiled prefill kernel, rows
+/// rebuilt from the kept statistics equal the written ones bit for bit. `shape`: queries, cache
+/// entries, cascade split, window, heads, KV heads, head size.
+#[allow(clippy::type_complexity)]
+fn check_attention(
+    g: &Gpu,
+    what: &str,
+    kernel: PrefillAttention,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (n, entries, split, window, heads, kvh, hd): (usize, usize, usize, usize, usize, usize, usize),
+) {
+    let mut want_probs = vec![0f32; n * heads * entries];
+    let want = attention(
+        q,
+        k,
+        v,
+        n,
+        entries - n,
+        split,
+        (window > 0).then_some(window),
+        heads,
+        kvh,
+        hd,
+        |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
+    );
+    let (out, probs) = host_ops::attention(g, kernel, q, k, v, n, split, window, heads, kvh, hd);
+    if kernel == PrefillAttention::Tiled && window == 0 && n > 1 {
+        // What a GPU reference keeps of a long prompt's attention rebuilds exactly what the
+        // kernel writes.
+        let (written, rebuilt) =
+            host_ops::probs_written_and_rebuilt(g, q, k, v, n, split, heads, kvh, hd);
+        assert_written(what, &rebuilt);
+        assert!(
+            written
+                .iter()
+                .zip(&rebuilt)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: rebuilt attention differs"
+        );
+        assert_eq!(written, probs, "{what}: probabilities written twice differ");
+    }
+    assert_written(what, &out);
+    assert_written(what, &probs);
+    assert!(
+        rel_l2(&out, &want) < F32_TOL,
+        "{what}: {}",
+        rel_l2(&out, &want)
+    );
+    assert!(
+        rel_l2(&probs, &want_probs) < F32_TOL,
+        "{what} probs: {}",
+        rel_l2(&probs, &want_probs)
+    );
+}
+
 /// f32 arithmetic: well under 1e-3 relative L2 (METHOD.md); kvdiff asks for 1e-5.
 const F32_TOL: f64 = 1e-5;
 
@@ -164,55 +222,15 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         let q = rng.vec(n * heads * hd, 1.0);
         let k = rng.vec(entries * kvh * hd, 1.0);
         let v = rng.vec(entries * kvh * hd, 1.0);
-        let mut want_probs = vec![0f32; n * heads * entries];
-        let want = attention(
-            &q,
-            &k,
-            &v,
-            n,
-            entries - n,
-            split,
-            (window > 0).then_some(window),
-            heads,
-            kvh,
-            hd,
-            |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
-        );
+        let shape = (n, entries, split, window, heads, kvh, hd);
         for kernel in [PrefillAttention::Tiled, PrefillAttention::PerQuery] {
             if kernel == PrefillAttention::Tiled && PrefillAttention::for_head_dim(hd) != kernel {
                 continue;
             }
-            let (out, probs) =
-                host_ops::attention(&g, kernel, &q, &k, &v, n, split, window, heads, kvh, hd);
-            if kernel == PrefillAttention::Tiled && window == 0 && n > 1 {
-                // What a GPU reference keeps of a long prompt's attention rebuilds exactly
-                // what the kernel writes.
-                let (written, rebuilt) =
-                    host_ops::probs_written_and_rebuilt(&g, &q, &k, &v, n, split, heads, kvh, hd);
-                assert!(
-                    written
-                        .iter()
-                        .zip(&rebuilt)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "rebuilt attention differs: n={n} entries={entries} split={split}"
-                );
-                assert_eq!(written, probs);
-            }
             let what = format!(
                 "attention {kernel:?} n={n} entries={entries} split={split} window={window}"
             );
-            assert_written(&what, &out);
-            assert_written(&what, &probs);
-            assert!(
-                rel_l2(&out, &want) < F32_TOL,
-                "{what}: {}",
-                rel_l2(&out, &want)
-            );
-            assert!(
-                rel_l2(&probs, &want_probs) < F32_TOL,
-                "{what} probs: {}",
-                rel_l2(&probs, &want_probs)
-            );
+            check_attention(&g, &what, kernel, &q, &k, &v, shape);
         }
     }
     // Cascade segments far apart: scaled scores about 96 above the rest in one segment, past
@@ -228,60 +246,9 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             }
         }
         let v = rng.vec(entries * kvh * hd, 1.0);
-        let mut want_probs = vec![0f32; n * heads * entries];
-        let want = attention(
-            &q,
-            &k,
-            &v,
-            n,
-            entries - n,
-            split,
-            None,
-            heads,
-            kvh,
-            hd,
-            |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
-        );
         let what = format!("attention, segments far apart (loud first: {loud_first})");
-        let (out, probs) = host_ops::attention(
-            &g,
-            PrefillAttention::Tiled,
-            &q,
-            &k,
-            &v,
-            n,
-            split,
-            0,
-            heads,
-            kvh,
-            hd,
-        );
-        let (written, rebuilt) =
-            host_ops::probs_written_and_rebuilt(&g, &q, &k, &v, n, split, heads, kvh, hd);
-        assert!(
-            out.iter()
-                .chain(&probs)
-                .chain(&rebuilt)
-                .all(|x| x.is_finite()),
-            "{what}: non-finite output"
-        );
-        assert!(
-            written
-                .iter()
-                .zip(&rebuilt)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: rebuilt rows differ"
-        );
-        assert!(
-            rel_l2(&out, &want) < F32_TOL,
-            "{what}: {}",
-            rel_l2(&out, &want)
-        );
-        assert!(
-            rel_l2(&probs, &want_probs) < F32_TOL,
-            "{what} probs: {}",
-            rel_l2(&probs, &want_probs)
-        );
+        let shape = (n, entries, split, 0, heads, kvh, hd);
+        check_attention(&g, &what, PrefillAttention::Tiled, &q, &k, &v, shape);
     }
     // GEMM with bf16 operands, f32 accumulation: against f64 on the same rounded operands.
     for &(n, k, m) in &[

@@ -129,9 +129,10 @@ pub struct Gpu {
     pdl: bool,
     /// Pinned buffers that `upload_staged` copies from, each with the event of its last copy.
     staging: std::sync::Mutex<Vec<Staging>>,
-    /// Prefill attention runs on tensor cores (`kernels/attention_mma.cu`: sm_80 and later,
-    /// unless `KVDIFF_CUDA_MMA=0`).
-    tensor_cores: bool,
+    /// Dynamic shared memory a block may hold on request, in bytes, when prefill attention may
+    /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
+    /// `KVDIFF_CUDA_MMA=0`).
+    tensor_core_shared: Option<usize>,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -185,8 +186,13 @@ fn cublas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlic
     Ok((blas, blas_workspace))
 }
 
-/// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached).
-fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<CudaFunction>> {
+/// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached), and the dynamic
+/// shared memory the tensor-core kernels may hold per block (bytes; 0 before sm_80).
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    major: i32,
+    minor: i32,
+) -> Result<(Vec<CudaFunction>, usize)> {
     let _span = crate::support::timing::span("startup: kernels (cubin cache or NVRTC)");
     // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
     // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
@@ -203,9 +209,10 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
                 .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
         })
         .collect::<Result<_>>()?;
+    let mut shared = 0;
     if major >= 8 {
         // The tensor-core attention kernels hold more than the default 48 KiB of dynamic
-        // shared memory per block (up to 66 KiB at head_dim 128); sm_80 and later allow it on
+        // shared memory per block (up to 102 KiB at head_dim 128); sm_80 and later allow it on
         // request, up to the device's limit.
         let limit = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -223,8 +230,9 @@ fn load_kernels(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Vec<Cu
             .result()
             .map_err(internal("kernel shared memory"))?;
         }
+        shared = limit.max(0) as usize;
     }
-    Ok(kernels)
+    Ok((kernels, shared))
 }
 
 /// A device being opened on another thread (`open_in_background`).
@@ -286,7 +294,7 @@ impl Gpu {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(internal("compute capability"))?;
-        let kernels = load_kernels(&ctx, major, minor)?;
+        let (kernels, shared_optin) = load_kernels(&ctx, major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let gpu = Arc::new(Gpu {
             ctx,
@@ -305,7 +313,9 @@ impl Gpu {
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
-            tensor_cores: major >= 8 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"),
+            tensor_core_shared: (major >= 8
+                && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
+            .then_some(shared_optin),
         });
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
@@ -389,9 +399,10 @@ impl Gpu {
         &self.kernels[i]
     }
 
-    /// Whether prefill attention runs on tensor cores (see `launch::attention_kernel`).
-    pub fn tensor_cores(&self) -> bool {
-        self.tensor_cores
+    /// The shared memory a tensor-core attention block may hold, in bytes, or `None` where
+    /// prefill attention stays on the CUDA cores (see `launch::tensor_core_attention`).
+    pub fn tensor_core_shared(&self) -> Option<usize> {
+        self.tensor_core_shared
     }
 
     /// Free and total device memory in bytes.

@@ -78,10 +78,27 @@ const MMA_KT: usize = 32;
 /// `MMA_RB_KEYS`: keys per block of `probs_from_stats_mma`.
 const MMA_RB_KEYS: usize = 1024;
 
+/// `MMA_SHARED` (attention) and `MMA_RB_SHARED` (rebuild) of kernels/attention_mma.cu, in bytes.
+fn mma_shared_bytes(head_dim: usize, rebuild: bool) -> usize {
+    let qp = head_dim + 4;
+    let kp = 2 * head_dim + (48 - (2 * head_dim) % 32) % 32;
+    let vp = 4 * head_dim + 8;
+    let keys = MMA_BQ * qp + MMA_KT * kp;
+    4 * if rebuild {
+        keys
+    } else {
+        keys + MMA_KT / 2 * vp
+    }
+}
+
 /// Whether the tiled prefill attention (and the rebuild of its rows) of this head size runs on
-/// tensor cores (`attention_mma`) rather than in f32 on the CUDA cores (`attention_tiled`).
+/// tensor cores (`attention_mma`) rather than in f32 on the CUDA cores (`attention_tiled`): on
+/// sm_80 and later, for head sizes the kernel takes, where its tiles fit the device's shared
+/// memory (consumer GPUs of sm_86/89 allow 99 KiB per block, too little at head_dim 128).
 fn tensor_core_attention(g: &Gpu, head_dim: usize) -> bool {
-    g.tensor_cores() && head_dim % 8 == 0 && head_dim <= 128
+    g.tensor_core_shared().is_some_and(|limit| {
+        head_dim % 8 == 0 && head_dim <= 128 && mma_shared_bytes(head_dim, false) <= limit
+    })
 }
 
 /// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
@@ -121,7 +138,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     }
     if a.prefill == PrefillAttention::Tiled && a.window == 0 {
         let (kernel, rows, shared) = if tensor_core_attention(g, a.head_dim) {
-            let shared = (MMA_BQ + 2 * MMA_KT) * (a.head_dim + 4) * 4;
+            let shared = mma_shared_bytes(a.head_dim, false);
             ("attention_mma", MMA_BQ, shared as u32)
         } else {
             ("attention_tiled", TILE_Q, tile_shared_bytes(a.head_dim))
@@ -264,7 +281,7 @@ pub(crate) fn launch_probs_from_stats(
     out: u64,
 ) {
     let (kernel, blocks, shared) = if tensor_core_attention(g, p.head_dim) {
-        let shared = (MMA_BQ + MMA_KT) * (p.head_dim + 4) * 4;
+        let shared = mma_shared_bytes(p.head_dim, true);
         let blocks = count.div_ceil(MMA_BQ) * span.div_ceil(MMA_RB_KEYS);
         ("probs_from_stats_mma", blocks, shared)
     } else {
