@@ -464,6 +464,14 @@ impl TapSink for Comparator<'_> {
     fn table(&self) -> &TapTable {
         &self.table
     }
+    /// Where the reference kept attention as parts, the path's rows are taken as parts too:
+    /// both sides are rebuilt and diffed in one kernel, and neither is ever written.
+    fn probs_by_parts(&self) -> bool {
+        self.device_reference
+            .values()
+            .flatten()
+            .any(|r| r.parts.is_some())
+    }
     fn route_hints(&self) -> Option<crate::tap::RouteHints> {
         self.reference_routes()
     }
@@ -584,6 +592,16 @@ impl TapSink for Comparator<'_> {
                 crate::support::timing::span("compare: path tap to host (row layouts differ)");
             return false;
         }
+        if t.parts.is_some() {
+            let (both, g) = (r.parts.is_some(), r.gpu());
+            if both && self.diff_both_from_parts(step, t, which, &rrows) {
+                return true;
+            }
+            // Only the path kept parts, or they cannot be diffed together: its rows are
+            // rebuilt (whole: this is the uncommon case) and compared as written ones.
+            let (_rows, written) = materialize(&g, t);
+            return self.record_device(step, &written);
+        }
         if r.parts.is_some() {
             return self.diff_against_rebuilt(step, t, which, &rrows);
         }
@@ -619,6 +637,8 @@ struct PendingDiff {
     id: TapId,
     positions: Vec<usize>,
     rows_per_token: usize,
+    /// Summaries per sub-row (a head's row in column chunks; 1: whole).
+    chunks: usize,
     path_width: usize,
     ref_width: usize,
     offset: usize,
@@ -627,7 +647,125 @@ struct PendingDiff {
 /// Reference attention rows rebuilt at once, at most (bytes of scratch).
 const REBUILD_BYTES: usize = 256 << 20;
 
+/// A path's attention tap kept as parts, rebuilt into a buffer of its own (returned with it: the
+/// tap reads from it) and offered as written rows.
+fn materialize<'t>(
+    g: &std::sync::Arc<crate::cuda::Gpu>,
+    t: &DeviceTap<'t>,
+) -> (cudarc::driver::CudaSlice<f32>, DeviceTap<'t>) {
+    let p = t.parts.as_ref().expect("attention kept as parts");
+    let n = t.positions.len();
+    let idx: Vec<i32> = (0..n as i32).collect();
+    let idx = g.upload_staged(&idx);
+    let rows = g.alloc::<f32>(n * t.rows_per_token * t.width);
+    let base = crate::cuda::ptr(g, &rows, 0);
+    crate::cuda::launch_probs_from_stats(g, p, crate::cuda::ptr(g, &idx, 0), n, t.width, base);
+    let tap = DeviceTap {
+        id: t.id,
+        positions: t.positions,
+        device: t.device,
+        ptr: base,
+        rows: n * t.rows_per_token,
+        width: t.width,
+        stride: t.width,
+        rows_per_token: t.rows_per_token,
+        lead: t.lead,
+        // Diffed at once: the buffer goes when the caller returns.
+        persistent: false,
+        shape: t.shape.clone(),
+        parts: None,
+    };
+    (rows, tap)
+}
+
+/// Summary rows a buffer read-back holds at least (see `DeviceDiffs`).
+const SUMMARY_ROWS: usize = 1 << 20;
+
 impl Comparator<'_> {
+    /// Diffs a path's attention rows kept as parts against the reference's, both rebuilt in one
+    /// kernel (`attention_diff_mma`) that leaves only per-row summaries, in batches of tokens
+    /// whose summaries fit the read-back buffer. False where the kernel does not apply (the
+    /// caller rebuilds the path's rows instead).
+    fn diff_both_from_parts(
+        &mut self,
+        step: usize,
+        t: &DeviceTap<'_>,
+        which: usize,
+        rrows: &[Option<usize>],
+    ) -> bool {
+        let _span = crate::support::timing::span("compare: attention rows diffed from parts");
+        let r = &self.device_reference[&t.id][which];
+        let (Some(pa), Some(pb)) = (t.parts, r.parts) else {
+            return false;
+        };
+        let (b_lead, b_width, g) = (r.lead, r.width, r.gpu());
+        if !crate::cuda::attention_diff_applies(&g, &pa, &pb) {
+            return false;
+        }
+        let heads = t.rows_per_token;
+        let width = (t.lead + t.width).max(b_lead + b_width);
+        let (qa_row, stats_row) = (4 * heads * pa.head_dim, 4 * heads * 4);
+        let total = t.positions.len();
+        let mut start = 0;
+        while start < total {
+            // As many tokens as the read-back buffer holds the summaries of, at the most chunks
+            // a row may be split into (one chunk per row where the batch is large).
+            let most = heads * crate::cuda::attention_diff_layout(0, heads, width).1;
+            let count = (total - start).min((SUMMARY_ROWS / most).max(1));
+            let (_, chunks) = crate::cuda::attention_diff_layout(count, heads, width);
+            let (end, per_token) = (start + count, heads * chunks);
+            let offset = match self.diffs.reserve(t, count * per_token) {
+                Some(o) => o,
+                None => {
+                    self.flush();
+                    self.diffs
+                        .reserve(t, count * per_token)
+                        .expect("an empty buffer holds a batch")
+                }
+            };
+            let b_rows: Vec<i32> = rrows[start..end]
+                .iter()
+                .map(|x| x.map_or(-1, |x| x as i32))
+                .collect();
+            let b_rows = g.upload_staged(&b_rows);
+            // The batch's queries and statistics start `start` rows into the pass.
+            let pa = crate::tap::AttnParts {
+                q: pa.q + (start * qa_row) as u64,
+                stats: pa.stats + (start * stats_row) as u64,
+                base: pa.base + start,
+                ..pa
+            };
+            crate::cuda::launch_attention_diff(
+                &g,
+                crate::cuda::AttnSide {
+                    parts: &pa,
+                    lead: t.lead,
+                    width: t.width,
+                },
+                crate::cuda::AttnSide {
+                    parts: &pb,
+                    lead: b_lead,
+                    width: b_width,
+                },
+                crate::cuda::ptr(&g, &b_rows, 0),
+                count,
+                offset.1,
+            );
+            self.pending.push(PendingDiff {
+                step,
+                id: t.id,
+                positions: t.positions[start..end].to_vec(),
+                rows_per_token: per_token,
+                chunks,
+                path_width: t.lead + t.width,
+                ref_width: b_lead + b_width,
+                offset: offset.0,
+            });
+            start = end;
+        }
+        true
+    }
+
     /// Diffs a path's attention rows against reference rows rebuilt from the parts the
     /// reference kept (`DeviceRecorded::parts`), a tile of tokens at a time, so neither side's
     /// rows are ever all in memory at once.
@@ -707,6 +845,7 @@ impl Comparator<'_> {
             id: t.id,
             positions: t.positions.to_vec(),
             rows_per_token: t.rows_per_token,
+            chunks: 1,
             path_width: t.lead + t.width,
             ref_width: lead + width,
             offset,
@@ -795,7 +934,7 @@ impl Comparator<'_> {
                 if rows[0][7] == -2.0 {
                     return None;
                 }
-                let (d, bits) = combine_rows(rows, w);
+                let (d, bits) = combine_rows(rows, w, p.chunks);
                 let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
                 Some((pos, d, bitwise_equal, w * rpt))
             });

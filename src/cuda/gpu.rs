@@ -42,6 +42,7 @@ const KERNELS: &[&str] = &[
     "attention_tiled",
     "attention_mma",
     "probs_from_stats_mma",
+    "attention_diff_mma",
     "embed",
     "swiglu",
     "gather_rows_bf16",
@@ -217,18 +218,32 @@ fn load_kernels(
         let limit = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(internal("shared memory limit"))?;
-        for k in ["attention_mma", "probs_from_stats_mma"] {
+        use cudarc::driver::sys::CUfunction_attribute as Attr;
+        for k in [
+            "attention_mma",
+            "probs_from_stats_mma",
+            "attention_diff_mma",
+        ] {
             let f = &kernels[KERNELS.iter().position(|n| *n == k).expect("listed")];
-            // Safety: a live function of the module just loaded.
+            // Static and dynamic shared memory together may not pass the limit.
+            let mut fixed = 0i32;
+            // Safety: a live function of the module just loaded, and an out-parameter.
             unsafe {
+                cudarc::driver::sys::cuFuncGetAttribute(
+                    &mut fixed,
+                    Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                    f.cu_function(),
+                )
+                .result()
+                .map_err(internal("kernel shared memory"))?;
                 cudarc::driver::sys::cuFuncSetAttribute(
                     f.cu_function(),
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    limit,
+                    Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    limit - fixed,
                 )
+                .result()
+                .map_err(internal("kernel shared memory"))?;
             }
-            .result()
-            .map_err(internal("kernel shared memory"))?;
         }
         shared = limit.max(0) as usize;
     }

@@ -315,3 +315,93 @@ pub(crate) fn launch_probs_from_stats(
 /// and keys per tile.
 const REBUILD_Q: usize = 16;
 const REBUILD_K: usize = 64;
+
+/// One side of `launch_attention_diff`: attention parts and where its rows' values sit in the
+/// compared row (columns `lead .. lead + width`).
+pub(crate) struct AttnSide<'a> {
+    pub parts: &'a crate::tap::AttnParts,
+    pub lead: usize,
+    pub width: usize,
+}
+
+/// Blocks of `attention_diff_mma` enough to fill a large GPU.
+const DIFF_BLOCKS: usize = 512;
+
+/// How `attention_diff_mma` splits rows `width` wide for `count` queries of `heads` heads:
+/// columns per chunk and chunks per head row. Whole rows where the queries alone make enough
+/// blocks (every chunk is a summary the host combines), else chunks of MMA_RB_KEYS columns.
+pub(crate) fn attention_diff_layout(count: usize, heads: usize, width: usize) -> (usize, usize) {
+    let cols = if count.div_ceil(MMA_BQ) * heads >= DIFF_BLOCKS {
+        width.max(1)
+    } else {
+        MMA_RB_KEYS
+    };
+    (cols, width.div_ceil(cols))
+}
+
+/// `MMA_DIFF_SHARED` of kernels/attention_mma.cu (bytes): the rebuild's tiles, a second
+/// query tile and 4 words.
+fn mma_diff_shared_bytes(head_dim: usize) -> usize {
+    mma_shared_bytes(head_dim, true) + 4 * MMA_BQ * (head_dim + 4) + 16
+}
+
+/// Whether `launch_attention_diff` applies to rows kept as these parts: both of one shape,
+/// written by the tensor-core kernel (which the rebuild must match), tiles that fit.
+pub(crate) fn attention_diff_applies(
+    g: &Gpu,
+    a: &crate::tap::AttnParts,
+    b: &crate::tap::AttnParts,
+) -> bool {
+    (a.heads, a.kv_heads, a.head_dim) == (b.heads, b.kv_heads, b.head_dim)
+        && tensor_core_attention(g, a.head_dim)
+        && g.tensor_core_shared()
+            .is_some_and(|limit| mma_diff_shared_bytes(a.head_dim) <= limit)
+}
+
+/// Diffs the attention rows of a path pass's `count` queries (`a`) against reference rows (`b`;
+/// their indices in the reference pass at `b_rows`, i32, -1: none) without writing either:
+/// `attention_diff_mma` rebuilds both as the tensor-core kernels wrote them and leaves the
+/// `diff_rows` summaries per (query, head, chunk of columns) at `out`. Only where
+/// `attention_diff_applies`.
+pub(crate) fn launch_attention_diff(
+    g: &Gpu,
+    a: AttnSide<'_>,
+    b: AttnSide<'_>,
+    b_rows: u64,
+    count: usize,
+    out: u64,
+) {
+    let (pa, pb) = (a.parts, b.parts);
+    let width = (a.lead + a.width).max(b.lead + b.width);
+    let (cols, chunks) = attention_diff_layout(count, pa.heads, width);
+    g.launch(
+        "attention_diff_mma",
+        (count.div_ceil(MMA_BQ) * pa.heads * chunks) as u32,
+        TILE_THREADS,
+        mma_diff_shared_bytes(pa.head_dim) as u32,
+        &[
+            Arg::Ptr(pa.q),
+            Arg::Ptr(pa.keys),
+            Arg::Ptr(pa.stats),
+            Arg::I32(pa.base as i32),
+            Arg::I32(pa.split as i32),
+            Arg::I32(a.lead as i32),
+            Arg::I32(a.width as i32),
+            Arg::Ptr(pb.q),
+            Arg::Ptr(pb.keys),
+            Arg::Ptr(pb.stats),
+            Arg::Ptr(b_rows),
+            Arg::I32(pb.base as i32),
+            Arg::I32(pb.split as i32),
+            Arg::I32(b.lead as i32),
+            Arg::I32(b.width as i32),
+            Arg::Ptr(out),
+            Arg::I32(count as i32),
+            Arg::I32(cols as i32),
+            Arg::I32(pa.heads as i32),
+            Arg::I32(pa.kv_heads as i32),
+            Arg::I32(pa.head_dim as i32),
+            Arg::F32(1.0 / (pa.head_dim as f32).sqrt()),
+        ],
+    );
+}

@@ -23,7 +23,10 @@ mod workspace;
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
 pub use kv::CudaKv;
-pub(crate) use launch::launch_probs_from_stats;
+pub(crate) use launch::{
+    attention_diff_applies, attention_diff_layout, launch_attention_diff, launch_probs_from_stats,
+    AttnSide,
+};
 
 /// Whether a prefill of this model can offer its attention as parts (`AttnParts`): every layer
 /// runs the tiled kernel.

@@ -201,6 +201,28 @@ impl DeviceDiffs {
         Some(at)
     }
 
+    /// Reserves `count` summary rows for a kernel that writes them itself (after the queued
+    /// jobs, which are launched first so their rows stay contiguous). Returns the first row and
+    /// its address, or `None` when the buffer is full (read it back, then reserve again).
+    pub fn reserve(&mut self, t: &DeviceTap<'_>, count: usize) -> Option<(usize, u64)> {
+        if self.out.is_none() {
+            self.cap = (1 << 20).max(count);
+            let g = gpu_of(t);
+            self.out = Some(g.alloc::<f32>(self.cap * 12));
+            self.gpu = Some(g);
+        }
+        if self.used + count > self.cap {
+            return None;
+        }
+        self.launch();
+        let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
+            return None;
+        };
+        let at = self.used;
+        self.used += count;
+        Some((at, ptr(g, out, at * 12)))
+    }
+
     /// Runs the queued jobs (one launch).
     pub fn launch(&mut self) {
         if self.jobs.is_empty() {
@@ -279,15 +301,17 @@ impl DeviceDiffs {
     }
 }
 
-/// One token's row metrics from its sub-rows' (heads') summaries, each `w` wide: the same
-/// `RowDiff` the host computes over the concatenated row. Also returns the count of bitwise
-/// differences.
-pub fn combine_rows(rows: &[[f32; 12]], w: usize) -> (RowDiff, f32) {
+/// One token's row metrics from its sub-rows' summaries: per head, `chunks` summaries of
+/// consecutive column ranges (indices counted from the head row's start), each head row `w`
+/// wide. The same `RowDiff` the host computes over the concatenated row. Also returns the count
+/// of bitwise differences.
+pub fn combine_rows(rows: &[[f32; 12]], w: usize, chunks: usize) -> (RowDiff, f32) {
     let (mut d2, mut b2, mut ab, mut a2, mut bits) = (0f64, 0f64, 0f64, 0f64, 0f32);
     let (mut max_abs, mut max_ref, mut index) = (0f32, 0f32, 0usize);
     let (mut reference, mut value) = (0f32, 0f32);
     let mut non_finite = None;
-    for (h, r) in rows.iter().enumerate() {
+    for (sub, r) in rows.iter().enumerate() {
+        let h = sub / chunks.max(1);
         if r[0] > max_abs {
             max_abs = r[0];
             index = h * w + r[1] as usize;
@@ -323,4 +347,88 @@ pub fn combine_rows(rows: &[[f32; 12]], w: usize) -> (RowDiff, f32) {
         },
         bits,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::combine_rows;
+
+    /// The 12 summary words `diff_rows` (and `attention_diff_mma`, per chunk) leave for columns
+    /// `from..to` of a row: indices counted from the row's start.
+    fn summary(a: &[f32], b: &[f32], from: usize, to: usize) -> [f32; 12] {
+        let (mut best, mut at, mut bad) = (-1f32, from, None::<usize>);
+        let mut s = [0f32; 12];
+        for i in from..to {
+            let (x, y) = (a[i], b[i]);
+            s[8] += (x.to_bits() != y.to_bits()) as u32 as f32;
+            if !x.is_finite() || !y.is_finite() {
+                bad = bad.or(Some(i));
+                continue;
+            }
+            if (x - y).abs() > best {
+                (best, at) = ((x - y).abs(), i);
+            }
+            s[2] = s[2].max(y.abs());
+            s[3] += (x - y) * (x - y);
+            s[4] += y * y;
+            s[5] += x * y;
+            s[6] += x * x;
+        }
+        let idx = bad.unwrap_or(at);
+        s[0] = best.max(0.0);
+        s[1] = at as f32;
+        s[7] = bad.map_or(-1.0, |i| i as f32);
+        s[9] = a[idx];
+        s[10] = b[idx];
+        s
+    }
+
+    #[test]
+    fn summaries_in_column_chunks_combine_to_the_whole_rows() {
+        let (heads, w, chunk) = (3usize, 2500usize, 1024usize);
+        let mut seed = 7u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut b: Vec<f32> = (0..heads * w).map(|_| next()).collect();
+        let mut a: Vec<f32> = b.iter().map(|v| v + 1e-3 * (next() - 0.5)).collect();
+        // The largest difference in head 1's second chunk, twice (the first one counts), and a
+        // non-finite value in head 2's last chunk.
+        for i in [w + 1500, w + 1700] {
+            (a[i], b[i]) = (0.75, 0.25);
+        }
+        a[2 * w + 2100] = f32::NAN;
+        for nan in [false, true] {
+            let mut a = a.clone();
+            if !nan {
+                a[2 * w + 2100] = b[2 * w + 2100];
+            }
+            let row = |h: usize| (&a[h * w..(h + 1) * w], &b[h * w..(h + 1) * w]);
+            let whole: Vec<[f32; 12]> = (0..heads)
+                .map(|h| summary(row(h).0, row(h).1, 0, w))
+                .collect();
+            let chunks = w.div_ceil(chunk);
+            let parts: Vec<[f32; 12]> = (0..heads)
+                .flat_map(|h| (0..chunks).map(move |c| (h, c)))
+                .map(|(h, c)| summary(row(h).0, row(h).1, c * chunk, ((c + 1) * chunk).min(w)))
+                .collect();
+            let (d1, bits1) = combine_rows(&whole, w, 1);
+            let (d2, bits2) = combine_rows(&parts, w, chunks);
+            assert_eq!(d2.index, d1.index);
+            assert_eq!(d2.index, w + 1500);
+            assert_eq!(d2.non_finite, d1.non_finite);
+            assert_eq!(d2.non_finite, nan.then_some(2 * w + 2100));
+            assert_eq!(d2.max_abs, d1.max_abs);
+            assert_eq!(d2.max_ref, d1.max_ref);
+            assert_eq!(
+                (d2.value.to_bits(), d2.reference),
+                (d1.value.to_bits(), d1.reference)
+            );
+            assert_eq!(bits2, bits1);
+            approx::assert_relative_eq!(d2.rel_l2, d1.rel_l2, max_relative = 1e-5);
+        }
+    }
 }
