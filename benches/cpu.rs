@@ -243,7 +243,7 @@ fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
     use kvdiff::compare::run::{host_memory_budget, Policy, Request};
     use kvdiff::compare::target::{Backend, Target};
     use kvdiff::engine::chunks::ChunkedPrompt;
-    let vocab = engine.tokenizer.vocab_size() as u32;
+    let vocab = engine.tokenizer.vocab_size().expect("the tokenizer parsed") as u32;
     let ids: Vec<u32> = (0..t as u32).map(|k| (k * 31 + 7) % vocab).collect();
     // System, two documents of about 45% each, the query.
     let (sys, doc) = (t / 20, t * 9 / 20);

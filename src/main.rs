@@ -9,6 +9,7 @@ use kvdiff::error::EXIT_INTERNAL;
 
 fn main() {
     let started = std::time::Instant::now();
+    kvdiff::support::timing::mark_start(started);
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => kvdiff::support::exit::now(cli::usage_error(e)),

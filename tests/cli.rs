@@ -505,3 +505,74 @@ fn auto_calibration_is_cached_and_a_cached_run_reports_the_same() {
     assert!(calibrated);
     assert_eq!(std::fs::read_dir(cache.join("noise")).unwrap().count(), 2);
 }
+
+/// A repeated run takes its prompt's ids, the vocabulary size and the EOS ids from the cache
+/// instead of waiting for `tokenizer.json` to parse, and reports exactly what the first run
+/// did; other bytes in `tokenizer.json` or a damaged entry are tokenized afresh.
+#[test]
+fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cache, model) = (tmp.path().join("cache"), tmp.path().join("model"));
+    std::fs::create_dir(&model).unwrap();
+    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+    for f in std::fs::read_dir(&default).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    let run = |json: &str| {
+        let json = tmp.path().join(json);
+        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args([
+                "compare",
+                "--paths",
+                "chunk-reuse:rerotate",
+                "--max-new-tokens",
+                "4",
+            ])
+            .args(["--tolerance", "fixed", "--model", model.to_str().unwrap()])
+            .args(["--json", json.to_str().unwrap()])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/prompts/task.json"))
+            .env("KVDIFF_CACHE_DIR", &cache)
+            .env("KVDIFF_TIMING", "1")
+            .output()
+            .unwrap();
+        assert!(matches!(out.status.code(), Some(0 | 1)), "{}", stderr(&out));
+        let err = stderr(&out);
+        let missed = (
+            err.contains("tokenizer: facts parsed (not cached)"),
+            err.contains("tokenizer: prompt encoded (not cached)"),
+        );
+        (read_json(&json), missed)
+    };
+    let (first, missed) = run("1.json");
+    assert_eq!(missed, (true, true), "a cold cache tokenizes");
+    let (second, missed) = run("2.json");
+    assert_eq!(missed, (false, false), "the same run again reads the cache");
+    assert_eq!(first, second, "a cached run reports exactly as a fresh one");
+    let entries = || -> Vec<_> {
+        let mut e: Vec<_> = std::fs::read_dir(cache.join("tokenizer"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        e.sort();
+        e
+    };
+    assert_eq!(entries().len(), 2, "{:?}", entries());
+    // A damaged prompt entry is tokenized again.
+    let tokens = entries()
+        .into_iter()
+        .find(|p| p.extension().unwrap() == "tokens");
+    std::fs::write(tokens.unwrap(), [1, 2, 3]).unwrap();
+    let (third, missed) = run("3.json");
+    assert_eq!(missed, (false, true));
+    assert_eq!(first, third);
+    // Other bytes in tokenizer.json are another tokenizer.
+    let tok = model.join("tokenizer.json");
+    let mut bytes = std::fs::read(&tok).unwrap();
+    bytes.push(b'\n');
+    std::fs::write(&tok, bytes).unwrap();
+    let (fourth, missed) = run("4.json");
+    assert_eq!(missed, (true, true));
+    assert_eq!(first, fourth);
+    assert_eq!(entries().len(), 4);
+}

@@ -100,6 +100,35 @@ pub fn unavailable_reason() -> Option<String> {
     }
 }
 
+/// Loads the library cudarc will load for `lib` (the first of its names that opens) and keeps
+/// it loaded, so that cudarc's own load later finds it in place; false if none opens.
+/// `is_culib_present` would unload it again, and loading cuBLAS twice costs a hundred ms.
+fn preload(lib: &str) -> bool {
+    cudarc::get_lib_name_candidates(lib).iter().any(|name| {
+        let Ok(name) = std::ffi::CString::new(name.as_str()) else {
+            return false;
+        };
+        // Safety: loading a shared library runs its initialisers, as cudarc's load of the same
+        // file does; the handle is never closed.
+        !unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) }.is_null()
+    })
+}
+
+/// Loads NVRTC and cuBLAS on another thread, beside the driver starting; the thread says
+/// which one is missing.
+fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {
+    std::thread::spawn(|| {
+        let _span = crate::support::timing::span("startup: NVRTC + cuBLAS libraries loaded");
+        if !preload("nvrtc") {
+            return Some("NVRTC (libnvrtc.so) was not found".into());
+        }
+        if !preload("cublas") {
+            return Some("cuBLAS (libcublas.so) was not found".into());
+        }
+        None
+    })
+}
+
 /// A device, its streams, cuBLAS and the compiled kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -282,10 +311,31 @@ impl Gpu {
 
     fn open_now() -> Result<Arc<Gpu>> {
         let _span = crate::support::timing::span("startup: GPU open (whole)");
-        if let Some(why) = unavailable_reason() {
+        // Safety: only probes whether the driver library can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            let why = "the CUDA driver library (libcuda.so) was not found";
             return Err(Error::usage("--backend cuda", why, CUDA_FIX));
         }
+        let libraries = preload_libraries();
+        let missing = |libraries: std::thread::JoinHandle<Option<String>>| match libraries.join() {
+            Ok(None) => Ok(()),
+            Ok(Some(why)) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
+            Err(_) => Err(Error::Internal(
+                "loading the CUDA libraries panicked".into(),
+            )),
+        };
         let context_span = crate::support::timing::span("startup: CUDA driver + context");
+        match CudaContext::device_count() {
+            Ok(n) if n > 0 => {}
+            found => {
+                missing(libraries)?;
+                let why = match found {
+                    Ok(_) => "no CUDA device is visible".to_string(),
+                    Err(e) => format!("the CUDA driver failed to start: {e}"),
+                };
+                return Err(Error::usage("--backend cuda", why, CUDA_FIX));
+            }
+        }
         let ctx = CudaContext::new(0).map_err(|e| {
             Error::usage(
                 "--backend cuda",
@@ -303,6 +353,7 @@ impl Gpu {
         let side_done = ctx.new_event(None).map_err(internal("event"))?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
         drop(context_span);
+        missing(libraries)?;
         let blas_span = crate::support::timing::span("startup: cuBLAS handle");
         let (blas, blas_workspace) = cublas_with_workspace(&stream)?;
         drop(blas_span);

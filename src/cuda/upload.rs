@@ -92,7 +92,7 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
     refuse_unsupported(config)?;
     let named = model.named_tensors();
     let (gpu, buffers) = read_and_upload(config, &named)?;
-    let cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, &named)?);
+    let cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, &named)?, false);
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
 
@@ -103,15 +103,30 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
 pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
     refuse_unsupported(config)?;
     let cm = Checkpoint::with(src, config, |ckpt| {
-        let (gpu, buffers) = match super::stream_load::streamable(src, ckpt, config) {
+        let (gpu, buffers, warmed) = match super::stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
+                // cuBLAS meets every GEMM shape on the opened GPU while the weights stream in.
+                let warm = {
+                    let config = config.clone();
+                    std::thread::spawn(move || -> Result<Arc<Gpu>> {
+                        let gpu = Gpu::open()?;
+                        let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
+                        warm_up(&gpu, &config, None);
+                        Ok(gpu)
+                    })
+                };
                 let buffers = super::stream_load::stream(ckpt, &files, &plan, |free, name| {
                     check_fits(free, name, config)
                 })?;
-                let gpu = Gpu::open()?;
+                let gpu = {
+                    let _span =
+                        crate::support::timing::span("startup: waiting for the GPU to open");
+                    warm.join()
+                        .map_err(|_| Error::Internal("opening the GPU panicked".into()))??
+                };
                 super::stream_load::check_finite(&gpu, ckpt, &plan, &buffers)?;
-                (gpu, buffers)
+                (gpu, buffers, true)
             }
             None => {
                 crate::support::resources::check_memory(
@@ -119,7 +134,8 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     "holding the weights as bf16 before the upload",
                     &ckpt.first_file(),
                 )?;
-                read_and_upload(config, ckpt)?
+                let (gpu, buffers) = read_and_upload(config, ckpt)?;
+                (gpu, buffers, false)
             }
         };
         Ok(CudaModel::assemble(
@@ -127,6 +143,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
             config,
             buffers,
             read_biases(config, ckpt)?,
+            warmed,
         ))
     })?;
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
@@ -292,6 +309,7 @@ impl CudaModel {
         config: &Config,
         buffers: Vec<CudaSlice<u16>>,
         biases: Vec<Option<Vec<f32>>>,
+        warmed: bool,
     ) -> Self {
         let a = &config.arch;
         let mut next = buffers.into_iter();
@@ -342,40 +360,45 @@ impl CudaModel {
             device: gpu.clone(),
             gpu,
         };
-        let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
-        model.warm_up();
+        if !warmed {
+            let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
+            let w = model
+                .layers
+                .first()
+                .map(|w| [&w.qkv, &w.o, &w.gate_up, &w.down].map(|b| ptr(&model.gpu, b, 0)));
+            warm_up(&model.gpu, config, w);
+        }
         model
     }
+}
 
-    /// Runs every layer GEMM shape once per row count of `WARM_ROWS`: cuBLAS picks and loads
-    /// a kernel the first time it meets a shape (milliseconds each), which belongs with
-    /// loading the model rather than inside the first passes of a run.
-    fn warm_up(&self) {
-        let g = &*self.gpu;
-        let c = &self.config;
-        let inter = c
-            .arch
-            .sparse(0)
-            .map_or(c.intermediate_size, |m| m.intermediate_size);
-        let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
-        let Some(w) = self.layers.first() else {
-            return;
-        };
-        let rows = WARM_ROWS[WARM_ROWS.len() - 1];
-        let widest = h.max(qd).max(inter);
-        let x = g.zeros::<u16>(rows * widest);
-        let y = g.alloc::<f32>(rows * (qd + 2 * kvd).max(2 * inter).max(h));
-        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
-        for &n in &WARM_ROWS {
-            for (weights, k, m) in [
-                (&w.qkv, h, qd + 2 * kvd),
-                (&w.o, qd, h),
-                (&w.gate_up, h, 2 * inter),
-                (&w.down, inter, h),
-            ] {
-                g.gemm_bf16(pb(&x), pb(weights), ptr(g, &y, 0), n, k, m);
-            }
-        }
-        g.sync();
+/// Runs every layer GEMM shape once per row count of `WARM_ROWS`: cuBLAS picks and loads a
+/// kernel the first time it meets a shape (milliseconds each), which belongs with loading the
+/// model rather than inside the first passes of a run. The weights (qkv, o, gate_up, down) are
+/// the first layer's, or zeros where they are still being read: only the shapes matter.
+fn warm_up(g: &Gpu, c: &Config, weights: Option<[u64; 4]>) {
+    let inter = c
+        .arch
+        .sparse(0)
+        .map_or(c.intermediate_size, |m| m.intermediate_size);
+    let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
+    if c.num_hidden_layers == 0 {
+        return;
     }
+    let shapes = [(h, qd + 2 * kvd), (qd, h), (h, 2 * inter), (inter, h)];
+    let zeros = match weights {
+        Some(_) => None,
+        None => Some(g.zeros::<u16>(shapes.iter().map(|(k, m)| k * m).max().unwrap_or(0))),
+    };
+    let weights = weights.unwrap_or_else(|| [ptr(g, zeros.as_ref().expect("zeros"), 0); 4]);
+    let rows = WARM_ROWS[WARM_ROWS.len() - 1];
+    let widest = h.max(qd).max(inter);
+    let x = g.zeros::<u16>(rows * widest);
+    let y = g.alloc::<f32>(rows * (qd + 2 * kvd).max(2 * inter).max(h));
+    for &n in &WARM_ROWS {
+        for (&w, &(k, m)) in weights.iter().zip(&shapes) {
+            g.gemm_bf16(ptr(g, &x, 0), w, ptr(g, &y, 0), n, k, m);
+        }
+    }
+    g.sync();
 }

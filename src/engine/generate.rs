@@ -43,25 +43,17 @@ impl Engine {
         source: ModelSource,
         load_model: impl FnOnce(&ModelSource) -> Result<Model>,
     ) -> Result<Self> {
-        // The tokenizer (hundreds of ms for a 150k vocabulary) parses beside the weights.
-        let (model, tokenizer) = std::thread::scope(|s| {
-            let tokenizer = s.spawn(|| {
-                let _span = crate::support::timing::span("startup: tokenizer + chat template");
-                ChatTokenizer::load(&source)
-            });
-            let model = load_model(&source);
-            let tokenizer = tokenizer
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (model, tokenizer)
-        });
-        let (model, tokenizer) = (model?, tokenizer?);
-        if tokenizer.vocab_size() > model.config.vocab_size {
+        // The tokenizer (hundreds of ms for a 150k vocabulary) parses beside the weights, and
+        // is waited for here only if these files never parsed before (`ChatTokenizer::check`).
+        let tokenizer = ChatTokenizer::start(&source)?;
+        let model = load_model(&source)?;
+        tokenizer.check()?;
+        let vocab = tokenizer.vocab_size()?;
+        if vocab > model.config.vocab_size {
             return Err(Error::input(
                 source.path_of("tokenizer.json"),
                 format!(
-                    "tokenizer has {} tokens but config.json's vocab_size is {}",
-                    tokenizer.vocab_size(),
+                    "tokenizer has {vocab} tokens but config.json's vocab_size is {}",
                     model.config.vocab_size
                 ),
                 "use the tokenizer that came with these weights",
@@ -78,7 +70,7 @@ impl Engine {
     /// Every id that ends generation: config, generation_config and the tokenizer's eos_token.
     pub fn eos_ids(&self) -> Vec<u32> {
         let mut ids = self.model.config.eos_token_ids.clone();
-        for &t in &self.tokenizer.eos_ids {
+        for t in self.tokenizer.eos_ids() {
             if !ids.contains(&t) {
                 ids.push(t);
             }

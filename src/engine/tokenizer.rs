@@ -1,5 +1,18 @@
 //! The model's tokenizer (`tokenizer.json`) and chat template (`chat_template.jinja`, or the
 //! `chat_template` field of `tokenizer_config.json`), turning a prompt into token ids.
+//!
+//! Parsing a 150k-entry `tokenizer.json` takes longer than opening the GPU and reading the
+//! weights, so it runs on its own thread and is waited for only where the parsed tokenizer
+//! is needed. What a run needs from it before the end, the vocabulary size, the EOS ids and
+//! the prompt's ids, is cached (`support/cache.rs`) under a key of `tokenizer.json`'s bytes,
+//! the eos token and the kvdiff binary: a repeated run decodes its output text with the
+//! tokenizer parsed meanwhile, and never waits for it before its first GPU launch.
+
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::mpsc::Receiver;
+use std::sync::{Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use serde_json::Value as Json;
 
@@ -8,27 +21,142 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::io::prompt::Message;
 
+type Parse = std::result::Result<tokenizers::Tokenizer, String>;
+
+/// `tokenizer.json` hashed, then parsed, on its own thread; the first use of either waits.
+struct Background {
+    hash: Mutex<Option<Receiver<u64>>>,
+    hashed: OnceLock<Option<u64>>,
+    job: Mutex<Option<JoinHandle<Parse>>>,
+    done: OnceLock<Parse>,
+    /// How long the first use waited for the parse.
+    waited: OnceLock<std::time::Duration>,
+}
+
+impl Background {
+    fn start(bytes: crate::io::model_source::Bytes) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let job = std::thread::spawn(move || {
+            let _span = crate::support::timing::span("startup: tokenizer parsed (background)");
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            h.write(&bytes);
+            let _ = tx.send(h.finish());
+            tokenizers::Tokenizer::from_bytes(&*bytes).map_err(|e| e.to_string())
+        });
+        Background {
+            hash: Mutex::new(Some(rx)),
+            hashed: OnceLock::new(),
+            job: Mutex::new(Some(job)),
+            done: OnceLock::new(),
+            waited: OnceLock::new(),
+        }
+    }
+
+    /// A hash of the file's bytes (milliseconds after the start).
+    fn hash(&self) -> Option<u64> {
+        *self.hashed.get_or_init(|| {
+            let rx = self.hash.lock().unwrap_or_else(|p| p.into_inner()).take();
+            rx.and_then(|r| r.recv().ok())
+        })
+    }
+
+    fn get(&self) -> &Parse {
+        self.done.get_or_init(|| {
+            let _span = crate::support::timing::span("tokenizer: waited for the parse");
+            let t = std::time::Instant::now();
+            let job = self.job.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let joined = job.map(JoinHandle::join);
+            let _ = self.waited.set(t.elapsed());
+            match joined {
+                Some(Ok(parsed)) => parsed,
+                Some(Err(p)) => std::panic::resume_unwind(p),
+                None => Err("the tokenizer's parse did not finish".into()),
+            }
+        })
+    }
+}
+
+/// What a run needs from the parsed tokenizer before its end, cached by `identity`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Facts {
+    vocab_size: usize,
+    /// Ids of tokens that end generation according to the tokenizer (its eos_token).
+    eos_ids: Vec<u32>,
+}
+
 pub struct ChatTokenizer {
-    tokenizer: tokenizers::Tokenizer,
+    parsed: Background,
     template: ChatTemplate,
     /// The template named "tool_use" of a tokenizer_config.json with named templates, which
     /// transformers picks when tools are passed.
     tool_template: Option<ChatTemplate>,
     special: SpecialTokens,
-    /// Ids of tokens that end generation according to the tokenizer (its eos_token).
-    pub eos_ids: Vec<u32>,
+    tokenizer_path: PathBuf,
+    /// With the file's hash, names cache entries (`None`: no caching).
+    identity_base: Option<u64>,
+    facts: OnceLock<Facts>,
 }
 
 const TOKENIZER_FIX: &str =
     "use the tokenizer.json / tokenizer_config.json that came with the model";
 
+/// Bumped when what is cached, or how, changes.
+const TOKENS_SCHEMA: u32 = 1;
+
+/// What keys a tokenizer's cache entries besides its file's bytes: the eos token named beside
+/// it and the kvdiff binary (another `tokenizers` may split text otherwise).
+fn identity_base(src: &ModelSource, eos: Option<&str>) -> Option<u64> {
+    // Built in tests and fuzzing: not worth keeping.
+    if let ModelSource::Memory(_) = src {
+        return None;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("kvdiff-tokens", TOKENS_SCHEMA, eos).hash(&mut h);
+    let exe = std::fs::metadata(std::env::current_exe().ok()?).ok()?;
+    (exe.len(), exe.modified().ok()).hash(&mut h);
+    Some(h.finish())
+}
+
+/// A prompt's ids and each token's byte offset, as cached: `n`, then `n` ids and `n` offsets,
+/// little-endian u32s.
+fn tokens_to_bytes(ids: &[u32], offsets: &[usize]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + 8 * ids.len());
+    out.extend((ids.len() as u32).to_le_bytes());
+    out.extend(ids.iter().flat_map(|i| i.to_le_bytes()));
+    out.extend(offsets.iter().flat_map(|&o| (o as u32).to_le_bytes()));
+    out
+}
+
+fn tokens_from_bytes(b: &[u8], text_len: usize) -> Option<(Vec<u32>, Vec<usize>)> {
+    let words: Vec<u32> = b
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+        .collect();
+    let n = *words.first()? as usize;
+    if b.len() != 4 * (1 + 2 * n) {
+        return None;
+    }
+    let offsets: Vec<usize> = words[1 + n..].iter().map(|&o| o as usize).collect();
+    offsets
+        .iter()
+        .all(|&o| o <= text_len)
+        .then(|| (words[1..1 + n].to_vec(), offsets))
+}
+
 impl ChatTokenizer {
+    /// Loads the tokenizer and waits for it: every error of its files is reported here.
     pub fn load(src: &ModelSource) -> Result<Self> {
-        let tok_path = src.path_of("tokenizer.json");
-        let bytes = src.bytes("tokenizer.json", TOKENIZER_FIX)?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(&*bytes).map_err(|e| {
-            Error::input(&tok_path, format!("invalid tokenizer: {e}"), TOKENIZER_FIX)
-        })?;
+        let t = Self::start(src)?;
+        t.check()?;
+        Ok(t)
+    }
+
+    /// Reads the chat template and special tokens, and starts parsing `tokenizer.json` on its
+    /// own thread. `check` reports whether the parse succeeded, without waiting where a
+    /// successful parse of the same files is cached.
+    pub fn start(src: &ModelSource) -> Result<Self> {
+        let tokenizer_path = src.path_of("tokenizer.json");
+        let parsed = Background::start(src.bytes("tokenizer.json", TOKENIZER_FIX)?);
 
         let cfg_path = src.path_of("tokenizer_config.json");
         let cfg: Json = if src.exists("tokenizer_config.json") {
@@ -76,19 +204,85 @@ impl ChatTokenizer {
         let template = compile(&template_src)?;
         let tool_template = tool_src.as_deref().map(compile).transpose()?;
         let special = SpecialTokens::from_tokenizer_config(&cfg);
-        let eos_ids = special
-            .eos
-            .as_deref()
-            .and_then(|e| tokenizer.token_to_id(e))
-            .into_iter()
-            .collect();
+        let identity_base = identity_base(src, special.eos.as_deref());
         Ok(ChatTokenizer {
-            tokenizer,
+            parsed,
             template,
             tool_template,
             special,
-            eos_ids,
+            tokenizer_path,
+            identity_base,
+            facts: OnceLock::new(),
         })
+    }
+
+    /// How long this process waited for `tokenizer.json` to parse: start-up, even where the
+    /// wait falls at the end of a run (a cached run needs the parse only to decode its text).
+    pub fn parse_wait(&self) -> std::time::Duration {
+        self.parsed.waited.get().copied().unwrap_or_default()
+    }
+
+    /// The key of this tokenizer's cache entries.
+    fn identity(&self) -> Option<u64> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.identity_base?, self.parsed.hash()?).hash(&mut h);
+        Some(h.finish())
+    }
+
+    fn parsed(&self) -> Result<&tokenizers::Tokenizer> {
+        self.parsed.get().as_ref().map_err(|e| {
+            Error::input(
+                &self.tokenizer_path,
+                format!("invalid tokenizer: {e}"),
+                TOKENIZER_FIX,
+            )
+        })
+    }
+
+    /// Errors of `tokenizer.json` (as `load` reports them). Waits for the parse unless these
+    /// files parsed before (the cached facts).
+    pub fn check(&self) -> Result<()> {
+        self.facts().map(|_| ())
+    }
+
+    fn facts(&self) -> Result<&Facts> {
+        if let Some(f) = self.facts.get() {
+            return Ok(f);
+        }
+        let entry = self.identity().map(|k| format!("tokenizer/{k:016x}.json"));
+        let cached = entry
+            .as_deref()
+            .and_then(crate::support::cache::path)
+            .and_then(|p| std::fs::read(p).ok())
+            .and_then(|b| serde_json::from_slice::<Facts>(&b).ok());
+        let facts = match cached {
+            Some(f) => f,
+            None => {
+                let _span = crate::support::timing::span("tokenizer: facts parsed (not cached)");
+                let t = self.parsed()?;
+                let f = Facts {
+                    vocab_size: t.get_vocab_size(true),
+                    eos_ids: self
+                        .special
+                        .eos
+                        .as_deref()
+                        .and_then(|e| t.token_to_id(e))
+                        .into_iter()
+                        .collect(),
+                };
+                if let Some(e) = &entry {
+                    crate::support::cache::write(e, &serde_json::to_vec(&f).unwrap_or_default());
+                }
+                f
+            }
+        };
+        Ok(self.facts.get_or_init(|| facts))
+    }
+
+    /// Ids of tokens that end generation according to the tokenizer (its eos_token); none if
+    /// the tokenizer did not parse (which `check` reports).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        self.facts().map(|f| f.eos_ids.clone()).unwrap_or_default()
     }
 
     /// The chat text for `messages`, with the generation prompt.
@@ -108,29 +302,62 @@ impl ChatTokenizer {
     /// Token ids of already-rendered chat text (special tokens in the text become their ids;
     /// nothing is added around it, as with apply_chat_template).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.tokenizer
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| format!("tokenizer failed: {e}"))
+        self.encode_with_offsets(text).map(|(ids, _)| ids)
     }
 
-    /// Token ids with the byte offset in `text` where each token starts.
+    /// Token ids with the byte offset in `text` where each token starts; from the cache where
+    /// these files tokenized this text before.
     pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>), String> {
+        let entry = self.identity().map(|k| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            text.hash(&mut h);
+            format!("tokenizer/{k:016x}-{:016x}.tokens", h.finish())
+        });
+        let cached = entry
+            .as_deref()
+            .and_then(crate::support::cache::path)
+            .and_then(|p| std::fs::read(p).ok())
+            .and_then(|b| tokens_from_bytes(&b, text.len()));
+        if let Some(hit) = cached {
+            return Ok(hit);
+        }
+        let _span = crate::support::timing::span("tokenizer: prompt encoded (not cached)");
         let e = self
-            .tokenizer
+            .parsed()
+            .map_err(|e| e.to_string())?
             .encode(text, false)
             .map_err(|e| format!("tokenizer failed: {e}"))?;
-        Ok((
-            e.get_ids().to_vec(),
-            e.get_offsets().iter().map(|o| o.0).collect(),
-        ))
+        let ids = e.get_ids().to_vec();
+        let offsets: Vec<usize> = e.get_offsets().iter().map(|o| o.0).collect();
+        if let Some(name) = &entry {
+            crate::support::cache::write(name, &tokens_to_bytes(&ids, &offsets));
+        }
+        Ok((ids, offsets))
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
-        self.tokenizer.decode(ids, skip_special).unwrap_or_default()
+        self.parsed()
+            .ok()
+            .and_then(|t| t.decode(ids, skip_special).ok())
+            .unwrap_or_default()
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+    pub fn vocab_size(&self) -> Result<usize> {
+        self.facts().map(|f| f.vocab_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tokens_from_bytes, tokens_to_bytes};
+
+    #[test]
+    fn cached_tokens_round_trip_and_damaged_entries_are_refused() {
+        let (ids, offsets) = (vec![7, 151643, 0], vec![0, 3, 9]);
+        let b = tokens_to_bytes(&ids, &offsets);
+        assert_eq!(tokens_from_bytes(&b, 10), Some((ids, offsets)));
+        assert_eq!(tokens_from_bytes(&b[..b.len() - 1], 10), None);
+        assert_eq!(tokens_from_bytes(&b, 8), None, "an offset past the text");
+        assert_eq!(tokens_from_bytes(&[], 0), None);
     }
 }
