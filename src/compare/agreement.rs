@@ -34,8 +34,8 @@ impl Agreement {
         }
     }
 
-    pub(crate) fn add(&mut self, path: StepLogits, reference: StepLogits) {
-        if let (Some(p), Some(r)) = (logits_on_gpu(&path), logits_on_gpu(&reference)) {
+    pub(crate) fn add(&mut self, path: &StepLogits, reference: StepLogits) {
+        if let (Some(p), Some(r)) = (logits_on_gpu(path), logits_on_gpu(&reference)) {
             if Arc::ptr_eq(p.gpu, r.gpu) {
                 let d = self.device.get_or_insert_with(|| {
                     DeviceAgreement::new(p.gpu, Self::TOP_K, self.max_steps)
@@ -59,7 +59,7 @@ impl Agreement {
             });
             (to, worker)
         });
-        let _ = to.send((path.into_host(), reference.into_host()));
+        let _ = to.send((path.to_host(), reference.into_host()));
     }
 
     pub(crate) fn finish(self) -> LogitsAgreement {

@@ -84,6 +84,26 @@ fn dump_recorded(
     }
 }
 
+/// Folds one layer group's report into the run's.
+fn merge_pass(m: &mut PathReport, r: PathReport) {
+    if r.first_divergence.as_ref().is_some_and(|d| {
+        m.first_divergence
+            .as_ref()
+            .is_none_or(|f| d.order < f.order)
+    }) {
+        m.first_divergence = r.first_divergence;
+    }
+    m.diverged = m.first_divergence.is_some() || m.first_token_divergence.is_some();
+    m.layers.extend(r.layers);
+    if let (Some(a), Some(b)) = (m.cells.as_mut(), r.cells.as_ref()) {
+        a.merge(b);
+    }
+    for (k, v) in r.noise {
+        let n = m.noise.entry(k).or_insert(0.0);
+        *n = n.max(v);
+    }
+}
+
 impl CompareSpec<'_> {
     /// Runs `path` against the reference in lockstep.
     pub fn run(&self, path: PathSpec) -> Result<PathReport> {
@@ -105,7 +125,37 @@ impl CompareSpec<'_> {
         split: usize,
         prefill: impl Prefill,
     ) -> Result<PathReport> {
-        let passes = self.passes();
+        let mut reports = self.run_beside(&[], name, exact, split, prefill)?;
+        Ok(reports.remove(0))
+    }
+
+    /// Whether `others` more references' taps fit the memory budget beside this one's in a
+    /// single pass, as `run_beside` needs.
+    pub fn fits_beside(&self, others: usize) -> bool {
+        let shared = CompareSpec {
+            memory_budget: self.memory_budget / (others + 1),
+            ..*self
+        };
+        self.dump.is_none() && shared.passes().len() == 1
+    }
+
+    /// Runs the path once against this spec's reference and, in the same lockstep, against
+    /// each of `others` (another model, reference path and tolerance each; named by the
+    /// string, judged as exact pairs): every side is fed this reference's tokens, and every
+    /// path tap is compared with every reference. One report per reference, this one's
+    /// first. With `others`, every reference's taps must fit in one pass (`fits_beside`).
+    pub fn run_beside(
+        &self,
+        others: &[(&CompareSpec<'_>, &str)],
+        name: &str,
+        exact: bool,
+        split: usize,
+        prefill: impl Prefill,
+    ) -> Result<Vec<PathReport>> {
+        let passes = match others.is_empty() {
+            true => self.passes(),
+            false => vec![self.taps.clone()],
+        };
         if passes.len() > 1 && crate::support::progress::verbosity() > 0 {
             eprintln!(
                 "kvdiff: {name}: the reference's taps exceed the memory budget ({} MiB): compared in {} layer groups, each re-running both sides",
@@ -113,36 +163,25 @@ impl CompareSpec<'_> {
                 passes.len()
             );
         }
-        let mut merged: Option<PathReport> = None;
+        let mut merged: Option<Vec<PathReport>> = None;
         for taps in &passes {
-            let r = self.run_pass(taps, name, exact, split, &prefill)?;
+            let r = self.run_pass(taps, others, name, exact, split, &prefill)?;
             merged = Some(match merged {
                 None => r,
-                Some(mut m) => {
-                    if r.first_divergence.as_ref().is_some_and(|d| {
-                        m.first_divergence
-                            .as_ref()
-                            .is_none_or(|f| d.order < f.order)
-                    }) {
-                        m.first_divergence = r.first_divergence;
+                Some(mut all) => {
+                    for (m, r) in all.iter_mut().zip(r) {
+                        merge_pass(m, r);
                     }
-                    m.diverged = m.first_divergence.is_some() || m.first_token_divergence.is_some();
-                    m.layers.extend(r.layers);
-                    if let (Some(a), Some(b)) = (m.cells.as_mut(), r.cells.as_ref()) {
-                        a.merge(b);
-                    }
-                    for (k, v) in r.noise {
-                        let n = m.noise.entry(k).or_insert(0.0);
-                        *n = n.max(v);
-                    }
-                    m
+                    all
                 }
             });
         }
-        let mut report = merged.expect("at least one pass");
+        let mut reports = merged.expect("at least one pass");
         let layers = self.model.config.num_hidden_layers;
-        report.grid = report.cells.take().map(|c| c.encode(layers));
-        Ok(report)
+        for r in &mut reports {
+            r.grid = r.cells.take().map(|c| c.encode(layers));
+        }
+        Ok(reports)
     }
 
     /// Splits the selected taps into passes whose reference taps of one step fit
@@ -184,50 +223,80 @@ impl CompareSpec<'_> {
     fn run_pass(
         &self,
         taps: &TapFilter,
+        others: &[(&CompareSpec<'_>, &str)],
         name: &str,
         exact: bool,
         split: usize,
         prefill: &impl Prefill,
-    ) -> Result<PathReport> {
+    ) -> Result<Vec<PathReport>> {
         let n = self.prompt.ids.len();
+        let specs: Vec<&CompareSpec<'_>> = std::iter::once(self)
+            .chain(others.iter().map(|o| o.0))
+            .collect();
         let mut dumps = self.dumpers(taps, name)?;
         let span = crate::support::timing::span("compare: reference prefill");
-        let mut ref_rec = self.recorder(taps, false);
-        let (mut ref_cache, ref_logits) = self.reference.prefill(
-            self.model,
-            self.prompt,
-            &mut ChunkStore::default(),
-            &mut ref_rec,
-        );
-        let mut cmp = self.comparator(taps);
-        if let Some(d) = dumps.reference.as_mut() {
-            let positions: Vec<usize> = (0..n).collect();
-            dump_recorded(d, 0, &self.prompt.ids, &positions, &ref_rec.host.taps);
+        let mut cmps = Vec::with_capacity(specs.len());
+        let mut sides = Vec::with_capacity(specs.len());
+        let mut ref_logits = Vec::with_capacity(specs.len());
+        for (i, s) in specs.iter().enumerate() {
+            let mut rec = s.recorder(taps, false);
+            let (mut cache, logits) =
+                s.reference
+                    .prefill(s.model, self.prompt, &mut ChunkStore::default(), &mut rec);
+            if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
+                let positions: Vec<usize> = (0..n).collect();
+                dump_recorded(d, 0, &self.prompt.ids, &positions, &rec.host.taps);
+            }
+            let mut cmp = s.comparator(taps);
+            cmp.set_reference(rec);
+            // The references' decode steps run beside the path's on the GPU.
+            s.model.decode_on_side_stream(&mut cache);
+            cmps.push(cmp);
+            ref_logits.push(StepLogits::Host(logits));
+            sides.push(Side {
+                cache,
+                split: s.reference.decode_split(self.prompt),
+                first_token: None,
+                agreement: Agreement::new(self.max_new_tokens),
+            });
         }
-        cmp.set_reference(ref_rec);
-        // The reference's decode steps run beside the path's on the GPU.
-        self.model.decode_on_side_stream(&mut ref_cache);
         drop(span);
         let span = crate::support::timing::span("compare: path prefill");
         let mut store = ChunkStore::default();
         let (cache, logits) = {
-            let sink = &mut *dumps.path_sink(&mut cmp);
+            let mut fan = Fan::new(&mut cmps);
+            let sink = &mut *dumps.path_sink(&mut fan);
             prefill(self.path_model, self.prompt, &mut store, sink)
         };
         drop(span);
         let mut run = Lockstep {
-            ref_cache,
+            sides,
             cache,
-            ref_split: self.reference.decode_split(self.prompt),
             split,
             tokens: Vec::new(),
-            first_token: None,
-            agreement: Agreement::new(self.max_new_tokens),
         };
-        run.decode(self, taps, &mut cmp, &mut dumps, logits, ref_logits);
-        dumps.finish(self, name, &cmp.tokens[n..])?;
-        cmp.flush();
-        Ok(self.path_report(name, exact, cmp, run, &store))
+        run.decode(
+            &specs,
+            taps,
+            &mut cmps,
+            &mut dumps,
+            StepLogits::Host(logits),
+            ref_logits,
+        );
+        dumps.finish(self, name, &cmps[0].tokens[n..])?;
+        let names = std::iter::once((name, exact)).chain(others.iter().map(|o| (o.1, true)));
+        let tokens = run.tokens;
+        let reports = specs
+            .iter()
+            .zip(cmps)
+            .zip(run.sides)
+            .zip(names)
+            .map(|(((s, mut cmp), side), (name, exact))| {
+                cmp.flush();
+                s.path_report(name, exact, cmp, side, tokens.clone(), &store)
+            })
+            .collect();
+        Ok(reports)
     }
 
     /// The recorder of the reference's taps of one step. A GPU reference keeps its taps on
@@ -254,7 +323,9 @@ impl CompareSpec<'_> {
         Comparator::new(
             taps.table(c.num_hidden_layers),
             self.tolerance,
-            Some(self.tokenizer),
+            // Token texts are decoded once the run is over (`path_report`): the tokenizer may
+            // still be parsing while the GPU runs.
+            None,
             self.prompt.ids.clone(),
             (c.num_attention_heads, c.num_key_value_heads),
             (
@@ -292,12 +363,25 @@ impl CompareSpec<'_> {
         name: &str,
         exact: bool,
         mut cmp: Comparator<'_>,
-        run: Lockstep,
+        side: Side,
+        tokens: Vec<u32>,
         store: &ChunkStore,
     ) -> PathReport {
         let n = self.prompt.ids.len();
-        let agreement = run.agreement.finish();
-        let first_divergence = cmp.first.take();
+        let agreement = side.agreement.finish();
+        let text = |t: u32| self.tokenizer.decode(&[t], false);
+        let mut first_divergence = cmp.first.take();
+        if let Some(d) = first_divergence.as_mut() {
+            d.token_text = text(d.token);
+        }
+        for f in &mut cmp.expert_flips {
+            f.token_text = text(cmp.tokens.get(f.position).copied().unwrap_or(0));
+        }
+        let mut first_token = side.first_token;
+        if let Some(t) = first_token.as_mut() {
+            t.reference_text = text(t.reference_token);
+            t.path_text = text(t.path_token);
+        }
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {
                 row.first_tap = Some(id.to_string());
@@ -308,12 +392,12 @@ impl CompareSpec<'_> {
             exact,
             invariant: false,
             diverged: first_divergence.is_some()
-                || run.first_token.as_ref().is_some_and(|t| !t.near_tie),
-            teacher_forced: run.first_token.is_some(),
+                || first_token.as_ref().is_some_and(|t| !t.near_tie),
+            teacher_forced: first_token.is_some(),
             first_divergence,
-            first_token_divergence: run.first_token,
-            text: self.tokenizer.decode(&run.tokens, true),
-            tokens: run.tokens,
+            first_token_divergence: first_token,
+            text: self.tokenizer.decode(&tokens, true),
+            tokens,
             logits_rel_l2_max: agreement.rel_l2_max,
             logits: agreement,
             chunk_hits: store.hits,
@@ -337,14 +421,14 @@ struct Dumps {
 }
 
 impl Dumps {
-    /// Where the path's taps go: the comparator, and the path's dumper too if there is one.
-    fn path_sink<'a>(&'a mut self, cmp: &'a mut Comparator<'_>) -> Box<dyn TapSink + 'a> {
+    /// Where the path's taps go: the comparators, and the path's dumper too if there is one.
+    fn path_sink<'a>(&'a mut self, cmps: &'a mut dyn TapSink) -> Box<dyn TapSink + 'a> {
         match &mut self.path {
             Some(d) => Box::new(Tee {
-                first: cmp,
+                first: cmps,
                 second: d,
             }),
-            None => Box::new(Forward(cmp)),
+            None => Box::new(Forward(cmps)),
         }
     }
 
@@ -366,9 +450,9 @@ impl Dumps {
 }
 
 /// A sink borrowed as a boxed sink.
-struct Forward<'a, 'b>(&'a mut Comparator<'b>);
+struct Forward<'a>(&'a mut dyn TapSink);
 
-impl TapSink for Forward<'_, '_> {
+impl TapSink for Forward<'_> {
     fn table(&self) -> &crate::tap::TapTable {
         self.0.table()
     }
@@ -389,6 +473,64 @@ impl TapSink for Forward<'_, '_> {
     }
     fn probs_by_parts(&self) -> bool {
         self.0.probs_by_parts()
+    }
+}
+
+/// The path's taps to every reference's comparator (the first's selection and routing
+/// decide). A device tap some comparators declined comes back as a host copy (`record`),
+/// which goes to those only.
+struct Fan<'a, 'b> {
+    cmps: &'a mut [Comparator<'b>],
+    declined: Option<Vec<bool>>,
+}
+
+impl<'a, 'b> Fan<'a, 'b> {
+    fn new(cmps: &'a mut [Comparator<'b>]) -> Self {
+        Fan {
+            cmps,
+            declined: None,
+        }
+    }
+}
+
+impl TapSink for Fan<'_, '_> {
+    fn table(&self) -> &crate::tap::TapTable {
+        self.cmps[0].table()
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        let declined = self.declined.take();
+        for (i, c) in self.cmps.iter_mut().enumerate() {
+            if declined.as_ref().is_none_or(|d| d[i]) {
+                c.record(step, value.clone());
+            }
+        }
+    }
+    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
+        let declined: Vec<bool> = self
+            .cmps
+            .iter_mut()
+            .map(|c| !c.record_device(step, tap))
+            .collect();
+        let all = declined.iter().all(|d| !d);
+        self.declined = (!all).then_some(declined);
+        all
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        for c in self.cmps.iter_mut() {
+            c.begin_step(step, tokens, positions);
+        }
+    }
+    fn end_pass(&mut self, step: usize) {
+        for c in self.cmps.iter_mut() {
+            c.end_pass(step);
+        }
+    }
+    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
+        self.cmps[0].route_hints()
+    }
+    fn probs_by_parts(&self) -> bool {
+        // A comparator whose reference wrote its rows rebuilds the path's from the parts.
+        self.cmps.iter().any(|c| c.probs_by_parts())
     }
 }
 
@@ -428,37 +570,45 @@ impl TokenFlip {
     }
 }
 
-/// The state of the two paths' decode loop.
-struct Lockstep {
-    ref_cache: KvCache,
+/// One reference's side of the decode loop.
+struct Side {
     cache: KvCache,
-    ref_split: usize,
     split: usize,
-    /// The path's greedy choices, one per step.
-    tokens: Vec<u32>,
     first_token: Option<TokenDivergence>,
     agreement: Agreement,
 }
 
+/// The state of the decode loop: the references' sides and the path's.
+struct Lockstep {
+    sides: Vec<Side>,
+    cache: KvCache,
+    split: usize,
+    /// The path's greedy choices, one per step.
+    tokens: Vec<u32>,
+}
+
 impl Lockstep {
-    /// Decodes both paths one token at a time, each step fed the reference's token, until
-    /// EOS or `max_new_tokens`, comparing the path's taps of every step.
+    /// Decodes the references and the path one token at a time, each step fed the first
+    /// reference's token, until EOS or `max_new_tokens`, comparing the path's taps of every
+    /// step with each reference's.
     fn decode(
         &mut self,
-        spec: &CompareSpec<'_>,
+        specs: &[&CompareSpec<'_>],
         taps: &TapFilter,
-        cmp: &mut Comparator<'_>,
+        cmps: &mut [Comparator<'_>],
         dumps: &mut Dumps,
-        logits: Vec<f32>,
-        ref_logits: Vec<f32>,
+        mut logits: StepLogits,
+        mut ref_logits: Vec<StepLogits>,
     ) {
+        let spec = specs[0];
         let n = spec.prompt.ids.len();
-        let (mut logits, mut ref_logits) = (StepLogits::Host(logits), StepLogits::Host(ref_logits));
         let mut step = 0;
         while step < spec.max_new_tokens {
-            let rt = self.book_step(spec, step, logits, ref_logits);
+            let rt = self.book_step(specs, step, logits, ref_logits);
             // Tokens by global position: the prompt, then the reference's choices.
-            cmp.tokens.push(rt);
+            for c in cmps.iter_mut() {
+                c.tokens.push(rt);
+            }
             if spec.eos.contains(&rt) || step + 1 == spec.max_new_tokens {
                 break;
             }
@@ -472,59 +622,74 @@ impl Lockstep {
                 format!("decode step {step}/{}", spec.max_new_tokens)
             });
             let span = crate::support::timing::span("compare: reference decode step");
-            let mut ref_rec = spec.recorder(taps, true);
-            let batch = Batch {
-                cascade_split: self.ref_split,
-                ..Batch::new(&fed, &pos)
-            };
-            ref_logits = spec
-                .model
-                .forward_step(batch, &mut self.ref_cache, step, &mut ref_rec);
-            if let Some(d) = dumps.reference.as_mut() {
-                dump_recorded(d, step, &[rt], &pos, &ref_rec.host.taps);
-            }
-            cmp.set_reference(ref_rec);
+            ref_logits = specs
+                .iter()
+                .zip(self.sides.iter_mut())
+                .zip(cmps.iter_mut())
+                .enumerate()
+                .map(|(i, ((s, side), cmp))| {
+                    let mut rec = s.recorder(taps, true);
+                    let batch = Batch {
+                        cascade_split: side.split,
+                        ..Batch::new(&fed, &pos)
+                    };
+                    let l = s.model.forward_step(batch, &mut side.cache, step, &mut rec);
+                    if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
+                        dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
+                    }
+                    cmp.set_reference(rec);
+                    l
+                })
+                .collect();
             drop(span);
             let _span = crate::support::timing::span("compare: path decode step");
             let batch = Batch {
                 cascade_split: self.split,
                 ..Batch::new(&fed, &pos)
             };
-            let sink = &mut *dumps.path_sink(cmp);
+            let mut fan = Fan::new(cmps);
+            let sink = &mut *dumps.path_sink(&mut fan);
             logits = spec
                 .path_model
                 .forward_step(batch, &mut self.cache, step, sink);
         }
     }
 
-    /// Books one step's next-token choices and agreement; returns the reference's token.
+    /// Books one step's next-token choices and agreement against every reference; returns
+    /// the first reference's token.
     fn book_step(
         &mut self,
-        spec: &CompareSpec<'_>,
+        specs: &[&CompareSpec<'_>],
         step: usize,
         logits: StepLogits,
-        ref_logits: StepLogits,
+        ref_logits: Vec<StepLogits>,
     ) -> u32 {
-        let (rt, pt) = (ref_logits.argmax(), logits.argmax());
-        if rt != pt && self.first_token.is_none() {
-            let (r, p) = (ref_logits.to_host(), logits.to_host());
-            let flip = TokenFlip::of(&r, &p, spec.tolerance.bounds("logits"));
-            self.first_token = Some(TokenDivergence {
-                step,
-                position: spec.prompt.ids.len() + step,
-                reference_token: rt,
-                path_token: pt,
-                reference_text: spec.tokenizer.decode(&[rt], false),
-                path_text: spec.tokenizer.decode(&[pt], false),
-                reference_margin: flip.reference_margin,
-                path_margin: flip.path_margin,
-                margin_bound: flip.bound,
-                near_tie: flip.near_tie,
-            });
+        let pt = logits.argmax();
+        let mut fed = None;
+        for ((side, spec), r) in self.sides.iter_mut().zip(specs).zip(ref_logits) {
+            let rt = r.argmax();
+            fed.get_or_insert(rt);
+            if rt != pt && side.first_token.is_none() {
+                let (rh, ph) = (r.to_host(), logits.to_host());
+                let flip = TokenFlip::of(&rh, &ph, spec.tolerance.bounds("logits"));
+                side.first_token = Some(TokenDivergence {
+                    step,
+                    position: spec.prompt.ids.len() + step,
+                    reference_token: rt,
+                    path_token: pt,
+                    // Decoded when the run is over (`path_report`).
+                    reference_text: String::new(),
+                    path_text: String::new(),
+                    reference_margin: flip.reference_margin,
+                    path_margin: flip.path_margin,
+                    margin_bound: flip.bound,
+                    near_tie: flip.near_tie,
+                });
+            }
+            side.agreement.add(&logits, r);
         }
-        self.agreement.add(logits, ref_logits);
         self.tokens.push(pt);
-        rt
+        fed.expect("at least one reference")
     }
 }
 

@@ -279,7 +279,7 @@ impl DumpDiff<'_> {
                 .and_then(|n| n.tokens.get(&next_pos).copied());
             let e_logits = last_logits(&e);
             if let (Some(el), Some(rl)) = (&e_logits, &r.next_logits) {
-                agreement.add(StepLogits::Host(el.clone()), StepLogits::Host(rl.clone()));
+                agreement.add(&StepLogits::Host(el.clone()), StepLogits::Host(rl.clone()));
             }
             let ref_choice = r.next_logits.as_deref().map(argmax);
             let engine_choice = e_logits.as_deref().map(argmax).or(engine_next);

@@ -11,6 +11,7 @@
 //! - `chunk-reuse:blend:R`: the K/V rows the blend recomputes (layers 1 on) equal the full
 //!   prefill's rows at the same positions.
 
+use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
 use crate::compare::report::PathReport;
 use crate::error::Result;
@@ -57,17 +58,35 @@ impl Invariant {
         }
     }
 
+    /// The invariant that can be checked in `path`'s own comparison run: the same path held
+    /// to another reference, beside the first (`CompareSpec::run_beside`).
+    pub fn beside(path: PathSpec) -> Option<Invariant> {
+        match path {
+            PathSpec::ChunkReuse(Reuse::Rerotate) => Some(Invariant::RerotateIsGlobal),
+            _ => None,
+        }
+    }
+
+    /// The reference `RerotateIsGlobal` holds its path to, and how closely, given an exact
+    /// pair's tolerance.
+    pub fn rerotate_reference(tolerance: &Tolerance) -> (PathSpec, Tolerance) {
+        // The two sides rotate a chunk at different positions (0..n then turned, and
+        // global), so they do not share the angle rounding an exact pair shares: each
+        // side's error counts whole, hence twice the pair's tolerance.
+        (
+            PathSpec::ChunkReuse(Reuse::Global),
+            tolerance.widened(REROTATE_WIDENING),
+        )
+    }
+
     /// Runs the check on `spec`'s models and tolerance (its `reference` is replaced).
     pub fn run(&self, spec: &CompareSpec<'_>, label: &str) -> Result<PathReport> {
         let layers = spec.model.config.num_hidden_layers;
         let mut report = match *self {
             Invariant::RerotateIsGlobal => {
-                // The two sides rotate a chunk at different positions (0..n then turned, and
-                // global), so they do not share the angle rounding an exact pair shares: each
-                // side's error counts whole, hence twice the pair's tolerance.
-                let wide = spec.tolerance.widened(REROTATE_WIDENING);
+                let (reference, wide) = Self::rerotate_reference(spec.tolerance);
                 let s = CompareSpec {
-                    reference: PathSpec::ChunkReuse(Reuse::Global),
+                    reference,
                     tolerance: &wide,
                     ..*spec
                 };

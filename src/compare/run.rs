@@ -13,8 +13,9 @@ use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::Result;
+use crate::paths::ChunkStore;
 use crate::support::progress::{self, Progress};
-use crate::tap::TapFilter;
+use crate::tap::{TapFilter, TapSink};
 
 /// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
 /// are compared in layer groups.
@@ -148,6 +149,7 @@ impl Request<'_> {
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
         let progress = Progress::start(self.targets.len() as u64, "comparing");
+        let mut beside = Vec::new();
         let mut paths = self
             .targets
             .iter()
@@ -159,7 +161,7 @@ impl Request<'_> {
                 };
                 progress.set_message(&t.label(self.backend, self.uses_gpu()));
                 let started = std::time::Instant::now();
-                let r = self.run_target(&spec, t, tolerance);
+                let r = self.run_target(&spec, t, tolerance, &mut beside);
                 progress.advance("");
                 if progress::verbosity() >= 2 {
                     eprintln!(
@@ -173,7 +175,7 @@ impl Request<'_> {
             .collect::<Result<Vec<_>>>()?;
         if self.invariants {
             progress.set_message("invariants");
-            paths.extend(self.run_invariants(&spec, &tols)?);
+            paths.extend(self.run_invariants(&spec, &tols, beside)?);
         }
         Ok(self.report(paths, tols.info))
     }
@@ -288,7 +290,13 @@ impl Request<'_> {
 
     /// Every invariant of the approximate targets, once per backend, each on its target's
     /// backend (reference and path alike) with that backend's own tolerance.
-    fn run_invariants(&self, spec: &CompareSpec<'_>, tols: &Tolerances) -> Result<Vec<PathReport>> {
+    /// Those already checked beside their target (`run_target`) are taken as they are.
+    fn run_invariants(
+        &self,
+        spec: &CompareSpec<'_>,
+        tols: &Tolerances,
+        mut beside: Vec<((Invariant, Backend), PathReport)>,
+    ) -> Result<Vec<PathReport>> {
         let ref_backend = self.reference.on(self.backend);
         let mut done = Vec::new();
         let mut out = Vec::new();
@@ -299,6 +307,10 @@ impl Request<'_> {
                     continue;
                 }
                 done.push((inv, backend));
+                if let Some(i) = beside.iter().position(|(k, _)| *k == (inv, backend)) {
+                    out.push(beside.swap_remove(i).1);
+                    continue;
+                }
                 let model = self.model_on(backend);
                 // Both sides on one backend: that backend's own noise, twice.
                 let own = match (&tols.profile, backend == ref_backend) {
@@ -312,34 +324,64 @@ impl Request<'_> {
                     dump: None,
                     ..*spec
                 };
-                let mut label = inv.label();
-                if self.uses_gpu() {
-                    label = format!("{label} @{}", backend.name());
-                }
-                out.push(inv.run(&s, &label)?);
+                out.push(inv.run(&s, &self.invariant_label(inv, backend))?);
             }
         }
         Ok(out)
     }
 
+    fn invariant_label(&self, inv: Invariant, backend: Backend) -> String {
+        match self.uses_gpu() {
+            true => format!("{} @{}", inv.label(), backend.name()),
+            false => inv.label(),
+        }
+    }
+
+    /// Runs one target; where one of its invariants holds the same path to another reference
+    /// (`Invariant::beside`) and both references' taps fit in memory together, that check
+    /// rides along in the same lockstep, and its report goes to `beside`.
     fn run_target(
         &self,
         spec: &CompareSpec<'_>,
         t: &Target,
         tolerance: &Tolerance,
+        beside: &mut Vec<((Invariant, Backend), PathReport)>,
     ) -> Result<PathReport> {
+        let backend = t.on(self.backend);
         let s = CompareSpec {
-            path_model: self.model_on(t.on(self.backend)),
+            path_model: self.model_on(backend),
             tolerance,
             ..*spec
         };
         let label = t.label(self.backend, self.uses_gpu());
-        s.run_with(
-            &label,
-            t.path.exact(),
-            t.path.decode_split(self.prompt),
-            |m, pr, store, sink| t.path.prefill(m, pr, store, sink),
-        )
+        let (exact, split) = (t.path.exact(), t.path.decode_split(self.prompt));
+        let prefill =
+            |m: &Model, pr: &ChunkedPrompt, store: &mut ChunkStore, sink: &mut dyn TapSink| {
+                t.path.prefill(m, pr, store, sink)
+            };
+        // Both references on the path's backend: the invariant's tolerance is this pair's. A
+        // router's near tie is resolved towards the first reference's experts, so models with
+        // experts check the invariant in a run of its own, where the path follows its own.
+        let inv = Invariant::beside(t.path)
+            .filter(|_| self.invariants && backend == self.reference.on(self.backend))
+            .filter(|_| s.model.config.arch.moe.is_none() && s.fits_beside(1));
+        let Some(inv) = inv else {
+            return s.run_with(&label, exact, split, prefill);
+        };
+        let (reference, wide) = Invariant::rerotate_reference(tolerance);
+        let other = CompareSpec {
+            model: s.path_model,
+            reference,
+            tolerance: &wide,
+            dump: None,
+            ..s
+        };
+        let inv_label = self.invariant_label(inv, backend);
+        let mut reports = s.run_beside(&[(&other, &inv_label)], &label, exact, split, prefill)?;
+        let mut checked = reports.pop().expect("the invariant's report");
+        checked.invariant = true;
+        beside.push(((inv, backend), checked));
+        Ok(reports.pop().expect("the target's report"))
     }
 
     fn report(&self, paths: Vec<PathReport>, tolerance: ToleranceInfo) -> Report {
