@@ -252,8 +252,9 @@ fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
     taps.all_prompt_logits = false;
     let c = &engine.model.config;
     let n = t + 16;
+    // As `CompareSpec::passes` counts a CPU reference: attention kept as queries and keys.
     let per_layer =
-        4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.num_attention_heads * n);
+        4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + c.q_dim() + c.kv_dim());
     let passes = (per_layer * c.num_hidden_layers).div_ceil(host_memory_budget());
     let started = Instant::now();
     let report = Request {

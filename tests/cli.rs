@@ -576,3 +576,41 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
     assert_eq!(first, fourth);
     assert_eq!(entries().len(), 4);
 }
+
+/// A CPU reference keeps attention as its queries and keys and rebuilds only the rows a path
+/// offers: the report is the one rows give, bit for bit, with and without a planted bug that
+/// first shows in `attn_probs`.
+#[test]
+fn a_cpu_reference_keeping_attention_as_parts_reports_what_rows_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    for fault in ["", "cached-mask-off-by-one", "chunk-ignores-cache"] {
+        let run = |rows: &str| {
+            let json = tmp.path().join(format!("{fault}-{rows}.json"));
+            let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+                .args(["compare", "--max-new-tokens", "4", "--json"])
+                .arg(&json)
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/prompts/task.json"))
+                .env("KVDIFF_CACHE_DIR", tmp.path().join("cache"))
+                .env("KVDIFF_HOST_PROBS_ROWS", rows)
+                .env("KVDIFF_FAULT", fault)
+                .env("KVDIFF_TIMING", "1")
+                .output()
+                .unwrap();
+            assert!(matches!(out.status.code(), Some(0 | 1)), "{}", stderr(&out));
+            let rebuilt = stderr(&out).contains("reference attention rows rebuilt (CPU)");
+            assert_eq!(rebuilt, rows == "0", "{fault}: parts used only when asked");
+            read_json(&json)
+        };
+        let (parts, rows) = (run("0"), run("1"));
+        assert_eq!(parts, rows, "{fault}");
+        if !fault.is_empty() {
+            let found = parts["paths"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|p| p["first_divergence"]["tap"].as_str())
+                .any(|t| t.ends_with("attn_probs"));
+            assert!(found, "{fault}: no path diverged first in attn_probs");
+        }
+    }
+}

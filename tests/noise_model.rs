@@ -247,6 +247,57 @@ fn planted_bugs_are_named_where_they_act_at_default_settings() {
     }
 }
 
+/// `compare` checks `rerotate = global` beside the rerotate path's own run (one path run held
+/// to both references, fed the first reference's tokens): planted bugs are named there where
+/// the invariant's own run names them, and nothing diverges without them. With the reference's
+/// attention kept as rows instead of parts, the report is the same.
+#[test]
+fn the_invariant_beside_its_path_names_what_its_own_run_names() {
+    let e = engine();
+    let max_new = 6;
+    let prompt = repeated_prompt(&e, max_new);
+    let taps = TapFilter::all();
+    let tol = cpu_tolerance(&e.model, &prompt.ids, max_new).unwrap();
+    let s = &spec(&e, &e.model, &prompt, &taps, &tol, max_new);
+    let (reference, wide) = Invariant::rerotate_reference(&tol);
+    let other = CompareSpec {
+        reference,
+        tolerance: &wide,
+        ..*s
+    };
+    let path = PathSpec::ChunkReuse(kvdiff::paths::Reuse::Rerotate);
+    let beside = || {
+        let mut r = s
+            .run_beside(
+                &[(&other, "beside")],
+                "rerotate",
+                false,
+                0,
+                |m, pr, st, sink| path.prefill(m, pr, st, sink),
+            )
+            .unwrap();
+        assert_eq!(r.len(), 2);
+        r.remove(1)
+    };
+    let alone = || Invariant::RerotateIsGlobal.run(s, "alone").unwrap();
+    let site = |r: &PathReport| {
+        r.first_divergence
+            .as_ref()
+            .map(|d| (d.step, d.tap.clone(), d.position))
+    };
+    for f in [
+        Fault::RerotateWrongSign,
+        Fault::RerotateStoresRotated,
+        Fault::GlobalKeyIgnoresPosition,
+    ] {
+        let (a, b) = (with_fault(f, alone), with_fault(f, beside));
+        assert!(site(&a).is_some(), "{f:?}");
+        assert_eq!(site(&a), site(&b), "{f:?}");
+    }
+    let clean = beside();
+    assert!(!clean.diverged, "{:?}", clean.first_divergence);
+}
+
 /// The thresholds come from the reference against the f64 oracle: planting a bug in chunked
 /// prefill, in cached attention or in a path's cache handling leaves them unchanged.
 #[test]

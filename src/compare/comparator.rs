@@ -12,8 +12,8 @@ use crate::compare::grid::{CellGrid, Row};
 use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{
-    row_at, DeviceTap, PositionIndex, Recorded, Recorder, TapFilter, TapId, TapSink, TapTable,
-    TapValue,
+    row_at, DeviceTap, HostAttnParts, PositionIndex, Recorded, Recorder, TapFilter, TapId, TapSink,
+    TapTable, TapValue,
 };
 
 /// Taps with at least this many values are diffed on every core.
@@ -26,6 +26,8 @@ pub(crate) struct ReferenceRecorder {
     device: Option<Vec<DeviceRecorded>>,
     /// Keep persistent GPU taps by address (see `borrowing`).
     borrow: bool,
+    /// With `host_parts`: CPU passes' attention kept as what rebuilds it.
+    parts: Option<Vec<(TapId, HostAttnParts)>>,
 }
 
 impl ReferenceRecorder {
@@ -34,7 +36,16 @@ impl ReferenceRecorder {
             host: Recorder::new(filter, layers),
             device: None,
             borrow: false,
+            parts: None,
         }
+    }
+
+    /// A recorder that keeps a CPU pass's `attn_probs` as its queries and keys
+    /// (`HostAttnParts`), a comparison rebuilding only the rows a path offers: a long prompt's
+    /// `heads × tokens²` probabilities per layer are never held.
+    pub(crate) fn host_parts(mut self) -> Self {
+        self.parts = Some(Vec::new());
+        self
     }
 
     /// A recorder that keeps GPU taps on the GPU (host taps still go to `host`).
@@ -74,6 +85,14 @@ impl TapSink for ReferenceRecorder {
     fn probs_by_parts(&self) -> bool {
         self.device.is_some()
     }
+    fn host_probs_by_parts(&self) -> bool {
+        self.parts.is_some()
+    }
+    fn record_parts(&mut self, _step: usize, id: TapId, parts: HostAttnParts) {
+        if let Some(kept) = &mut self.parts {
+            kept.push((id, parts));
+        }
+    }
 }
 
 /// The reference side of one step, and the running comparison.
@@ -88,6 +107,8 @@ pub(crate) struct Comparator<'a> {
     /// Reference taps kept on the GPU (compared there; only summaries come back).
     /// Per tap, one record per reference pass (a chunked reference prefills in several).
     device_reference: HashMap<TapId, Vec<DeviceRecorded>>,
+    /// CPU reference attention kept as parts, one per reference pass.
+    host_parts: HashMap<TapId, Vec<HostAttnParts>>,
     diffs: DeviceDiffs,
     pending: Vec<PendingDiff>,
     /// Diffs whose summaries are being copied back (see `start_flush`).
@@ -227,6 +248,7 @@ impl<'a> Comparator<'a> {
             heads,
             kv_heads,
             device_reference: HashMap::new(),
+            host_parts: HashMap::new(),
             diffs: DeviceDiffs::default(),
             pending: Vec::new(),
             reading: Vec::new(),
@@ -460,6 +482,39 @@ fn own_choice(logits: &Recorded, pos: usize, k: usize) -> Option<Vec<u32>> {
     Some(top)
 }
 
+/// The reference's `attn_probs` rows at `positions` (those any pass holds), rebuilt from its
+/// passes' parts bit for bit as the CPU attention wrote them, each pass's rows zero-padded to
+/// the widest pass's columns (as `merge_passes` pads them).
+fn rebuild_rows(parts: &[HostAttnParts], id: TapId, positions: &[usize]) -> Recorded {
+    let heads = parts.first().map_or(0, |p| p.heads);
+    let span = parts.iter().map(|p| p.span).max().unwrap_or(0);
+    let indexes: Vec<PositionIndex> = parts
+        .iter()
+        .map(|p| PositionIndex::of(&p.positions))
+        .collect();
+    let found: Vec<(usize, usize, usize)> = positions
+        .iter()
+        .filter_map(|&pos| (0..parts.len()).find_map(|k| indexes[k].row(pos).map(|t| (pos, k, t))))
+        .collect();
+    let mut data = vec![0f32; found.len() * heads * span];
+    let _span = crate::support::timing::span("compare: reference attention rows rebuilt (CPU)");
+    data.par_chunks_mut((heads * span).max(1))
+        .zip(&found)
+        .for_each(|(rows, &(_, k, t))| {
+            for (head, out) in rows.chunks_mut(span.max(1)).enumerate() {
+                let p = &parts[k];
+                crate::engine::probs_row(p, t, head, &mut out[..p.span]);
+            }
+        });
+    Recorded {
+        step: 0,
+        id,
+        positions: found.iter().map(|f| f.0).collect(),
+        shape: vec![found.len(), heads, span],
+        data,
+    }
+}
+
 impl TapSink for Comparator<'_> {
     fn table(&self) -> &TapTable {
         &self.table
@@ -478,8 +533,17 @@ impl TapSink for Comparator<'_> {
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
         let _span = crate::support::timing::span("compare: host-side tap diff");
+        // A reference kept as parts: only the rows this tap holds are rebuilt, and dropped
+        // once diffed.
+        let rebuilt = match self.reference.contains_key(&v.id) {
+            true => None,
+            false => self
+                .host_parts
+                .get(&v.id)
+                .map(|p| rebuild_rows(p, v.id, v.positions)),
+        };
         // A reference kept on the GPU, met by a tap the path computed on the host.
-        if !self.reference.contains_key(&v.id) {
+        if !self.reference.contains_key(&v.id) && rebuilt.is_none() {
             let Some(recs) = self.device_reference.get(&v.id) else {
                 return;
             };
@@ -493,7 +557,11 @@ impl TapSink for Comparator<'_> {
             };
             self.reference.insert(v.id, host);
         }
-        let r = self.reference.remove(&v.id).expect("present");
+        let keep = rebuilt.is_none();
+        let r = match rebuilt {
+            Some(r) => r,
+            None => self.reference.remove(&v.id).expect("present"),
+        };
         let kind = v.id.kind();
         let width = v.data.len() / v.positions.len().max(1);
         let rwidth = r.data.len() / r.positions.len().max(1);
@@ -551,7 +619,9 @@ impl TapSink for Comparator<'_> {
         if kind == "experts" {
             self.note_expert_flips(step, &v, &r);
         }
-        self.reference.insert(v.id, r);
+        if keep {
+            self.reference.insert(v.id, r);
+        }
     }
 
     fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
@@ -869,6 +939,10 @@ impl Comparator<'_> {
         self.device_reference = HashMap::new();
         for t in rec.device.unwrap_or_default() {
             self.device_reference.entry(t.id).or_default().push(t);
+        }
+        self.host_parts = HashMap::new();
+        for (id, p) in rec.parts.unwrap_or_default() {
+            self.host_parts.entry(id).or_default().push(p);
         }
     }
 

@@ -49,6 +49,12 @@ pub struct CompareSpec<'a> {
     pub dump: Option<&'a std::path::Path>,
 }
 
+/// `KVDIFF_HOST_PROBS_ROWS=1`: a CPU reference keeps its attention probabilities as rows, as
+/// before it kept parts (to check the two report alike).
+fn host_probs_as_rows() -> bool {
+    std::env::var("KVDIFF_HOST_PROBS_ROWS").as_deref() == Ok("1")
+}
+
 /// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
 pub fn dump_dir_name(path: &str) -> String {
     path.chars()
@@ -190,10 +196,11 @@ impl CompareSpec<'_> {
         let c = &self.model.config;
         let n = self.prompt.ids.len() + self.max_new_tokens;
         // A GPU reference keeps attention as the parts that rebuild it (a key per position
-        // and a few floats per row), not a row per key.
-        let probs = match self.model.device().is_some() && crate::cuda::attention_by_parts(c) {
-            true => c.kv_dim() + 4 * c.num_attention_heads,
-            false => c.num_attention_heads * n,
+        // and a few floats per row), a CPU one as its queries and keys: not a row per key.
+        let probs = match self.model.device() {
+            Some(_) if crate::cuda::attention_by_parts(c) => c.kv_dim() + 4 * c.num_attention_heads,
+            None if self.dump.is_none() && !host_probs_as_rows() => c.q_dim() + c.kv_dim(),
+            _ => c.num_attention_heads * n,
         };
         let per_layer = 4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + probs);
         let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
@@ -313,6 +320,8 @@ impl CompareSpec<'_> {
             } else {
                 r
             }
+        } else if self.dump.is_none() && !host_probs_as_rows() {
+            ReferenceRecorder::new(taps, layers).host_parts()
         } else {
             ReferenceRecorder::new(taps, layers)
         }

@@ -8,7 +8,7 @@ use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
 use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
 use crate::support::fault::{self, Fault};
-use crate::tap::{emit, scatter_by_position, LayerTap, RouteHints, TapId, TapSink};
+use crate::tap::{emit, scatter_by_position, HostAttnParts, LayerTap, RouteHints, TapId, TapSink};
 
 impl Model {
     /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
@@ -284,8 +284,10 @@ impl Model {
     ) -> Vec<f32> {
         let c = &self.config;
         let (n, heads) = (batch.tokens.len(), c.num_attention_heads);
-        let want_probs = tap.wants(LayerTap::AttnProbs);
-        let span = if want_probs {
+        // A sink that rebuilds the rows from the queries and keys gets those instead.
+        let by_parts = tap.wants(LayerTap::AttnProbs) && tap.sink.host_probs_by_parts();
+        let want_probs = tap.wants(LayerTap::AttnProbs) && !by_parts;
+        let span = if want_probs || by_parts {
             cache.positions.iter().max().map_or(0, |m| m + 1)
         } else {
             0
@@ -317,6 +319,23 @@ impl Model {
         );
         if want_probs {
             tap.emit(LayerTap::AttnProbs, &[n, heads, span], &probs);
+        }
+        if by_parts {
+            let parts = HostAttnParts {
+                positions: tap.positions.to_vec(),
+                q: q.to_vec(),
+                keys: layers[l].keys.clone(),
+                entry_positions: positions.to_vec(),
+                base: seen,
+                split: batch.cascade_split,
+                window: c.arch.window(l),
+                heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                span,
+            };
+            let id = TapId::Layer(l, LayerTap::AttnProbs);
+            tap.sink.record_parts(tap.step, id, parts);
         }
         attn
     }
@@ -361,32 +380,20 @@ pub fn attention(
     mut on_probs: impl FnMut(usize, usize, &[f32]),
 ) -> Vec<f32> {
     let group = heads / kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
     let kv_dim = kv_heads * hd;
     let mut out = vec![0f32; n * heads * hd];
     let mut row = Vec::new();
     for t in 0..n {
         let visible = base + t + 1;
-        let first = window.map_or(0, |w| visible.saturating_sub(w));
-        // A cascade split the window has passed leaves one segment: plain attention.
-        let split = if split > first { split } else { 0 };
         for head in 0..heads {
             let kvh = head / group;
             let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
-            row.clear();
-            row.extend((0..visible).map(|e| {
-                dot(
-                    qv,
-                    &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
-                ) * scale
-            }));
-            row[..first].fill(f32::NEG_INFINITY);
+            let weights = softmax_row(&mut row, qv, keys, kvh, kv_dim, visible, split, window);
             let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
             let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
-            if split > 0 && split < visible {
+            if let Some((split, wa, wb)) = weights {
                 // Cascade: each segment's own softmax and output, merged by log-sum-exp.
                 let (a, b) = row.split_at_mut(split);
-                let (lse_a, lse_b) = (softmax(a), softmax(b));
                 let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
                 for (e, &p) in a.iter().enumerate() {
                     oa.iter_mut()
@@ -398,18 +405,13 @@ pub fn attention(
                         .zip(value(split + e))
                         .for_each(|(acc, &x)| *acc += p * x);
                 }
-                let m = lse_a.max(lse_b);
-                let (wa, wb) = ((lse_a - m).exp(), (lse_b - m).exp());
-                let (wa, wb) = (wa / (wa + wb), wb / (wa + wb));
                 for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
                     *acc = wa * x + wb * y;
                 }
-                a.iter_mut().for_each(|p| *p *= wa);
-                b.iter_mut().for_each(|p| *p *= wb);
+                merge_segments(&mut row, split, wa, wb);
                 on_probs(t, head, &row);
                 continue;
             }
-            softmax(&mut row);
             on_probs(t, head, &row);
             for (e, &p) in row.iter().enumerate() {
                 o.iter_mut()
@@ -419,4 +421,74 @@ pub fn attention(
         }
     }
     out
+}
+
+/// Query `qv`'s row over entries `0..visible` of KV head `kvh` as `attention` computes it:
+/// scores (masked before a `window`'s first entry) through softmax. Where a cascade `split`
+/// falls inside, each segment is normalised on its own and `(split, weight a, weight b)` of the
+/// log-sum-exp merge comes back (`merge_segments` applies them to the row).
+#[allow(clippy::too_many_arguments)]
+fn softmax_row(
+    row: &mut Vec<f32>,
+    qv: &[f32],
+    keys: &[f32],
+    kvh: usize,
+    kv_dim: usize,
+    visible: usize,
+    split: usize,
+    window: Option<usize>,
+) -> Option<(usize, f32, f32)> {
+    let hd = qv.len();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let first = window.map_or(0, |w| visible.saturating_sub(w));
+    // A cascade split the window has passed leaves one segment: plain attention.
+    let split = if split > first { split } else { 0 };
+    row.clear();
+    row.extend((0..visible).map(|e| {
+        dot(
+            qv,
+            &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
+        ) * scale
+    }));
+    row[..first].fill(f32::NEG_INFINITY);
+    if split > 0 && split < visible {
+        let (a, b) = row.split_at_mut(split);
+        let (lse_a, lse_b) = (softmax(a), softmax(b));
+        let m = lse_a.max(lse_b);
+        let (wa, wb) = ((lse_a - m).exp(), (lse_b - m).exp());
+        return Some((split, wa / (wa + wb), wb / (wa + wb)));
+    }
+    softmax(row);
+    None
+}
+
+fn merge_segments(row: &mut [f32], split: usize, wa: f32, wb: f32) {
+    let (a, b) = row.split_at_mut(split);
+    a.iter_mut().for_each(|p| *p *= wa);
+    b.iter_mut().for_each(|p| *p *= wb);
+}
+
+/// Row `t`, head `head` of the pass `parts` describes, over its columns (`span` wide,
+/// entries at their positions): bit for bit what `attention` offered for it.
+pub fn probs_row(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
+    let (hd, kv_dim) = (parts.head_dim, parts.kv_heads * parts.head_dim);
+    let kvh = head / (parts.heads / parts.kv_heads);
+    let qv = &parts.q[(t * parts.heads + head) * hd..(t * parts.heads + head + 1) * hd];
+    let mut row = Vec::new();
+    let visible = parts.base + t + 1;
+    let weights = softmax_row(
+        &mut row,
+        qv,
+        &parts.keys,
+        kvh,
+        kv_dim,
+        visible,
+        parts.split,
+        parts.window,
+    );
+    if let Some((split, wa, wb)) = weights {
+        merge_segments(&mut row, split, wa, wb);
+    }
+    out.fill(0.0);
+    scatter_by_position(out, &row, &parts.entry_positions);
 }

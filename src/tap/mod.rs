@@ -15,8 +15,8 @@ pub mod read;
 mod sink;
 
 pub use sink::{
-    route_hints_from, row_at, AttnParts, Device, DeviceTap, Masked, NullSink, PositionIndex,
-    Recorded, Recorder, RouteHints, Routed, TapSink, Tee,
+    route_hints_from, row_at, AttnParts, Device, DeviceTap, HostAttnParts, Masked, NullSink,
+    PositionIndex, Recorded, Recorder, RouteHints, Routed, TapSink, Tee,
 };
 
 /// The kind of a tap inside a layer, in the order the forward pass reaches them.

@@ -56,6 +56,28 @@ pub struct AttnParts {
     pub head_dim: usize,
 }
 
+/// What a CPU pass's attention probabilities are rebuilt from (`engine::forward::probs_row`):
+/// the rotated queries (`[n, heads, head_dim]`), the cache's keys (`[entries, kv_heads ·
+/// head_dim]`) with each entry's position, and how the pass attended (entries before its
+/// first query, cascade split, window). The queries and keys instead of `heads × tokens²`
+/// probabilities: a long prompt's reference fits in memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostAttnParts {
+    /// The pass's query positions, one per row of `q`.
+    pub positions: Vec<usize>,
+    pub q: Vec<f32>,
+    pub keys: Vec<f32>,
+    pub entry_positions: Vec<usize>,
+    pub base: usize,
+    pub split: usize,
+    pub window: Option<usize>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Columns of a row: the largest entry position + 1.
+    pub span: usize,
+}
+
 /// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
 /// Routing a mixture-of-experts pass may adopt at a near tie: per (layer, position), the experts
 /// another run chose there, and how far apart two correct runs' router logits may lie.
@@ -86,6 +108,13 @@ pub trait TapSink {
     fn probs_by_parts(&self) -> bool {
         false
     }
+    /// Whether the sink takes a CPU pass's `attn_probs` as `HostAttnParts` (`record_parts`)
+    /// rather than rows.
+    fn host_probs_by_parts(&self) -> bool {
+        false
+    }
+    /// A CPU pass's `attn_probs` tap as the parts that rebuild it (see `host_probs_by_parts`).
+    fn record_parts(&mut self, _step: usize, _id: TapId, _parts: HostAttnParts) {}
 }
 
 /// Wants nothing; the forward pass then computes no tap.
@@ -291,6 +320,14 @@ impl TapSink for Masked<'_> {
     fn probs_by_parts(&self) -> bool {
         self.inner.probs_by_parts()
     }
+    fn host_probs_by_parts(&self) -> bool {
+        self.inner.host_probs_by_parts()
+    }
+    fn record_parts(&mut self, step: usize, id: TapId, parts: HostAttnParts) {
+        if self.table.wants(id) {
+            self.inner.record_parts(step, id, parts);
+        }
+    }
 }
 
 /// Passes taps to another sink and offers fixed routing (`TapSink::route_hints`): a reference
@@ -321,6 +358,12 @@ impl TapSink for Routed<'_> {
     }
     fn probs_by_parts(&self) -> bool {
         self.inner.probs_by_parts()
+    }
+    fn host_probs_by_parts(&self) -> bool {
+        self.inner.host_probs_by_parts()
+    }
+    fn record_parts(&mut self, step: usize, id: TapId, parts: HostAttnParts) {
+        self.inner.record_parts(step, id, parts);
     }
 }
 
