@@ -12,10 +12,10 @@ use std::sync::Arc;
 use common::{fixture, rel_l2};
 use half::bf16;
 use kvdiff::cuda::{host_ops, Gpu, PrefillAttention};
-use kvdiff::engine::attention;
 use kvdiff::engine::model::{Batch, Model};
 use kvdiff::engine::ops;
 use kvdiff::engine::Engine;
+use kvdiff::engine::{attention, ProbsOut};
 use kvdiff::io::model_source::ModelSource;
 use kvdiff::tap::{Recorder, TapFilter};
 
@@ -94,6 +94,7 @@ fn check_attention(
     (n, entries, split, window, heads, kvh, hd): (usize, usize, usize, usize, usize, usize, usize),
 ) {
     let mut want_probs = vec![0f32; n * heads * entries];
+    let positions: Vec<usize> = (0..entries).collect();
     let want = attention(
         q,
         k,
@@ -105,7 +106,11 @@ fn check_attention(
         heads,
         kvh,
         hd,
-        |t, h, row| want_probs[(t * heads + h) * entries..][..row.len()].copy_from_slice(row),
+        Some(ProbsOut {
+            rows: &mut want_probs,
+            span: entries,
+            positions: &positions,
+        }),
     );
     let (out, probs) = host_ops::attention(g, kernel, q, k, v, n, split, window, heads, kvh, hd);
     if kernel == PrefillAttention::Tiled && window == 0 && n > 1 {

@@ -6,9 +6,10 @@ use half::bf16;
 use crate::engine::arch::Moe;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
-use crate::engine::ops::{dot, matmul_t, rms_norm, rope, silu, softmax};
+use crate::engine::ops::{dot, dots, matmul_t, rms_norm, rope, silu, softmax};
 use crate::support::fault::{self, Fault};
 use crate::tap::{emit, scatter_by_position, HostAttnParts, LayerTap, RouteHints, TapId, TapSink};
+use rayon::prelude::*;
 
 impl Model {
     /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
@@ -310,12 +311,11 @@ impl Model {
             heads,
             c.num_key_value_heads,
             c.head_dim,
-            |t, head, row| {
-                if want_probs {
-                    let at = (t * heads + head) * span;
-                    scatter_by_position(&mut probs[at..at + span], row, positions);
-                }
-            },
+            want_probs.then_some(ProbsOut {
+                rows: &mut probs,
+                span,
+                positions,
+            }),
         );
         if want_probs {
             tap.emit(LayerTap::AttnProbs, &[n, heads, span], &probs);
@@ -360,11 +360,31 @@ impl LayerEmitter<'_, '_> {
     }
 }
 
+/// Where `attention` writes the probabilities it computes: row `(t, head)` at
+/// `(t · heads + head) · span`, columns at the entries' `positions`.
+pub struct ProbsOut<'a> {
+    pub rows: &'a mut [f32],
+    pub span: usize,
+    pub positions: &'a [usize],
+}
+
+/// The shape of one attention call: which entries query `t` sees and how heads map to KV heads.
+#[derive(Clone, Copy)]
+struct Geometry {
+    base: usize,
+    split: usize,
+    window: Option<usize>,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+}
+
 /// Scaled-dot-product attention of `n` new queries over cache entries; query `t` sees entries
 /// `0..=base + t`. With `split > 0`, entries `0..split` and `split..` are attended separately
 /// and merged by log-sum-exp (cascade). With a `window`, query `t` sees only the last `window`
-/// of its entries. `on_probs(t, head, row)` observes each full softmax row.
-/// Returns `[n, heads·hd]`.
+/// of its entries. Each full softmax row goes to `probs` when given.
+/// Returns `[n, heads·hd]`. Queries are spread over the cores; each is computed by one thread
+/// in a fixed order, so the result is bitwise the same for any thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -377,50 +397,127 @@ pub fn attention(
     heads: usize,
     kv_heads: usize,
     hd: usize,
-    mut on_probs: impl FnMut(usize, usize, &[f32]),
+    probs: Option<ProbsOut<'_>>,
 ) -> Vec<f32> {
+    let geo = Geometry {
+        base,
+        split,
+        window,
+        heads,
+        kv_heads,
+        hd,
+    };
+    let mut out = vec![0f32; n * heads * hd];
+    let width = (heads * hd).max(1);
+    match probs {
+        Some(p) => {
+            let (span, positions) = (p.span, p.positions);
+            out.par_chunks_mut(width)
+                .zip(p.rows.par_chunks_mut((heads * span).max(1)))
+                .enumerate()
+                .for_each(|(t, (o, pr))| {
+                    query_dispatch(geo, q, keys, values, t, o, Some((pr, span, positions)))
+                });
+        }
+        None => out
+            .par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(t, o)| query_dispatch(geo, q, keys, values, t, o, None)),
+    }
+    out
+}
+
+type ProbsRows<'a> = Option<(&'a mut [f32], usize, &'a [usize])>;
+
+fn query_dispatch(
+    geo: Geometry,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    t: usize,
+    out: &mut [f32],
+    probs: ProbsRows<'_>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Same operations in the same order, on 256-bit registers: bitwise the same.
+        return unsafe { query_avx2(geo, q, keys, values, t, out, probs) };
+    }
+    query(geo, q, keys, values, t, out, probs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn query_avx2(
+    geo: Geometry,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    t: usize,
+    out: &mut [f32],
+    probs: ProbsRows<'_>,
+) {
+    query(geo, q, keys, values, t, out, probs)
+}
+
+/// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows.
+#[inline(always)]
+fn query(
+    geo: Geometry,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    t: usize,
+    out: &mut [f32],
+    mut probs: ProbsRows<'_>,
+) {
+    let Geometry {
+        heads,
+        kv_heads,
+        hd,
+        ..
+    } = geo;
     let group = heads / kv_heads;
     let kv_dim = kv_heads * hd;
-    let mut out = vec![0f32; n * heads * hd];
-    let mut row = Vec::new();
-    for t in 0..n {
-        let visible = base + t + 1;
-        for head in 0..heads {
-            let kvh = head / group;
-            let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
-            let weights = softmax_row(&mut row, qv, keys, kvh, kv_dim, visible, split, window);
-            let o = &mut out[(t * heads + head) * hd..(t * heads + head + 1) * hd];
-            let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
-            if let Some((split, wa, wb)) = weights {
-                // Cascade: each segment's own softmax and output, merged by log-sum-exp.
-                let (a, b) = row.split_at_mut(split);
-                let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
-                for (e, &p) in a.iter().enumerate() {
-                    oa.iter_mut()
-                        .zip(value(e))
-                        .for_each(|(acc, &x)| *acc += p * x);
-                }
-                for (e, &p) in b.iter().enumerate() {
-                    ob.iter_mut()
-                        .zip(value(split + e))
-                        .for_each(|(acc, &x)| *acc += p * x);
-                }
-                for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
-                    *acc = wa * x + wb * y;
-                }
-                merge_segments(&mut row, split, wa, wb);
-                on_probs(t, head, &row);
-                continue;
+    let visible = geo.base + t + 1;
+    let mut row = Vec::with_capacity(visible);
+    for head in 0..heads {
+        let kvh = head / group;
+        let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
+        let weights = softmax_row(
+            &mut row, qv, keys, kvh, kv_dim, visible, geo.split, geo.window,
+        );
+        let o = &mut out[head * hd..(head + 1) * hd];
+        let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+        if let Some((split, wa, wb)) = weights {
+            // Cascade: each segment's own softmax and output, merged by log-sum-exp.
+            let (a, b) = row.split_at(split);
+            let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
+            for (e, &p) in a.iter().enumerate() {
+                oa.iter_mut()
+                    .zip(value(e))
+                    .for_each(|(acc, &x)| *acc += p * x);
             }
-            on_probs(t, head, &row);
+            for (e, &p) in b.iter().enumerate() {
+                ob.iter_mut()
+                    .zip(value(split + e))
+                    .for_each(|(acc, &x)| *acc += p * x);
+            }
+            for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
+                *acc = wa * x + wb * y;
+            }
+            merge_segments(&mut row, split, wa, wb);
+        } else {
             for (e, &p) in row.iter().enumerate() {
                 o.iter_mut()
                     .zip(value(e))
                     .for_each(|(acc, &x)| *acc += p * x);
             }
         }
+        if let Some((rows, span, positions)) = probs.as_mut() {
+            scatter_by_position(&mut rows[head * *span..(head + 1) * *span], &row, positions);
+        }
     }
-    out
 }
 
 /// Query `qv`'s row over entries `0..visible` of KV head `kvh` as `attention` computes it:
@@ -428,6 +525,7 @@ pub fn attention(
 /// falls inside, each segment is normalised on its own and `(split, weight a, weight b)` of the
 /// log-sum-exp merge comes back (`merge_segments` applies them to the row).
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn softmax_row(
     row: &mut Vec<f32>,
     qv: &[f32],
@@ -444,12 +542,15 @@ fn softmax_row(
     // A cascade split the window has passed leaves one segment: plain attention.
     let split = if split > first { split } else { 0 };
     row.clear();
-    row.extend((0..visible).map(|e| {
-        dot(
-            qv,
-            &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd],
-        ) * scale
-    }));
+    let key = |e: usize| &keys[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+    // Four keys per load of the query; each score summed exactly as `dot` sums it.
+    let mut e = 0;
+    while e + 4 <= visible {
+        let [s] = dots([qv], [key(e), key(e + 1), key(e + 2), key(e + 3)]);
+        row.extend(s.iter().map(|&d| d * scale));
+        e += 4;
+    }
+    row.extend((e..visible).map(|e| dot(qv, key(e)) * scale));
     row[..first].fill(f32::NEG_INFINITY);
     if split > 0 && split < visible {
         let (a, b) = row.split_at_mut(split);
@@ -471,6 +572,22 @@ fn merge_segments(row: &mut [f32], split: usize, wa: f32, wb: f32) {
 /// Row `t`, head `head` of the pass `parts` describes, over its columns (`span` wide,
 /// entries at their positions): bit for bit what `attention` offered for it.
 pub fn probs_row(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Same operations in the same order, on 256-bit registers: bitwise the same.
+        return unsafe { probs_row_avx2(parts, t, head, out) };
+    }
+    probs_row_in(parts, t, head, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn probs_row_avx2(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
+    probs_row_in(parts, t, head, out)
+}
+
+#[inline(always)]
+fn probs_row_in(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
     let (hd, kv_dim) = (parts.head_dim, parts.kv_heads * parts.head_dim);
     let kvh = head / (parts.heads / parts.kv_heads);
     let qv = &parts.q[(t * parts.heads + head) * hd..(t * parts.heads + head + 1) * hd];
@@ -491,4 +608,160 @@ pub fn probs_row(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) 
     }
     out.fill(0.0);
     scatter_by_position(out, &row, &parts.entry_positions);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `attention` as one loop: a query, a head, a key at a time, every score through `dot`.
+    #[allow(clippy::too_many_arguments)]
+    fn one_by_one(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        n: usize,
+        base: usize,
+        split: usize,
+        window: Option<usize>,
+        (heads, kv_heads, hd): (usize, usize, usize),
+    ) -> (Vec<f32>, Vec<f32>) {
+        let kv_dim = kv_heads * hd;
+        let span = base + n;
+        let (mut out, mut probs) = (vec![0f32; n * heads * hd], vec![0f32; n * heads * span]);
+        for t in 0..n {
+            let visible = base + t + 1;
+            let first = window.map_or(0, |w| visible.saturating_sub(w));
+            let split = if split > first { split } else { 0 };
+            for head in 0..heads {
+                let kvh = head / (heads / kv_heads);
+                let qv = &q[(t * heads + head) * hd..][..hd];
+                let mut row: Vec<f32> = (0..visible)
+                    .map(|e| {
+                        dot(qv, &keys[e * kv_dim + kvh * hd..][..hd]) * (1.0 / (hd as f32).sqrt())
+                    })
+                    .collect();
+                row[..first].fill(f32::NEG_INFINITY);
+                let segments = if split > 0 && split < visible {
+                    let (a, b) = row.split_at_mut(split);
+                    let (la, lb) = (softmax(a), softmax(b));
+                    let m = la.max(lb);
+                    let (wa, wb) = ((la - m).exp(), (lb - m).exp());
+                    vec![(0, split, wa / (wa + wb)), (split, visible, wb / (wa + wb))]
+                } else {
+                    softmax(&mut row);
+                    vec![(0, visible, 1.0)]
+                };
+                let o = &mut out[(t * heads + head) * hd..][..hd];
+                let mut parts = Vec::new();
+                for &(lo, hi, _) in &segments {
+                    let mut acc = vec![0f32; hd];
+                    for (e, &p) in row.iter().enumerate().take(hi).skip(lo) {
+                        for (a, &x) in acc.iter_mut().zip(&values[e * kv_dim + kvh * hd..][..hd]) {
+                            *a += p * x;
+                        }
+                    }
+                    parts.push(acc);
+                }
+                if let [(_, _, wa), (_, _, wb)] = segments[..] {
+                    for (k, x) in o.iter_mut().enumerate() {
+                        *x = wa * parts[0][k] + wb * parts[1][k];
+                    }
+                    row[..split].iter_mut().for_each(|p| *p *= wa);
+                    row[split..].iter_mut().for_each(|p| *p *= wb);
+                } else {
+                    o.copy_from_slice(&parts[0]);
+                }
+                probs[(t * heads + head) * span..][..visible].copy_from_slice(&row);
+            }
+        }
+        (out, probs)
+    }
+
+    #[test]
+    fn attention_spread_over_threads_is_bitwise_the_one_by_one_loop() {
+        let mut seed = 7u32;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect()
+        };
+        // (tokens, cached entries before them, cascade split, window, heads, KV heads, head dim)
+        let cases = [
+            (9, 0, 0, None, 4, 2, 16),
+            (5, 7, 0, None, 2, 1, 12),
+            (6, 10, 4, None, 4, 4, 8),
+            (7, 9, 3, Some(5), 2, 2, 20),
+            (1, 30, 0, Some(8), 4, 1, 16),
+        ];
+        for (n, base, split, window, heads, kv_heads, hd) in cases {
+            let q = rand(n * heads * hd);
+            let (keys, values) = (
+                rand((base + n) * kv_heads * hd),
+                rand((base + n) * kv_heads * hd),
+            );
+            let span = base + n;
+            let positions: Vec<usize> = (0..span).collect();
+            let mut probs = vec![0f32; n * heads * span];
+            let out = attention(
+                &q,
+                &keys,
+                &values,
+                n,
+                base,
+                split,
+                window,
+                heads,
+                kv_heads,
+                hd,
+                Some(ProbsOut {
+                    rows: &mut probs,
+                    span,
+                    positions: &positions,
+                }),
+            );
+            let (want, want_probs) = one_by_one(
+                &q,
+                &keys,
+                &values,
+                n,
+                base,
+                split,
+                window,
+                (heads, kv_heads, hd),
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let case = (n, base, split, window, heads, kv_heads, hd);
+            assert_eq!(bits(&out), bits(&want), "output of {case:?}");
+            assert_eq!(bits(&probs), bits(&want_probs), "probabilities of {case:?}");
+            let parts = HostAttnParts {
+                positions: (base..span).collect(),
+                q: q.clone(),
+                keys: keys.clone(),
+                entry_positions: positions.clone(),
+                base,
+                split,
+                window,
+                heads,
+                kv_heads,
+                head_dim: hd,
+                span,
+            };
+            let mut row = vec![0f32; span];
+            for t in 0..n {
+                for head in 0..heads {
+                    probs_row(&parts, t, head, &mut row);
+                    let at = (t * heads + head) * span;
+                    assert_eq!(
+                        bits(&row),
+                        bits(&want_probs[at..at + span]),
+                        "row of {case:?}"
+                    );
+                }
+            }
+        }
+    }
 }

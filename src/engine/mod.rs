@@ -19,5 +19,5 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use forward::{attention, probs_row};
+pub use forward::{attention, probs_row, ProbsOut};
 pub use generate::{Encoded, Engine, Generation};

@@ -30,7 +30,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// results are bitwise `dot`'s. Loading each row once for `C` (or `R`) products is what makes
 /// it faster.
 #[inline(always)]
-fn dots<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+pub(crate) fn dots<const R: usize, const C: usize>(
+    x: [&[f32]; R],
+    w: [&[f32]; C],
+) -> [[f32; C]; R] {
     let len = w[0].len();
     let chunks = len / 8;
     let mut acc = [[[0f32; 8]; C]; R];
