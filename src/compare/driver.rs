@@ -613,7 +613,9 @@ impl Lockstep {
         let n = spec.prompt.ids.len();
         let mut step = 0;
         while step < spec.max_new_tokens {
+            let booked = crate::support::timing::span("compare: step booked (argmaxes, agreement)");
             let rt = self.book_step(specs, step, logits, ref_logits);
+            drop(booked);
             // Tokens by global position: the prompt, then the reference's choices.
             for c in cmps.iter_mut() {
                 c.tokens.push(rt);
@@ -646,6 +648,7 @@ impl Lockstep {
                     if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
                         dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
                     }
+                    let _set = crate::support::timing::span("compare: reference step handed over");
                     cmp.set_reference(rec);
                     l
                 })

@@ -60,8 +60,9 @@ impl EntryLayout {
 /// A decode step's logits left in the cache's arena: `len` floats at device address `at`,
 /// valid until that cache's next pass, with their argmax at `pick`.
 struct CudaLogits {
-    /// Read from `pick` on first use when the step ran on the side stream.
+    /// Read from `pick` on first use when the step ran on a side stream (that one).
     argmax: OnceCell<u32>,
+    side: usize,
     pick: u64,
     at: u64,
     len: usize,
@@ -92,7 +93,7 @@ impl DeviceLogits for CudaLogits {
     fn argmax(&self) -> u32 {
         *self
             .argmax
-            .get_or_init(|| self.gpu.download_u32_on_side(self.pick))
+            .get_or_init(|| self.gpu.download_u32_on_side(self.side, self.pick))
     }
 
     fn into_host(self: Box<Self>) -> Vec<f32> {
@@ -156,7 +157,7 @@ impl DeviceModel for CudaModel {
 
     fn decode_on_side_stream(&self, cache: &mut KvCache) {
         if let Some(kv) = cache.device_mut::<CudaKv>() {
-            kv.side = true;
+            kv.side = Some(self.gpu.side_slot());
         }
     }
 
@@ -276,13 +277,14 @@ impl CudaModel {
             let _wait = crate::support::timing::span("cuda decode: argmax download (GPU wait)");
             // A side-stream step's argmax is read when asked for, so that the caller can
             // enqueue the next pass first.
-            let argmax = if on_side {
+            let argmax = if on_side.is_some() {
                 OnceCell::new()
             } else {
                 OnceCell::from(g.download(&ws.pick, 1)[0])
             };
             return StepLogits::Device(Box::new(CudaLogits {
                 argmax,
+                side: on_side.unwrap_or(0),
                 pick: ptr(g, &ws.pick, 0),
                 at: ws.logits_ptr(g),
                 len: c.vocab_size,
@@ -305,8 +307,8 @@ impl CudaModel {
 
     /// Enqueues a decode step: the cache's graph replayed (captured first when the cache's
     /// capacity, buffers or cascade split changed), or its kernels launched one by one when
-    /// graphs are off. Returns whether it runs on the side stream.
-    fn replay_decode(&self, kv: &mut CudaKv, pass: &Pass<'_>) -> bool {
+    /// graphs are off. Returns the side stream it runs on, if any.
+    fn replay_decode(&self, kv: &mut CudaKv, pass: &Pass<'_>) -> Option<usize> {
         let g = &*self.gpu;
         let cap = kv.capacity();
         let key = (cap, pass.split, pass.kv_ptrs[0].0);
@@ -319,11 +321,10 @@ impl CudaModel {
             }),
         };
         let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
-        let on_side = side && g.side_enabled() && !fresh;
-        if on_side {
+        if let Some(slot) = side.filter(|_| g.side_enabled() && !fresh) {
             let graph = &state.graph.as_ref().expect("captured").1;
-            g.replay_on_side(graph, &pass.meta, &mut state.ws.meta);
-            return true;
+            g.replay_on_side(slot, graph, &pass.meta, &mut state.ws.meta);
+            return Some(slot);
         }
         // A replay touches only this cache and its arena: it need not wait for the side
         // stream (a reference's step), so the two run side by side.
@@ -346,7 +347,7 @@ impl CudaModel {
         } else {
             state.graph.as_ref().expect("captured").1.launch();
         }
-        false
+        None
     }
 
     /// Every kernel of a decode step, ending in the argmax of its logits.

@@ -129,22 +129,35 @@ fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {
     })
 }
 
+/// Side streams: one for each reference a comparison decodes beside its path (the path, a
+/// reference and an invariant's second reference make three chains of decode kernels).
+const SIDE_STREAMS: usize = 3;
+
 /// A device, its streams, cuBLAS and the compiled kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     /// The main stream: everything but reference decode steps (see `side`).
     stream: Arc<CudaStream>,
-    /// A second stream for one cache's decode steps (a comparison's reference), so that they
-    /// run beside the compared path's steps on the main stream. Main-stream work reached
-    /// through `stream()` waits for what was enqueued here (`join`).
-    side: Arc<CudaStream>,
-    side_pending: std::sync::atomic::AtomicBool,
-    /// Recorded on the side stream for main to wait on, and on main for the side stream: made
-    /// once, re-recorded at each join (a wait keeps the state recorded when it was enqueued).
-    side_done: cudarc::driver::CudaEvent,
+    /// Streams for the decode steps of the caches that ask for one (a comparison's
+    /// references), so that they run beside each other and beside the compared path's steps
+    /// on the main stream: a decode step is a chain of small latency-bound kernels, so two
+    /// chains on one stream would wait on each other for nothing. Main-stream work reached
+    /// through `stream()` waits for what was enqueued there (`join`).
+    side: Vec<Arc<CudaStream>>,
+    /// Bit k: side stream k has work main has not waited for yet.
+    side_pending: std::sync::atomic::AtomicU32,
+    /// The next side stream `side_slot` hands out.
+    next_side: std::sync::atomic::AtomicUsize,
+    /// Recorded on each side stream for main to wait on, and on main for the side streams:
+    /// made once, re-recorded at each join (a wait keeps the state recorded when it was
+    /// enqueued).
+    side_done: Vec<cudarc::driver::CudaEvent>,
     main_done: cudarc::driver::CudaEvent,
-    /// Whether `replay_on_side` uses the side stream (not with `KVDIFF_CUDA_SIDE_STREAM=0`).
+
+    /// Whether `replay_on_side` uses the side streams (not with `KVDIFF_CUDA_SIDE_STREAM=0`).
     side_enabled: bool,
+    /// How many of them `side_slot` hands out (`KVDIFF_CUDA_SIDE_STREAMS`, 1 to 3; 3 unset).
+    side_streams: usize,
     pub blas: CudaBlas,
     /// cuBLAS's workspace, set explicitly so that GEMMs can be captured into CUDA graphs.
     _blas_workspace: CudaSlice<u8>,
@@ -349,8 +362,12 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx);
         let stream = ctx.new_stream().map_err(internal("stream"))?;
-        let side = ctx.new_stream().map_err(internal("stream"))?;
-        let side_done = ctx.new_event(None).map_err(internal("event"))?;
+        let side = (0..SIDE_STREAMS)
+            .map(|_| ctx.new_stream().map_err(internal("stream")))
+            .collect::<Result<Vec<_>>>()?;
+        let side_done = (0..SIDE_STREAMS)
+            .map(|_| ctx.new_event(None).map_err(internal("event")))
+            .collect::<Result<Vec<_>>>()?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
         drop(context_span);
         missing(libraries)?;
@@ -366,10 +383,17 @@ impl Gpu {
             ctx,
             stream,
             side,
-            side_pending: false.into(),
+            side_pending: 0.into(),
+            next_side: 0.into(),
+
             side_done,
             main_done,
             side_enabled: std::env::var("KVDIFF_CUDA_SIDE_STREAM").as_deref() != Ok("0"),
+            side_streams: std::env::var("KVDIFF_CUDA_SIDE_STREAMS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(SIDE_STREAMS)
+                .clamp(1, SIDE_STREAMS),
             blas,
             _blas_workspace: blas_workspace,
             kernels,
@@ -476,36 +500,50 @@ impl Gpu {
         self.ctx.mem_get_info().unwrap_or((usize::MAX, usize::MAX))
     }
 
-    /// The main stream, once it waits for work enqueued on the side stream.
+    /// The main stream, once it waits for work enqueued on the side streams.
     pub fn stream(&self) -> &Arc<CudaStream> {
-        if self
+        let pending = self
             .side_pending
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
-            self.side_done
-                .record(&self.side)
-                .and_then(|_| self.stream.wait(&self.side_done))
-                .expect("CUDA stream synchronisation");
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        for (k, (side, done)) in self.side.iter().zip(&self.side_done).enumerate() {
+            if pending & (1 << k) != 0 {
+                done.record(side)
+                    .and_then(|_| self.stream.wait(done))
+                    .expect("CUDA stream synchronisation");
+            }
         }
         &self.stream
     }
 
-    /// The main stream without waiting for the side stream: for work that touches nothing
-    /// of the side stream's cache (the compared path's own decode step, diff read-back).
+    /// The main stream without waiting for the side streams: for work that touches nothing
+    /// of their caches (the compared path's own decode step, diff read-back).
     pub(crate) fn stream_unjoined(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
-    /// Whether decode steps of caches that ask for it run on the side stream.
+    /// Whether decode steps of caches that ask for it run on a side stream.
     pub fn side_enabled(&self) -> bool {
         self.side_enabled && self.graphs
     }
 
-    /// Uploads `meta` into `dst` and replays `graph` on the side stream, after everything
+    /// A side stream for one more cache's decode steps (round robin).
+    pub fn side_slot(&self) -> usize {
+        self.next_side
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % self.side_streams
+    }
+
+    /// Uploads `meta` into `dst` and replays `graph` on side stream `slot`, after everything
     /// enqueued on the main stream so far; main-stream work reached through `stream()` waits
     /// for it.
-    pub fn replay_on_side(&self, graph: &Graph, meta: &[i32], dst: &mut CudaSlice<i32>) {
-        let s = &self.side;
+    pub fn replay_on_side(
+        &self,
+        slot: usize,
+        graph: &Graph,
+        meta: &[i32],
+        dst: &mut CudaSlice<i32>,
+    ) {
+        let s = &self.side[slot];
         self.main_done
             .record(&self.stream)
             .and_then(|_| s.wait(&self.main_done))
@@ -517,16 +555,17 @@ impl Gpu {
         }
         .expect("CUDA graph launch");
         self.side_pending
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+            .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// One u32 at device address `at`, read on the side stream (waiting for it alone).
-    pub fn download_u32_on_side(&self, at: u64) -> u32 {
+    /// One u32 at device address `at`, read on side stream `slot` (waiting for it alone).
+    pub fn download_u32_on_side(&self, slot: usize, at: u64) -> u32 {
+        let side = &self.side[slot];
         let mut v = [0u32];
         // Safety: `at` is a live u32 written by side-stream work; waited for below.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, self.side.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, side.cu_stream()) }
             .expect("CUDA download");
-        self.side.synchronize().expect("CUDA synchronize");
+        side.synchronize().expect("CUDA synchronize");
         v[0]
     }
 

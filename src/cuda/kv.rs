@@ -22,8 +22,8 @@ pub struct CudaKv {
     /// The last prefill's buffers when its taps were offered as persistent: they must stay
     /// valid until the cache's next pass.
     pub(crate) last_pass: Option<super::workspace::Workspace>,
-    /// Decode steps replay on the side stream (`Model::decode_on_side_stream`).
-    pub side: bool,
+    /// The side stream decode steps replay on (`Model::decode_on_side_stream`), if any.
+    pub side: Option<usize>,
 }
 
 impl CudaKv {
@@ -64,7 +64,7 @@ impl CudaKv {
             kv_dim,
             decode: None,
             last_pass: None,
-            side: false,
+            side: None,
         }
     }
 
@@ -136,7 +136,7 @@ impl DeviceKv for CudaKv {
             kv_dim: self.kv_dim,
             decode: None,
             last_pass: None,
-            side: false,
+            side: None,
         })
     }
 
