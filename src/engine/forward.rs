@@ -368,9 +368,13 @@ pub struct ProbsOut<'a> {
     pub positions: &'a [usize],
 }
 
-/// The shape of one attention call: which entries query `t` sees and how heads map to KV heads.
+/// One attention call's inputs: the queries, the cache's keys and values, which entries query
+/// `t` sees and how heads map to KV heads.
 #[derive(Clone, Copy)]
-struct Geometry {
+struct Inputs<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
     base: usize,
     split: usize,
     window: Option<usize>,
@@ -399,7 +403,10 @@ pub fn attention(
     hd: usize,
     probs: Option<ProbsOut<'_>>,
 ) -> Vec<f32> {
-    let geo = Geometry {
+    let inputs = Inputs {
+        q,
+        keys,
+        values,
         base,
         split,
         window,
@@ -415,77 +422,62 @@ pub fn attention(
             out.par_chunks_mut(width)
                 .zip(p.rows.par_chunks_mut((heads * span).max(1)))
                 .enumerate()
-                .for_each(|(t, (o, pr))| {
-                    query_dispatch(geo, q, keys, values, t, o, Some((pr, span, positions)))
-                });
+                .for_each(|(t, (o, pr))| query_dispatch(inputs, t, o, Some((pr, span, positions))));
         }
         None => out
             .par_chunks_mut(width)
             .enumerate()
-            .for_each(|(t, o)| query_dispatch(geo, q, keys, values, t, o, None)),
+            .for_each(|(t, o)| query_dispatch(inputs, t, o, None)),
     }
     out
 }
 
+/// A query's probability rows, their width and the columns its entries go to.
 type ProbsRows<'a> = Option<(&'a mut [f32], usize, &'a [usize])>;
 
-fn query_dispatch(
-    geo: Geometry,
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    t: usize,
-    out: &mut [f32],
-    probs: ProbsRows<'_>,
-) {
+fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: ProbsRows<'_>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // Same operations in the same order, on 256-bit registers: bitwise the same.
-        return unsafe { query_avx2(geo, q, keys, values, t, out, probs) };
+        return unsafe { query_avx2(inputs, t, out, probs) };
     }
-    query(geo, q, keys, values, t, out, probs)
+    query(inputs, t, out, probs)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn query_avx2(
-    geo: Geometry,
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    t: usize,
-    out: &mut [f32],
-    probs: ProbsRows<'_>,
-) {
-    query(geo, q, keys, values, t, out, probs)
+unsafe fn query_avx2(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: ProbsRows<'_>) {
+    query(inputs, t, out, probs)
 }
 
 /// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows.
 #[inline(always)]
-fn query(
-    geo: Geometry,
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    t: usize,
-    out: &mut [f32],
-    mut probs: ProbsRows<'_>,
-) {
-    let Geometry {
+fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: ProbsRows<'_>) {
+    let Inputs {
+        q,
+        keys,
+        values,
         heads,
         kv_heads,
         hd,
         ..
-    } = geo;
+    } = inputs;
     let group = heads / kv_heads;
     let kv_dim = kv_heads * hd;
-    let visible = geo.base + t + 1;
+    let visible = inputs.base + t + 1;
     let mut row = Vec::with_capacity(visible);
     for head in 0..heads {
         let kvh = head / group;
         let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
         let weights = softmax_row(
-            &mut row, qv, keys, kvh, kv_dim, visible, geo.split, geo.window,
+            &mut row,
+            qv,
+            keys,
+            kvh,
+            kv_dim,
+            visible,
+            inputs.split,
+            inputs.window,
         );
         let o = &mut out[head * hd..(head + 1) * hd];
         let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
