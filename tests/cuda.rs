@@ -779,6 +779,70 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
     );
 }
 
+/// Each reference's decode steps replay on a side stream of its own, beside the path's on the
+/// main stream: the report is the one a single side stream gives, and the one a single stream
+/// for everything gives, with the invariant's second reference running beside its path, clean
+/// and with a planted bug.
+#[test]
+fn references_on_streams_of_their_own_report_what_one_stream_reports() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    let run = |name: &str, env: &[(&str, &str)]| -> serde_json::Value {
+        let json = tmp.path().join(format!("{name}.json"));
+        let args = [
+            "compare",
+            "--backend",
+            "cuda",
+            "--paths",
+            "chunk-reuse:rerotate",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            json.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ];
+        let out = kvdiff(&args, env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+    };
+    // The planted bug acts on the path alone: its re-rotation turns keys the wrong way.
+    for fault in [None, Some("rerotate-wrong-sign")] {
+        let with_fault = |env: &[(&'static str, &'static str)]| {
+            let mut env = env.to_vec();
+            env.extend(fault.map(|f| ("KVDIFF_FAULT", f)));
+            env
+        };
+        let own = run("own", &with_fault(&[]));
+        let names: Vec<&str> = own["paths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["path"].as_str())
+            .collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("invariant:")),
+            "no invariant beside the path: {names:?}"
+        );
+        if fault.is_some() {
+            assert_eq!(
+                own["outcome"]["exit_code"], 1,
+                "the planted bug unseen: {own}"
+            );
+        }
+        let shared = run("shared", &with_fault(&[("KVDIFF_CUDA_SIDE_STREAMS", "1")]));
+        assert_eq!(
+            shared, own,
+            "one side stream for both references ({fault:?})"
+        );
+        let main = run("main", &with_fault(&[("KVDIFF_CUDA_SIDE_STREAM", "0")]));
+        assert_eq!(main, own, "everything on the main stream ({fault:?})");
+    }
+}
+
 /// Chunk reuse on the GPU (chunk caches copied and concatenated on the device, keys re-rotated
 /// there, chunk attention rows diffed from the chunk's first position) matches the same path on
 /// the CPU.
