@@ -60,9 +60,10 @@ impl EntryLayout {
 /// A decode step's logits left in the cache's arena: `len` floats at device address `at`,
 /// valid until that cache's next pass, with their argmax at `pick`.
 struct CudaLogits {
-    /// Read from `pick` on first use when the step ran on a side stream (that one).
+    /// Read from `pick` on first use when the step ran on a side stream.
     argmax: OnceCell<u32>,
-    side: usize,
+    /// The side stream the step ran on (where the argmax is read).
+    side: Option<usize>,
     pick: u64,
     at: u64,
     len: usize,
@@ -91,9 +92,12 @@ pub fn logits_on_gpu(logits: &StepLogits) -> Option<LogitsOnGpu<'_>> {
 
 impl DeviceLogits for CudaLogits {
     fn argmax(&self) -> u32 {
-        *self
-            .argmax
-            .get_or_init(|| self.gpu.download_u32_on_side(self.side, self.pick))
+        *self.argmax.get_or_init(|| {
+            let side = self
+                .side
+                .expect("an argmax left unread ran on a side stream");
+            self.gpu.download_u32_on_side(side, self.pick)
+        })
     }
 
     fn into_host(self: Box<Self>) -> Vec<f32> {
@@ -284,7 +288,7 @@ impl CudaModel {
             };
             return StepLogits::Device(Box::new(CudaLogits {
                 argmax,
-                side: on_side.unwrap_or(0),
+                side: on_side,
                 pick: ptr(g, &ws.pick, 0),
                 at: ws.logits_ptr(g),
                 len: c.vocab_size,

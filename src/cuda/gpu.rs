@@ -129,8 +129,8 @@ fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {
     })
 }
 
-/// Side streams: one for each reference a comparison decodes beside its path (the path, a
-/// reference and an invariant's second reference make three chains of decode kernels).
+/// Side streams, handed out round robin: a comparison's references (two with an invariant's
+/// second reference) each get one of their own, and the next comparison's take the next ones.
 const SIDE_STREAMS: usize = 3;
 
 /// A device, its streams, cuBLAS and the compiled kernels.
@@ -153,7 +153,6 @@ pub struct Gpu {
     /// enqueued).
     side_done: Vec<cudarc::driver::CudaEvent>,
     main_done: cudarc::driver::CudaEvent,
-
     /// Whether `replay_on_side` uses the side streams (not with `KVDIFF_CUDA_SIDE_STREAM=0`).
     side_enabled: bool,
     /// How many of them `side_slot` hands out (`KVDIFF_CUDA_SIDE_STREAMS`, 1 to 3; 3 unset).
@@ -385,7 +384,6 @@ impl Gpu {
             side,
             side_pending: 0.into(),
             next_side: 0.into(),
-
             side_done,
             main_done,
             side_enabled: std::env::var("KVDIFF_CUDA_SIDE_STREAM").as_deref() != Ok("0"),

@@ -361,7 +361,8 @@ impl LayerEmitter<'_, '_> {
 }
 
 /// Where `attention` writes the probabilities it computes: row `(t, head)` at
-/// `(t · heads + head) · span`, columns at the entries' `positions`.
+/// `(t · heads + head) · span`, columns at the entries' `positions` (one query's rows, for
+/// the query it computes).
 pub struct ProbsOut<'a> {
     pub rows: &'a mut [f32],
     pub span: usize,
@@ -422,7 +423,14 @@ pub fn attention(
             out.par_chunks_mut(width)
                 .zip(p.rows.par_chunks_mut((heads * span).max(1)))
                 .enumerate()
-                .for_each(|(t, (o, pr))| query_dispatch(inputs, t, o, Some((pr, span, positions))));
+                .for_each(|(t, (o, rows))| {
+                    let probs = ProbsOut {
+                        rows,
+                        span,
+                        positions,
+                    };
+                    query_dispatch(inputs, t, o, Some(probs))
+                });
         }
         None => out
             .par_chunks_mut(width)
@@ -432,10 +440,7 @@ pub fn attention(
     out
 }
 
-/// A query's probability rows, their width and the columns its entries go to.
-type ProbsRows<'a> = Option<(&'a mut [f32], usize, &'a [usize])>;
-
-fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: ProbsRows<'_>) {
+fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<ProbsOut<'_>>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // Same operations in the same order, on 256-bit registers: bitwise the same.
@@ -446,13 +451,13 @@ fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: ProbsRow
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn query_avx2(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: ProbsRows<'_>) {
+unsafe fn query_avx2(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<ProbsOut<'_>>) {
     query(inputs, t, out, probs)
 }
 
 /// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows.
 #[inline(always)]
-fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: ProbsRows<'_>) {
+fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: Option<ProbsOut<'_>>) {
     let Inputs {
         q,
         keys,
@@ -506,8 +511,12 @@ fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: ProbsRows<'_>
                     .for_each(|(acc, &x)| *acc += p * x);
             }
         }
-        if let Some((rows, span, positions)) = probs.as_mut() {
-            scatter_by_position(&mut rows[head * *span..(head + 1) * *span], &row, positions);
+        if let Some(p) = probs.as_mut() {
+            scatter_by_position(
+                &mut p.rows[head * p.span..(head + 1) * p.span],
+                &row,
+                p.positions,
+            );
         }
     }
 }
