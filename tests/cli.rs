@@ -541,14 +541,42 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
         let missed = (
             err.contains("tokenizer: facts parsed (not cached)"),
             err.contains("tokenizer: prompt encoded (not cached)"),
+            err.contains("tokenizer: text decoded (not cached)"),
+        );
+        assert_eq!(
+            err.contains("tokenizer: waited for the parse"),
+            missed != (false, false, false),
+            "{err}"
         );
         (read_json(&json), missed)
     };
     let (first, missed) = run("1.json");
-    assert_eq!(missed, (true, true), "a cold cache tokenizes");
+    assert_eq!(missed, (true, true, true), "a cold cache tokenizes");
     let (second, missed) = run("2.json");
-    assert_eq!(missed, (false, false), "the same run again reads the cache");
+    assert_eq!(
+        missed,
+        (false, false, false),
+        "the same run again reads the cache and never waits for the parse"
+    );
     assert_eq!(first, second, "a cached run reports exactly as a fresh one");
+    // generate's answer, decoded from the parse, then from the memo.
+    let generate = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args(["generate", "--max-new-tokens", "6", "--model"])
+            .arg(&model)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/prompts/task.json"))
+            .env("KVDIFF_CACHE_DIR", &cache)
+            .env("KVDIFF_TIMING", "1")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let waited = stderr(&out).contains("tokenizer: waited for the parse");
+        (String::from_utf8(out.stdout).unwrap(), waited)
+    };
+    let (answer, waited) = generate();
+    assert!(waited, "a new answer is decoded by the parsed tokenizer");
+    assert!(!answer.trim().is_empty());
+    assert_eq!(generate(), (answer, false), "the same answer, from the memo");
     let entries = || -> Vec<_> {
         let mut e: Vec<_> = std::fs::read_dir(cache.join("tokenizer"))
             .unwrap()
@@ -557,14 +585,18 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
         e.sort();
         e
     };
-    assert_eq!(entries().len(), 2, "{:?}", entries());
-    // A damaged prompt entry is tokenized again.
-    let tokens = entries()
-        .into_iter()
-        .find(|p| p.extension().unwrap() == "tokens");
-    std::fs::write(tokens.unwrap(), [1, 2, 3]).unwrap();
+    assert_eq!(entries().len(), 3, "{:?}", entries());
+    // A damaged prompt entry is tokenized again, a damaged memo decoded again.
+    let named = |ext: &str| {
+        entries()
+            .into_iter()
+            .find(|p| p.extension().unwrap() == ext)
+            .unwrap()
+    };
+    std::fs::write(named("tokens"), [1, 2, 3]).unwrap();
+    std::fs::write(named("texts"), "{ \"entries\": [[1").unwrap();
     let (third, missed) = run("3.json");
-    assert_eq!(missed, (false, true));
+    assert_eq!(missed, (false, true, true));
     assert_eq!(first, third);
     // Other bytes in tokenizer.json are another tokenizer.
     let tok = model.join("tokenizer.json");
@@ -572,9 +604,9 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
     bytes.push(b'\n');
     std::fs::write(&tok, bytes).unwrap();
     let (fourth, missed) = run("4.json");
-    assert_eq!(missed, (true, true));
+    assert_eq!(missed, (true, true, true));
     assert_eq!(first, fourth);
-    assert_eq!(entries().len(), 4);
+    assert_eq!(entries().len(), 6);
 }
 
 /// A CPU reference keeps attention as its queries and keys and rebuilds only the rows a path

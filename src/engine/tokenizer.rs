@@ -5,13 +5,15 @@
 //! weights, so it runs on its own thread and is waited for only where the parsed tokenizer
 //! is needed. What a run needs from it before the end, the vocabulary size, the EOS ids and
 //! the prompt's ids, is cached (`support/cache.rs`) under a key of `tokenizer.json`'s bytes,
-//! the eos token and the kvdiff binary: a repeated run decodes its output text with the
-//! tokenizer parsed meanwhile, and never waits for it before its first GPU launch.
+//! the eos token and the kvdiff binary: a repeated run never waits for it before its first
+//! GPU launch. Texts decoded from ids are remembered under the same key (`TextMemo`), so a run
+//! that decodes what an earlier one did (the same answer, the same report's tokens) does not
+//! wait for the parse at all.
 
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use serde_json::Value as Json;
@@ -84,6 +86,62 @@ struct Facts {
     eos_ids: Vec<u32>,
 }
 
+/// Texts decoded from ids, kept under the tokenizer's key: (ids, skip special tokens) → text,
+/// the newest last. Exact by construction: an entry is what the parsed tokenizer returned.
+#[derive(Default, serde::Deserialize)]
+struct TextMemo {
+    entries: Vec<(Vec<u32>, bool, String)>,
+    #[serde(skip)]
+    index: std::collections::HashMap<(Vec<u32>, bool), usize>,
+    /// Entries added or looked up by this process, written back at its end.
+    #[serde(skip)]
+    used: Vec<usize>,
+    #[serde(skip)]
+    dirty: bool,
+}
+
+/// Entries a memo keeps: the newest used (a report's tokens and answer are a few hundred).
+const MEMO_ENTRIES: usize = 4096;
+
+impl TextMemo {
+    fn read(bytes: &[u8]) -> Option<Self> {
+        let mut m: TextMemo = serde_json::from_slice(bytes).ok()?;
+        m.index = m
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, (ids, skip, _))| ((ids.clone(), *skip), i))
+            .collect();
+        Some(m)
+    }
+
+    fn get(&mut self, ids: &[u32], skip: bool) -> Option<String> {
+        let &i = self.index.get(&(ids.to_vec(), skip))?;
+        self.used.push(i);
+        Some(self.entries[i].2.clone())
+    }
+
+    fn put(&mut self, ids: &[u32], skip: bool, text: &str) {
+        let i = self.entries.len();
+        self.entries.push((ids.to_vec(), skip, text.to_string()));
+        self.index.insert((ids.to_vec(), skip), i);
+        self.used.push(i);
+        self.dirty = true;
+    }
+
+    /// What to write back: the entries this process did not use, then those it used, the
+    /// newest `MEMO_ENTRIES` of that order.
+    fn to_bytes(&self) -> Vec<u8> {
+        let used: std::collections::HashSet<usize> = self.used.iter().copied().collect();
+        let mut order: Vec<usize> = (0..self.entries.len()).filter(|i| !used.contains(i)).collect();
+        let mut seen = std::collections::HashSet::new();
+        order.extend(self.used.iter().copied().filter(|&i| seen.insert(i)));
+        let keep = &order[order.len().saturating_sub(MEMO_ENTRIES)..];
+        let entries: Vec<_> = keep.iter().map(|&i| &self.entries[i]).collect();
+        serde_json::to_vec(&serde_json::json!({ "entries": entries })).unwrap_or_default()
+    }
+}
+
 pub struct ChatTokenizer {
     parsed: Background,
     template: ChatTemplate,
@@ -95,6 +153,8 @@ pub struct ChatTokenizer {
     /// With the file's hash, names cache entries (`None`: no caching).
     identity_base: Option<u64>,
     facts: OnceLock<Facts>,
+    /// Loaded at the first decode; `None` inside where nothing is cached.
+    memo: OnceLock<Option<Arc<Mutex<TextMemo>>>>,
 }
 
 const TOKENIZER_FIX: &str =
@@ -213,6 +273,7 @@ impl ChatTokenizer {
             tokenizer_path,
             identity_base,
             facts: OnceLock::new(),
+            memo: OnceLock::new(),
         })
     }
 
@@ -335,11 +396,62 @@ impl ChatTokenizer {
         Ok((ids, offsets))
     }
 
+    /// The text of `ids` (empty where the tokenizer did not parse, which `check` reports):
+    /// from the memo where these files decoded these ids before, else from the parse, which
+    /// this waits for.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
-        self.parsed()
+        let memo = self.memo();
+        if let Some(m) = memo {
+            let hit = m.lock().unwrap_or_else(|p| p.into_inner()).get(ids, skip_special);
+            if let Some(text) = hit {
+                return text;
+            }
+        }
+        let _span = crate::support::timing::span("tokenizer: text decoded (not cached)");
+        let Some(text) = self
+            .parsed()
             .ok()
             .and_then(|t| t.decode(ids, skip_special).ok())
-            .unwrap_or_default()
+        else {
+            return String::new();
+        };
+        if let Some(m) = memo {
+            let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+            let first = !m.dirty;
+            m.put(ids, skip_special, &text);
+            if first {
+                self.write_memo_at_end();
+            }
+        }
+        text
+    }
+
+    fn memo_entry(&self) -> Option<String> {
+        self.identity().map(|k| format!("tokenizer/{k:016x}.texts"))
+    }
+
+    fn memo(&self) -> Option<&Arc<Mutex<TextMemo>>> {
+        self.memo
+            .get_or_init(|| {
+                let entry = self.memo_entry()?;
+                let memo = crate::support::cache::path(&entry)
+                    .and_then(|p| std::fs::read(p).ok())
+                    .and_then(|b| TextMemo::read(&b))
+                    .unwrap_or_default();
+                Some(Arc::new(Mutex::new(memo)))
+            })
+            .as_ref()
+    }
+
+    /// Writes the memo back when the process ends (once, at its first new entry).
+    fn write_memo_at_end(&self) {
+        let (Some(entry), Some(memo)) = (self.memo_entry(), self.memo().cloned()) else {
+            return;
+        };
+        crate::support::exit::at_end(move || {
+            let bytes = memo.lock().unwrap_or_else(|p| p.into_inner()).to_bytes();
+            crate::support::cache::write(&entry, &bytes);
+        });
     }
 
     pub fn vocab_size(&self) -> Result<usize> {
@@ -349,7 +461,38 @@ impl ChatTokenizer {
 
 #[cfg(test)]
 mod tests {
-    use super::{tokens_from_bytes, tokens_to_bytes};
+    use super::{tokens_from_bytes, tokens_to_bytes, TextMemo, MEMO_ENTRIES};
+
+    #[test]
+    fn remembered_texts_round_trip_keep_the_newest_used_and_refuse_damage() {
+        let mut m = TextMemo::default();
+        m.put(&[1, 2], true, "ab");
+        m.put(&[1, 2], false, "a<s>b");
+        m.put(&[], true, "");
+        let mut back = TextMemo::read(&m.to_bytes()).unwrap();
+        assert_eq!(back.get(&[1, 2], true).as_deref(), Some("ab"));
+        assert_eq!(back.get(&[1, 2], false).as_deref(), Some("a<s>b"));
+        assert_eq!(back.get(&[], true).as_deref(), Some(""));
+        assert_eq!(back.get(&[2, 1], true), None);
+        assert!(TextMemo::read(b"{\"entries\": [[1, true]]}").is_none());
+        assert!(TextMemo::read(b"").is_none());
+
+        // Over the limit, the entries this process used survive, then the newest others.
+        let mut m = TextMemo::default();
+        for i in 0..MEMO_ENTRIES as u32 + 10 {
+            m.put(&[i], false, &i.to_string());
+        }
+        let mut m = TextMemo::read(&m.to_bytes()).unwrap();
+        assert_eq!(m.entries.len(), MEMO_ENTRIES);
+        assert_eq!(m.get(&[9], false), None, "the oldest went");
+        assert_eq!(m.get(&[10], false).as_deref(), Some("10"));
+        m.put(&[u32::MAX], true, "new");
+        let mut m = TextMemo::read(&m.to_bytes()).unwrap();
+        assert_eq!(m.entries.len(), MEMO_ENTRIES);
+        assert_eq!(m.get(&[10], false).as_deref(), Some("10"), "used: kept");
+        assert_eq!(m.get(&[11], false), None, "the oldest unused went");
+        assert_eq!(m.get(&[u32::MAX], true).as_deref(), Some("new"));
+    }
 
     #[test]
     fn cached_tokens_round_trip_and_damaged_entries_are_refused() {

@@ -9,6 +9,9 @@ use std::sync::Mutex;
 
 static KEPT: Mutex<Vec<Box<dyn Any + Send>>> = Mutex::new(Vec::new());
 
+type Job = Box<dyn FnOnce() + Send>;
+static LAST: Mutex<Vec<Job>> = Mutex::new(Vec::new());
+
 /// Keeps `v` alive until the process ends, so that it is never dropped.
 pub fn keep<T: Send + 'static>(v: T) {
     KEPT.lock()
@@ -16,8 +19,22 @@ pub fn keep<T: Send + 'static>(v: T) {
         .push(Box::new(v));
 }
 
-/// Flushes stdout and stderr and ends the process with `code`, running no exit handlers.
+/// Runs `job` when the process ends through `now`: for cache entries better written once,
+/// after everything the command looked up, than at every lookup that missed.
+pub fn at_end(job: impl FnOnce() + Send + 'static) {
+    LAST.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Box::new(job));
+}
+
+/// Runs the `at_end` jobs, flushes stdout and stderr and ends the process with `code`,
+/// running no exit handlers.
 pub fn now(code: i32) -> ! {
+    let jobs = std::mem::take(&mut *LAST.lock().unwrap_or_else(|e| e.into_inner()));
+    for job in jobs {
+        // Best effort: a job that fails must not change the exit code.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+    }
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // Safety: every file the command wrote is closed (written atomically and renamed); only
