@@ -16,10 +16,16 @@
 // loops instead made every warp redo it and left the kernel issue-bound at 13 instructions per
 // MMA. Row strides are padded so that each quarter warp's 16-byte loads hit distinct banks:
 //   queries: raw f32, MMA_QP floats per row (the A fragment is split as it is loaded);
-//   keys:    per key, per 8 dimensions, 16 words: big(t), big(t+4), small(t), small(t+4) at
-//            4t for t = 0..3, a lane's B fragments as register pairs; MMA_KP words per key;
+//   keys:    per key, per 8 dimensions c, 16 words: big(t), big(t+4), small(t), small(t+4) at
+//            4·swz(t, c) for t = 0..3, a lane's B fragments as register pairs; MMA_KP words
+//            per key;
 //   values:  per pair of keys (2p, 2p + 1), per dimension, 4 words: big(2p), big(2p + 1),
-//            small(2p), small(2p + 1); MMA_VP words per pair.
+//            small(2p), small(2p + 1); dimension 4c + k at 16c + 4·swz(k, c); MMA_VP words per
+//            pair.
+// swz(t, c) = t ^ ((c / 2) % 4) permutes the four 16-byte chunks of a group: a thread stores
+// one group's four chunks, and without the permutation the eight threads of a quarter warp
+// stored to 4 bank groups out of 8 (`ncu`: 4-way conflicts, 75% of all shared-store
+// wavefronts, on a kernel bound by its shared-memory pipe). The loads permute alike.
 // Dynamic shared memory: MMA_SHARED(head_dim) floats (MMA_RB_SHARED for the rebuild).
 #define MMA_BQ 64
 #define MMA_KT 32
@@ -32,6 +38,9 @@
 #define MMA_RB_KEYS 1024
 
 #if __CUDA_ARCH__ >= 800
+// The permuted place of chunk t of group c (see the layouts above).
+__device__ __forceinline__ int swz(int t, int c) { return t ^ ((c >> 1) & 3); }
+
 // x as big + small, both TF32: big is x rounded to nearest (ties away from zero), small the
 // exact remainder x - big truncated to TF32. Integer operations: `cvt.rna.tf32.f32` adds an
 // Inf/NaN guard that made a split 7 instructions, and the splits dominated the inner loops.
@@ -91,7 +100,7 @@ __device__ __forceinline__ void mma_scores(const float* qw, const float* ks, int
         a_fragment(qw, hp, k0, ab, as);
 #pragma unroll
         for (int j = 0; j < MMA_KT / 8; j++) {
-            uint4 f = *(const uint4*)(ks + (j * 8 + g) * kp + 2 * k0 + 4 * t);
+            uint4 f = *(const uint4*)(ks + (j * 8 + g) * kp + 2 * k0 + 4 * swz(t, k0 >> 3));
             bb[j][0] = f.x, bb[j][1] = f.y, bs[j][0] = f.z, bs[j][1] = f.w;
         }
         mma_3xtf32<MMA_KT / 8>(s, ab, as, bb, bs);
@@ -212,7 +221,7 @@ __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp, 
             uint4 w;
             split_tf32(x[t], w.x, w.z);
             split_tf32(y[t], w.y, w.w);
-            *(uint4*)(d + 4 * t) = w;
+            *(uint4*)(d + 4 * swz(t, sh.c)) = w;
         }
     }
 }
@@ -247,7 +256,7 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
             uint4 w;
             split_tf32(x[k], w.x, w.z);
             split_tf32(y[k], w.y, w.w);
-            *(uint4*)(d + 4 * k) = w;
+            *(uint4*)(d + 4 * swz(k, sh.c)) = w;
         }
     }
 }
@@ -395,7 +404,8 @@ extern "C" __global__ void __launch_bounds__(128)
             unsigned ab[4], as[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) split_tf32(a[i], ab[i], as[i]);
-            const float* v0 = vs + (4 * j + t) * vp + 4 * g;
+            // Dimension 8(d0 + i) + g: group 2(d0 + i) + g / 4, chunk g % 4, permuted.
+            const float* v0 = vs + (4 * j + t) * vp + 16 * (g >> 2);
             // Four output column groups at a time; a group past head_dim (head_dim % 32 != 0)
             // multiplies zeros into an accumulator that is never written out.
 #pragma unroll
@@ -404,8 +414,10 @@ extern "C" __global__ void __launch_bounds__(128)
                 unsigned bb[4][2], bs[4][2];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    uint4 f = 8 * (d0 + i) < head_dim ? *(const uint4*)(v0 + 32 * (d0 + i))
-                                                      : make_uint4(0, 0, 0, 0);
+                    uint4 f = 8 * (d0 + i) < head_dim
+                                  ? *(const uint4*)(v0 + 32 * (d0 + i) +
+                                                    4 * swz(g & 3, 2 * (d0 + i)))
+                                  : make_uint4(0, 0, 0, 0);
                     bb[i][0] = f.x, bb[i][1] = f.y, bs[i][0] = f.z, bs[i][1] = f.w;
                 }
                 mma_3xtf32<4>(o + d0, ab, as, bb, bs);
