@@ -576,7 +576,11 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
     let (answer, waited) = generate();
     assert!(waited, "a new answer is decoded by the parsed tokenizer");
     assert!(!answer.trim().is_empty());
-    assert_eq!(generate(), (answer, false), "the same answer, from the memo");
+    assert_eq!(
+        generate(),
+        (answer, false),
+        "the same answer, from the memo"
+    );
     let entries = || -> Vec<_> {
         let mut e: Vec<_> = std::fs::read_dir(cache.join("tokenizer"))
             .unwrap()

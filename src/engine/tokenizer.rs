@@ -133,7 +133,9 @@ impl TextMemo {
     /// newest `MEMO_ENTRIES` of that order.
     fn to_bytes(&self) -> Vec<u8> {
         let used: std::collections::HashSet<usize> = self.used.iter().copied().collect();
-        let mut order: Vec<usize> = (0..self.entries.len()).filter(|i| !used.contains(i)).collect();
+        let mut order: Vec<usize> = (0..self.entries.len())
+            .filter(|i| !used.contains(i))
+            .collect();
         let mut seen = std::collections::HashSet::new();
         order.extend(self.used.iter().copied().filter(|&i| seen.insert(i)));
         let keep = &order[order.len().saturating_sub(MEMO_ENTRIES)..];
@@ -402,7 +404,10 @@ impl ChatTokenizer {
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
         let memo = self.memo();
         if let Some(m) = memo {
-            let hit = m.lock().unwrap_or_else(|p| p.into_inner()).get(ids, skip_special);
+            let hit = m
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(ids, skip_special);
             if let Some(text) = hit {
                 return text;
             }
