@@ -24,7 +24,7 @@
 //            pair.
 // swz(t, c) = t ^ ((c / 2) % 4) permutes the four 16-byte chunks of a group: a thread stores
 // one group's four chunks, and without the permutation the eight threads of a quarter warp
-// stored to 4 bank groups out of 8 (`ncu`: 4-way conflicts, 75% of all shared-store
+// stored to 2 bank groups out of 8 (`ncu`: 4-way conflicts, 75% of all shared-store
 // wavefronts, on a kernel bound by its shared-memory pipe). The loads permute alike.
 // Dynamic shared memory: MMA_SHARED(head_dim) floats (MMA_RB_SHARED for the rebuild).
 #define MMA_BQ 64

@@ -570,7 +570,7 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-        let waited = stderr(&out).contains("tokenizer: waited for the parse");
+        let waited = stderr(&out).contains("tokenizer: text decoded (not cached)");
         (String::from_utf8(out.stdout).unwrap(), waited)
     };
     let (answer, waited) = generate();

@@ -100,8 +100,9 @@ struct TextMemo {
     dirty: bool,
 }
 
-/// Entries a memo keeps: the newest used (a report's tokens and answer are a few hundred).
-const MEMO_ENTRIES: usize = 4096;
+/// Entries a memo keeps, the most recently used: a report decodes each prompt token on its
+/// own, and a 32k-token prompt has up to 32k distinct ones.
+const MEMO_ENTRIES: usize = 1 << 16;
 
 impl TextMemo {
     fn read(bytes: &[u8]) -> Option<Self> {
@@ -122,6 +123,11 @@ impl TextMemo {
     }
 
     fn put(&mut self, ids: &[u32], skip: bool, text: &str) {
+        if let Some(&i) = self.index.get(&(ids.to_vec(), skip)) {
+            // Two threads missed the same ids: the same text.
+            self.used.push(i);
+            return;
+        }
         let i = self.entries.len();
         self.entries.push((ids.to_vec(), skip, text.to_string()));
         self.index.insert((ids.to_vec(), skip), i);
@@ -129,15 +135,19 @@ impl TextMemo {
         self.dirty = true;
     }
 
-    /// What to write back: the entries this process did not use, then those it used, the
-    /// newest `MEMO_ENTRIES` of that order.
+    /// What to write back: the entries this process did not use, then those it used in the
+    /// order of their last use, the newest `MEMO_ENTRIES` of that order.
     fn to_bytes(&self) -> Vec<u8> {
         let used: std::collections::HashSet<usize> = self.used.iter().copied().collect();
         let mut order: Vec<usize> = (0..self.entries.len())
             .filter(|i| !used.contains(i))
             .collect();
         let mut seen = std::collections::HashSet::new();
-        order.extend(self.used.iter().copied().filter(|&i| seen.insert(i)));
+        let mut by_last_use: Vec<usize> = (self.used.iter().rev().copied())
+            .filter(|&i| seen.insert(i))
+            .collect();
+        by_last_use.reverse();
+        order.extend(by_last_use);
         let keep = &order[order.len().saturating_sub(MEMO_ENTRIES)..];
         let entries: Vec<_> = keep.iter().map(|&i| &self.entries[i]).collect();
         serde_json::to_vec(&serde_json::json!({ "entries": entries })).unwrap_or_default()
@@ -481,6 +491,15 @@ mod tests {
         assert_eq!(back.get(&[2, 1], true), None);
         assert!(TextMemo::read(b"{\"entries\": [[1, true]]}").is_none());
         assert!(TextMemo::read(b"").is_none());
+
+        // Written in the order of last use; the same ids put twice are one entry.
+        let mut m = TextMemo::default();
+        m.put(&[1], false, "a");
+        m.put(&[2], false, "b");
+        m.put(&[1], false, "a");
+        assert_eq!(m.entries.len(), 2);
+        let texts = |m: &TextMemo| m.entries.iter().map(|e| e.2.clone()).collect::<Vec<_>>();
+        assert_eq!(texts(&TextMemo::read(&m.to_bytes()).unwrap()), ["b", "a"]);
 
         // Over the limit, the entries this process used survive, then the newest others.
         let mut m = TextMemo::default();

@@ -28,7 +28,11 @@ pub fn write(name: &str, bytes: &[u8]) {
     if let Some(d) = f.parent() {
         let _ = std::fs::create_dir_all(d);
     }
-    let tmp = f.with_extension(format!("tmp-{}", std::process::id()));
+    // The whole name, not its extension replaced: entries differing only in extension share
+    // a stem.
+    let mut tmp = f.clone().into_os_string();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
     if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &f).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

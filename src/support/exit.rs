@@ -30,10 +30,16 @@ pub fn at_end(job: impl FnOnce() + Send + 'static) {
 /// Runs the `at_end` jobs, flushes stdout and stderr and ends the process with `code`,
 /// running no exit handlers.
 pub fn now(code: i32) -> ! {
-    let jobs = std::mem::take(&mut *LAST.lock().unwrap_or_else(|e| e.into_inner()));
-    for job in jobs {
-        // Best effort: a job that fails must not change the exit code.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+    // Jobs may add jobs; none may call `now`.
+    loop {
+        let jobs = std::mem::take(&mut *LAST.lock().unwrap_or_else(|e| e.into_inner()));
+        if jobs.is_empty() {
+            break;
+        }
+        for job in jobs {
+            // Best effort: a job that fails must not change the exit code.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        }
     }
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
