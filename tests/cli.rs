@@ -570,11 +570,11 @@ fn tokenized_prompts_are_cached_and_a_cached_run_reports_the_same() {
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-        let waited = stderr(&out).contains("tokenizer: text decoded (not cached)");
-        (String::from_utf8(out.stdout).unwrap(), waited)
+        let afresh = stderr(&out).contains("tokenizer: text decoded (not cached)");
+        (String::from_utf8(out.stdout).unwrap(), afresh)
     };
-    let (answer, waited) = generate();
-    assert!(waited, "a new answer is decoded by the parsed tokenizer");
+    let (answer, afresh) = generate();
+    assert!(afresh, "a new answer is decoded by the parsed tokenizer");
     assert!(!answer.trim().is_empty());
     assert_eq!(
         generate(),
