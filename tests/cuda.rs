@@ -145,6 +145,69 @@ fn check_attention(
 /// f32 arithmetic: well under 1e-3 relative L2 (METHOD.md); kvdiff asks for 1e-5.
 const F32_TOL: f64 = 1e-5;
 
+/// Every tile shape of `kernels/gemm.cu` against f64 dot products of the same bf16 operands,
+/// at shapes with ragged edges (n, m, k not multiples of any tile, k past the last full
+/// 32-column step, misaligned rows, k % 8 != 0), and against each other: every tile and any
+/// subset of rows give the same bits, so a row does not depend on the pass it is computed in.
+fn gemm_tiles_agree_bit_for_bit(g: &Gpu, rng: &mut Rng) {
+    use kvdiff::cuda::GemmTile;
+    if !g.has_tiled_gemm() {
+        skipped("kernels/gemm.cu needs sm_80 or later");
+        return;
+    }
+    for &(n, k, m) in &[
+        (1usize, 64usize, 8usize),
+        (37, 40, 72),
+        (70, 36, 50),
+        (129, 264, 131),
+        (300, 1024, 520),
+    ] {
+        let x = round_bf16(&rng.vec(n * k, 1.0));
+        let w = round_bf16(&rng.vec(m * k, 0.05));
+        let want: Vec<f32> = (0..n * m)
+            .map(|i| {
+                let (r, c) = (i / m, i % m);
+                (0..k)
+                    .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let mut first: Option<(GemmTile, Vec<f32>)> = None;
+        for tile in GemmTile::ALL {
+            for offset in [0, 3] {
+                let what = format!("gemm {tile:?} n={n} k={k} m={m} offset={offset}");
+                let Some(y) = host_ops::gemm_bf16_tiled(g, tile, &x, &w, n, m, offset) else {
+                    assert!(
+                        tile != GemmTile::Unaligned && (offset != 0 || k % 8 != 0),
+                        "{what}: refused operands it takes"
+                    );
+                    continue;
+                };
+                assert_written(&what, &y);
+                assert!(rel_l2(&y, &want) < F32_TOL, "{what}: {}", rel_l2(&y, &want));
+                match &first {
+                    None => first = Some((tile, y)),
+                    Some((t0, y0)) => assert!(
+                        y.iter().zip(y0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: other bits than {t0:?}"
+                    ),
+                }
+            }
+        }
+        // The first rows alone, by each tile: the same bits as in the whole product.
+        let (_, y0) = first.expect("the unaligned tile takes anything");
+        let rows = n.div_ceil(3);
+        for tile in GemmTile::ALL {
+            if let Some(y) = host_ops::gemm_bf16_tiled(g, tile, &x[..rows * k], &w, rows, m, 0) {
+                assert!(
+                    y.iter().zip(&y0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "gemm {tile:?}: rows 0..{rows} of n={n} k={k} m={m} alone differ"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn kernels_match_the_cpu_reference_on_random_inputs() {
     let Some(g) = gpu() else { return };
@@ -275,6 +338,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             .collect();
         assert!(rel_l2(&y, &want) < F32_TOL, "gemm {}", rel_l2(&y, &want));
     }
+    gemm_tiles_agree_bit_for_bit(&g, &mut rng);
     // The decode step's fused GEMVs against f64 dot products on the same rounded operands:
     // RMSNorm + projection (f32 out), RMSNorm + gate/up + SwiGLU (bf16 out), projection +
     // residual add, and projection + residual add + RMSNorm.

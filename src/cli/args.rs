@@ -24,7 +24,7 @@ PROMPT FILES:
 
 EXIT CODES: 0 ok, 1 divergence found, 2 bad input or usage, 3 internal error.";
 
-pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver, NVRTC and cuBLAS on the library path, or use --backend cpu";
+pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver and NVRTC on the library path (cuBLAS too before sm_80), or use --backend cpu";
 
 /// What `generate` and `dump` share: a model, a prompt and how to run them.
 #[derive(Args)]
@@ -54,7 +54,7 @@ pub struct RunArgs {
 pub enum BackendArg {
     /// f32 reference on the CPU.
     Cpu,
-    /// bf16 weights on an NVIDIA GPU (driver, NVRTC and cuBLAS loaded at run time).
+    /// bf16 weights on an NVIDIA GPU (driver and NVRTC loaded at run time).
     Cuda,
 }
 

@@ -68,7 +68,9 @@ pub fn key(
         }
     }
     prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
-    (last_position, backends, gpu_reference, device).hash(&mut h);
+    // The GPU's GEMMs may be cuBLAS's (the benchmark's peer): other sums, other noise.
+    let gemm = device.as_ref().and(std::env::var("KVDIFF_CUDA_GEMM").ok());
+    (last_position, backends, gpu_reference, device, gemm).hash(&mut h);
     Some(format!("{:016x}", h.finish()))
 }
 

@@ -1,5 +1,6 @@
-//! The CUDA device: driver, NVRTC and cuBLAS loaded at run time, the kernels of `kernels/*.cu`
-//! compiled for the device's architecture (PTX cached on disk), and thin launch helpers.
+//! The CUDA device: driver and NVRTC loaded at run time (cuBLAS only where its GEMMs are used),
+//! the kernels of `kernels/*.cu` compiled for the device's architecture (cached on disk), and
+//! thin launch helpers.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -29,6 +30,7 @@ const SOURCES: &[(&str, &str)] = &[
     ),
     ("diff.cu", include_str!("../../kernels/diff.cu")),
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+    ("gemm.cu", include_str!("../../kernels/gemm.cu")),
     ("agreement.cu", include_str!("../../kernels/agreement.cu")),
 ];
 
@@ -54,6 +56,10 @@ const KERNELS: &[&str] = &[
     "diff_rows",
     "copy_rows",
     "gemv_bf16",
+    "gemm_bf16_l",
+    "gemm_bf16_m",
+    "gemm_bf16_s",
+    "gemm_bf16_any",
     "gemv_add_norm_bf16",
     "gemv_norm_bf16",
     "gemv_norm_swiglu_bf16",
@@ -61,7 +67,7 @@ const KERNELS: &[&str] = &[
     "logits_agreement",
 ];
 
-pub(super) const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda), NVRTC and cuBLAS installed and on the library path, or use --backend cpu";
+pub(super) const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda) and NVRTC installed and on the library path (cuBLAS too before sm_80), or use --backend cpu";
 
 /// Says why CUDA cannot be used here, without touching anything that would abort.
 /// Whether the CUDA driver library is missing: the quick check a command makes before it
@@ -89,7 +95,7 @@ pub fn unavailable_reason() -> Option<String> {
         if !cudarc::nvrtc::sys::is_culib_present() {
             return Some("NVRTC (libnvrtc.so) was not found".into());
         }
-        if !cudarc::cublas::sys::is_culib_present() {
+        if cublas_asked() && !cudarc::cublas::sys::is_culib_present() {
             return Some("cuBLAS (libcublas.so) was not found".into());
         }
     }
@@ -114,15 +120,15 @@ fn preload(lib: &str) -> bool {
     })
 }
 
-/// Loads NVRTC and cuBLAS on another thread, beside the driver starting; the thread says
-/// which one is missing.
+/// Loads NVRTC (and cuBLAS where asked for) on another thread, beside the driver starting;
+/// the thread says which one is missing.
 fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {
     std::thread::spawn(|| {
-        let _span = crate::support::timing::span("startup: NVRTC + cuBLAS libraries loaded");
+        let _span = crate::support::timing::span("startup: NVRTC (+ cuBLAS) libraries loaded");
         if !preload("nvrtc") {
             return Some("NVRTC (libnvrtc.so) was not found".into());
         }
-        if !preload("cublas") {
+        if cublas_asked() && !preload("cublas") {
             return Some("cuBLAS (libcublas.so) was not found".into());
         }
         None
@@ -157,9 +163,12 @@ pub struct Gpu {
     side_enabled: bool,
     /// How many of them `side_slot` hands out (`KVDIFF_CUDA_SIDE_STREAMS`, 1 to 3; 3 unset).
     side_streams: usize,
-    pub blas: CudaBlas,
-    /// cuBLAS's workspace, set explicitly so that GEMMs can be captured into CUDA graphs.
-    _blas_workspace: CudaSlice<u8>,
+    /// Who computes the GEMMs of passes of more than one token.
+    gemm: Gemm,
+    /// Streaming multiprocessors: a GEMM's tile is the largest that gives each one work.
+    sms: usize,
+    /// Whether `kernels/gemm.cu` runs here (sm_80 and later).
+    tiled_gemm: bool,
     kernels: Vec<CudaFunction>,
     pub name: String,
     /// Per operation: calls and seconds, when `KVDIFF_CUDA_PROFILE` is set (each operation is
@@ -175,6 +184,50 @@ pub struct Gpu {
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
     tensor_core_shared: Option<usize>,
+}
+
+/// The GEMM engine: kvdiff's tensor-core kernels (`kernels/gemm.cu`, sm_80 and later), or
+/// cuBLAS (older GPUs, or `KVDIFF_CUDA_GEMM=cublas`, the benchmark's peer).
+enum Gemm {
+    Own,
+    Cublas {
+        blas: CudaBlas,
+        /// Set explicitly so that GEMMs can be captured into CUDA graphs.
+        _workspace: CudaSlice<u8>,
+    },
+}
+
+/// The tile shapes of `kernels/gemm.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmTile {
+    /// 128 x 128, 8 warps.
+    Large,
+    /// 64 x 64, 4 warps.
+    Medium,
+    /// 32 x 32, 4 warps.
+    Small,
+    /// 64 x 64, loading element by element: any k, any alignment.
+    Unaligned,
+}
+
+impl GemmTile {
+    pub const ALL: [GemmTile; 4] = [
+        GemmTile::Large,
+        GemmTile::Medium,
+        GemmTile::Small,
+        GemmTile::Unaligned,
+    ];
+
+    /// Whether the tile can take operands at `x` and `w` with rows `k` long: all but
+    /// `Unaligned` copy 16-byte pieces of rows.
+    pub fn takes(self, k: usize, x: u64, w: u64) -> bool {
+        self == GemmTile::Unaligned || (k % 8 == 0 && (x | w) % 16 == 0)
+    }
+}
+
+/// Whether `KVDIFF_CUDA_GEMM=cublas` asks for cuBLAS's GEMMs.
+fn cublas_asked() -> bool {
+    std::env::var("KVDIFF_CUDA_GEMM").as_deref() == Ok("cublas")
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -254,8 +307,8 @@ fn load_kernels(
     let mut shared = 0;
     if major >= 8 {
         // The tensor-core attention kernels hold more than the default 48 KiB of dynamic
-        // shared memory per block (up to 102 KiB at head_dim 128); sm_80 and later allow it on
-        // request, up to the device's limit.
+        // shared memory per block (up to 102 KiB at head_dim 128), the large GEMM tile 96 KiB;
+        // sm_80 and later allow it on request, up to the device's limit.
         let limit = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(internal("shared memory limit"))?;
@@ -264,6 +317,7 @@ fn load_kernels(
             "attention_mma",
             "probs_from_stats_mma",
             "attention_diff_mma",
+            "gemm_bf16_l",
         ] {
             let f = &kernels[KERNELS.iter().position(|n| *n == k).expect("listed")];
             // Static and dynamic shared memory together may not pass the limit.
@@ -370,12 +424,32 @@ impl Gpu {
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
         drop(context_span);
         missing(libraries)?;
-        let blas_span = crate::support::timing::span("startup: cuBLAS handle");
-        let (blas, blas_workspace) = cublas_with_workspace(&stream)?;
-        drop(blas_span);
         let (major, minor) = ctx
             .compute_capability()
             .map_err(internal("compute capability"))?;
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(internal("multiprocessor count"))?
+            .max(1) as usize;
+        let gemm = if major >= 8 && !cublas_asked() {
+            Gemm::Own
+        } else {
+            let _span = crate::support::timing::span("startup: cuBLAS handle");
+            // Safety: only probes whether the library can be opened.
+            if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                let why =
+                    "cuBLAS (libcublas.so) was not found; kvdiff's own GEMMs need sm_80 or later";
+                return Err(Error::usage("--backend cuda", why, CUDA_FIX));
+            }
+            let (blas, workspace) = cublas_with_workspace(&stream)?;
+            super::workspace::PAD_GEMM_ROWS.store(true, std::sync::atomic::Ordering::Relaxed);
+            Gemm::Cublas {
+                blas,
+                _workspace: workspace,
+            }
+        };
         let (kernels, shared_optin) = load_kernels(&ctx, major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let gpu = Arc::new(Gpu {
@@ -392,8 +466,9 @@ impl Gpu {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(SIDE_STREAMS)
                 .clamp(1, SIDE_STREAMS),
-            blas,
-            _blas_workspace: blas_workspace,
+            gemm,
+            sms,
+            tiled_gemm: major >= 8,
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
@@ -405,6 +480,9 @@ impl Gpu {
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
         });
+        if !gpu.gemm_needs_warm_up() {
+            return Ok(gpu);
+        }
         // cuBLAS sets itself up at its first GEMM (tens of ms): pay that here, with the rest of
         // opening the device, not inside the first forward pass.
         let _first = crate::support::timing::span("startup: first GEMM");
@@ -727,10 +805,36 @@ impl Gpu {
                 if n == 1 { "1".into() } else { n.to_string() }
             )
         };
-        self.timed(shape, || self.gemm_bf16_now(x, w, y, n, k, m));
+        match self.gemm {
+            // Profiled per launch, under the same name.
+            Gemm::Own => self.gemm_bf16_now(x, w, y, n, k, m),
+            Gemm::Cublas { .. } => self.timed(shape, || self.gemm_bf16_now(x, w, y, n, k, m)),
+        }
+    }
+
+    /// Whether GEMMs run on cuBLAS, which loads a kernel the first time it meets a shape
+    /// (a few ms each): `warm_up` shows it every shape before the first pass.
+    pub fn gemm_needs_warm_up(&self) -> bool {
+        matches!(self.gemm, Gemm::Cublas { .. })
     }
 
     fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        let blas = match &self.gemm {
+            Gemm::Own => {
+                let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
+                let tile = if !GemmTile::Large.takes(k, x, w) {
+                    GemmTile::Unaligned
+                } else if tiles(128) >= self.sms {
+                    GemmTile::Large
+                } else if 2 * tiles(64) >= self.sms {
+                    GemmTile::Medium
+                } else {
+                    GemmTile::Small
+                };
+                return self.gemm_tiled(tile, x, w, y, n, k, m);
+            }
+            Gemm::Cublas { blas, .. } => blas,
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // cuBLAS runs on the main stream: after any side-stream work it may read.
         self.stream();
@@ -738,7 +842,7 @@ impl Gpu {
         // B = x (k×n col-major).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 blas_sys::cublasOperation_t::CUBLAS_OP_T,
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
                 m as i32,
@@ -762,9 +866,51 @@ impl Gpu {
         .expect("cuBLAS GemmEx");
     }
 
+    /// `y = x · wᵀ` by `kernels/gemm.cu` with tile `tile`, which must take the operands
+    /// (`GemmTile::takes`). GEMMs pick the largest tile that still gives every SM a block (the
+    /// medium one at half that), else the small one; every tile sums each output in the same
+    /// order, so they all give the same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_tiled(&self, tile: GemmTile, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        assert!(self.tiled_gemm, "kernels/gemm.cu needs sm_80 or later");
+        assert!(
+            tile.takes(k, x, w),
+            "{tile:?} tiles need 16-byte aligned rows"
+        );
+        let (kernel, side, threads) = match tile {
+            GemmTile::Large => ("gemm_bf16_l", 128, 256),
+            GemmTile::Medium => ("gemm_bf16_m", 64, 128),
+            GemmTile::Small => ("gemm_bf16_s", 32, 128),
+            GemmTile::Unaligned => ("gemm_bf16_any", 64, 128),
+        };
+        let blocks = n.div_ceil(side) * m.div_ceil(side);
+        // GEMM_STAGES tiles of both operands, GEMM_BK bf16 columns each.
+        let shared = 3 * 2 * side * 64 * 2;
+        let label = || format!("gemm n={n} {k}x{m}");
+        self.launch_as(
+            kernel,
+            label,
+            blocks as u32,
+            threads,
+            shared as u32,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(y),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(m as i32),
+            ],
+        );
+    }
+
+    /// Whether `kernels/gemm.cu` runs on this GPU.
+    pub fn has_tiled_gemm(&self) -> bool {
+        self.tiled_gemm
+    }
+
     /// Launches `kernel` with `args` (raw pointers as u64, scalars as i32/u32/f32).
     pub fn launch(&self, kernel: &str, grid: u32, block: u32, shared: u32, args: &[Arg]) {
-        let f = self.kernel(kernel);
         let name = || {
             format!(
                 "{kernel}{}",
@@ -775,6 +921,20 @@ impl Gpu {
                 }
             )
         };
+        self.launch_as(kernel, name, grid, block, shared, args)
+    }
+
+    /// `launch`, profiled (`KVDIFF_CUDA_PROFILE`) under the name `name` gives.
+    fn launch_as(
+        &self,
+        kernel: &str,
+        name: impl FnOnce() -> String,
+        grid: u32,
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) {
+        let f = self.kernel(kernel);
         let result = if self.pdl {
             // Safety: each call site passes the arguments its kernel's signature lists, and
             // `params` points into `args`, which outlives the call.

@@ -4,7 +4,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::gpu::{ptr, Arg, Gpu};
+use super::gpu::{ptr, Arg, GemmTile, Gpu};
 
 /// Output buffers start as NaN, so an element a kernel fails to write shows up in the checks.
 fn poison_f32(gpu: &Gpu, len: usize) -> cudarc::driver::CudaSlice<f32> {
@@ -275,6 +275,31 @@ pub fn gemm_bf16(gpu: &Gpu, x: &[f32], w: &[f32], n: usize, m: usize) -> Vec<f32
     let y = poison_f32(gpu, n * m);
     gpu.gemm_bf16(ptr(gpu, &dx, 0), ptr(gpu, &dw, 0), ptr(gpu, &y, 0), n, k, m);
     gpu.download(&y, n * m)
+}
+
+/// `gemm_bf16` by one tile shape of `kernels/gemm.cu`, the product's rows starting `offset`
+/// bf16 values into their buffer (so that the rows may be misaligned); None where the tile
+/// cannot take them or the GPU has no tiled GEMM.
+pub fn gemm_bf16_tiled(
+    gpu: &Gpu,
+    tile: GemmTile,
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    m: usize,
+    offset: usize,
+) -> Option<Vec<f32>> {
+    let k = x.len() / n;
+    let mut xb = vec![0u16; offset];
+    xb.extend(bits(x));
+    let (dx, dw) = (gpu.upload(&xb), gpu.upload(&bits(w)));
+    let (px, pw) = (ptr(gpu, &dx, offset), ptr(gpu, &dw, 0));
+    if !gpu.has_tiled_gemm() || !tile.takes(k, px, pw) {
+        return None;
+    }
+    let y = poison_f32(gpu, n * m);
+    gpu.gemm_tiled(tile, px, pw, ptr(gpu, &y, 0), n, k, m);
+    Some(gpu.download(&y, n * m))
 }
 
 /// SwiGLU over `[n, 2·inter]` (gate | up), returned as f32 from its bf16 output.

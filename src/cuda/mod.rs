@@ -3,7 +3,8 @@
 //! kvdiff builds and runs its CPU features on machines without it; asking for CUDA there is
 //! a one-line error.
 //!
-//! - `gpu.rs`: the device, kernel modules, cuBLAS, streams and graphs;
+//! - `gpu.rs`: the device, kernel modules, GEMMs (`kernels/gemm.cu`, or cuBLAS), streams and
+//!   graphs;
 //! - `upload.rs`: the weights on the device;
 //! - `forward.rs`: the forward pass (prefill and graph-replayed decode steps);
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
@@ -21,7 +22,9 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
-pub use gpu::{device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg, Gpu};
+pub use gpu::{
+    device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg, GemmTile, Gpu,
+};
 pub use kv::CudaKv;
 pub(crate) use launch::{
     attention_diff_applies, attention_diff_layout, launch_attention_diff, launch_probs_from_stats,

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 
 /// Bytes one read and copy moves (each reader thread holds a staging buffer this large).
-const PIECE: usize = 16 << 20;
+const PIECE: usize = 4 << 20;
 const READERS: usize = 8;
 
 /// The checkpoint's files, when every tensor is bf16 in a folder (what `stream` loads).
@@ -73,6 +73,7 @@ pub(super) fn stream(
     fits(free, &ctx.name().unwrap_or_else(|_| "GPU 0".into()))?;
     let stream = ctx.new_stream().map_err(cuda)?;
     let span = crate::support::timing::span("startup: weights read into place on the GPU");
+    let alloc = crate::support::timing::span("startup: weights: device buffers allocated");
     let mut buffers = Vec::with_capacity(plan.len());
     let mut pieces = Vec::new();
     for names in plan {
@@ -103,6 +104,7 @@ pub(super) fn stream(
     }
     // The copies below are not on the allocating stream.
     stream.synchronize().map_err(cuda)?;
+    drop(alloc);
     let handles = files
         .iter()
         .map(|p| {
@@ -121,13 +123,16 @@ pub(super) fn stream(
                         Error::Internal(format!("CUDA while loading weights: {e}"))
                     };
                     // Safety: only the first `len` bytes of a piece are copied, after being read.
+                    let pin = crate::support::timing::span("startup: weights: staging pinned");
                     let mut staging =
                         unsafe { ctx.alloc_pinned_with_flags::<u8>(PIECE, 0) }.map_err(cuda)?;
+                    drop(pin);
                     let host = staging.as_mut_slice().map_err(cuda)?;
                     loop {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             return Ok(());
                         };
+                        let read = crate::support::timing::span("startup: weights: file reads");
                         handles[p.file]
                             .read_exact_at(&mut host[..p.len], p.offset)
                             .map_err(|e| {
@@ -137,6 +142,9 @@ pub(super) fn stream(
                                     "check the file and the disk",
                                 )
                             })?;
+                        drop(read);
+                        let _copy =
+                            crate::support::timing::span("startup: weights: copies to the GPU");
                         // Safety: `dst` lies inside a live buffer `p.len` bytes from its end
                         // or further; the copy completes before the call returns.
                         unsafe { cudarc::driver::result::memcpy_htod_sync(p.dst, &host[..p.len]) }

@@ -1,6 +1,6 @@
 //! The model's weights on the GPU: uploaded once as bf16 (q/k/v and gate/up stacked so each
-//! is one GEMM), checked against the free memory first, and every GEMM shape run once so
-//! cuBLAS has chosen its kernels before the first pass.
+//! is one GEMM), checked against the free memory first, and, where cuBLAS computes the GEMMs,
+//! every GEMM shape run once so that it has chosen its kernels before the first pass.
 
 use std::sync::Arc;
 
@@ -111,8 +111,11 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     let config = config.clone();
                     std::thread::spawn(move || -> Result<Arc<Gpu>> {
                         let gpu = Gpu::open()?;
-                        let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
-                        warm_up(&gpu, &config, None);
+                        if gpu.gemm_needs_warm_up() {
+                            let _span =
+                                crate::support::timing::span("startup: cuBLAS shape warm-up");
+                            warm_up(&gpu, &config, None);
+                        }
                         Ok(gpu)
                     })
                 };
@@ -360,7 +363,7 @@ impl CudaModel {
             device: gpu.clone(),
             gpu,
         };
-        if !warmed {
+        if !warmed && model.gpu.gemm_needs_warm_up() {
             let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
             let w = model
                 .layers
