@@ -291,17 +291,13 @@ impl Workspace {
     }
 }
 
-/// Set when a GPU opens with cuBLAS for its GEMMs (`Gpu::gemm_needs_warm_up`).
-pub(super) static PAD_GEMM_ROWS: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
 /// Rows a pass of `n` tokens runs its GEMMs over. A multiple of 16 (but 1 for a decode step):
 /// buffers laid out `rows` apart then start 64-byte aligned whatever a row's width, as the
 /// vector loads of the kernels need. For cuBLAS a power of two up to 1024 (then a multiple of
 /// 256), so that the few shapes it sees are chosen and loaded once, when the model is uploaded
 /// (`CudaModel::warm_up`), not in the middle of a run.
 pub(super) fn gemm_rows(n: usize) -> usize {
-    if n > 1 && !PAD_GEMM_ROWS.load(std::sync::atomic::Ordering::Relaxed) {
+    if n > 1 && !super::gpu::PAD_GEMM_ROWS.load(std::sync::atomic::Ordering::Relaxed) {
         return n.div_ceil(16) * 16;
     }
     match n {
