@@ -63,34 +63,46 @@ pub(crate) fn dots<const R: usize, const C: usize>(
     out
 }
 
-/// `dots::<4, 4>` on 256-bit vector registers, written with intrinsics: the same eight
-/// partial sums (lane k of each accumulator), each product rounded and then added, in the same
-/// order, the same tail and tree, so bitwise `dot`. The auto-vectorised `dots` kept its 16
-/// accumulators in memory and stored and reloaded them on every step (seen in the machine
-/// code); here they live in registers where there are enough: 24 are needed, which AVX-512's
-/// 32 registers hold (AVX2's 16 do not).
+/// `dots::<4, 4>` as two `dots_simd::<2>` halves: the two rows of a half, its four feature rows
+/// and its 8 accumulators fit AVX2's 16 vector registers (a whole 4 × 4 tile needs 24).
+///
+/// # Safety
+/// As `dots_simd`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dots4x4_simd(x: [&[f32]; 4], w: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let [a, b] = dots_simd::<2>([x[0], x[1]], w);
+    let [c, d] = dots_simd::<2>([x[2], x[3]], w);
+    [a, b, c, d]
+}
+
+/// `dots::<R, 4>` on 256-bit vector registers, written with intrinsics: the same eight
+/// partial sums (lane k of each accumulator), each product rounded and then added (no fused
+/// multiply-add), in the same order, the same tail and tree, so bitwise `dot`. The
+/// auto-vectorised `dots` kept its accumulators in memory and stored and reloaded them on every
+/// 8-column step (seen in the machine code).
 ///
 /// # Safety
 /// The CPU must have AVX; every row must be at least `w[0].len()` long.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dots4x4_simd(x: [&[f32]; 4], w: [&[f32]; 4]) -> [[f32; 4]; 4] {
+unsafe fn dots_simd<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f32; 4]; R] {
     use std::arch::x86_64::*;
     let len = w[0].len();
     let chunks = len / 8;
-    let mut acc = [[_mm256_setzero_ps(); 4]; 4];
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
     for c in 0..chunks {
         let o = c * 8;
-        let xs: [__m256; 4] = std::array::from_fn(|a| _mm256_loadu_ps(x[a].as_ptr().add(o)));
+        let xs: [__m256; R] = std::array::from_fn(|a| _mm256_loadu_ps(x[a].as_ptr().add(o)));
         let ws: [__m256; 4] = std::array::from_fn(|b| _mm256_loadu_ps(w[b].as_ptr().add(o)));
-        for a in 0..4 {
+        for a in 0..R {
             for b in 0..4 {
                 acc[a][b] = _mm256_add_ps(acc[a][b], _mm256_mul_ps(xs[a], ws[b]));
             }
         }
     }
-    let mut out = [[0f32; 4]; 4];
-    for a in 0..4 {
+    let mut out = [[0f32; 4]; R];
+    for a in 0..R {
         for b in 0..4 {
             let mut s = [0f32; 8];
             _mm256_storeu_ps(s.as_mut_ptr(), acc[a][b]);
@@ -108,11 +120,13 @@ unsafe fn dots4x4_simd(x: [&[f32]; 4], w: [&[f32]; 4]) -> [[f32; 4]; 4] {
 /// (token, feature), then the edges one row at a time.
 #[inline(always)]
 fn features_block(x: &[f32], n: usize, w: &[f32], inp: usize, lo: usize, hi: usize) -> Vec<f32> {
-    features_block_by(x, n, w, inp, lo, hi, dots::<4, 4>)
+    features_block_by(x, n, w, inp, lo, hi, dots::<4, 4>, dots::<1, 4>)
 }
 
-/// `features_block` with `tile` computing its 4 × 4 tiles (`dots::<4, 4>` or an equal).
+/// `features_block` with `tile` computing its 4 × 4 tiles and `row` the 1 × 4 ones of the rows
+/// left over (all of a decode step's): `dots` or an equal.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn features_block_by(
     x: &[f32],
     n: usize,
@@ -121,6 +135,7 @@ fn features_block_by(
     lo: usize,
     hi: usize,
     tile: impl Fn([&[f32]; 4], [&[f32]; 4]) -> [[f32; 4]; 4],
+    row: impl Fn([&[f32]; 1], [&[f32]; 4]) -> [[f32; 4]; 1],
 ) -> Vec<f32> {
     let xr = |i: usize| &x[i * inp..(i + 1) * inp];
     let wr = |j: usize| &w[j * inp..(j + 1) * inp];
@@ -139,9 +154,9 @@ fn features_block_by(
             i += 4;
         }
         for i in i..n {
-            let [row] = dots([xr(i)], ws);
+            let [r] = row([xr(i)], ws);
             let at = i * width + j - lo;
-            part[at..at + 4].copy_from_slice(&row);
+            part[at..at + 4].copy_from_slice(&r);
         }
         j += 4;
     }
@@ -155,8 +170,8 @@ fn features_block_by(
 }
 
 /// `features_block` compiled for AVX2 (the baseline x86-64 target has only SSE2), its tiles
-/// on `dots4x4_simd`: 76.4 → 93.1 GFLOP/s on the bench's shapes, though 16 registers still
-/// spill some of the tile's 24 values.
+/// on `dots4x4_simd` and its rows on `dots_simd::<1>`: 76.4 → 117–123 GFLOP/s on the bench's
+/// shapes, and decode 21–22 → 27 GB/s.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn features_block_avx2(
@@ -168,25 +183,16 @@ unsafe fn features_block_avx2(
     hi: usize,
 ) -> Vec<f32> {
     // Safety: AVX is there, and `features_block_by` passes whole rows.
-    features_block_by(x, n, w, inp, lo, hi, |x, w| unsafe { dots4x4_simd(x, w) })
-}
-
-/// `features_block` where AVX-512 is there: its tiles on `dots4x4_simd`, whose 16
-/// accumulators and 8 operand rows fit the 32 vector registers AVX-512 gives 256-bit
-/// operations (122.9–125.9 GFLOP/s on the bench's shapes). No fused multiply-add: the
-/// intrinsics are separate multiplies and adds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f,avx512vl")]
-unsafe fn features_block_avx512(
-    x: &[f32],
-    n: usize,
-    w: &[f32],
-    inp: usize,
-    lo: usize,
-    hi: usize,
-) -> Vec<f32> {
-    // Safety: AVX is there (AVX-512 implies it), and `features_block_by` passes whole rows.
-    features_block_by(x, n, w, inp, lo, hi, |x, w| unsafe { dots4x4_simd(x, w) })
+    features_block_by(
+        x,
+        n,
+        w,
+        inp,
+        lo,
+        hi,
+        |x, w| unsafe { dots4x4_simd(x, w) },
+        |x, w| unsafe { dots_simd::<1>(x, w) },
+    )
 }
 
 /// `y[n, out] = x[n, inp] · wᵀ` where `w` is `[out, inp]` (the layout of torch's Linear).
@@ -201,13 +207,6 @@ pub fn matmul_t(x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
         .into_par_iter()
         .map(|b| {
             let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(out));
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-            {
-                // Same operations in the same order: bitwise the same.
-                return unsafe { features_block_avx512(x, n, w, inp, lo, hi) };
-            }
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
                 // Same operations in the same order, on 256-bit registers: bitwise the same.
@@ -357,11 +356,6 @@ mod tests {
         {
             if std::arch::is_x86_feature_detected!("avx2") {
                 all.push(unsafe { features_block_avx2(&x, n, &w, inp, 0, out) });
-            }
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-            {
-                all.push(unsafe { features_block_avx512(&x, n, &w, inp, 0, out) });
             }
         }
         for y in all {
