@@ -145,6 +145,19 @@ fn check_attention(
 /// f32 arithmetic: well under 1e-3 relative L2 (METHOD.md); kvdiff asks for 1e-5.
 const F32_TOL: f64 = 1e-5;
 
+/// `x[n, k] · w[m, k]ᵀ` summed in f64, rounded to f32 once.
+fn gemm_f64(x: &[f32], w: &[f32], n: usize, m: usize) -> Vec<f32> {
+    let k = x.len() / n;
+    (0..n * m)
+        .map(|i| {
+            let (r, c) = (i / m, i % m);
+            (0..k)
+                .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
 /// Every tile shape of `kernels/gemm.cu` against f64 dot products of the same bf16 operands,
 /// at shapes with ragged edges (n, m, k not multiples of any tile, k past the last full
 /// 32-column step, misaligned rows, k % 8 != 0), and against each other: every tile and any
@@ -164,14 +177,7 @@ fn gemm_tiles_agree_bit_for_bit(g: &Gpu, rng: &mut Rng) {
     ] {
         let x = round_bf16(&rng.vec(n * k, 1.0));
         let w = round_bf16(&rng.vec(m * k, 0.05));
-        let want: Vec<f32> = (0..n * m)
-            .map(|i| {
-                let (r, c) = (i / m, i % m);
-                (0..k)
-                    .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect();
+        let want = gemm_f64(&x, &w, n, m);
         let mut first: Option<(GemmTile, Vec<f32>)> = None;
         for tile in GemmTile::ALL {
             for offset in [0, 3] {
@@ -328,14 +334,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         let w = round_bf16(&rng.vec(m * k, 0.05));
         let y = host_ops::gemm_bf16(&g, &x, &w, n, m);
         assert_written("gemm", &y);
-        let want: Vec<f32> = (0..n * m)
-            .map(|i| {
-                let (r, c) = (i / m, i % m);
-                (0..k)
-                    .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect();
+        let want = gemm_f64(&x, &w, n, m);
         assert!(rel_l2(&y, &want) < F32_TOL, "gemm {}", rel_l2(&y, &want));
     }
     gemm_tiles_agree_bit_for_bit(&g, &mut rng);
