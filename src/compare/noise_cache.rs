@@ -69,7 +69,7 @@ pub fn key(
     }
     prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
     // The GPU's GEMMs may be cuBLAS's (the benchmark's peer): other sums, other noise.
-    let gemm = device.as_ref().and(std::env::var("KVDIFF_CUDA_GEMM").ok());
+    let gemm = device.as_ref().map(|_| crate::cuda::cublas_asked());
     (last_position, backends, gpu_reference, device, gemm).hash(&mut h);
     Some(format!("{:016x}", h.finish()))
 }

@@ -402,7 +402,7 @@ impl CudaModel {
         let materialized = wanted && !by_parts;
         let probs = Workspace::needs_probs(c, n, materialized);
         let per_layer = sink.table().wants_layers()
-            && Workspace::bytes(c, n, entries, true, probs) <= (g.memory().0 / 8).min(2 << 30);
+            && Workspace::bytes(g, c, n, entries, true, probs) <= (g.memory().0 / 8).min(2 << 30);
         let ws_span = crate::support::timing::span("cuda prefill: workspace allocation");
         let mut ws = Workspace::new(g, c, n, entries, per_layer, probs);
         ws.probs_wanted = materialized;

@@ -225,13 +225,8 @@ impl GemmTile {
     }
 }
 
-/// Set when a GPU opens with cuBLAS for its GEMMs: passes then pad their rows to the few
-/// shapes it was warmed up with (`workspace::gemm_rows`).
-pub(super) static PAD_GEMM_ROWS: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
 /// Whether `KVDIFF_CUDA_GEMM=cublas` asks for cuBLAS's GEMMs.
-fn cublas_asked() -> bool {
+pub fn cublas_asked() -> bool {
     std::env::var("KVDIFF_CUDA_GEMM").as_deref() == Ok("cublas")
 }
 
@@ -449,7 +444,6 @@ impl Gpu {
                 return Err(Error::usage("--backend cuda", why, CUDA_FIX));
             }
             let (blas, workspace) = cublas_with_workspace(&stream)?;
-            PAD_GEMM_ROWS.store(true, std::sync::atomic::Ordering::Relaxed);
             Gemm::Cublas {
                 blas,
                 _workspace: workspace,

@@ -23,7 +23,8 @@ mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{
-    device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg, GemmTile, Gpu,
+    cublas_asked, device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg,
+    GemmTile, Gpu,
 };
 pub use kv::CudaKv;
 pub(crate) use launch::{

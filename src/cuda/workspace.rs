@@ -106,18 +106,19 @@ pub(super) struct Shape {
 impl Workspace {
     /// Bytes `new` allocates.
     pub(super) fn bytes(
+        g: &Gpu,
         c: &Config,
         n: usize,
         entries: usize,
         per_layer: bool,
         probs: bool,
     ) -> usize {
-        let w = Self::layout(c, n, entries, per_layer, probs);
+        let w = Self::layout(g, c, n, entries, per_layer, probs);
         4 * w.total + 2 * w.rows * (c.hidden_size + c.q_dim() + c.intermediate_size)
     }
 
     /// Buffers for `n` tokens over at most `entries` cache entries; GEMMs run over
-    /// `gemm_rows(n)` rows (the rows past n are scratch). Attention probabilities (`n x heads x
+    /// `gemm_rows` rows (the rows past n are scratch). Attention probabilities (`n x heads x
     /// entries`, the largest buffer of a long prefill) get room only with `probs`.
     pub(super) fn new(
         g: &Gpu,
@@ -127,7 +128,7 @@ impl Workspace {
         per_layer: bool,
         probs: bool,
     ) -> Workspace {
-        let w = Self::layout(c, n, entries, per_layer, probs);
+        let w = Self::layout(g, c, n, entries, per_layer, probs);
         let Shape { h, qd, inter, .. } = w.shape;
         Workspace {
             f: g.alloc::<f32>(w.total),
@@ -164,8 +165,15 @@ impl Workspace {
     }
 
     /// Sizes and offsets, with empty buffers.
-    fn layout(c: &Config, n: usize, entries: usize, per_layer: bool, probs: bool) -> Layout {
-        let rows = gemm_rows(n);
+    fn layout(
+        g: &Gpu,
+        c: &Config,
+        n: usize,
+        entries: usize,
+        per_layer: bool,
+        probs: bool,
+    ) -> Layout {
+        let rows = gemm_rows(n, g.gemm_needs_warm_up());
         let shape = Shape {
             h: c.hidden_size,
             qd: c.q_dim(),
@@ -296,8 +304,8 @@ impl Workspace {
 /// vector loads of the kernels need. For cuBLAS a power of two up to 1024 (then a multiple of
 /// 256), so that the few shapes it sees are chosen and loaded once, when the model is uploaded
 /// (`CudaModel::warm_up`), not in the middle of a run.
-pub(super) fn gemm_rows(n: usize) -> usize {
-    if n > 1 && !super::gpu::PAD_GEMM_ROWS.load(std::sync::atomic::Ordering::Relaxed) {
+pub(super) fn gemm_rows(n: usize, cublas: bool) -> usize {
+    if n > 1 && !cublas {
         return n.div_ceil(16) * 16;
     }
     match n {

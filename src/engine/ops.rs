@@ -25,6 +25,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// The end of `dot` after its eight partial sums `s` over columns before `from`: the tail
+/// from `from` on, then the fixed tree. The tiled kernels end each product here (`dot` keeps
+/// its own copy, the hottest loop of the attention).
+#[inline(always)]
+fn finish_dot(s: &[f32; 8], a: &[f32], b: &[f32], from: usize) -> f32 {
+    let mut tail = 0f32;
+    for k in from..a.len() {
+        tail += a[k] * b[k];
+    }
+    ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail
+}
+
 /// `R × C` dot products at once (rows of `x` against rows of `w`), each summed exactly as `dot`
 /// sums it: the same eight partial sums in the same order, the same tail and final tree, so the
 /// results are bitwise `dot`'s. Loading each row once for `C` (or `R`) products is what makes
@@ -52,12 +64,7 @@ pub(crate) fn dots<const R: usize, const C: usize>(
     let mut out = [[0f32; C]; R];
     for a in 0..R {
         for b in 0..C {
-            let mut tail = 0f32;
-            for k in chunks * 8..len {
-                tail += x[a][k] * w[b][k];
-            }
-            let s = &acc[a][b];
-            out[a][b] = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+            out[a][b] = finish_dot(&acc[a][b], x[a], w[b], chunks * 8);
         }
     }
     out
@@ -106,11 +113,7 @@ unsafe fn dots_simd<const R: usize>(x: [&[f32]; R], w: [&[f32]; 4]) -> [[f32; 4]
         for b in 0..4 {
             let mut s = [0f32; 8];
             _mm256_storeu_ps(s.as_mut_ptr(), acc[a][b]);
-            let mut tail = 0f32;
-            for k in chunks * 8..len {
-                tail += x[a][k] * w[b][k];
-            }
-            out[a][b] = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+            out[a][b] = finish_dot(&s, x[a], w[b], chunks * 8);
         }
     }
     out
