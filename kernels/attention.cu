@@ -291,6 +291,110 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
     merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }
 
+// attention_decode for head_dim 128, built for latency: a decode step's attention is a chain
+// of dependent memory round trips, not a bandwidth problem (a few MB). Lane l holds dims
+// 4l..4l+3 as float4s; warp w takes keys start + w + j * DECODE_WARPS, and every key and value
+// of the block is loaded before the first reduction, so the chunk costs one round trip instead
+// of one per loop turn. Same output layout, probabilities and merge as attention_decode.
+extern "C" __global__ void attention_decode_128(const float* q, const float* keys,
+                                                const float* values, float* probs, float* part,
+                                                float* out, bf16_t* out_bf16,
+                                                unsigned int* counters, const int* meta,
+                                                int split, int heads, int kv_heads, int head_dim,
+                                                int stride, int chunks, float scale) {
+    static_assert(DECODE_CHUNK == 64 && DECODE_WARPS == 8, "two scores per lane, 8 keys per warp");
+    PDL_ENTER();
+    __shared__ float sc[DECODE_CHUNK];
+    __shared__ float4 red[DECODE_WARPS][32];
+    __shared__ float stat[2];
+    extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
+    int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
+    int kvh = h / (heads / kv_heads), kv_dim = kv_heads * 128;
+    int visible = meta[0] + 1;
+    int cut = (split > 0 && split < visible) ? split : 0;
+    int start, end;
+    decode_chunk(c, visible, cut, &start, &end);
+    float* pm = part + ((size_t)h * chunks + c) * (128 + 2);
+    if (start >= end) {
+        if (threadIdx.x < 128) pm[2 + threadIdx.x] = 0.0f;
+        if (threadIdx.x == 0) {
+            pm[0] = NEG_INF;
+            pm[1] = 0.0f;
+        }
+    } else {
+        int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = end - start;
+        float4 qv = ((const float4*)(q + (size_t)h * 128))[lane];
+        const float* kb = keys + (size_t)kvh * 128 + lane * 4;
+        const float* vb = values + (size_t)kvh * 128 + lane * 4;
+        float4 kk[DECODE_KEYS_PER_WARP], vv[DECODE_KEYS_PER_WARP];
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+            int e = start + warp + j * DECODE_WARPS;
+            kk[j] = vv[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (e < end) {
+                kk[j] = *(const float4*)(kb + (size_t)e * kv_dim);
+                vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+            float s = (qv.x * kk[j].x + qv.y * kk[j].y) + (qv.z * kk[j].z + qv.w * kk[j].w);
+            s = warp_sum(s);
+            int i = warp + j * DECODE_WARPS;
+            if (lane == 0 && i < len) sc[i] = s * scale;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // DECODE_CHUNK = 64: two scores per lane.
+            float a = lane < len ? sc[lane] : NEG_INF;
+            float b = lane + 32 < len ? sc[lane + 32] : NEG_INF;
+            float m = warp_max(fmaxf(a, b));
+            float pa = lane < len ? expf(a - m) : 0.0f;
+            float pb = lane + 32 < len ? expf(b - m) : 0.0f;
+            float sum = warp_sum(pa + pb);
+            float* row = probs + (size_t)h * stride + start;
+            if (lane < len) {
+                sc[lane] = pa;
+                row[lane] = pa;
+            }
+            if (lane + 32 < len) {
+                sc[lane + 32] = pb;
+                row[lane + 32] = pb;
+            }
+            if (lane == 0) {
+                stat[0] = m;
+                stat[1] = sum;
+            }
+        }
+        __syncthreads();
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+            int i = warp + j * DECODE_WARPS;
+            float p = i < len ? sc[i] : 0.0f;
+            acc.x += p * vv[j].x;
+            acc.y += p * vv[j].y;
+            acc.z += p * vv[j].z;
+            acc.w += p * vv[j].w;
+        }
+        red[warp][lane] = acc;
+        __syncthreads();
+        if (threadIdx.x < 128) {
+            const float* r = (const float*)red;
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < DECODE_WARPS; w++) s += r[w * 128 + threadIdx.x];
+            pm[2 + threadIdx.x] = s;
+        }
+        if (threadIdx.x == 0) {
+            pm[0] = stat[0];
+            pm[1] = stat[1];
+        }
+    }
+    if (!last_block_done(&counters[h], chunks)) return;
+    merge_head(h, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
+}
+
 // Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes
 // TILE_Q queries and walks the keys they see in tiles of TILE_K held in shared memory, so each
 // key is read once per tile of queries, not once per query. Per query, both cascade segments

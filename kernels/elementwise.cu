@@ -17,28 +17,54 @@ extern "C" __global__ void swiglu(const float* gate_up, bf16_t* out, int inter, 
     out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
 
-// Index of the largest value (the first of equals, as the CPU's argmax). One block; four
-// loads in flight per thread.
+// A value and its index as one 64-bit key whose unsigned order is argmax's: larger values
+// first, then smaller indices (the first of equals, as the CPU's argmax). -0 counts as +0, and
+// NaN as nothing (0), as the CPU's `>` never picks one.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+    if (v != v) return 0ull;
+    unsigned int b = v == 0.0f ? 0u : __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned long long)(~(unsigned int)i);
+}
+
+// Index of the largest value over the whole GPU: each block folds its share into one key
+// (argmax_key), atomicMax'ed into out[2..4]; the last block to finish (counted in out[1]) writes
+// the index to out[0] and resets both for the next launch. `out` holds four zeroed words (8-byte
+// aligned). One block would take tens of µs over a vocabulary; this is one memory round trip.
 extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
     PDL_ENTER();
-    __shared__ float best_v[1024];
-    __shared__ int best_i[1024];
-    float bv = NEG_INF;
-    int bi = 0x7fffffff, step = blockDim.x;
-    int i = threadIdx.x;
+    __shared__ unsigned long long warps[32];
+    unsigned long long best = 0ull;
+    int step = gridDim.x * blockDim.x, i = blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * step < n; i += 4 * step) {
         float v0 = x[i], v1 = x[i + step], v2 = x[i + 2 * step], v3 = x[i + 3 * step];
-        if (v0 > bv) { bv = v0; bi = i; }
-        if (v1 > bv) { bv = v1; bi = i + step; }
-        if (v2 > bv) { bv = v2; bi = i + 2 * step; }
-        if (v3 > bv) { bv = v3; bi = i + 3 * step; }
+        unsigned long long k0 = argmax_key(v0, i), k1 = argmax_key(v1, i + step);
+        unsigned long long k2 = argmax_key(v2, i + 2 * step), k3 = argmax_key(v3, i + 3 * step);
+        k0 = k0 > k1 ? k0 : k1;
+        k2 = k2 > k3 ? k2 : k3;
+        k0 = k0 > k2 ? k0 : k2;
+        best = best > k0 ? best : k0;
     }
     for (; i < n; i += step) {
-        float v = x[i];
-        if (v > bv) { bv = v; bi = i; }
+        unsigned long long k = argmax_key(x[i], i);
+        best = best > k ? best : k;
     }
-    block_argmax(bv, bi, best_v, best_i);
-    if (threadIdx.x == 0) *out = best_i[0] == 0x7fffffff ? 0 : best_i[0];
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = best > other ? best : other;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    if (lane == 0) warps[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nwarps; w++) best = best > warps[w] ? best : warps[w];
+        if (best) atomicMax((unsigned long long*)(out + 2), best);
+    }
+    if (!last_block_done(out + 1, gridDim.x)) return;
+    if (threadIdx.x == 0) {
+        unsigned long long k = atomicExch((unsigned long long*)(out + 2), 0ull);
+        out[0] = k ? ~(unsigned int)k : 0u;
+    }
 }
 
 // Mixture-of-experts dispatch, in three simple launches per expert: gather the rows of the

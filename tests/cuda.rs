@@ -274,6 +274,10 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         (6usize, 6usize, 0usize, 0usize, 4usize, 2usize, 64usize),
         (9, 40, 0, 0, 16, 8, 128),
         (1, 300, 0, 0, 16, 8, 128),
+        // Decode at head_dim 128 (its own kernel): a split, a ragged last chunk, one entry.
+        (1, 300, 130, 0, 16, 8, 128),
+        (1, 37, 0, 0, 16, 2, 128),
+        (1, 1, 0, 0, 2, 1, 128),
         (5, 77, 50, 0, 16, 2, 128),
         (1, 64, 63, 0, 4, 1, 64),
         // Several query and key tiles; a split inside a query tile (some of its queries see
@@ -426,6 +430,22 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
     x[70_000] = 100.0;
     x[90_000] = 100.0;
     assert_eq!(host_ops::argmax(&g, &x), 70_000);
+    // Through one buffer, a smaller maximum after a larger one (each launch resets it); -0 and
+    // +0 tie (the first wins); NaN never wins; all -inf is index 0, as on the CPU.
+    let mut small = vec![-1.0f32; 5000];
+    small[4321] = 2.0;
+    let mut zeros = vec![-1.0f32; 3000];
+    (zeros[17], zeros[2000]) = (-0.0, 0.0);
+    let mut nan = rng.vec(2048, 1.0);
+    nan[100] = f32::NAN;
+    let inf = vec![f32::NEG_INFINITY; 1500];
+    let got = host_ops::argmax_each(&g, &[&x, &small, &zeros, &nan, &inf]);
+    let want: Vec<usize> = [&x[..], &small, &zeros, &nan, &inf]
+        .iter()
+        .map(|v| ops::argmax(v))
+        .collect();
+    assert_eq!(got, want, "argmax through one buffer");
+    assert_eq!(want[..3], [70_000, 4321, 17]);
     // Diff reductions against the CPU's row metrics.
     let w = 4096;
     let a = rng.vec(3 * w, 1.0);
@@ -845,7 +865,8 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
 /// Each reference's decode steps replay on a side stream of its own, beside the path's on the
 /// main stream: the report is the one a single side stream gives, and the one a single stream
 /// for everything gives, with the invariant's second reference running beside its path, clean
-/// and with a planted bug.
+/// and with a planted bug; and the one decode steps offered tap by tap give, rather than
+/// repeated from the first step's plan.
 #[test]
 fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     if gpu().is_none() {
@@ -903,6 +924,10 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
         );
         let main = run("main", &with_fault(&[("KVDIFF_CUDA_SIDE_STREAM", "0")]));
         assert_eq!(main, own, "everything on the main stream ({fault:?})");
+        // Decode steps repeated from the first one's plan (the default) report what steps
+        // whose every tap is offered and diffed anew report.
+        let offered = run("offered", &with_fault(&[("KVDIFF_CUDA_REPEAT_STEPS", "0")]));
+        assert_eq!(offered, own, "every decode step offered ({fault:?})");
     }
 }
 

@@ -12,8 +12,8 @@ use crate::compare::grid::{CellGrid, Row};
 use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{
-    row_at, DeviceTap, HostAttnParts, PositionIndex, Recorded, Recorder, TapFilter, TapId, TapSink,
-    TapTable, TapValue,
+    row_at, DeviceTap, HostAttnParts, PositionIndex, Recorded, Recorder, StepLayout, TapFilter,
+    TapId, TapSink, TapTable, TapValue,
 };
 
 /// Taps with at least this many values are diffed on every core.
@@ -28,6 +28,14 @@ pub(crate) struct ReferenceRecorder {
     borrow: bool,
     /// With `host_parts`: CPU passes' attention kept as what rebuilds it.
     parts: Option<Vec<(TapId, HostAttnParts)>>,
+    /// The decode step's layout when every tap it kept is held by address in it.
+    layout: Option<StepLayout>,
+    /// False once a tap was kept otherwise (copied, on the host, as parts).
+    by_address: bool,
+    /// The layout the comparator's reference taps lie in (`repeating`): a step laid out so
+    /// is not offered, and the comparator moves its taps on (`Comparator::set_reference`).
+    may_repeat: Option<StepLayout>,
+    repeated: Option<(usize, Vec<usize>, StepLayout)>,
 }
 
 impl ReferenceRecorder {
@@ -37,6 +45,10 @@ impl ReferenceRecorder {
             device: None,
             borrow: false,
             parts: None,
+            layout: None,
+            by_address: true,
+            may_repeat: None,
+            repeated: None,
         }
     }
 
@@ -63,6 +75,14 @@ impl ReferenceRecorder {
         self.borrow = true;
         self
     }
+
+    /// A borrowing recorder that, at a decode step laid out as `layout` (the comparator's
+    /// reference taps, `Comparator::reference_layout`) or one that repeats it, keeps nothing:
+    /// the comparator's taps are where they were.
+    pub(crate) fn repeating(mut self, layout: Option<StepLayout>) -> Self {
+        self.may_repeat = layout.filter(|_| self.borrow && self.device.is_some());
+        self
+    }
 }
 
 impl TapSink for ReferenceRecorder {
@@ -70,17 +90,32 @@ impl TapSink for ReferenceRecorder {
         self.host.table()
     }
     fn record(&mut self, step: usize, v: TapValue<'_>) {
+        self.by_address = false;
         self.host.record(step, v);
     }
     fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
         match &mut self.device {
             Some(kept) => {
                 let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
-                kept.push(DeviceRecorded::keep(step, tap, self.borrow));
+                let r = DeviceRecorded::keep(step, tap, self.borrow);
+                self.by_address &= r.by_address();
+                kept.push(r);
                 true
             }
-            None => false,
+            None => {
+                self.by_address = false;
+                false
+            }
         }
+    }
+    fn offering_step(&mut self, _step: usize, layout: &StepLayout) {
+        self.layout = Some(*layout);
+    }
+    fn can_repeat(&self, layout: &StepLayout) -> bool {
+        self.may_repeat.is_some_and(|m| layout.repeats(&m))
+    }
+    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
+        self.repeated = Some((step, positions.to_vec(), *layout));
     }
     fn probs_by_parts(&self) -> bool {
         self.device.is_some()
@@ -89,6 +124,7 @@ impl TapSink for ReferenceRecorder {
         self.parts.is_some()
     }
     fn record_parts(&mut self, _step: usize, id: TapId, parts: HostAttnParts) {
+        self.by_address = false;
         if let Some(kept) = &mut self.parts {
             kept.push((id, parts));
         }
@@ -125,6 +161,36 @@ pub(crate) struct Comparator<'a> {
     /// The path's router logits of the current step, per layer (to tell a choice the path
     /// adopted from one it made).
     path_router: HashMap<usize, Recorded>,
+    /// The layout of the decode step whose taps `device_reference` holds by address.
+    ref_layout: Option<StepLayout>,
+    /// A reference step not offered (its recorder repeated): `device_reference` is the step
+    /// before's, to be moved to this step, positions and entries, before it is read.
+    ref_moved: Option<(usize, Vec<usize>, usize)>,
+    /// What a decode step of the path did, to be done again at the next (`StepPlan`); the one
+    /// being noted, and whether every tap so far was noted.
+    plan: Option<StepPlan>,
+    noting: Option<StepPlan>,
+    noted: bool,
+}
+
+/// The GPU diffs a path's decode step queued, tap by tap, in a layout of the path's and one of
+/// the reference's: repeated at a later step whose layouts repeat these (`TapSink::repeat_step`)
+/// instead of being worked out again from hundreds of offered taps.
+struct StepPlan {
+    path: StepLayout,
+    reference: StepLayout,
+    taps: Vec<PlannedTap>,
+}
+
+struct PlannedTap {
+    id: TapId,
+    rows_per_token: usize,
+    path_width: usize,
+    ref_width: usize,
+    /// `attn_probs`: as wide as the cache, one column more per entry added.
+    grows: bool,
+    /// `DeviceDiffs` job words, four per row.
+    jobs: Vec<u64>,
 }
 
 fn pad_heads(row: &[f32], heads: usize, span: usize) -> Vec<f32> {
@@ -260,6 +326,11 @@ impl<'a> Comparator<'a> {
             expert_flips: Vec::new(),
             expert_flip_count: 0,
             path_router: HashMap::new(),
+            ref_layout: None,
+            ref_moved: None,
+            plan: None,
+            noting: None,
+            noted: false,
         }
     }
 
@@ -309,8 +380,13 @@ impl<'a> Comparator<'a> {
         layer.rows_diverged += t.diverged;
         layer.max_rel_l2 = layer.max_rel_l2.max(t.max_rel_l2);
         if let Some(r) = t.noise {
-            let n = self.noise.entry(kind.to_string()).or_insert(r);
-            *n = n.max(r);
+            // Looked up before inserting: a decode step books hundreds of taps.
+            match self.noise.get_mut(kind) {
+                Some(n) => *n = n.max(r),
+                None => {
+                    self.noise.insert(kind.to_string(), r);
+                }
+            }
         }
         if let Some((pos, d, width)) = t.first {
             let ft = self.first_tap.entry(group_of(id)).or_insert(id);
@@ -532,6 +608,8 @@ impl TapSink for Comparator<'_> {
     }
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
+        self.move_reference();
+        self.noting = None;
         let _span = crate::support::timing::span("compare: host-side tap diff");
         // A reference kept as parts: only the rows this tap holds are rebuilt, and dropped
         // once diffed.
@@ -625,6 +703,102 @@ impl TapSink for Comparator<'_> {
     }
 
     fn record_device(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
+        self.move_reference();
+        self.noted = false;
+        let taken = self.diff_device_tap(step, t);
+        if !self.noted {
+            // Diffed some other way (or not at all): this step cannot be repeated from a plan.
+            self.noting = None;
+        }
+        taken
+    }
+
+    fn end_pass(&mut self, _step: usize) {
+        let _span = crate::support::timing::span("compare: end of pass (book, launch diffs)");
+        if let Some(p) = self.noting.take() {
+            self.plan = Some(p);
+        }
+        self.finish_flush();
+        self.diffs.launch();
+    }
+
+    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
+        // The previous passes' summaries are copied back while this pass runs, and booked at
+        // its end (`end_pass`), so the host's booking overlaps the GPU's work.
+        self.finish_flush();
+        self.start_flush();
+    }
+
+    fn offering_step(&mut self, _step: usize, layout: &StepLayout) {
+        self.move_reference();
+        self.noting = self.ref_layout.map(|reference| StepPlan {
+            path: *layout,
+            reference,
+            taps: Vec::new(),
+        });
+    }
+
+    fn can_repeat(&self, layout: &StepLayout) -> bool {
+        match (&self.plan, &self.ref_layout) {
+            (Some(p), Some(r)) => layout.repeats(&p.path) && r.repeats(&p.reference),
+            _ => false,
+        }
+    }
+
+    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
+        let _span = crate::support::timing::span("compare: decode step repeated from its plan");
+        let (Some(plan), Some(r)) = (self.plan.take(), self.ref_layout) else {
+            return;
+        };
+        let grow = (
+            layout.entries - plan.path.entries,
+            r.entries - plan.reference.entries,
+        );
+        for t in &plan.taps {
+            let g = if t.grows { grow } else { (0, 0) };
+            let offset = match self.diffs.enqueue_jobs(&t.jobs, g) {
+                Some(o) => o,
+                None => {
+                    self.flush();
+                    self.diffs
+                        .enqueue_jobs(&t.jobs, g)
+                        .expect("an empty buffer holds any tap")
+                }
+            };
+            self.pending.push(PendingDiff {
+                step,
+                id: t.id,
+                positions: positions.to_vec(),
+                rows_per_token: t.rows_per_token,
+                chunks: 1,
+                path_width: t.path_width + g.0,
+                ref_width: t.ref_width + g.1,
+                offset,
+            });
+        }
+        self.plan = Some(plan);
+    }
+}
+
+impl Comparator<'_> {
+    /// Moves reference taps held by address on to the step whose recorder repeated them
+    /// (`ReferenceRecorder::repeating`).
+    fn move_reference(&mut self) {
+        let Some((step, positions, entries)) = self.ref_moved.take() else {
+            return;
+        };
+        for r in self.device_reference.values_mut().flatten() {
+            r.advance(step, &positions, entries);
+        }
+    }
+
+    /// The layout of the decode step whose taps the comparator holds by address, if all of
+    /// them are: a reference step laid out so need not be offered.
+    pub(crate) fn reference_layout(&self) -> Option<StepLayout> {
+        self.ref_layout
+    }
+
+    fn diff_device_tap(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
         let locate = crate::support::timing::span("compare: reference rows located");
         // The reference pass whose rows hold every position of this tap.
         let found = self.device_reference.get(&t.id).and_then(|recs| {
@@ -683,21 +857,22 @@ impl TapSink for Comparator<'_> {
             .collect();
         // A buffer the pass reuses must be read now; persistent ones wait for `end_pass`,
         // so that a decode step's taps are diffed in one launch.
-        self.queue_diff(step, t, (r.width, r.lead), &b_rows, !t.persistent);
+        let (width, lead) = (r.width, r.lead);
+        self.queue_diff(step, t, (width, lead), &b_rows, !t.persistent);
+        if t.persistent {
+            if let Some(p) = &mut self.noting {
+                p.taps.push(PlannedTap {
+                    id: t.id,
+                    rows_per_token: t.rows_per_token,
+                    path_width: t.lead + t.width,
+                    ref_width: lead + width,
+                    grows: t.id.kind() == "attn_probs",
+                    jobs: self.diffs.queued_jobs(t.rows).to_vec(),
+                });
+                self.noted = true;
+            }
+        }
         true
-    }
-
-    fn end_pass(&mut self, _step: usize) {
-        let _span = crate::support::timing::span("compare: end of pass (book, launch diffs)");
-        self.finish_flush();
-        self.diffs.launch();
-    }
-
-    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
-        // The previous passes' summaries are copied back while this pass runs, and booked at
-        // its end (`end_pass`), so the host's booking overlaps the GPU's work.
-        self.finish_flush();
-        self.start_flush();
     }
 }
 
@@ -924,6 +1099,18 @@ impl Comparator<'_> {
 
     /// The reference's taps of the step about to be compared, on the host or the GPU.
     pub(crate) fn set_reference(&mut self, rec: ReferenceRecorder) {
+        if let Some((step, positions, layout)) = rec.repeated {
+            // Nothing was offered: the taps held are this step's once moved on.
+            self.ref_moved = Some((step, positions, layout.entries));
+            self.ref_layout = Some(layout);
+            self.reference = HashMap::new();
+            self.host_parts = HashMap::new();
+            return;
+        }
+        self.ref_moved = None;
+        self.ref_layout = rec.layout.filter(|_| {
+            rec.by_address && rec.borrow && rec.device.is_some() && rec.host.taps.is_empty()
+        });
         self.reference = HashMap::new();
         for t in rec.host.taps {
             match self.reference.remove(&t.id) {

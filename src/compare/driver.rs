@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::paths::{ChunkStore, PathSpec};
 use crate::support::fault::{self, Fault};
 use crate::tap::dump::Dumper;
-use crate::tap::{Recorded, TapFilter, TapSink, TapValue, Tee};
+use crate::tap::{Recorded, StepLayout, TapFilter, TapSink, TapValue, Tee};
 
 /// A path's prefill: builds the KV for the prompt, offering taps to the sink, and returns the
 /// cache with the last prompt token's logits.
@@ -483,6 +483,15 @@ impl TapSink for Forward<'_> {
     fn probs_by_parts(&self) -> bool {
         self.0.probs_by_parts()
     }
+    fn offering_step(&mut self, step: usize, layout: &StepLayout) {
+        self.0.offering_step(step, layout);
+    }
+    fn can_repeat(&self, layout: &StepLayout) -> bool {
+        self.0.can_repeat(layout)
+    }
+    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
+        self.0.repeat_step(step, positions, layout);
+    }
 }
 
 /// The path's taps to every reference's comparator (the first's selection and routing
@@ -540,6 +549,20 @@ impl TapSink for Fan<'_, '_> {
     fn probs_by_parts(&self) -> bool {
         // A comparator whose reference wrote its rows rebuilds the path's from the parts.
         self.cmps.iter().any(|c| c.probs_by_parts())
+    }
+    fn offering_step(&mut self, step: usize, layout: &StepLayout) {
+        for c in self.cmps.iter_mut() {
+            c.offering_step(step, layout);
+        }
+    }
+    /// A step is repeated by all comparators or offered to all.
+    fn can_repeat(&self, layout: &StepLayout) -> bool {
+        self.cmps.iter().all(|c| c.can_repeat(layout))
+    }
+    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
+        for c in self.cmps.iter_mut() {
+            c.repeat_step(step, positions, layout);
+        }
     }
 }
 
@@ -639,7 +662,7 @@ impl Lockstep {
                 .zip(cmps.iter_mut())
                 .enumerate()
                 .map(|(i, ((s, side), cmp))| {
-                    let mut rec = s.recorder(taps, true);
+                    let mut rec = s.recorder(taps, true).repeating(cmp.reference_layout());
                     let batch = Batch {
                         cascade_split: side.split,
                         ..Batch::new(&fed, &pos)

@@ -20,7 +20,7 @@ use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::{Batch, DeviceLogits, StepLogits};
 use crate::support::fault::{self, Fault};
-use crate::tap::{emit, LayerTap, RouteHints, TapId, TapSink};
+use crate::tap::{emit, LayerTap, RouteHints, StepLayout, TapId, TapSink};
 
 /// What one pass's kernels and taps need besides the workspace.
 struct Pass<'a> {
@@ -271,10 +271,43 @@ impl CudaModel {
         drop(kernels);
         let offered = crate::support::timing::span("cuda decode: taps offered");
         let ws = &state.ws;
-        self.offer_all(sink, &pass.taps, ws);
-        drop(offered);
         let step = pass.taps.step;
-        if keep_on_device && !sink.table().wants(TapId::Logits) {
+        // Every tap of a dense model's step lies in the arena (a sparse layer's routing is
+        // decided on the host), at addresses that hold while the cache keeps its arena.
+        let dense = self.config.arch.moe.is_none();
+        let layout = match (pass.taps.lead, dense && g.repeat_steps()) {
+            (Some(lead), true) => Some(StepLayout {
+                arena: ptr(g, &ws.f, 0),
+                capacity: ws.probs_stride,
+                entries: pass.taps.base + 1,
+                lead,
+            }),
+            _ => None,
+        };
+        match layout {
+            Some(l) if sink.can_repeat(&l) => sink.repeat_step(step, pass.taps.pos, &l),
+            _ => {
+                if let Some(l) = &layout {
+                    sink.offering_step(step, l);
+                }
+                self.offer_all(sink, &pass.taps, ws);
+                // The logits as a device tap: a comparing sink diffs them where they are.
+                offer_at(
+                    sink,
+                    step,
+                    &self.gpu,
+                    &self.device,
+                    TapId::Logits,
+                    pass.taps.pos,
+                    &[1, c.vocab_size],
+                    ws.logits_ptr(g),
+                    0,
+                    true,
+                );
+            }
+        }
+        drop(offered);
+        if keep_on_device {
             // Before waiting: what the sink does at the end of a pass (booking earlier
             // diffs) overlaps this one on the GPU.
             sink.end_pass(step);
@@ -295,18 +328,9 @@ impl CudaModel {
                 gpu: self.gpu.clone(),
             }));
         }
-        let _wait = crate::support::timing::span("cuda decode: logits download (GPU wait)");
-        let logits = g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size);
-        emit(
-            sink,
-            step,
-            TapId::Logits,
-            pass.taps.pos,
-            &[1, c.vocab_size],
-            &logits,
-        );
         sink.end_pass(step);
-        StepLogits::Host(logits)
+        let _wait = crate::support::timing::span("cuda decode: logits download (GPU wait)");
+        StepLogits::Host(g.download_range(&ws.f, ws.logits, ws.logits + c.vocab_size))
     }
 
     /// Enqueues a decode step: the cache's graph replayed (captured first when the cache's
@@ -362,16 +386,11 @@ impl CudaModel {
             self.layer(l, ws, kvp, pass);
         }
         self.lm_head(ws, 1, ws.logits_ptr(g));
-        g.launch(
-            "argmax",
-            1,
-            1024,
-            0,
-            &[
-                Arg::Ptr(ws.logits_ptr(g)),
-                Arg::I32(self.config.vocab_size as i32),
-                Arg::Ptr(ptr(g, &ws.pick, 0)),
-            ],
+        super::launch::launch_argmax(
+            g,
+            ws.logits_ptr(g),
+            self.config.vocab_size,
+            ptr(g, &ws.pick, 0),
         );
     }
 

@@ -41,6 +41,7 @@ const KERNELS: &[&str] = &[
     "rotate_keys",
     "attention",
     "attention_decode",
+    "attention_decode_128",
     "attention_tiled",
     "attention_mma",
     "probs_from_stats_mma",
@@ -163,6 +164,9 @@ pub struct Gpu {
     side_enabled: bool,
     /// How many of them `side_slot` hands out (`KVDIFF_CUDA_SIDE_STREAMS`, 1 to 3; 3 unset).
     side_streams: usize,
+    /// Whether a decode step laid out as the one before may be repeated by its sinks instead
+    /// of offered (`TapSink::repeat_step`; not with `KVDIFF_CUDA_REPEAT_STEPS=0`).
+    repeat_steps: bool,
     /// Who computes the GEMMs of passes of more than one token.
     gemm: Gemm,
     /// Streaming multiprocessors: a GEMM's tile is the largest that gives each one work.
@@ -465,6 +469,7 @@ impl Gpu {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(SIDE_STREAMS)
                 .clamp(1, SIDE_STREAMS),
+            repeat_steps: std::env::var("KVDIFF_CUDA_REPEAT_STEPS").as_deref() != Ok("0"),
             gemm,
             sms,
             tiled_gemm: major >= 8,
@@ -594,6 +599,11 @@ impl Gpu {
     /// of their caches (the compared path's own decode step, diff read-back).
     pub(crate) fn stream_unjoined(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Whether a decode step's sinks may repeat the step before's work (`StepLayout`).
+    pub fn repeat_steps(&self) -> bool {
+        self.repeat_steps
     }
 
     /// Whether decode steps of caches that ask for it run on a side stream.

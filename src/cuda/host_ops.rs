@@ -5,6 +5,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gpu::{ptr, Arg, GemmTile, Gpu};
+use super::launch::{launch_argmax, ARGMAX_WORDS};
 
 /// Output buffers start as NaN, so an element a kernel fails to write shows up in the checks.
 fn poison_f32(gpu: &Gpu, len: usize) -> cudarc::driver::CudaSlice<f32> {
@@ -345,19 +346,20 @@ pub fn embed(gpu: &Gpu, table: &[f32], hidden: usize, tokens: &[u32]) -> Vec<f32
 }
 
 pub fn argmax(gpu: &Gpu, x: &[f32]) -> usize {
-    let (dx, out) = (gpu.upload(x), gpu.alloc::<u32>(1));
-    gpu.launch(
-        "argmax",
-        1,
-        1024,
-        0,
-        &[
-            Arg::Ptr(ptr(gpu, &dx, 0)),
-            Arg::I32(x.len() as i32),
-            Arg::Ptr(ptr(gpu, &out, 0)),
-        ],
-    );
-    gpu.download(&out, 1)[0] as usize
+    argmax_each(gpu, &[x])[0]
+}
+
+/// The argmax of each of `xs`, one after another through one output buffer, as a decode
+/// step's reuses its own (each launch must leave it reset for the next).
+pub fn argmax_each(gpu: &Gpu, xs: &[&[f32]]) -> Vec<usize> {
+    let out = gpu.zeros::<u32>(ARGMAX_WORDS);
+    xs.iter()
+        .map(|x| {
+            let dx = gpu.upload(x);
+            launch_argmax(gpu, ptr(gpu, &dx, 0), x.len(), ptr(gpu, &out, 0));
+            gpu.download(&out, 1)[0] as usize
+        })
+        .collect()
 }
 
 /// Per row of width `w`: the 12 summaries of `kernels/diff.cu` (max|a-b|, its index, max|b|,

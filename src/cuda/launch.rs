@@ -9,6 +9,22 @@ use super::gpu::{Arg, Gpu};
 pub(crate) const DECODE_CHUNK: usize = 64;
 pub(crate) const DECODE_THREADS: u32 = 256;
 
+/// Words the argmax kernel's `out` buffer holds (zeroed): the index, a counter of finished
+/// blocks, and the 64-bit running best, which the last block resets.
+pub(crate) const ARGMAX_WORDS: usize = 4;
+
+/// Launches `argmax` over `n` floats at `x`; the index lands in word 0 of `out`
+/// (`ARGMAX_WORDS` zeroed words). A block per 1024 values: four loads in flight per thread.
+pub(crate) fn launch_argmax(g: &Gpu, x: u64, n: usize, out: u64) {
+    g.launch(
+        "argmax",
+        n.div_ceil(1024).clamp(1, 1024) as u32,
+        256,
+        0,
+        &[Arg::Ptr(x), Arg::I32(n as i32), Arg::Ptr(out)],
+    );
+}
+
 /// One attention call: `n` queries (rotated, `[n, heads, head_dim]`) over a layer's cache.
 pub(crate) struct Attention {
     pub n: usize,
@@ -110,8 +126,12 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
             .max(a.chunks + 2 * a.head_dim)
             * 4;
+        let kernel = match a.head_dim {
+            128 => "attention_decode_128",
+            _ => "attention_decode",
+        };
         g.launch(
-            "attention_decode",
+            kernel,
             (a.heads * a.chunks) as u32,
             DECODE_THREADS,
             shared as u32,

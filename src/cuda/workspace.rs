@@ -135,7 +135,7 @@ impl Workspace {
             bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
             meta: g.alloc::<i32>(3 * n + 2),
             counters: g.zeros::<u32>(w.shape.heads + 1),
-            pick: g.zeros::<u32>(1),
+            pick: g.zeros::<u32>(super::launch::ARGMAX_WORDS),
             probs_wanted: probs,
             probs_by_parts: false,
             n,

@@ -16,7 +16,7 @@ mod sink;
 
 pub use sink::{
     route_hints_from, row_at, AttnParts, Device, DeviceTap, HostAttnParts, Masked, NullSink,
-    PositionIndex, Recorded, Recorder, RouteHints, Routed, TapSink, Tee,
+    PositionIndex, Recorded, Recorder, RouteHints, Routed, StepLayout, TapSink, Tee,
 };
 
 /// The kind of a tap inside a layer, in the order the forward pass reaches them.

@@ -78,6 +78,33 @@ pub struct HostAttnParts {
     pub span: usize,
 }
 
+/// Where a decode step's device taps lie: in one arena that a cache keeps from step to step
+/// (the same buffers at the same addresses, a row per tap), over `entries` cache entries whose
+/// positions run from `lead` (`attn_probs`'s width and first column). Two steps with the same
+/// arena and lead offer the same taps at the same addresses, `attn_probs` one column wider per
+/// entry added, so a sink may redo the work it did for one at the other without being offered
+/// anything (`TapSink::repeat_step`): a decode step of hundreds of taps costs the host a few
+/// microseconds instead of one call per tap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepLayout {
+    /// The arena's identity: the address of its first buffer and the cache capacity it was
+    /// laid out for (an arena made later may reuse a freed one's address).
+    pub arena: u64,
+    pub capacity: usize,
+    pub entries: usize,
+    pub lead: usize,
+}
+
+impl StepLayout {
+    /// Whether a step laid out as `self` offers its taps where a step laid out as `earlier` did.
+    pub fn repeats(&self, earlier: &StepLayout) -> bool {
+        self.arena == earlier.arena
+            && self.capacity == earlier.capacity
+            && self.lead == earlier.lead
+            && self.entries >= earlier.entries
+    }
+}
+
 /// Receives taps. `step` is 0 for the prefill and k for the k-th decoded token.
 /// Routing a mixture-of-experts pass may adopt at a near tie: per (layer, position), the experts
 /// another run chose there, and how far apart two correct runs' router logits may lie.
@@ -115,6 +142,20 @@ pub trait TapSink {
     }
     /// A CPU pass's `attn_probs` tap as the parts that rebuild it (see `host_probs_by_parts`).
     fn record_parts(&mut self, _step: usize, _id: TapId, _parts: HostAttnParts) {}
+    /// Called before a decode step laid out as `layout` offers its taps, every one of them a
+    /// persistent device tap in that arena: a sink may note what it does with them, to
+    /// repeat it at a later step (`repeat_step`).
+    fn offering_step(&mut self, _step: usize, _layout: &StepLayout) {}
+    /// Whether the sink can do for a step laid out as `layout` what it did at an earlier step
+    /// (`offering_step`) without being offered its taps. The answer must not depend on
+    /// anything but the layout and the sink's own state: on true, `repeat_step` is called and
+    /// no tap is offered.
+    fn can_repeat(&self, _layout: &StepLayout) -> bool {
+        false
+    }
+    /// Does for this step, at `positions`, what was done for the step whose taps it noted,
+    /// `attn_probs` widened to `layout.entries`. Only called after `can_repeat` said yes.
+    fn repeat_step(&mut self, _step: usize, _positions: &[usize], _layout: &StepLayout) {}
 }
 
 /// Wants nothing; the forward pass then computes no tap.

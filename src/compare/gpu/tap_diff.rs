@@ -98,6 +98,26 @@ impl DeviceRecorded {
         }
     }
 
+    /// Whether the tap is held by address (a persistent tap, borrowed), not copied.
+    pub fn by_address(&self) -> bool {
+        self._copy.is_empty() && self.parts.is_none()
+    }
+
+    /// The same buffers read as the next decode step's tap, held by address in an arena the
+    /// step reuses: at `positions`, `attn_probs` over `entries` cache entries.
+    pub fn advance(&mut self, step: usize, positions: &[usize], entries: usize) {
+        self.step = step;
+        self.positions = positions.to_vec();
+        self.index = PositionIndex::of(positions);
+        if let [n, .., last] = self.shape.as_mut_slice() {
+            *n = positions.len();
+            if self.id.kind() == "attn_probs" {
+                *last = entries;
+                self.width = entries;
+            }
+        }
+    }
+
     /// The GPU the tap is kept on.
     pub fn gpu(&self) -> Arc<Gpu> {
         self.gpu.clone()
@@ -198,6 +218,30 @@ impl DeviceDiffs {
         }
         let at = self.used;
         self.used += t.rows;
+        Some(at)
+    }
+
+    /// The job words (four per row) of the last `rows` rows queued, for repeating them
+    /// (`enqueue_jobs`).
+    pub fn queued_jobs(&self, rows: usize) -> &[u64] {
+        &self.jobs[self.jobs.len() - 4 * rows..]
+    }
+
+    /// Queues jobs as `queued_jobs` gave them, each row's widths (path, reference) grown by
+    /// `grow`. Returns the first output row, or `None` when the buffer is full (read it back,
+    /// then queue again). Needs a buffer made by an earlier `enqueue`.
+    pub fn enqueue_jobs(&mut self, jobs: &[u64], grow: (usize, usize)) -> Option<usize> {
+        let rows = jobs.len() / 4;
+        if self.out.is_none() || self.used + rows > self.cap {
+            return None;
+        }
+        let widen = grow.0 as u64 + ((grow.1 as u64) << 32);
+        self.jobs.extend(
+            jobs.chunks_exact(4)
+                .flat_map(|j| [j[0], j[1], j[2] + widen, j[3]]),
+        );
+        let at = self.used;
+        self.used += rows;
         Some(at)
     }
 
