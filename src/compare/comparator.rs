@@ -919,6 +919,7 @@ fn materialize<'t>(
         persistent: false,
         shape: t.shape.clone(),
         parts: None,
+        owner: None,
     };
     (rows, tap)
 }
@@ -1048,6 +1049,7 @@ impl Comparator<'_> {
                 persistent: t.persistent,
                 shape: vec![end - start, rpt, t.width],
                 parts: None,
+                owner: t.owner,
             };
             let b_rows: Vec<Option<u64>> = rrows[start..end]
                 .iter()

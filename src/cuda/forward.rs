@@ -302,7 +302,7 @@ impl CudaModel {
                     &[1, c.vocab_size],
                     ws.logits_ptr(g),
                     0,
-                    true,
+                    (true, None),
                 );
             }
         }
@@ -426,6 +426,15 @@ impl CudaModel {
         let mut ws = Workspace::new(g, c, n, entries, per_layer, probs);
         ws.probs_wanted = materialized;
         ws.probs_by_parts = by_parts;
+        // Kept with the cache and never written again: a sink may hold the taps by address,
+        // holding the whole pass's buffers, where it wants most of them (else it copies the
+        // few it wants).
+        let layer_taps = (0..c.num_hidden_layers)
+            .flat_map(|l| LayerTap::DENSE.iter().map(move |&k| TapId::Layer(l, k)))
+            .filter(|&id| sink.table().wants(id))
+            .count();
+        let most = 2 * layer_taps >= c.num_hidden_layers * LayerTap::DENSE.len();
+        ws.keep = (per_layer && most).then(|| ws.owner());
         drop(ws_span);
         ws.meta = g.upload(&pass.meta);
         self.embed_and_norm(&ws, n);
@@ -523,7 +532,7 @@ impl CudaModel {
                 &[n, kvh, hd],
                 k,
                 0,
-                false,
+                (false, None),
             );
         }
         cache.device_edited();

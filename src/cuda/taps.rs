@@ -156,6 +156,7 @@ impl CudaModel {
                 persistent: ws.per_layer,
                 shape: vec![n, heads, span],
                 parts: None,
+                owner: ws.keep.as_ref(),
             };
             if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
                 let rows = g.download_rows(io.probs, n * heads, span, ws.probs_stride);
@@ -207,6 +208,7 @@ impl CudaModel {
             persistent: ws.per_layer,
             shape: vec![n, heads, span],
             parts: Some(parts),
+            owner: None,
         };
         if sink.record_device(t.step, &tap) {
             return;
@@ -248,7 +250,7 @@ fn offer(
         shape,
         at,
         stride,
-        ws.per_layer,
+        (ws.per_layer, ws.keep.as_ref()),
     );
 }
 
@@ -265,7 +267,7 @@ pub(super) fn offer_at(
     shape: &[usize],
     at: u64,
     stride: usize,
-    persistent: bool,
+    (persistent, owner): (bool, Option<&Device>),
 ) {
     if !sink.table().wants(id) {
         return;
@@ -286,6 +288,7 @@ pub(super) fn offer_at(
         persistent,
         shape: shape.to_vec(),
         parts: None,
+        owner,
     };
     if !sink.record_device(step, &tap) {
         let _span = crate::support::timing::span("cuda taps: copied to the host for the sink");

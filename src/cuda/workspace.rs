@@ -46,7 +46,8 @@ pub(super) struct LayerIo {
 /// have a slot per layer boundary (`per_layer`: slots 0..=layers) or two used in turn; every
 /// other activation has one block per layer or one block shared by all layers.
 pub(crate) struct Workspace {
-    pub(super) f: CudaSlice<f32>,
+    /// Shared so that a sink may keep a persistent pass's taps alive by address (`owner`).
+    pub(super) f: std::sync::Arc<CudaSlice<f32>>,
     pub(super) bf: CudaSlice<u16>,
     /// Tokens, RoPE positions, key positions (n each), then base, then the base attention
     /// masks by (base, unless a fault is planted).
@@ -60,6 +61,9 @@ pub(crate) struct Workspace {
     pub(super) probs_wanted: bool,
     /// Whether they are offered as `AttnParts` instead (not written out).
     pub(super) probs_by_parts: bool,
+    /// Set when no later pass writes these buffers (a prefill's kept with its cache): what a
+    /// sink clones to hold the pass's taps by address (`DeviceTap::owner`).
+    pub(super) keep: Option<crate::tap::Device>,
     pub(super) n: usize,
     /// Rows every buffer has room for (GEMMs run over all of them).
     pub(super) rows: usize,
@@ -131,13 +135,14 @@ impl Workspace {
         let w = Self::layout(g, c, n, entries, per_layer, probs);
         let Shape { h, qd, inter, .. } = w.shape;
         Workspace {
-            f: g.alloc::<f32>(w.total),
+            f: std::sync::Arc::new(g.alloc::<f32>(w.total)),
             bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
             meta: g.alloc::<i32>(3 * n + 2),
             counters: g.zeros::<u32>(w.shape.heads + 1),
             pick: g.zeros::<u32>(super::launch::ARGMAX_WORDS),
             probs_wanted: probs,
             probs_by_parts: false,
+            keep: None,
             n,
             rows: w.rows,
             per_layer,
@@ -280,6 +285,12 @@ impl Workspace {
 
     pub(super) fn meta_ptr(&self, g: &Gpu, index: usize) -> u64 {
         ptr(g, &self.meta, index)
+    }
+
+    /// What keeps the pass's f32 buffers (every tap's) allocated while a sink holds it: a
+    /// prefill's persistent taps are then kept by address, not copied.
+    pub(super) fn owner(&self) -> crate::tap::Device {
+        self.f.clone()
     }
 
     pub(super) fn logits_ptr(&self, g: &Gpu) -> u64 {

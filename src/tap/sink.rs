@@ -37,6 +37,10 @@ pub struct DeviceTap<'a> {
     /// `attn_probs` not written out (`ptr` is 0) but offered as what rebuilds them, to a sink
     /// that takes them so (`TapSink::probs_by_parts`).
     pub parts: Option<AttnParts>,
+    /// For a persistent tap of a buffer no later pass writes (a prefill's): what keeps the
+    /// buffer allocated. A sink holding a clone may keep the address past the pass, instead
+    /// of a copy.
+    pub owner: Option<&'a Device>,
 }
 
 /// What a backend rebuilds a prefill pass's attention probabilities from, as device addresses:
@@ -410,7 +414,39 @@ impl TapSink for Routed<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{row_at, PositionIndex};
+    use super::{row_at, PositionIndex, StepLayout};
+
+    /// A step repeats an earlier one only in the same arena, laid out for the same capacity,
+    /// over entries from the same position, and no fewer of them.
+    #[test]
+    fn a_step_repeats_only_the_same_arena_and_layout() {
+        let first = StepLayout {
+            arena: 0x7000,
+            capacity: 1024,
+            entries: 513,
+            lead: 0,
+        };
+        assert!(first.repeats(&first));
+        let later = StepLayout {
+            entries: 600,
+            ..first
+        };
+        assert!(later.repeats(&first));
+        assert!(!first.repeats(&later), "fewer entries than the plan's");
+        for other in [
+            StepLayout {
+                arena: 0x8000,
+                ..later
+            },
+            StepLayout {
+                capacity: 2048,
+                ..later
+            },
+            StepLayout { lead: 1, ..later },
+        ] {
+            assert!(!other.repeats(&first), "{other:?}");
+        }
+    }
 
     /// The index answers every lookup as the search it replaces does: consecutive runs from
     /// any start, gaps, shuffled positions, repeats (the first row wins) and misses.

@@ -36,11 +36,14 @@ pub struct DeviceRecorded {
     /// rows rebuilt where a path's are compared.
     pub parts: Option<AttnParts>,
     _copy: Vec<CudaSlice<f32>>,
+    /// What keeps the buffer a tap held by address lives in (`DeviceTap::owner`).
+    _owner: Option<crate::tap::Device>,
     gpu: Arc<Gpu>,
 }
 
 impl DeviceRecorded {
-    /// Keeps `t`: by address when it is persistent and `borrow` allows, else as a copy.
+    /// Keeps `t`: by address when it is persistent and either `borrow` allows or its buffer's
+    /// owner is held, else as a copy.
     pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool) -> Self {
         let g = &gpu_of(t);
         let mut parts = None;
@@ -63,7 +66,7 @@ impl DeviceRecorded {
                 ..p
             });
             (0, 0, vec![q, keys, stats])
-        } else if t.persistent && borrow {
+        } else if t.persistent && (borrow || t.owner.is_some()) {
             (t.ptr, t.stride, Vec::new())
         } else {
             let data = g.alloc::<f32>(t.rows * t.width);
@@ -94,6 +97,7 @@ impl DeviceRecorded {
             stride,
             parts,
             _copy: copy,
+            _owner: t.owner.cloned(),
             gpu: g.clone(),
         }
     }
