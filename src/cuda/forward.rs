@@ -34,6 +34,15 @@ struct Pass<'a> {
     hints: Option<RouteHints>,
 }
 
+/// Where a pass's last-token logits go: read back, left on the GPU (with their argmax), or
+/// nowhere (a pass before the query, whose logits nobody reads: not even computed).
+#[derive(Clone, Copy, PartialEq)]
+enum LogitsTo {
+    Host,
+    Device,
+    Nowhere,
+}
+
 /// How a cache's entries map to positions. Attention rows are over cache entries; when entry
 /// e holds position lead + e (a whole prompt, or one chunk's own cache) they are its columns
 /// from `lead` on and can stay on the GPU; otherwise the entries' positions are listed.
@@ -57,10 +66,11 @@ impl EntryLayout {
     }
 }
 
-/// A decode step's logits left in the cache's arena: `len` floats at device address `at`,
-/// valid until that cache's next pass, with their argmax at `pick`.
+/// A pass's logits left on the GPU: `len` floats at device address `at` with their argmax
+/// at `pick`; in a decode step's arena (valid until that cache's next pass), or in buffers of
+/// their own (`own`, a prefill's).
 struct CudaLogits {
-    /// Read from `pick` on first use when the step ran on a side stream.
+    /// Read from `pick` on first use when the step ran on a side stream or was a prefill.
     argmax: OnceCell<u32>,
     /// The side stream the step ran on (where the argmax is read).
     side: Option<usize>,
@@ -68,6 +78,7 @@ struct CudaLogits {
     at: u64,
     len: usize,
     gpu: Arc<Gpu>,
+    own: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
 }
 
 /// What the compare driver needs to diff two steps' logits where they are.
@@ -92,11 +103,10 @@ pub fn logits_on_gpu(logits: &StepLogits) -> Option<LogitsOnGpu<'_>> {
 
 impl DeviceLogits for CudaLogits {
     fn argmax(&self) -> u32 {
-        *self.argmax.get_or_init(|| {
-            let side = self
-                .side
-                .expect("an argmax left unread ran on a side stream");
-            self.gpu.download_u32_on_side(side, self.pick)
+        *self.argmax.get_or_init(|| match (self.side, &self.own) {
+            (Some(side), _) => self.gpu.download_u32_on_side(side, self.pick),
+            (None, Some((_, pick))) => self.gpu.download(pick, 1)[0],
+            (None, None) => unreachable!("a main-stream decode step reads its argmax at once"),
         })
     }
 
@@ -134,7 +144,12 @@ impl DeviceModel for CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> Vec<f32> {
-        self.pass(batch, cache, step, sink, false).into_host()
+        self.pass(batch, cache, step, sink, LogitsTo::Host)
+            .into_host()
+    }
+
+    fn prefill(&self, batch: Batch<'_>, cache: &mut KvCache, step: usize, sink: &mut dyn TapSink) {
+        self.pass(batch, cache, step, sink, LogitsTo::Nowhere);
     }
 
     /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
@@ -146,7 +161,7 @@ impl DeviceModel for CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> StepLogits {
-        self.pass(batch, cache, step, sink, true)
+        self.pass(batch, cache, step, sink, LogitsTo::Device)
     }
 
     fn rerotate(
@@ -177,7 +192,7 @@ impl CudaModel {
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
-        keep_on_device: bool,
+        to: LogitsTo,
     ) -> StepLogits {
         let n = batch.tokens.len();
         sink.begin_step(step, batch.tokens, batch.positions);
@@ -217,9 +232,9 @@ impl CudaModel {
             },
         };
         let logits = if n == 1 {
-            self.decode_pass(kv, &pass, sink, keep_on_device)
+            self.decode_pass(kv, &pass, sink, to != LogitsTo::Host)
         } else {
-            StepLogits::Host(self.prefill_pass(kv, &pass, n, sink))
+            self.prefill_pass(kv, &pass, n, sink, to)
         };
         kv.len += n;
         logits
@@ -326,6 +341,7 @@ impl CudaModel {
                 at: ws.logits_ptr(g),
                 len: c.vocab_size,
                 gpu: self.gpu.clone(),
+                own: None,
             }));
         }
         sink.end_pass(step);
@@ -404,10 +420,11 @@ impl CudaModel {
         pass: &Pass<'_>,
         n: usize,
         sink: &mut dyn TapSink,
-    ) -> Vec<f32> {
+        to: LogitsTo,
+    ) -> StepLogits {
         let g = &*self.gpu;
         let c = &self.config;
-        let _span = crate::support::timing::span("cuda prefill pass (synchronous)");
+        let _span = crate::support::timing::span("cuda prefill pass");
         let entries = pass.taps.base + n;
         let wanted = (0..c.num_hidden_layers)
             .any(|l| sink.table().wants(TapId::Layer(l, LayerTap::AttnProbs)));
@@ -449,7 +466,7 @@ impl CudaModel {
         self.offer_outer(sink, &pass.taps, &ws, TapId::FinalNorm);
         // The pass is enqueued: the sink's end-of-pass host work overlaps it.
         sink.end_pass(pass.taps.step);
-        let logits = self.prefill_logits(&ws, n, pass, sink);
+        let logits = self.prefill_logits(&ws, n, pass, sink, to);
         if per_layer {
             kv.last_pass = Some(ws);
         }
@@ -463,14 +480,36 @@ impl CudaModel {
         n: usize,
         pass: &Pass<'_>,
         sink: &mut dyn TapSink,
-    ) -> Vec<f32> {
+        to: LogitsTo,
+    ) -> StepLogits {
         let g = &*self.gpu;
         let vocab = self.config.vocab_size;
         let rows = sink.table().logits_rows(n);
         if rows.is_empty() {
+            if to == LogitsTo::Nowhere {
+                return StepLogits::Host(Vec::new());
+            }
             let logits = g.alloc::<f32>(vocab);
-            self.lm_head_rows(ws, n - 1, 1, ptr(g, &logits, 0));
-            return g.download(&logits, vocab);
+            let at = ptr(g, &logits, 0);
+            self.lm_head_rows(ws, n - 1, 1, at);
+            if to == LogitsTo::Host {
+                let _wait =
+                    crate::support::timing::span("cuda prefill: logits download (GPU wait)");
+                return StepLogits::Host(g.download(&logits, vocab));
+            }
+            // Left where they are: the caller's argmax or agreement waits for the pass, not
+            // this call.
+            let pick = g.zeros::<u32>(super::launch::ARGMAX_WORDS);
+            super::launch::launch_argmax(g, at, vocab, ptr(g, &pick, 0));
+            return StepLogits::Device(Box::new(CudaLogits {
+                argmax: OnceCell::new(),
+                side: None,
+                pick: ptr(g, &pick, 0),
+                at,
+                len: vocab,
+                gpu: self.gpu.clone(),
+                own: Some((logits, pick)),
+            }));
         }
         let m = rows.len();
         let logits = g.alloc::<f32>(m * vocab);
@@ -478,7 +517,7 @@ impl CudaModel {
         let all = g.download(&logits, m * vocab);
         let t = &pass.taps;
         emit(sink, t.step, TapId::Logits, &t.pos[rows], &[m, vocab], &all);
-        all[(m - 1) * vocab..].to_vec()
+        StepLogits::Host(all[(m - 1) * vocab..].to_vec())
     }
 
     /// Turns every key of `cache` by `delta` positions on the device and offers them as the

@@ -28,6 +28,11 @@ pub trait DeviceModel: Send + Sync {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> StepLogits;
+    /// As `forward`, for a pass whose logits nobody reads (a chunk before the query): a
+    /// device need not compute them, nor wait for the pass to read them back.
+    fn prefill(&self, batch: Batch<'_>, cache: &mut KvCache, step: usize, sink: &mut dyn TapSink) {
+        self.forward(batch, cache, step, sink);
+    }
     fn rerotate(
         &self,
         cache: &mut KvCache,

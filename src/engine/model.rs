@@ -467,6 +467,25 @@ impl Model {
         }
     }
 
+    /// As `forward`, for a pass whose logits nobody reads (a chunk before the query, or a
+    /// piece before the last): on a device the pass is only enqueued, nothing waited for.
+    pub fn prefill(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) {
+        let n = batch.tokens.len();
+        assert!(n > 0 && batch.positions.len() == n && batch.rope_positions.len() == n);
+        match &self.device {
+            Some(d) => d.prefill(batch, cache, step, sink),
+            None => {
+                self.forward_cpu(batch, cache, step, sink);
+            }
+        }
+    }
+
     /// As `forward`, for a decode step whose logits are wanted for their argmax and for a
     /// comparison that may run where they are: on a device they stay there (see `StepLogits`).
     pub fn forward_step(

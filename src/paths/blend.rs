@@ -43,7 +43,7 @@ pub fn blended_prefix(
     let positions: Vec<usize> = (0..n).collect();
     let mut full = model.new_cache();
     let mut quiet = NullSink::new(model.config.num_hidden_layers);
-    model.forward(
+    model.prefill(
         Batch::new(&prompt.ids[..n], &positions),
         &mut full,
         0,

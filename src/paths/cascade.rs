@@ -22,7 +22,7 @@ pub fn prefill(
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
     let mut cache = model.new_cache();
     if shared > 0 {
-        model.forward(
+        model.prefill(
             Batch::new(&prompt.ids[..shared], &positions[..shared]),
             &mut cache,
             0,

@@ -80,7 +80,7 @@ pub fn reused_prefix(
                 if mode == Reuse::Rerotate {
                     // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.
                     let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
-                    model.forward(
+                    model.prefill(
                         batch,
                         &mut kv,
                         0,
@@ -90,7 +90,7 @@ pub fn reused_prefix(
                         },
                     );
                 } else {
-                    model.forward(batch, &mut kv, 0, sink);
+                    model.prefill(batch, &mut kv, 0, sink);
                 }
                 if mode == Reuse::Rerotate && fault::active(Fault::RerotateStoresRotated) {
                     model.rerotate(&mut kv, chunk.start, &global, sink);

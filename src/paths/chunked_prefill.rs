@@ -15,14 +15,27 @@ pub fn prefill(
     let mut cache = model.new_cache();
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
     let mut logits = Vec::new();
-    for (ids, pos) in prompt.ids.chunks(piece).zip(positions.chunks(piece)) {
-        if fault::active(Fault::ChunkIgnoresCache) {
-            let mut alone = model.new_cache();
-            logits = model.forward(Batch::new(ids, pos), &mut alone, 0, sink);
-            cache.append(alone);
-            continue;
+    let pieces = prompt.ids.len().div_ceil(piece);
+    for (i, (ids, pos)) in prompt
+        .ids
+        .chunks(piece)
+        .zip(positions.chunks(piece))
+        .enumerate()
+    {
+        let mut alone = model.new_cache();
+        let target = match fault::active(Fault::ChunkIgnoresCache) {
+            true => &mut alone,
+            false => &mut cache,
+        };
+        // Only the last piece's logits are read.
+        if i + 1 == pieces {
+            logits = model.forward(Batch::new(ids, pos), target, 0, sink);
+        } else {
+            model.prefill(Batch::new(ids, pos), target, 0, sink);
         }
-        logits = model.forward(Batch::new(ids, pos), &mut cache, 0, sink);
+        if fault::active(Fault::ChunkIgnoresCache) {
+            cache.append(alone);
+        }
     }
     (cache, logits)
 }

@@ -26,14 +26,12 @@ pub fn prefill(
                 continue;
             }
         }
-        logits = model.forward(
-            Batch::new(prompt.tokens(c), &positions[c.start..c.end]),
-            &mut cache,
-            0,
-            sink,
-        );
+        let batch = Batch::new(prompt.tokens(c), &positions[c.start..c.end]);
         if i < last {
+            model.prefill(batch, &mut cache, 0, sink);
             store.put(key, cache.clone());
+        } else {
+            logits = model.forward(batch, &mut cache, 0, sink);
         }
     }
     (cache, logits)
