@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|profile|all]            (there, with .out/pack and .cache carried)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,6 +33,9 @@ if [ "$stage" = all ] || [ "$stage" = long ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = sweep ]; then
   scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"
+fi
+if [ "$stage" = all ] || [ "$stage" = profile ]; then
+  scripts/profile_kernels.sh .out/bin/kvdiff 2>&1 | tee "$out/profile.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = capture ]; then
   # HF transformers and a nano-vllm layout captured by scripts/kvdiff_capture.py, then kvdiff diff.
