@@ -19,7 +19,7 @@ extern "C" __global__ void swiglu(const float* gate_up, bf16_t* out, int inter, 
 
 // A value and its index as one 64-bit key whose unsigned order is argmax's: larger values
 // first, then smaller indices (the first of equals, as the CPU's argmax). -0 counts as +0, and
-// NaN as nothing (0), as the CPU's `>` never picks one.
+// NaN as nothing (0), as the CPU's `>` never picks one (a NaN at index 0 wins: see argmax).
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     if (v != v) return 0ull;
     unsigned int b = v == 0.0f ? 0u : __float_as_uint(v);
@@ -63,7 +63,8 @@ extern "C" __global__ void argmax(const float* x, int n, unsigned int* out) {
     if (!last_block_done(out + 1, gridDim.x)) return;
     if (threadIdx.x == 0) {
         unsigned long long k = atomicExch((unsigned long long*)(out + 2), 0ull);
-        out[0] = k ? ~(unsigned int)k : 0u;
+        // The CPU's scan starts at index 0 and nothing compares greater than a NaN there.
+        out[0] = k && x[0] == x[0] ? ~(unsigned int)k : 0u;
     }
 }
 

@@ -439,13 +439,16 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
     let mut nan = rng.vec(2048, 1.0);
     nan[100] = f32::NAN;
     let inf = vec![f32::NEG_INFINITY; 1500];
-    let got = host_ops::argmax_each(&g, &[&x, &small, &zeros, &nan, &inf]);
-    let want: Vec<usize> = [&x[..], &small, &zeros, &nan, &inf]
+    let mut nan_first = rng.vec(3000, 1.0);
+    nan_first[0] = f32::NAN;
+    let got = host_ops::argmax_each(&g, &[&x, &small, &zeros, &nan, &inf, &nan_first]);
+    let want: Vec<usize> = [&x[..], &small, &zeros, &nan, &inf, &nan_first]
         .iter()
         .map(|v| ops::argmax(v))
         .collect();
     assert_eq!(got, want, "argmax through one buffer");
     assert_eq!(want[..3], [70_000, 4321, 17]);
+    assert_eq!(want[5], 0, "a NaN at index 0 stays the CPU's pick");
     // Diff reductions against the CPU's row metrics.
     let w = 4096;
     let a = rng.vec(3 * w, 1.0);

@@ -36,6 +36,10 @@ pub(crate) struct ReferenceRecorder {
     /// is not offered, and the comparator moves its taps on (`Comparator::set_reference`).
     may_repeat: Option<StepLayout>,
     repeated: Option<(usize, Vec<usize>, StepLayout)>,
+    /// The one pass whose buffers taps are held by (`DeviceTap::owner`): a reference that
+    /// prefills in several passes copies the others' taps, so that it holds at most one
+    /// pass's buffers beyond what it keeps anyway.
+    holding: Option<usize>,
 }
 
 impl ReferenceRecorder {
@@ -49,6 +53,7 @@ impl ReferenceRecorder {
             by_address: true,
             may_repeat: None,
             repeated: None,
+            holding: None,
         }
     }
 
@@ -97,7 +102,14 @@ impl TapSink for ReferenceRecorder {
         match &mut self.device {
             Some(kept) => {
                 let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
-                let r = DeviceRecorded::keep(step, tap, self.borrow);
+                let hold = match tap.owner {
+                    Some(o) => {
+                        let id = std::sync::Arc::as_ptr(o) as *const () as usize;
+                        *self.holding.get_or_insert(id) == id
+                    }
+                    None => false,
+                };
+                let r = DeviceRecorded::keep(step, tap, self.borrow, hold);
                 self.by_address &= r.by_address();
                 kept.push(r);
                 true
@@ -171,6 +183,8 @@ pub(crate) struct Comparator<'a> {
     plan: Option<StepPlan>,
     noting: Option<StepPlan>,
     noted: bool,
+    /// A decode step laid out in one arena is being offered (`offering_step` .. `end_pass`).
+    offered: bool,
 }
 
 /// The GPU diffs a path's decode step queued, tap by tap, in a layout of the path's and one of
@@ -331,6 +345,7 @@ impl<'a> Comparator<'a> {
             plan: None,
             noting: None,
             noted: false,
+            offered: false,
         }
     }
 
@@ -715,8 +730,9 @@ impl TapSink for Comparator<'_> {
 
     fn end_pass(&mut self, _step: usize) {
         let _span = crate::support::timing::span("compare: end of pass (book, launch diffs)");
-        if let Some(p) = self.noting.take() {
-            self.plan = Some(p);
+        if std::mem::take(&mut self.offered) {
+            // The plan is this step's when every tap was noted, else there is none.
+            self.plan = self.noting.take();
         }
         self.finish_flush();
         self.diffs.launch();
@@ -731,6 +747,7 @@ impl TapSink for Comparator<'_> {
 
     fn offering_step(&mut self, _step: usize, layout: &StepLayout) {
         self.move_reference();
+        self.offered = true;
         self.noting = self.ref_layout.map(|reference| StepPlan {
             path: *layout,
             reference,

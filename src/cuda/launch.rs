@@ -126,8 +126,10 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
             .max(a.chunks + 2 * a.head_dim)
             * 4;
-        let kernel = match a.head_dim {
-            128 => "attention_decode_128",
+        // Its float4 loads need 16-byte aligned rows (a workspace's query rows may sit 8 bytes
+        // off for some model shapes).
+        let kernel = match (a.head_dim, (a.q | a.keys | a.values) % 16) {
+            (128, 0) => "attention_decode_128",
             _ => "attention_decode",
         };
         g.launch(

@@ -42,9 +42,9 @@ pub struct DeviceRecorded {
 }
 
 impl DeviceRecorded {
-    /// Keeps `t`: by address when it is persistent and either `borrow` allows or its buffer's
-    /// owner is held, else as a copy.
-    pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool) -> Self {
+    /// Keeps `t`: by address when it is persistent and either `borrow` allows or, with
+    /// `hold`, its buffer's owner is held; else as a copy.
+    pub fn keep(step: usize, t: &DeviceTap<'_>, borrow: bool, hold: bool) -> Self {
         let g = &gpu_of(t);
         let mut parts = None;
         let (ptr_, stride, copy) = if let Some(p) = t.parts {
@@ -66,7 +66,7 @@ impl DeviceRecorded {
                 ..p
             });
             (0, 0, vec![q, keys, stats])
-        } else if t.persistent && (borrow || t.owner.is_some()) {
+        } else if t.persistent && (borrow || (hold && t.owner.is_some())) {
             (t.ptr, t.stride, Vec::new())
         } else {
             let data = g.alloc::<f32>(t.rows * t.width);
@@ -97,7 +97,7 @@ impl DeviceRecorded {
             stride,
             parts,
             _copy: copy,
-            _owner: t.owner.cloned(),
+            _owner: t.owner.filter(|_| hold).cloned(),
             gpu: g.clone(),
         }
     }
