@@ -178,10 +178,11 @@ pub(crate) struct Comparator<'a> {
     /// A reference step not offered (its recorder repeated): `device_reference` is the step
     /// before's, to be moved to this step, positions and entries, before it is read.
     ref_moved: Option<(usize, Vec<usize>, usize)>,
-    /// What a decode step of the path did, to be done again at the next (`StepPlan`); the one
-    /// being noted, and whether every tap so far was noted.
+    /// What a decode step of the path did, to be done again at the next (`StepPlan`), and the
+    /// one being noted (dropped as soon as a tap goes a way a plan cannot repeat).
     plan: Option<StepPlan>,
     noting: Option<StepPlan>,
+    /// Whether the tap being offered was noted.
     noted: bool,
     /// A decode step laid out in one arena is being offered (`offering_step` .. `end_pass`).
     offered: bool,
