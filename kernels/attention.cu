@@ -191,17 +191,14 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
 // to finish (counted in `counters`, which it resets for the next step) merges them, so a step
 // is one launch. Dynamic shared memory: max(head_dim + max(blockDim.x, head_dim), chunks + 2 *
 // head_dim) floats.
-extern "C" __global__ void attention_decode(const float* q, const float* keys,
-                                            const float* values, float* probs, float* part,
-                                            float* out, bf16_t* out_bf16,
-                                            unsigned int* counters, const int* meta, int split,
-                                            int heads, int kv_heads, int head_dim, int stride,
-                                            int chunks, float scale) {
-    PDL_ENTER();
+__device__ __forceinline__ void attention_decode_block(
+    int block, const float* q, const float* keys, const float* values, float* probs, float* part,
+    float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
+    int kv_heads, int head_dim, int stride, int chunks, float scale) {
     __shared__ float scratch[32];
     __shared__ float sc[DECODE_CHUNK];
     extern __shared__ float qs[];  // head_dim, then max(blockDim.x, head_dim) partial sums
-    int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
+    int h = block / chunks, c = block % chunks;
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
@@ -291,24 +288,52 @@ extern "C" __global__ void attention_decode(const float* q, const float* keys,
     merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }
 
+extern "C" __global__ void attention_decode(const float* q, const float* keys,
+                                            const float* values, float* probs, float* part,
+                                            float* out, bf16_t* out_bf16,
+                                            unsigned int* counters, const int* meta, int split,
+                                            int heads, int kv_heads, int head_dim, int stride,
+                                            int chunks, float scale) {
+    PDL_ENTER();
+    attention_decode_block(blockIdx.x, q, keys, values, probs, part, out, out_bf16, counters,
+                           meta, split, heads, kv_heads, head_dim, stride, chunks, scale);
+}
+
+// One decode token per side (`Sides`), each over its own cache: grid sides * per_side
+// (heads times the most chunks of any side), side-major; a side with fewer chunks leaves the
+// blocks past its own.
+extern "C" __global__ void attention_decode_sides(Sides q, Sides keys, Sides values, Sides probs,
+                                                  Sides part, Sides out, Sides out_bf16,
+                                                  Sides counters, Sides meta, SideInts split,
+                                                  int heads, int kv_heads, int head_dim,
+                                                  SideInts stride, SideInts chunks, int per_side,
+                                                  float scale) {
+    PDL_ENTER();
+    int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
+    if (b >= heads * side_int(chunks, s)) return;
+    attention_decode_block(b, at_side<const float>(q, s), at_side<const float>(keys, s),
+                           at_side<const float>(values, s), at_side<float>(probs, s),
+                           at_side<float>(part, s), at_side<float>(out, s),
+                           at_side<bf16_t>(out_bf16, s), at_side<unsigned int>(counters, s),
+                           at_side<const int>(meta, s), side_int(split, s), heads, kv_heads,
+                           head_dim, side_int(stride, s), side_int(chunks, s), scale);
+}
+
 // attention_decode for head_dim 128, built for latency: a decode step's attention is a chain
 // of dependent memory round trips, not a bandwidth problem (a few MB). Lane l holds dims
 // 4l..4l+3 as float4s; warp w takes keys start + w + j * DECODE_WARPS, and every key and value
 // of the block is loaded before the first reduction, so the chunk costs one round trip instead
 // of one per loop turn. Same output layout, probabilities and merge as attention_decode.
-extern "C" __global__ void attention_decode_128(const float* q, const float* keys,
-                                                const float* values, float* probs, float* part,
-                                                float* out, bf16_t* out_bf16,
-                                                unsigned int* counters, const int* meta,
-                                                int split, int heads, int kv_heads, int head_dim,
-                                                int stride, int chunks, float scale) {
+__device__ __forceinline__ void attention_decode_128_block(
+    int block, const float* q, const float* keys, const float* values, float* probs, float* part,
+    float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
+    int kv_heads, int stride, int chunks, float scale) {
     static_assert(DECODE_CHUNK == 64 && DECODE_WARPS == 8, "two scores per lane, 8 keys per warp");
-    PDL_ENTER();
     __shared__ float sc[DECODE_CHUNK];
     __shared__ float4 red[DECODE_WARPS][32];
     __shared__ float stat[2];
     extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
-    int h = blockIdx.x / chunks, c = blockIdx.x % chunks;
+    int h = block / chunks, c = block % chunks;
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * 128;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
@@ -393,6 +418,36 @@ extern "C" __global__ void attention_decode_128(const float* q, const float* key
     }
     if (!last_block_done(&counters[h], chunks)) return;
     merge_head(h, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
+}
+
+extern "C" __global__ void attention_decode_128(const float* q, const float* keys,
+                                                const float* values, float* probs, float* part,
+                                                float* out, bf16_t* out_bf16,
+                                                unsigned int* counters, const int* meta,
+                                                int split, int heads, int kv_heads, int head_dim,
+                                                int stride, int chunks, float scale) {
+    PDL_ENTER();
+    attention_decode_128_block(blockIdx.x, q, keys, values, probs, part, out, out_bf16, counters,
+                               meta, split, heads, kv_heads, stride, chunks, scale);
+}
+
+// attention_decode_sides for head_dim 128 (rows 16-byte aligned).
+extern "C" __global__ void attention_decode_128_sides(Sides q, Sides keys, Sides values,
+                                                      Sides probs, Sides part, Sides out,
+                                                      Sides out_bf16, Sides counters, Sides meta,
+                                                      SideInts split, int heads, int kv_heads,
+                                                      SideInts stride, SideInts chunks,
+                                                      int per_side, float scale) {
+    PDL_ENTER();
+    int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
+    if (b >= heads * side_int(chunks, s)) return;
+    attention_decode_128_block(b, at_side<const float>(q, s),
+                               at_side<const float>(keys, s), at_side<const float>(values, s),
+                               at_side<float>(probs, s), at_side<float>(part, s),
+                               at_side<float>(out, s), at_side<bf16_t>(out_bf16, s),
+                               at_side<unsigned int>(counters, s), at_side<const int>(meta, s),
+                               side_int(split, s), heads, kv_heads, side_int(stride, s),
+                               side_int(chunks, s), scale);
 }
 
 // Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes

@@ -110,3 +110,23 @@ __device__ __forceinline__ void pdl_trigger() {
         pdl_trigger(); \
         pdl_wait();    \
     } while (0)
+
+// Several caches' decode steps in one launch (the `_sides` kernels): each side has its own
+// buffers, so a kernel takes one address per side of every buffer it reads or writes, and the
+// weights once. Each side's arithmetic is the single kernel's, unchanged.
+#define MAX_SIDES 3
+struct Sides {
+    unsigned long long p[MAX_SIDES];
+};
+struct SideInts {
+    int v[MAX_SIDES];
+};
+// Picked by comparisons, not by indexing: a kernel parameter indexed by a run-time value is
+// copied to local memory by every thread first.
+template <class T>
+__device__ __forceinline__ T* at_side(Sides s, int i) {
+    return (T*)(i == 0 ? s.p[0] : i == 1 ? s.p[1] : s.p[2]);
+}
+__device__ __forceinline__ int side_int(SideInts s, int i) {
+    return i == 0 ? s.v[0] : i == 1 ? s.v[1] : s.v[2];
+}

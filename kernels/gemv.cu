@@ -106,10 +106,10 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
 // The fused RMSNorm + projection of a decode step (QKV, gate/up): every block normalises the
 // residual row itself (k values, a few KB from L2) into shared memory as the bf16 GEMV input,
 // so no launch and no last-block wait sits between the residual add and the projection after
-// its norm. Same arithmetic as add_rms_norm (its 256-thread sum order); block 0 writes the
-// normalised row in f32 (the norm's tap). Dynamic shared memory: k bf16.
+// its norm. Same arithmetic as add_rms_norm (its 256-thread sum order); the `first` block
+// writes the normalised row in f32 (the norm's tap). Dynamic shared memory: k bf16.
 __device__ void rms_norm_to_shared(const float* resid, const bf16_t* weight, int k, float eps,
-                                   bf16_t* xs, float* norm_out, float* scratch) {
+                                   bf16_t* xs, float* norm_out, float* scratch, bool first) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         float v = resid[i];
@@ -120,7 +120,7 @@ __device__ void rms_norm_to_shared(const float* resid, const bf16_t* weight, int
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         float o = bf16_to_f32(weight[i]) * (resid[i] * inv);
         xs[i] = f32_to_bf16(o);
-        if (blockIdx.x == 0) norm_out[i] = o;
+        if (first) norm_out[i] = o;
     }
     __syncthreads();
 }
@@ -137,7 +137,7 @@ extern "C" __global__ void gemv_norm_bf16(const float* resid, const bf16_t* norm
     Row<4> r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
-    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch);
+    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch, blockIdx.x == 0);
     if (row >= m) return;
     float acc = r.dot(xs);
     if ((threadIdx.x & 31) == 0) y[row] = acc;
@@ -159,7 +159,7 @@ extern "C" __global__ void gemv_norm_swiglu_bf16(const float* resid, const bf16_
         up.load(w + (size_t)(inter + j) * k, k);
     }
     pdl_wait();
-    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch);
+    rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch, blockIdx.x == 0);
     if (j >= inter) return;
     float g = gate.dot(xs);
     float u = up.dot(xs);
@@ -181,5 +181,119 @@ extern "C" __global__ void gemv_add_bf16(const bf16_t* __restrict__ x,
     if ((threadIdx.x & 31) == 0) {
         y[row] = acc;
         resid_out[row] = resid[row] + acc;
+    }
+}
+
+// The same GEMVs for several decode steps at once (one per side, see `Sides`), in one launch:
+// block b runs block b / sides of the single kernel for side b % sides, so the sides' blocks
+// of a weight row start together and the row comes from DRAM once (the other sides find it
+// in L2), while each side has the single kernel's warps and arithmetic (and its bits).
+extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y, int k,
+                                           int m, int sides) {
+    pdl_trigger();
+    int s = blockIdx.x % sides;
+    int row = blockIdx.x / sides * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    if (row >= m) return;
+    float acc = r.dot(at_side<const bf16_t>(x, s));
+    if ((threadIdx.x & 31) == 0) at_side<float>(y, s)[row] = acc;
+}
+
+extern "C" __global__ void gemv_add_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y,
+                                               int k, int m, Sides resid, Sides resid_out,
+                                               int sides) {
+    pdl_trigger();
+    int s = blockIdx.x % sides;
+    int row = blockIdx.x / sides * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<8> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    if (row >= m) return;
+    float acc = r.dot(at_side<const bf16_t>(x, s));
+    if ((threadIdx.x & 31) == 0) {
+        at_side<float>(y, s)[row] = acc;
+        at_side<float>(resid_out, s)[row] = at_side<const float>(resid, s)[row] + acc;
+    }
+}
+
+extern "C" __global__ void gemv_norm_bf16_sides(Sides resid, const bf16_t* norm_weight, float eps,
+                                                const bf16_t* __restrict__ w, Sides y, int k,
+                                                int m, Sides norm_out, int sides) {
+    __shared__ float scratch[32];
+    extern __shared__ __align__(16) bf16_t xs[];
+    pdl_trigger();
+    int s = blockIdx.x % sides, block = blockIdx.x / sides;
+    int row = block * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    rms_norm_to_shared(at_side<const float>(resid, s), norm_weight, k, eps, xs,
+                       at_side<float>(norm_out, s), scratch, block == 0);
+    if (row >= m) return;
+    float acc = r.dot(xs);
+    if ((threadIdx.x & 31) == 0) at_side<float>(y, s)[row] = acc;
+}
+
+extern "C" __global__ void gemv_norm_swiglu_bf16_sides(Sides resid, const bf16_t* norm_weight,
+                                                       float eps, const bf16_t* __restrict__ w,
+                                                       Sides out, int k, int inter,
+                                                       Sides norm_out, int sides) {
+    __shared__ float scratch[32];
+    extern __shared__ __align__(16) bf16_t xs[];
+    pdl_trigger();
+    int s = blockIdx.x % sides, block = blockIdx.x / sides;
+    int j = block * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<4> gate, up;
+    if (j < inter) {
+        gate.load(w + (size_t)j * k, k);
+        up.load(w + (size_t)(inter + j) * k, k);
+    }
+    pdl_wait();
+    rms_norm_to_shared(at_side<const float>(resid, s), norm_weight, k, eps, xs,
+                       at_side<float>(norm_out, s), scratch, block == 0);
+    if (j >= inter) return;
+    float g = gate.dot(xs);
+    float u = up.dot(xs);
+    if ((threadIdx.x & 31) == 0) at_side<bf16_t>(out, s)[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+}
+
+// gemv_add_norm_bf16 for several sides: each side's blocks are counted at its own counter,
+// and the last of them normalises that side's row.
+extern "C" __global__ void gemv_add_norm_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y,
+                                                    int k, int m, Sides resid, Sides resid_out,
+                                                    const bf16_t* norm_weight, Sides out,
+                                                    Sides out_bf16, float eps, Sides counter,
+                                                    int sides) {
+    __shared__ float scratch[32];
+    pdl_trigger();
+    int s = blockIdx.x % sides;
+    int row = blockIdx.x / sides * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    Row<8> r;
+    if (row < m) r.load(w + (size_t)row * k, k);
+    pdl_wait();
+    float* ys = at_side<float>(y, s);
+    if (row < m) {
+        float acc = r.dot(at_side<const bf16_t>(x, s));
+        if ((threadIdx.x & 31) == 0) ys[row] = acc;
+    }
+    if (!last_block_done(at_side<unsigned int>(counter, s), gridDim.x / sides)) return;
+    const float* rs = at_side<const float>(resid, s);
+    float* ro = at_side<float>(resid_out, s);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        float v = rs[i] + __ldcg(ys + i);
+        ro[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / m + eps);
+    float* o = at_side<float>(out, s);
+    bf16_t* ob = at_side<bf16_t>(out_bf16, s);
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        float v = bf16_to_f32(norm_weight[i]) * (ro[i] * inv);
+        o[i] = v;
+        ob[i] = f32_to_bf16(v);
     }
 }

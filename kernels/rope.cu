@@ -5,17 +5,15 @@
 // contiguous [token, head, head_dim], and puts each token's rotated key and its value at cache
 // entry base + t. `meta` holds the RoPE positions (n), the key positions (n), then base.
 // One block of head_dim threads per (token, q or k head).
-extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_heads, int head_dim,
-                                        const bf16_t* q_weight, const bf16_t* k_weight,
-                                        const int* meta, int n, const float* inv_freq,
-                                        float* q_normed, float* q_rotated, float* k_normed,
-                                        float* k_rotated, float* keys, float* values,
-                                        float eps, float rope_scale) {
-    PDL_ENTER();
+__device__ __forceinline__ void qk_norm_rope_block(
+    int block, const float* qkv, int heads, int kv_heads, int head_dim, const bf16_t* q_weight,
+    const bf16_t* k_weight, const int* meta, int n, const float* inv_freq, float* q_normed,
+    float* q_rotated, float* k_normed, float* k_rotated, float* keys, float* values, float eps,
+    float rope_scale) {
     __shared__ float scratch[32];
     extern __shared__ float row[];
     int per_token = heads + kv_heads, ld = (heads + 2 * kv_heads) * head_dim;
-    int t = blockIdx.x / per_token, hh = blockIdx.x % per_token, i = threadIdx.x;
+    int t = block / per_token, hh = block % per_token, i = threadIdx.x;
     bool is_k = hh >= heads;
     int head = is_k ? hh - heads : hh, nh = is_k ? kv_heads : heads;
     int col = is_k ? heads * head_dim + head * head_dim : head * head_dim;
@@ -42,6 +40,34 @@ extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_head
         keys[dst] = r;
         values[dst] = qkv[(size_t)t * ld + (heads + kv_heads) * head_dim + head * head_dim + i];
     }
+}
+
+extern "C" __global__ void qk_norm_rope(const float* qkv, int heads, int kv_heads, int head_dim,
+                                        const bf16_t* q_weight, const bf16_t* k_weight,
+                                        const int* meta, int n, const float* inv_freq,
+                                        float* q_normed, float* q_rotated, float* k_normed,
+                                        float* k_rotated, float* keys, float* values,
+                                        float eps, float rope_scale) {
+    PDL_ENTER();
+    qk_norm_rope_block(blockIdx.x, qkv, heads, kv_heads, head_dim, q_weight, k_weight, meta, n,
+                       inv_freq, q_normed, q_rotated, k_normed, k_rotated, keys, values, eps,
+                       rope_scale);
+}
+
+// One decode token per side (`Sides`): grid sides * (heads + kv_heads), side-major.
+extern "C" __global__ void qk_norm_rope_sides(Sides qkv, int heads, int kv_heads, int head_dim,
+                                              const bf16_t* q_weight, const bf16_t* k_weight,
+                                              Sides meta, const float* inv_freq, Sides q_normed,
+                                              Sides q_rotated, Sides k_normed, Sides k_rotated,
+                                              Sides keys, Sides values, float eps,
+                                              float rope_scale) {
+    PDL_ENTER();
+    int per_side = heads + kv_heads, s = blockIdx.x / per_side;
+    qk_norm_rope_block(blockIdx.x % per_side, at_side<const float>(qkv, s), heads, kv_heads, head_dim,
+                       q_weight, k_weight, at_side<const int>(meta, s), 1, inv_freq,
+                       at_side<float>(q_normed, s), at_side<float>(q_rotated, s),
+                       at_side<float>(k_normed, s), at_side<float>(k_rotated, s),
+                       at_side<float>(keys, s), at_side<float>(values, s), eps, rope_scale);
 }
 
 // Turns `n` cached keys (entries first.., every head) further by `delta` positions: RoPE

@@ -1,6 +1,8 @@
 """Benchmark peer and fixture builder for scripts/bench_cuda.sh (runs on the GPU machine).
 
-  bench_hf.py build TOKENIZER_DIR OUT_DIR PROMPT_FILE   random Qwen3-0.6B-shaped model + 512-token prompt
+  bench_hf.py build TOKENIZER_DIR OUT_DIR PROMPT_FILE [SHAPE]
+                                                         random Qwen3-0.6B-shaped model (SHAPE 4b:
+                                                         Qwen3-4B's) + 512-token prompt
   bench_hf.py time MODEL_DIR PROMPT_FILE NEW_TOKENS      HF transformers timings, JSON on stdout
   bench_hf.py ceilings                                   measured bandwidth and bf16 GEMM rate, JSON
   bench_hf.py prompt MODEL_DIR TOKENS PROMPT_FILE        a system + two contexts + query prompt of
@@ -21,13 +23,22 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 PROMPT_TOKENS = 512
 
 
-def build(tok_dir, out_dir, prompt_file):
+# Model shapes `build` makes: Qwen3-0.6B's (the benchmark's) and Qwen3-4B's, where a decode
+# step streams 8 GB of weights and is bound by it.
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32),
+}
+
+
+def build(tok_dir, out_dir, prompt_file, shape="0.6b"):
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151645,
-        bos_token_id=151643, torch_dtype="bfloat16",
+        bos_token_id=151643, torch_dtype="bfloat16", **SHAPES[shape],
     )
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
@@ -153,7 +164,7 @@ def ceilings():
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "build":
-        build(*sys.argv[2:5])
+        build(*sys.argv[2:6])
     elif cmd == "time":
         time_hf(*sys.argv[2:5])
     elif cmd == "prompt":

@@ -869,7 +869,8 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
 /// main stream: the report is the one a single side stream gives, and the one a single stream
 /// for everything gives, with the invariant's second reference running beside its path, clean
 /// and with a planted bug; and the one decode steps offered tap by tap give, rather than
-/// repeated from the first step's plan.
+/// repeated from the first step's plan; and with the sides' decode steps run as one pass (the
+/// default), the one they give run one by one.
 #[test]
 fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     if gpu().is_none() {
@@ -877,25 +878,50 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let prompt = fixture("prompts/task.json");
-    let run = |name: &str, env: &[(&str, &str)]| -> serde_json::Value {
-        let json = tmp.path().join(format!("{name}.json"));
-        let args = [
-            "compare",
-            "--backend",
-            "cuda",
-            "--paths",
-            "chunk-reuse:rerotate",
-            "--max-new-tokens",
-            "12",
-            "--json",
-            json.to_str().unwrap(),
-            prompt.to_str().unwrap(),
-        ];
-        let out = kvdiff(&args, env);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
-        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
-    };
+    // The default model (head_dim 64) and the random one (head_dim 128, whose decode
+    // attention has a kernel of its own).
+    for model in [None, Some(fixture("random-model"))] {
+        let run = |name: &str, env: &[(&str, &str)]| -> serde_json::Value {
+            let json = tmp.path().join(format!("{name}.json"));
+            let mut args = vec![
+                "compare",
+                "--backend",
+                "cuda",
+                "--paths",
+                "chunk-reuse:rerotate",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                json.to_str().unwrap(),
+                prompt.to_str().unwrap(),
+            ];
+            if let Some(m) = &model {
+                args.extend(["--model", m.to_str().unwrap()]);
+            }
+            let mut env = env.to_vec();
+            env.push(("KVDIFF_TIMING", "1"));
+            let out = kvdiff(&args, &env);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
+            // The three sides' decode steps ran as one pass unless turned off.
+            let off = env.contains(&("KVDIFF_CUDA_TOGETHER", "0"));
+            assert_eq!(
+                err.contains("cuda decode: steps enqueued together"),
+                !off,
+                "{name} ({model:?}): {err}"
+            );
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+        };
+        streams_report_alike(&run);
+    }
+}
+
+/// A compare run under a name, with environment variables, giving its JSON report.
+type NamedRun<'a> = &'a dyn Fn(&str, &[(&str, &str)]) -> serde_json::Value;
+
+/// The runs of `references_on_streams_of_their_own_report_what_one_stream_reports`, clean and
+/// with a planted bug.
+fn streams_report_alike(run: NamedRun<'_>) {
     // The planted bug acts on the path alone: its re-rotation turns keys the wrong way.
     for fault in [None, Some("rerotate-wrong-sign")] {
         let with_fault = |env: &[(&'static str, &'static str)]| {
@@ -920,17 +946,30 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
                 "the planted bug unseen: {own}"
             );
         }
-        let shared = run("shared", &with_fault(&[("KVDIFF_CUDA_SIDE_STREAMS", "1")]));
+        // Steps run one by one, the references' on side streams of their own.
+        let alone = [("KVDIFF_CUDA_TOGETHER", "0")];
+        let apart = run("apart", &with_fault(&alone));
+        assert_eq!(apart, own, "steps run one by one ({fault:?})");
+        let shared = run(
+            "shared",
+            &with_fault(&[alone[0], ("KVDIFF_CUDA_SIDE_STREAMS", "1")]),
+        );
         assert_eq!(
             shared, own,
             "one side stream for both references ({fault:?})"
         );
-        let main = run("main", &with_fault(&[("KVDIFF_CUDA_SIDE_STREAM", "0")]));
+        let main = run(
+            "main",
+            &with_fault(&[alone[0], ("KVDIFF_CUDA_SIDE_STREAM", "0")]),
+        );
         assert_eq!(main, own, "everything on the main stream ({fault:?})");
         // Decode steps repeated from the first one's plan (the default) report what steps
         // whose every tap is offered and diffed anew report.
         let offered = run("offered", &with_fault(&[("KVDIFF_CUDA_REPEAT_STEPS", "0")]));
         assert_eq!(offered, own, "every decode step offered ({fault:?})");
+        // Without graphs, the joint kernels are launched one by one.
+        let eager = run("eager", &with_fault(&[("KVDIFF_CUDA_GRAPHS", "0")]));
+        assert_eq!(eager, own, "decode steps without graphs ({fault:?})");
     }
 }
 

@@ -735,14 +735,12 @@ impl TapSink for Comparator<'_> {
             // The plan is this step's when every tap was noted, else there is none.
             self.plan = self.noting.take();
         }
+        // The previous pass's summaries, copied back while this one ran, are booked; this
+        // pass's diffs are launched and their summaries start coming back at once, so the
+        // copy is queued before whatever the next pass enqueues (a decode step run together
+        // with others' is enqueued before any of its sinks sees it).
         self.finish_flush();
         self.diffs.launch();
-    }
-
-    fn begin_step(&mut self, _step: usize, _tokens: &[u32], _positions: &[usize]) {
-        // The previous passes' summaries are copied back while this pass runs, and booked at
-        // its end (`end_pass`), so the host's booking overlaps the GPU's work.
-        self.finish_flush();
         self.start_flush();
     }
 

@@ -655,6 +655,22 @@ impl Lockstep {
             crate::support::progress::note(|| {
                 format!("decode step {step}/{}", spec.max_new_tokens)
             });
+            // One model under every side: the steps run as one pass where the device can,
+            // each weight read once for all; each side's forward_step below then only offers
+            // its taps.
+            if specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model)) {
+                let together = |split| Batch {
+                    cascade_split: split,
+                    ..Batch::new(&fed, &pos)
+                };
+                let mut steps: Vec<_> = self
+                    .sides
+                    .iter_mut()
+                    .map(|side| (together(side.split), &mut side.cache))
+                    .chain(std::iter::once((together(self.split), &mut self.cache)))
+                    .collect();
+                spec.path_model.decode_together(&mut steps);
+            }
             let span = crate::support::timing::span("compare: reference decode step");
             ref_logits = specs
                 .iter()

@@ -106,7 +106,8 @@ impl DeviceLogits for CudaLogits {
         *self.argmax.get_or_init(|| match (self.side, &self.own) {
             (Some(side), _) => self.gpu.download_u32_on_side(side, self.pick),
             (None, Some((_, pick))) => self.gpu.download(pick, 1)[0],
-            (None, None) => unreachable!("a main-stream decode step reads its argmax at once"),
+            // A step enqueued with others' (`decode_together`).
+            (None, None) => self.gpu.download_u32_at(self.pick),
         })
     }
 
@@ -172,6 +173,10 @@ impl DeviceModel for CudaModel {
         sink: &mut dyn TapSink,
     ) {
         self.rerotate_keys(cache, delta, positions, sink)
+    }
+
+    fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        CudaModel::decode_together(self, steps)
     }
 
     fn decode_on_side_stream(&self, cache: &mut KvCache) {
@@ -241,7 +246,7 @@ impl CudaModel {
     }
 
     /// Gives `cache` a device copy (from its host entries) with room for `n` more, if missing.
-    fn ensure_device_cache(&self, cache: &mut KvCache, n: usize) {
+    pub(super) fn ensure_device_cache(&self, cache: &mut KvCache, n: usize) {
         if cache.device_mut::<CudaKv>().is_none() {
             let kv = CudaKv::upload(&self.gpu, cache, n);
             cache.set_device(Box::new(kv));
@@ -250,7 +255,7 @@ impl CudaModel {
 
     /// The pass's inputs in one upload: tokens, RoPE positions, key positions, base, and the
     /// base attention masks by.
-    fn pass_meta(&self, batch: Batch<'_>, base: usize) -> Vec<i32> {
+    pub(super) fn pass_meta(&self, batch: Batch<'_>, base: usize) -> Vec<i32> {
         let n = batch.tokens.len();
         let mut meta: Vec<i32> = batch.tokens.iter().map(|&t| t as i32).collect();
         meta.extend(batch.rope_positions.iter().map(|&p| p as i32));
@@ -281,7 +286,12 @@ impl CudaModel {
         let g = &*self.gpu;
         let c = &self.config;
         let kernels = crate::support::timing::span("cuda decode: enqueue or replay");
-        let on_side = self.replay_decode(kv, pass);
+        // Enqueued already, with other caches' steps: its argmax is read when asked for too.
+        let together = std::mem::take(&mut kv.queued);
+        let on_side = match together {
+            true => None,
+            false => self.replay_decode(kv, pass),
+        };
         let state = kv.decode.as_ref().expect("decode state");
         drop(kernels);
         let offered = crate::support::timing::span("cuda decode: taps offered");
@@ -329,7 +339,7 @@ impl CudaModel {
             let _wait = crate::support::timing::span("cuda decode: argmax download (GPU wait)");
             // A side-stream step's argmax is read when asked for, so that the caller can
             // enqueue the next pass first.
-            let argmax = if on_side.is_some() {
+            let argmax = if on_side.is_some() || together {
                 OnceCell::new()
             } else {
                 OnceCell::from(g.download(&ws.pick, 1)[0])
@@ -357,13 +367,7 @@ impl CudaModel {
         let cap = kv.capacity();
         let key = (cap, pass.split, pass.kv_ptrs[0].0);
         let side = kv.side;
-        let state = match &mut kv.decode {
-            Some(s) if s.ws.probs_stride == cap => s,
-            slot => slot.insert(DecodeState {
-                ws: Workspace::new(g, &self.config, 1, cap, true, true),
-                graph: None,
-            }),
-        };
+        let state = self.decode_state(kv);
         let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
         if let Some(slot) = side.filter(|_| g.side_enabled() && !fresh) {
             let graph = &state.graph.as_ref().expect("captured").1;
@@ -392,6 +396,19 @@ impl CudaModel {
             state.graph.as_ref().expect("captured").1.launch();
         }
         None
+    }
+
+    /// The cache's decode arena, made anew when the cache's capacity changed.
+    pub(super) fn decode_state<'k>(&self, kv: &'k mut CudaKv) -> &'k mut DecodeState {
+        let cap = kv.capacity();
+        if kv.decode.as_ref().is_none_or(|s| s.ws.probs_stride != cap) {
+            kv.decode = Some(DecodeState {
+                ws: Workspace::new(&self.gpu, &self.config, 1, cap, true, true),
+                graph: None,
+                together: None,
+            });
+        }
+        kv.decode.as_mut().expect("made above")
     }
 
     /// Every kernel of a decode step, ending in the argmax of its logits.
@@ -980,11 +997,7 @@ impl CudaModel {
     /// Whether a pass runs the fused decode kernels: one token, and every projection's input
     /// a whole number of 16-byte vectors.
     fn fused_decode(&self, ws: &Workspace) -> bool {
-        let c = &self.config;
-        ws.rows == 1
-            && [c.hidden_size, c.q_dim(), c.intermediate_size]
-                .iter()
-                .all(|k| k % 8 == 0)
+        ws.rows == 1 && fused_shape(&self.config)
     }
 
     /// `y = x · wᵀ` (k inputs, hidden outputs), then `resid_out = resid + y` and its RMSNorm
@@ -1050,4 +1063,12 @@ impl CudaModel {
             vocab,
         );
     }
+}
+
+/// Whether every projection's input of this model is a whole number of 16-byte vectors, as
+/// the fused decode GEMVs read them.
+pub(super) fn fused_shape(c: &crate::engine::config::Config) -> bool {
+    [c.hidden_size, c.q_dim(), c.intermediate_size]
+        .iter()
+        .all(|k| k % 8 == 0)
 }

@@ -66,6 +66,14 @@ const KERNELS: &[&str] = &[
     "gemv_norm_swiglu_bf16",
     "gemv_add_bf16",
     "logits_agreement",
+    "gemv_bf16_sides",
+    "gemv_add_bf16_sides",
+    "gemv_norm_bf16_sides",
+    "gemv_norm_swiglu_bf16_sides",
+    "gemv_add_norm_bf16_sides",
+    "qk_norm_rope_sides",
+    "attention_decode_128_sides",
+    "attention_decode_sides",
 ];
 
 pub(super) const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda) and NVRTC installed and on the library path (cuBLAS too before sm_80), or use --backend cpu";
@@ -167,6 +175,9 @@ pub struct Gpu {
     /// Whether a decode step laid out as the one before may be repeated by its sinks instead
     /// of offered (`TapSink::repeat_step`; not with `KVDIFF_CUDA_REPEAT_STEPS=0`).
     repeat_steps: bool,
+    /// Whether lockstep decode steps through one model may run as one pass
+    /// (`CudaModel::decode_together`; not with `KVDIFF_CUDA_TOGETHER=0`).
+    together: bool,
     /// Who computes the GEMMs of passes of more than one token.
     gemm: Gemm,
     /// Streaming multiprocessors: a GEMM's tile is the largest that gives each one work.
@@ -470,6 +481,7 @@ impl Gpu {
                 .unwrap_or(SIDE_STREAMS)
                 .clamp(1, SIDE_STREAMS),
             repeat_steps: std::env::var("KVDIFF_CUDA_REPEAT_STEPS").as_deref() != Ok("0"),
+            together: std::env::var("KVDIFF_CUDA_TOGETHER").as_deref() != Ok("0"),
             gemm,
             sms,
             tiled_gemm: major >= 8,
@@ -606,6 +618,11 @@ impl Gpu {
         self.repeat_steps
     }
 
+    /// Whether lockstep decode steps may run as one pass (`CudaModel::decode_together`).
+    pub fn together(&self) -> bool {
+        self.together
+    }
+
     /// Whether decode steps of caches that ask for it run on a side stream.
     pub fn side_enabled(&self) -> bool {
         self.side_enabled && self.graphs
@@ -641,6 +658,17 @@ impl Gpu {
         .expect("CUDA graph launch");
         self.side_pending
             .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// One u32 at device address `at`, written by main-stream work, once that work is done.
+    pub fn download_u32_at(&self, at: u64) -> u32 {
+        let s = self.stream();
+        let mut v = [0u32];
+        // Safety: `at` is a live u32 written by work on this stream; waited for below.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, s.cu_stream()) }
+            .expect("CUDA download");
+        s.synchronize().expect("CUDA synchronize");
+        v[0]
     }
 
     /// One u32 at device address `at`, read on side stream `slot` (waiting for it alone).
@@ -958,6 +986,8 @@ impl Gpu {
                     Arg::I32(v) => b.arg(v),
                     Arg::U32(v) => b.arg(v),
                     Arg::F32(v) => b.arg(v),
+                    Arg::Sides(v) => b.arg(v),
+                    Arg::SideInts(v) => b.arg(v),
                 };
             }
             let cfg = LaunchConfig {
@@ -990,6 +1020,8 @@ impl Gpu {
                 Arg::I32(v) => v as *const i32 as *mut _,
                 Arg::U32(v) => v as *const u32 as *mut _,
                 Arg::F32(v) => v as *const f32 as *mut _,
+                Arg::Sides(v) => v.as_ptr() as *mut _,
+                Arg::SideInts(v) => v.as_ptr() as *mut _,
             })
             .collect();
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
@@ -1041,6 +1073,11 @@ pub enum Arg {
     I32(i32),
     U32(u32),
     F32(f32),
+    /// One address per side of a `_sides` kernel (`Sides` in kernels/common.cuh), unused
+    /// sides zero.
+    Sides([u64; super::together::MAX_SIDES]),
+    /// One int per side (`SideInts`).
+    SideInts([i32; super::together::MAX_SIDES]),
 }
 
 /// The raw device address of element `offset` of `s`.

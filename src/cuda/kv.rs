@@ -24,6 +24,9 @@ pub struct CudaKv {
     pub(crate) last_pass: Option<super::workspace::Workspace>,
     /// The side stream decode steps replay on (`Model::decode_on_side_stream`), if any.
     pub side: Option<usize>,
+    /// Set when the next decode step's kernels were enqueued with other caches' steps
+    /// (`CudaModel::decode_together`): that step only offers its taps.
+    pub(crate) queued: bool,
 }
 
 impl CudaKv {
@@ -65,6 +68,7 @@ impl CudaKv {
             decode: None,
             last_pass: None,
             side: None,
+            queued: false,
         }
     }
 
@@ -137,6 +141,7 @@ impl DeviceKv for CudaKv {
             decode: None,
             last_pass: None,
             side: None,
+            queued: false,
         })
     }
 

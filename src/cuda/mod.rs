@@ -18,6 +18,7 @@ mod kv;
 mod launch;
 mod stream_load;
 mod taps;
+mod together;
 mod upload;
 mod workspace;
 

@@ -13,6 +13,9 @@ pub struct DecodeState {
     pub(super) ws: Workspace,
     /// The graph and what it was captured for: (KV capacity, cascade split, first key buffer).
     pub(super) graph: Option<((usize, usize, u64), Graph)>,
+    /// The graph of decode steps run together with other caches' (`decode_together`), kept
+    /// by the first of them, and the addresses and sizes it was captured for.
+    pub(super) together: Option<(Vec<u64>, Graph)>,
 }
 
 /// A sparse layer's routing of one pass: (layer, router logits `[n, experts]`, chosen experts

@@ -40,6 +40,11 @@ pub trait DeviceModel: Send + Sync {
         positions: &[usize],
         sink: &mut dyn TapSink,
     );
+    /// Enqueues the one-token steps `steps` (each over its own cache, all through this
+    /// model) as one pass, where the device can: see `Model::decode_together`.
+    fn decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        false
+    }
     fn decode_on_side_stream(&self, cache: &mut KvCache);
     fn as_any(&self) -> &dyn Any;
 }

@@ -1,0 +1,407 @@
+//! Decode steps of several caches through one model as one pass. A compare's references and
+//! its path decode the same token with the same weights each step; run one by one, every
+//! step reads all the weights again (1.2 GB a step for Qwen3-0.6B), and the GEMVs, which only
+//! stream weights, are most of a step. Together, each kernel takes every side in one launch
+//! (the `_sides` kernels), the GEMVs' blocks interleaved by side so that a weight row comes
+//! from DRAM once and from L2 for the other sides.
+//!
+//! Every side keeps its own arena, so its taps, logits and argmax land where its own step
+//! would have put them, with the same bits: the joint kernels run each side's arithmetic
+//! unchanged. `KVDIFF_CUDA_TOGETHER=0` runs the steps one by one instead.
+
+use super::forward::fused_shape;
+use super::gpu::{ptr, Arg};
+use super::kv::CudaKv;
+use super::launch::{launch_argmax, DECODE_THREADS};
+use super::upload::CudaModel;
+use super::workspace::LayerIo;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::pass::Batch;
+
+/// Most caches one joint step takes (`MAX_SIDES` in kernels/common.cuh).
+pub(crate) const MAX_SIDES: usize = 3;
+
+/// What the kernels of one side's step need: its arena's addresses, its cache's buffers, its
+/// cascade split.
+struct SidePlan {
+    io: Vec<LayerIo>,
+    kv: Vec<(u64, u64)>,
+    split: usize,
+    chunks: usize,
+    stride: usize,
+    tokens: u64,
+    rope_meta: u64,
+    attn_meta: u64,
+    counters: u64,
+    attn_bf: u64,
+    act_bf: u64,
+    xn_bf: u64,
+    logits: u64,
+    pick: u64,
+}
+
+impl SidePlan {
+    /// Whether the fused GEMVs' vector loads may read this side's bf16 rows, as its own step
+    /// would have them (`project_add_norm` and the LM head fall back to GEMMs otherwise).
+    fn gemv_aligned(&self) -> bool {
+        (self.act_bf | self.xn_bf | self.attn_bf) % 16 == 0
+    }
+
+    /// Whether every layer's attention rows take `attention_decode_128`'s float4 loads.
+    fn attention_aligned(&self) -> bool {
+        self.io
+            .iter()
+            .zip(&self.kv)
+            .all(|(io, &(k, v))| (io.q_r | k | v) % 16 == 0)
+    }
+}
+
+/// One address per side, unused sides zero.
+fn sides(plans: &[SidePlan], f: impl Fn(&SidePlan) -> u64) -> Arg {
+    let mut a = [0u64; MAX_SIDES];
+    for (slot, p) in a.iter_mut().zip(plans) {
+        *slot = f(p);
+    }
+    Arg::Sides(a)
+}
+
+fn side_ints(plans: &[SidePlan], f: impl Fn(&SidePlan) -> usize) -> Arg {
+    let mut a = [0i32; MAX_SIDES];
+    for (slot, p) in a.iter_mut().zip(plans) {
+        *slot = f(p) as i32;
+    }
+    Arg::SideInts(a)
+}
+
+impl CudaModel {
+    /// Enqueues the one-token steps `steps` (each over its own cache) as one pass; each
+    /// step's `forward_step` then finds its kernels queued and only offers its taps. Returns
+    /// false, having enqueued nothing, where they cannot run together: turned off, fewer than
+    /// two or more than `MAX_SIDES` steps, a step of several tokens, a sparse model, sliding
+    /// windows, or rows the vector loads of a side's own step would not take.
+    pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        let c = &self.config;
+        let shape_ok = self.gpu.together()
+            && (2..=MAX_SIDES).contains(&steps.len())
+            && steps.iter().all(|(b, _)| b.tokens.len() == 1)
+            && c.arch.moe.is_none()
+            && (0..c.num_hidden_layers).all(|l| c.arch.window(l).is_none())
+            && fused_shape(c);
+        if !shape_ok {
+            return false;
+        }
+        let _span = crate::support::timing::span("cuda decode: steps enqueued together");
+        let g = &*self.gpu;
+        // What a captured graph depends on besides the weights: each side's arena (its sizes
+        // follow the cache's capacity) and KV buffers, which `reserve` replaces all at once
+        // while the old ones still live (the first layer's stand for all).
+        let mut key = vec![ptr(g, &self.embed, 0), steps.len() as u64];
+        let mut metas = Vec::with_capacity(steps.len());
+        for (batch, cache) in steps.iter_mut() {
+            self.ensure_device_cache(cache, 1);
+            let base = cache.len();
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            kv.reserve(1);
+            metas.push(self.pass_meta(*batch, base));
+            let buffers = [kv.key_ptr(0), kv.value_ptr(0)];
+            let ws = &self.decode_state(kv).ws;
+            key.extend([
+                batch.cascade_split as u64,
+                ws.probs_stride as u64,
+                ptr(g, &ws.f, 0),
+                ptr(g, &ws.bf, 0),
+                ws.meta_ptr(g, 0),
+                ptr(g, &ws.counters, 0),
+                ptr(g, &ws.pick, 0),
+            ]);
+            key.extend(buffers);
+        }
+        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let captured = g.graphs()
+            && first
+                .decode
+                .as_ref()
+                .and_then(|s| s.together.as_ref())
+                .is_some_and(|(k, _)| *k == key);
+        let plans = match captured {
+            true => Vec::new(),
+            false => {
+                let plans = self.plans(steps);
+                // Each side's attention must be the kernel its own step would run: with
+                // head_dim 128, the float4 one on every side and layer, or none.
+                let wide = c.head_dim == 128;
+                if !plans.iter().all(SidePlan::gemv_aligned)
+                    || wide && !plans.iter().all(SidePlan::attention_aligned)
+                {
+                    return false;
+                }
+                plans
+            }
+        };
+        for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            let ws = &mut kv.decode.as_mut().expect("decode state").ws;
+            g.stream()
+                .memcpy_htod(meta, &mut ws.meta)
+                .expect("CUDA upload");
+            kv.queued = true;
+        }
+        let run = || self.kernels_together(&plans);
+        if !g.graphs() {
+            run();
+            return true;
+        }
+        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let state = first.decode.as_mut().expect("decode state");
+        match &state.together {
+            Some((_, graph)) if captured => graph.launch(),
+            _ => {
+                let graph = g.capture(run);
+                graph.launch();
+                state.together = Some((key, graph));
+            }
+        }
+        true
+    }
+
+    /// Every address the sides' kernels use (each cache already has its arena).
+    fn plans(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> Vec<SidePlan> {
+        let g = &*self.gpu;
+        let layers = self.config.num_hidden_layers;
+        steps
+            .iter_mut()
+            .map(|(batch, cache)| {
+                let kv = cache.device_mut::<CudaKv>().expect("device cache");
+                let kv_ptrs = (0..layers)
+                    .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
+                    .collect();
+                let ws = &kv.decode.as_ref().expect("decode state").ws;
+                SidePlan {
+                    io: (0..layers).map(|l| ws.io(g, l)).collect(),
+                    kv: kv_ptrs,
+                    split: batch.cascade_split,
+                    chunks: ws.chunks,
+                    stride: ws.probs_stride,
+                    tokens: ws.meta_ptr(g, 0),
+                    rope_meta: ws.meta_ptr(g, 1),
+                    attn_meta: ws.meta_ptr(g, 4),
+                    counters: ptr(g, &ws.counters, 0),
+                    attn_bf: ws.attn_bf(g),
+                    act_bf: ws.act_bf(g),
+                    xn_bf: ws.xn_bf(g),
+                    logits: ws.logits_ptr(g),
+                    pick: ptr(g, &ws.pick, 0),
+                }
+            })
+            .collect()
+    }
+
+    /// Every kernel of the sides' steps: per side the embedding, then per layer the joint
+    /// QKV projection (with its norm), RoPE and KV append, attention, o_proj, gate/up with
+    /// SwiGLU, down (with the final norm after the last layer), the joint LM head and each
+    /// side's argmax. The order and arithmetic of `decode_kernels`, side by side.
+    fn kernels_together(&self, plans: &[SidePlan]) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let n = plans.len() as i32;
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd, inter, vocab) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+        let eps = c.rms_norm_eps;
+        let pb = |s: &cudarc::driver::CudaSlice<u16>| ptr(g, s, 0);
+        // Each side gets the single kernel's blocks (8 rows each), interleaved.
+        let rows = |m: usize| (m.div_ceil(8) * plans.len()) as u32;
+        for p in plans {
+            g.launch(
+                "embed",
+                1,
+                256,
+                0,
+                &[
+                    Arg::Ptr(pb(&self.embed)),
+                    Arg::Ptr(p.tokens),
+                    Arg::Ptr(p.io[0].x_in),
+                    Arg::I32(h as i32),
+                ],
+            );
+        }
+        let chunks = plans.iter().map(|p| p.chunks).max().unwrap_or(0);
+        let attn_shared = (hd + hd.max(DECODE_THREADS as usize)).max(chunks + 2 * hd) * 4;
+        for (l, w) in self.layers.iter().enumerate() {
+            let io = |f: fn(&LayerIo) -> u64| sides(plans, |p| f(&p.io[l]));
+            g.launch(
+                "gemv_norm_bf16_sides",
+                rows(qd + 2 * kvd),
+                256,
+                (h * 2) as u32,
+                &[
+                    io(|i| i.x_in),
+                    Arg::Ptr(pb(&w.input_norm)),
+                    Arg::F32(eps),
+                    Arg::Ptr(pb(&w.qkv)),
+                    io(|i| i.qkv),
+                    Arg::I32(h as i32),
+                    Arg::I32((qd + 2 * kvd) as i32),
+                    io(|i| i.attn_norm),
+                    Arg::I32(n),
+                ],
+            );
+            if let Some(bias) = &w.qkv_bias {
+                for p in plans {
+                    g.launch(
+                        "add_bias",
+                        (qd + 2 * kvd).div_ceil(256) as u32,
+                        256,
+                        0,
+                        &[
+                            Arg::Ptr(p.io[l].qkv),
+                            Arg::Ptr(ptr(g, bias, 0)),
+                            Arg::I32((qd + 2 * kvd) as i32),
+                            Arg::I32(1),
+                        ],
+                    );
+                }
+            }
+            let norm = |s: &Option<cudarc::driver::CudaSlice<u16>>| s.as_ref().map_or(0, pb);
+            g.launch(
+                "qk_norm_rope_sides",
+                (plans.len() * (heads + kvh)) as u32,
+                hd as u32,
+                (hd * 4) as u32,
+                &[
+                    io(|i| i.qkv),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::Ptr(norm(&w.q_norm)),
+                    Arg::Ptr(norm(&w.k_norm)),
+                    sides(plans, |p| p.rope_meta),
+                    Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                    io(|i| i.q_n),
+                    io(|i| i.q_r),
+                    io(|i| i.k_n),
+                    io(|i| i.k_r),
+                    sides(plans, |p| p.kv[l].0),
+                    sides(plans, |p| p.kv[l].1),
+                    Arg::F32(eps),
+                    Arg::F32(self.rope_scale),
+                ],
+            );
+            let mut attention = vec![
+                io(|i| i.q_r),
+                sides(plans, |p| p.kv[l].0),
+                sides(plans, |p| p.kv[l].1),
+                io(|i| i.probs),
+                io(|i| i.part),
+                io(|i| i.attn),
+                sides(plans, |p| p.attn_bf),
+                sides(plans, |p| p.counters),
+                sides(plans, |p| p.attn_meta),
+                side_ints(plans, |p| p.split),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+            ];
+            if hd != 128 {
+                attention.push(Arg::I32(hd as i32));
+            }
+            attention.extend([
+                side_ints(plans, |p| p.stride),
+                side_ints(plans, |p| p.chunks),
+                Arg::I32((heads * chunks) as i32),
+                Arg::F32(1.0 / (hd as f32).sqrt()),
+            ]);
+            g.launch(
+                match hd {
+                    128 => "attention_decode_128_sides",
+                    _ => "attention_decode_sides",
+                },
+                (plans.len() * heads * chunks) as u32,
+                DECODE_THREADS,
+                attn_shared as u32,
+                &attention,
+            );
+            g.launch(
+                "gemv_add_bf16_sides",
+                rows(h),
+                256,
+                0,
+                &[
+                    sides(plans, |p| p.attn_bf),
+                    Arg::Ptr(pb(&w.o)),
+                    io(|i| i.o),
+                    Arg::I32(qd as i32),
+                    Arg::I32(h as i32),
+                    io(|i| i.x_in),
+                    io(|i| i.mid),
+                    Arg::I32(n),
+                ],
+            );
+            g.launch(
+                "gemv_norm_swiglu_bf16_sides",
+                rows(inter),
+                256,
+                (h * 2) as u32,
+                &[
+                    io(|i| i.mid),
+                    Arg::Ptr(pb(&w.post_norm)),
+                    Arg::F32(eps),
+                    Arg::Ptr(pb(&w.gate_up)),
+                    sides(plans, |p| p.act_bf),
+                    Arg::I32(h as i32),
+                    Arg::I32(inter as i32),
+                    io(|i| i.mlp_norm),
+                    Arg::I32(n),
+                ],
+            );
+            let down = [
+                sides(plans, |p| p.act_bf),
+                Arg::Ptr(pb(&w.down)),
+                io(|i| i.mlp),
+                Arg::I32(inter as i32),
+                Arg::I32(h as i32),
+                io(|i| i.mid),
+                io(|i| i.x_out),
+            ];
+            if l + 1 < self.layers.len() {
+                let mut args = Vec::from(down);
+                args.push(Arg::I32(n));
+                g.launch("gemv_add_bf16_sides", rows(h), 256, 0, &args);
+            } else {
+                // The last down projection, its residual and the final norm, whose bf16 row
+                // is the LM head's input; each side's counter counts its blocks.
+                let mut args = Vec::from(down);
+                args.extend([
+                    Arg::Ptr(pb(&self.norm)),
+                    io(|i| i.norm_out),
+                    sides(plans, |p| p.xn_bf),
+                    Arg::F32(eps),
+                    sides(plans, |p| p.counters + 4 * heads as u64),
+                    Arg::I32(n),
+                ]);
+                g.launch("gemv_add_norm_bf16_sides", rows(h), 256, 0, &args);
+            }
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        g.launch(
+            "gemv_bf16_sides",
+            rows(vocab),
+            256,
+            0,
+            &[
+                sides(plans, |p| p.xn_bf),
+                Arg::Ptr(pb(head)),
+                sides(plans, |p| p.logits),
+                Arg::I32(h as i32),
+                Arg::I32(vocab as i32),
+                Arg::I32(n),
+            ],
+        );
+        for p in plans {
+            launch_argmax(g, p.logits, vocab, p.pick);
+        }
+    }
+}
