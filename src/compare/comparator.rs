@@ -36,11 +36,18 @@ pub(crate) struct ReferenceRecorder {
     /// is not offered, and the comparator moves its taps on (`Comparator::set_reference`).
     may_repeat: Option<StepLayout>,
     repeated: Option<(usize, Vec<usize>, StepLayout)>,
-    /// The one pass whose buffers taps are held by (`DeviceTap::owner`): a reference that
-    /// prefills in several passes copies the others' taps, so that it holds at most one
-    /// pass's buffers beyond what it keeps anyway.
-    holding: Option<usize>,
+    /// The passes whose buffers taps are held by (`DeviceTap::owner`), and their bytes: a
+    /// reference that prefills in several passes holds them while they stay within
+    /// `HOLD_BYTES` (the first always), and copies the later passes' taps.
+    held: Vec<usize>,
+    held_bytes: usize,
 }
+
+/// Bytes of pass buffers one reference may hold in all (its first pass's whatever their
+/// size), instead of copying the taps it wants out of them. A held pass costs at most about twice the copies it saves
+/// (it is held only where most of a layer's taps are wanted); a prompt of a few thousand
+/// tokens holds every pass, a long one holds the first and copies.
+const HOLD_BYTES: usize = 2 << 30;
 
 impl ReferenceRecorder {
     pub(crate) fn new(filter: &TapFilter, layers: usize) -> Self {
@@ -53,7 +60,8 @@ impl ReferenceRecorder {
             by_address: true,
             may_repeat: None,
             repeated: None,
-            holding: None,
+            held: Vec::new(),
+            held_bytes: 0,
         }
     }
 
@@ -102,13 +110,15 @@ impl TapSink for ReferenceRecorder {
         match &mut self.device {
             Some(kept) => {
                 let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
-                let hold = match tap.owner {
-                    Some(o) => {
-                        let id = std::sync::Arc::as_ptr(o) as *const () as usize;
-                        *self.holding.get_or_insert(id) == id
+                let hold = tap.owner.is_some_and(|(o, bytes)| {
+                    let id = std::sync::Arc::as_ptr(o) as *const () as usize;
+                    let fits = self.held.is_empty() || self.held_bytes + bytes <= HOLD_BYTES;
+                    if !self.held.contains(&id) && fits {
+                        self.held.push(id);
+                        self.held_bytes += bytes;
                     }
-                    None => false,
-                };
+                    self.held.contains(&id)
+                });
                 let r = DeviceRecorded::keep(step, tap, self.borrow, hold);
                 self.by_address &= r.by_address();
                 kept.push(r);

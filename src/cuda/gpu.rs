@@ -1067,6 +1067,9 @@ impl Graph {
     }
 }
 
+/// Most caches one `_sides` launch takes (`MAX_SIDES` in kernels/common.cuh).
+pub(crate) const MAX_SIDES: usize = 3;
+
 /// A kernel argument.
 pub enum Arg {
     Ptr(u64),
@@ -1075,9 +1078,9 @@ pub enum Arg {
     F32(f32),
     /// One address per side of a `_sides` kernel (`Sides` in kernels/common.cuh), unused
     /// sides zero.
-    Sides([u64; super::together::MAX_SIDES]),
+    Sides([u64; MAX_SIDES]),
     /// One int per side (`SideInts`).
-    SideInts([i32; super::together::MAX_SIDES]),
+    SideInts([i32; MAX_SIDES]),
 }
 
 /// The raw device address of element `offset` of `s`.

@@ -156,7 +156,7 @@ impl CudaModel {
                 persistent: ws.per_layer,
                 shape: vec![n, heads, span],
                 parts: None,
-                owner: ws.keep.as_ref(),
+                owner: ws.kept(),
             };
             if !(t.lead.is_some() && sink.record_device(t.step, &probs)) {
                 let rows = g.download_rows(io.probs, n * heads, span, ws.probs_stride);
@@ -250,7 +250,7 @@ fn offer(
         shape,
         at,
         stride,
-        (ws.per_layer, ws.keep.as_ref()),
+        (ws.per_layer, ws.kept()),
     );
 }
 
@@ -267,7 +267,7 @@ pub(super) fn offer_at(
     shape: &[usize],
     at: u64,
     stride: usize,
-    (persistent, owner): (bool, Option<&Device>),
+    (persistent, owner): (bool, Option<(&Device, usize)>),
 ) {
     if !sink.table().wants(id) {
         return;

@@ -10,16 +10,13 @@
 //! unchanged. `KVDIFF_CUDA_TOGETHER=0` runs the steps one by one instead.
 
 use super::forward::fused_shape;
-use super::gpu::{ptr, Arg};
+use super::gpu::{ptr, Arg, MAX_SIDES};
 use super::kv::CudaKv;
 use super::launch::{launch_argmax, DECODE_THREADS};
 use super::upload::CudaModel;
 use super::workspace::LayerIo;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::Batch;
-
-/// Most caches one joint step takes (`MAX_SIDES` in kernels/common.cuh).
-pub(crate) const MAX_SIDES: usize = 3;
 
 /// What the kernels of one side's step need: its arena's addresses, its cache's buffers, its
 /// cascade split.

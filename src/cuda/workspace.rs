@@ -296,6 +296,11 @@ impl Workspace {
         self.f.clone()
     }
 
+    /// What a sink clones to hold this kept pass's buffers, and their size in bytes.
+    pub(super) fn kept(&self) -> Option<(&crate::tap::Device, usize)> {
+        self.keep.as_ref().map(|d| (d, 4 * self.f.len()))
+    }
+
     pub(super) fn logits_ptr(&self, g: &Gpu) -> u64 {
         ptr(g, &self.f, self.logits)
     }

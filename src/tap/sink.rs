@@ -38,9 +38,9 @@ pub struct DeviceTap<'a> {
     /// that takes them so (`TapSink::probs_by_parts`).
     pub parts: Option<AttnParts>,
     /// For a persistent tap of a buffer no later pass writes (a prefill's): what keeps the
-    /// buffer allocated. A sink holding a clone may keep the address past the pass, instead
-    /// of a copy.
-    pub owner: Option<&'a Device>,
+    /// buffer allocated, and its size in bytes. A sink holding a clone may keep the address
+    /// past the pass, instead of a copy.
+    pub owner: Option<(&'a Device, usize)>,
 }
 
 /// What a backend rebuilds a prefill pass's attention probabilities from, as device addresses:

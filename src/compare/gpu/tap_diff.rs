@@ -97,7 +97,7 @@ impl DeviceRecorded {
             stride,
             parts,
             _copy: copy,
-            _owner: t.owner.filter(|_| hold).cloned(),
+            _owner: t.owner.filter(|_| hold).map(|(o, _)| o.clone()),
             gpu: g.clone(),
         }
     }
