@@ -431,8 +431,10 @@ extern "C" __global__ void attention_decode_128(const float* q, const float* key
                                meta, split, heads, kv_heads, stride, chunks, scale);
 }
 
-// attention_decode_sides for head_dim 128 (rows 16-byte aligned).
-extern "C" __global__ void attention_decode_128_sides(Sides q, Sides keys, Sides values,
+// attention_decode_sides for head_dim 128 (rows 16-byte aligned). Three blocks an SM, as the
+// single kernel gets: picking each side's buffers would otherwise hold registers enough to
+// leave two, and a grid of three sides then ran in three waves instead of two.
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode_128_sides(Sides q, Sides keys, Sides values,
                                                       Sides probs, Sides part, Sides out,
                                                       Sides out_bf16, Sides counters, Sides meta,
                                                       SideInts split, int heads, int kv_heads,

@@ -65,6 +65,21 @@ impl ReferenceRecorder {
         }
     }
 
+    /// Whether a tap of the pass whose buffers are `owner` (`bytes` of them) is held by
+    /// address: the pass is taken on while all held passes stay within `HOLD_BYTES` (the first
+    /// whatever its size), and one taken on is held for every tap it offers.
+    fn holds(&mut self, owner: usize, bytes: usize) -> bool {
+        if self.held.contains(&owner) {
+            return true;
+        }
+        let fits = self.held.is_empty() || self.held_bytes + bytes <= HOLD_BYTES;
+        if fits {
+            self.held.push(owner);
+            self.held_bytes += bytes;
+        }
+        fits
+    }
+
     /// A recorder that keeps a CPU pass's `attn_probs` as its queries and keys
     /// (`HostAttnParts`), a comparison rebuilding only the rows a path offers: a long prompt's
     /// `heads × tokens²` probabilities per layer are never held.
@@ -107,28 +122,19 @@ impl TapSink for ReferenceRecorder {
         self.host.record(step, v);
     }
     fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
-        match &mut self.device {
-            Some(kept) => {
-                let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
-                let hold = tap.owner.is_some_and(|(o, bytes)| {
-                    let id = std::sync::Arc::as_ptr(o) as *const () as usize;
-                    let fits = self.held.is_empty() || self.held_bytes + bytes <= HOLD_BYTES;
-                    if !self.held.contains(&id) && fits {
-                        self.held.push(id);
-                        self.held_bytes += bytes;
-                    }
-                    self.held.contains(&id)
-                });
-                let r = DeviceRecorded::keep(step, tap, self.borrow, hold);
-                self.by_address &= r.by_address();
-                kept.push(r);
-                true
-            }
-            None => {
-                self.by_address = false;
-                false
-            }
+        if self.device.is_none() {
+            self.by_address = false;
+            return false;
         }
+        let _span = crate::support::timing::span("compare: reference tap kept on the GPU");
+        let owner = tap
+            .owner
+            .map(|(o, bytes)| (std::sync::Arc::as_ptr(o) as *const () as usize, bytes));
+        let hold = owner.is_some_and(|(o, bytes)| self.holds(o, bytes));
+        let r = DeviceRecorded::keep(step, tap, self.borrow, hold);
+        self.by_address &= r.by_address();
+        self.device.as_mut().expect("checked above").push(r);
+        true
     }
     fn offering_step(&mut self, _step: usize, layout: &StepLayout) {
         self.layout = Some(*layout);
@@ -1229,5 +1235,35 @@ impl Comparator<'_> {
             });
             self.book(p.step, p.id, rows);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ReferenceRecorder, HOLD_BYTES};
+    use crate::tap::TapFilter;
+
+    /// A reference holds its passes' buffers while they fit the budget, the first whatever
+    /// its size, and each pass it took on for all of that pass's taps; a pass past the
+    /// budget is copied from, whatever comes after it.
+    #[test]
+    fn passes_are_held_within_the_budget_and_the_first_always() {
+        let filter = TapFilter::parse("*", 2).unwrap();
+        let mut big = ReferenceRecorder::on_device(&filter, 2);
+        assert!(
+            big.holds(1, 3 * HOLD_BYTES),
+            "the first pass, however large"
+        );
+        assert!(big.holds(1, 3 * HOLD_BYTES), "the same pass's next tap");
+        assert!(!big.holds(2, 1), "nothing fits beside it");
+        let mut r = ReferenceRecorder::on_device(&filter, 2);
+        let quarter = HOLD_BYTES / 4;
+        for pass in 10..14 {
+            assert!(r.holds(pass, quarter), "pass {pass} within the budget");
+        }
+        assert_eq!(r.held_bytes, HOLD_BYTES, "exactly the budget");
+        assert!(!r.holds(14, quarter), "past it: copied");
+        assert!(r.holds(11, quarter), "an earlier pass is still held");
+        assert!(!r.holds(15, 1), "nor any later one");
     }
 }
