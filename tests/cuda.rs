@@ -870,7 +870,8 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
 /// for everything gives, with the invariant's second reference running beside its path, clean
 /// and with a planted bug; and the one decode steps offered tap by tap give, rather than
 /// repeated from the first step's plan; and with the sides' decode steps run as one pass (the
-/// default), the one they give run one by one.
+/// default), the one they give run one by one; and the one read-back buffers that fill many
+/// times a pass give.
 #[test]
 fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     if gpu().is_none() {
@@ -970,6 +971,13 @@ fn streams_report_alike(run: NamedRun<'_>) {
         // Without graphs, the joint kernels are launched one by one.
         let eager = run("eager", &with_fault(&[("KVDIFF_CUDA_GRAPHS", "0")]));
         assert_eq!(eager, own, "decode steps without graphs ({fault:?})");
+        // Read-back buffers small enough to fill many times a pass: each full one is read
+        // back while the GPU goes on (`Comparator::rotate`), and booked in order.
+        let small = run(
+            "small",
+            &with_fault(&[("KVDIFF_CUDA_SUMMARY_ROWS", "2048")]),
+        );
+        assert_eq!(small, own, "small read-back buffers ({fault:?})");
     }
 }
 

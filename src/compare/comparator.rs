@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use rayon::prelude::*;
 
 use crate::compare::diff::{diverged_within, row_diff, RowDiff, Tolerance};
-use crate::compare::gpu::{combine_rows, DeviceDiffs, DeviceRecorded};
+use crate::compare::gpu::{combine_rows, summary_rows, DeviceDiffs, DeviceRecorded};
 use crate::compare::grid::{CellGrid, Row};
 use crate::compare::report::{AttnRows, Divergence, ExpertFlip, LayerRow, MAX_EXPERT_FLIPS};
 use crate::engine::tokenizer::ChatTokenizer;
@@ -791,7 +791,7 @@ impl TapSink for Comparator<'_> {
             let offset = match self.diffs.enqueue_jobs(&t.jobs, g) {
                 Some(o) => o,
                 None => {
-                    self.flush();
+                    self.rotate();
                     self.diffs
                         .enqueue_jobs(&t.jobs, g)
                         .expect("an empty buffer holds any tap")
@@ -956,9 +956,6 @@ fn materialize<'t>(
     (rows, tap)
 }
 
-/// Summary rows a buffer read-back holds at least (see `DeviceDiffs`).
-const SUMMARY_ROWS: usize = 1 << 20;
-
 impl Comparator<'_> {
     /// Diffs a path's attention rows kept as parts against the reference's, both rebuilt in one
     /// kernel (`attention_diff_mma`) that leaves only per-row summaries, in batches of tokens
@@ -989,13 +986,13 @@ impl Comparator<'_> {
             // As many tokens as the read-back buffer holds the summaries of, at the most chunks
             // a row may be split into (one chunk per row where the batch is large).
             let most = heads * crate::cuda::attention_diff_layout(0, heads, width).1;
-            let count = (total - start).min((SUMMARY_ROWS / most).max(1));
+            let count = (total - start).min((summary_rows() / most).max(1));
             let (_, chunks) = crate::cuda::attention_diff_layout(count, heads, width);
             let (end, per_token) = (start + count, heads * chunks);
             let offset = match self.diffs.reserve(t, count * per_token) {
                 Some(o) => o,
                 None => {
-                    self.flush();
+                    self.rotate();
                     self.diffs
                         .reserve(t, count * per_token)
                         .expect("an empty buffer holds a batch")
@@ -1110,7 +1107,7 @@ impl Comparator<'_> {
         let offset = match self.diffs.enqueue(t, (width, lead), b_rows.iter().copied()) {
             Some(o) => o,
             None => {
-                self.flush();
+                self.rotate();
                 self.diffs
                     .enqueue(t, (width, lead), b_rows.iter().copied())
                     .expect("an empty buffer holds any tap")
@@ -1203,6 +1200,15 @@ impl Comparator<'_> {
         self.finish_flush();
         self.start_flush();
         self.finish_flush();
+    }
+
+    /// Empties a full read-back buffer without draining the GPU: books the read-back in
+    /// flight (started a while ago, at the last end of pass or rotation) and starts copying
+    /// this buffer's summaries back. New diffs then reuse the buffer; the GPU runs them after
+    /// the copy, so the host books while the GPU works.
+    fn rotate(&mut self) {
+        self.finish_flush();
+        self.start_flush();
     }
 
     /// Starts copying the queued diffs' summaries back, without waiting.

@@ -173,6 +173,20 @@ impl DeviceRecorded {
     }
 }
 
+/// Summary rows a read-back buffer holds at least: 2^20 (48 MiB), or
+/// `KVDIFF_CUDA_SUMMARY_ROWS` (tests make it small, so that buffers fill and are read back
+/// in the middle of passes).
+pub fn summary_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("KVDIFF_CUDA_SUMMARY_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&r| r > 0)
+            .unwrap_or(1 << 20)
+    })
+}
+
 /// Diff jobs (one per row: path row, reference row, widths, leads) gathered on the host, run by one
 /// `diff_rows` launch each time `launch` is called, their summaries read back in one copy.
 #[derive(Default)]
@@ -202,7 +216,7 @@ impl DeviceDiffs {
         b_rows: impl Iterator<Item = Option<u64>>,
     ) -> Option<usize> {
         if self.out.is_none() {
-            self.cap = (1 << 20).max(t.rows);
+            self.cap = summary_rows().max(t.rows);
             let g = gpu_of(t);
             self.out = Some(g.alloc::<f32>(self.cap * 12));
             self.gpu = Some(g);
@@ -254,7 +268,7 @@ impl DeviceDiffs {
     /// its address, or `None` when the buffer is full (read it back, then reserve again).
     pub fn reserve(&mut self, t: &DeviceTap<'_>, count: usize) -> Option<(usize, u64)> {
         if self.out.is_none() {
-            self.cap = (1 << 20).max(count);
+            self.cap = summary_rows().max(count);
             let g = gpu_of(t);
             self.out = Some(g.alloc::<f32>(self.cap * 12));
             self.gpu = Some(g);
