@@ -287,7 +287,13 @@ impl CudaModel {
         let c = &self.config;
         let kernels = crate::support::timing::span("cuda decode: enqueue or replay");
         // Enqueued already, with other caches' steps: its argmax is read when asked for too.
-        let together = std::mem::take(&mut kv.queued);
+        let together = match kv.queued.take() {
+            Some(meta) => {
+                debug_assert_eq!(meta, pass.meta, "a step queued with other inputs");
+                true
+            }
+            None => false,
+        };
         let on_side = match together {
             true => None,
             false => self.replay_decode(kv, pass),

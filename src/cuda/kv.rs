@@ -25,8 +25,9 @@ pub struct CudaKv {
     /// The side stream decode steps replay on (`Model::decode_on_side_stream`), if any.
     pub side: Option<usize>,
     /// Set when the next decode step's kernels were enqueued with other caches' steps
-    /// (`CudaModel::decode_together`): that step only offers its taps.
-    pub(crate) queued: bool,
+    /// (`CudaModel::decode_together`), to the inputs they were given: that step only offers
+    /// its taps.
+    pub(crate) queued: Option<Vec<i32>>,
 }
 
 impl CudaKv {
@@ -68,7 +69,7 @@ impl CudaKv {
             decode: None,
             last_pass: None,
             side: None,
-            queued: false,
+            queued: None,
         }
     }
 
@@ -141,7 +142,7 @@ impl DeviceKv for CudaKv {
             decode: None,
             last_pass: None,
             side: None,
-            queued: false,
+            queued: None,
         })
     }
 

@@ -92,9 +92,9 @@ impl CudaModel {
         }
         let _span = crate::support::timing::span("cuda decode: steps enqueued together");
         let g = &*self.gpu;
-        // What a captured graph depends on besides the weights: each side's arena (its sizes
-        // follow the cache's capacity) and KV buffers, which `reserve` replaces all at once
-        // while the old ones still live (the first layer's stand for all).
+        // What a captured graph depends on besides the weights: each side's arena and KV
+        // buffers. Both are replaced only when the cache's capacity changes (`probs_stride`
+        // is the capacity), so the first layer's buffers stand for the others.
         let mut key = vec![ptr(g, &self.embed, 0), steps.len() as u64];
         let mut metas = Vec::with_capacity(steps.len());
         for (batch, cache) in steps.iter_mut() {
@@ -144,7 +144,7 @@ impl CudaModel {
             g.stream()
                 .memcpy_htod(meta, &mut ws.meta)
                 .expect("CUDA upload");
-            kv.queued = true;
+            kv.queued = Some(meta.clone());
         }
         let run = || self.kernels_together(&plans);
         if !g.graphs() {

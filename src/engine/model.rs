@@ -517,18 +517,18 @@ impl Model {
         }
     }
 
-    /// Has `cache`'s decode steps run on the device's side stream, beside the main stream's (a
-    /// comparison's reference beside the compared path). No effect on the CPU.
     /// Runs the one-token decode steps `steps`, each over its own cache, as one pass where
     /// the device can (each weight read once for all of them). Returns whether it did; either
-    /// way each step's `forward_step` is then called as usual, and after this it only offers
-    /// the step's taps and returns its logits, as computed by that pass.
+    /// way each step's `forward_step` is then called as usual, with the same batch, and after
+    /// this it only offers the step's taps and returns its logits, as computed by that pass.
     pub fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
         self.device
             .as_ref()
             .is_some_and(|d| d.decode_together(steps))
     }
 
+    /// Has `cache`'s decode steps run on the device's side stream, beside the main stream's (a
+    /// comparison's reference beside the compared path). No effect on the CPU.
     pub fn decode_on_side_stream(&self, cache: &mut KvCache) {
         if let Some(d) = &self.device {
             d.decode_on_side_stream(cache);
