@@ -655,19 +655,20 @@ impl Lockstep {
             crate::support::progress::note(|| {
                 format!("decode step {step}/{}", spec.max_new_tokens)
             });
+            // Every side is fed the same token at the same position, under its own split.
+            let batch = |split| Batch {
+                cascade_split: split,
+                ..Batch::new(&fed, &pos)
+            };
             // One model under every side: the steps run as one pass where the device can,
             // each weight read once for all; each side's forward_step below then only offers
             // its taps.
             if specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model)) {
-                let together = |split| Batch {
-                    cascade_split: split,
-                    ..Batch::new(&fed, &pos)
-                };
                 let mut steps: Vec<_> = self
                     .sides
                     .iter_mut()
-                    .map(|side| (together(side.split), &mut side.cache))
-                    .chain(std::iter::once((together(self.split), &mut self.cache)))
+                    .map(|side| (batch(side.split), &mut side.cache))
+                    .chain(std::iter::once((batch(self.split), &mut self.cache)))
                     .collect();
                 spec.path_model.decode_together(&mut steps);
             }
@@ -679,11 +680,9 @@ impl Lockstep {
                 .enumerate()
                 .map(|(i, ((s, side), cmp))| {
                     let mut rec = s.recorder(taps, true).repeating(cmp.reference_layout());
-                    let batch = Batch {
-                        cascade_split: side.split,
-                        ..Batch::new(&fed, &pos)
-                    };
-                    let l = s.model.forward_step(batch, &mut side.cache, step, &mut rec);
+                    let l =
+                        s.model
+                            .forward_step(batch(side.split), &mut side.cache, step, &mut rec);
                     if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
                         dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
                     }
@@ -694,15 +693,11 @@ impl Lockstep {
                 .collect();
             drop(span);
             let _span = crate::support::timing::span("compare: path decode step");
-            let batch = Batch {
-                cascade_split: self.split,
-                ..Batch::new(&fed, &pos)
-            };
             let mut fan = Fan::new(cmps);
             let sink = &mut *dumps.path_sink(&mut fan);
             logits = spec
                 .path_model
-                .forward_step(batch, &mut self.cache, step, sink);
+                .forward_step(batch(self.split), &mut self.cache, step, sink);
         }
     }
 
