@@ -731,29 +731,44 @@ extern "C" __global__ void __launch_bounds__(128)
     const float* kbbase = kb + kvh * head_dim;
     Share key_share = share_of(head_dim, 8);
     float s_a[MMA_KT / 8][4], s_b[MMA_KT / 8][4];
-    // Both sides' next key tiles are in flight while this one is computed.
+    // Tiles before both sides' first column are zeros on both sides for every row: they are
+    // not computed (a chunk prefilled on its own sits far into the row). All they would add is
+    // the row's largest difference, 0 at the chunk's first column, where nothing later beats it.
+    int start = cfirst;
+    int lead = min(min(a_lead, b_lead), stop);
+    if (lead > cfirst) start += (lead - cfirst) / MMA_KT * MMA_KT;
+    // Both sides' next key tiles are in flight while this one is computed; a side with no
+    // column in a tile (a path chunk's row left of its chunk) neither loads nor multiplies.
     Fetched fa, fb;
-    if (cfirst < stop) {
-        fetch_keys_from(kabase, kv_dim, cfirst - a_lead, a_width, key_share, fa);
-        fetch_keys_from(kbbase, kv_dim, cfirst - b_lead, b_width, key_share, fb);
+    if (start < stop) {
+        fetch_keys_from(kabase, kv_dim, start - a_lead, a_width, key_share, fa);
+        fetch_keys_from(kbbase, kv_dim, start - b_lead, b_width, key_share, fb);
     }
-    for (int c0 = cfirst; c0 < stop; c0 += MMA_KT) {
-        __syncthreads();
-        store_keys(fa, ks, kp, key_share);
-        __syncthreads();
+    for (int c0 = start; c0 < stop; c0 += MMA_KT) {
+        // Block-uniform: whether a side has any column in this tile.
+        bool need_a = c0 + MMA_KT > a_lead && c0 < a_lead + a_width;
+        bool need_b = c0 + MMA_KT > b_lead && c0 < b_lead + b_width;
         bool on = warp_on && c0 < wstop;
-        if (on) mma_scores(qsa + rw0 * hp, ks, hp, kp, head_dim, s_a);
-        __syncthreads();
-        store_keys(fb, ks, kp, key_share);
-        __syncthreads();
+        if (need_a) {
+            __syncthreads();
+            store_keys(fa, ks, kp, key_share);
+            __syncthreads();
+            if (on) mma_scores(qsa + rw0 * hp, ks, hp, kp, head_dim, s_a);
+        }
+        if (need_b) {
+            __syncthreads();
+            store_keys(fb, ks, kp, key_share);
+            __syncthreads();
+        }
         int next = c0 + MMA_KT;
         if (next < stop) {
             fetch_keys_from(kabase, kv_dim, next - a_lead, a_width, key_share, fa);
             fetch_keys_from(kbbase, kv_dim, next - b_lead, b_width, key_share, fb);
         }
         if (!on) continue;
-        mma_scores(qsb + rw0 * hp, ks, hp, kp, head_dim, s_b);
-        if (c0 + MMA_KT <= clast && tile_inside(c0 - a_lead, vmin_a, a_split) &&
+        if (need_b) mma_scores(qsb + rw0 * hp, ks, hp, kp, head_dim, s_b);
+        if (need_a && need_b && c0 + MMA_KT <= clast &&
+            tile_inside(c0 - a_lead, vmin_a, a_split) &&
             tile_inside(c0 - b_lead, vmin_b, b_split)) {
             // Every column of the tile is a visible key of both sides for every row, on one
             // side of each cut: the same values without per-column tests.
@@ -803,9 +818,13 @@ extern "C" __global__ void __launch_bounds__(128)
     // `wstop` holds finite zeros, so a row still without one computed none there.
     int zeros = max(wstop, cfirst);
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 2; i++) {
         if (rs[i].best < 0.0f && zeros < clast)
             rs[i].best = 0.0f, rs[i].best_at = zeros, rs[i].best_x = rs[i].best_y = 0.0f;
+        // The tiles not computed before `start`: a difference of 0 at cfirst comes first.
+        if (ok[i] && start > cfirst && rs[i].best <= 0.0f)
+            rs[i].best = 0.0f, rs[i].best_at = cfirst, rs[i].best_x = rs[i].best_y = 0.0f;
+    }
     // Warp-wide from here (the quad merges shuffle).
     if (!warp_on && !__any_sync(0xffffffffu, skip[0] || skip[1])) return;
 #pragma unroll

@@ -1026,7 +1026,9 @@ fn by_name_in(r: &serde_json::Value, n: &str) -> serde_json::Value {
 }
 
 /// Comparing on the GPU (reference taps kept there, only row summaries read back) reports
-/// what comparing on the host reports: `--dump` forces the host path.
+/// what comparing on the host reports: `--dump` forces the host path. So does a run whose
+/// attention rows are diffed in chunks of 32 columns (`KVDIFF_CUDA_DIFF_COLS`), each chunk a
+/// summary the host combines into its head's row.
 #[test]
 fn device_side_diff_reports_what_the_host_diff_reports() {
     if gpu().is_none() {
@@ -1034,7 +1036,7 @@ fn device_side_diff_reports_what_the_host_diff_reports() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let prompt = fixture("prompts/task.json");
-    let run = |name: &str, extra: &[&str]| {
+    let run = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
         let json = tmp.path().join(format!("{name}.json"));
         let mut args = vec![
             "compare",
@@ -1053,7 +1055,7 @@ fn device_side_diff_reports_what_the_host_diff_reports() {
         ];
         args.extend(extra);
         args.push(prompt.to_str().unwrap());
-        let out = kvdiff(&args, &[]);
+        let out = kvdiff(&args, env);
         assert!(
             matches!(out.status.code(), Some(0 | 1)),
             "{}",
@@ -1062,14 +1064,17 @@ fn device_side_diff_reports_what_the_host_diff_reports() {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
         v
     };
-    let device = run("device", &[]);
+    let device = run("device", &[], &[]);
+    // Attention rows split into chunks of 32 columns, each a summary the host combines.
+    let chunked = run("chunked", &[], &[("KVDIFF_CUDA_DIFF_COLS", "32")]);
     let dump = tmp.path().join("dump");
-    let host = run("host", &["--dump", dump.to_str().unwrap()]);
+    let host = run("host", &["--dump", dump.to_str().unwrap()], &[]);
     for (d, h) in device["paths"]
         .as_array()
         .unwrap()
         .iter()
-        .zip(host["paths"].as_array().unwrap())
+        .chain(chunked["paths"].as_array().unwrap())
+        .zip(host["paths"].as_array().unwrap().iter().cycle())
     {
         let name = d["path"].as_str().unwrap();
         assert_eq!(d["diverged"], h["diverged"], "{name}");

@@ -983,11 +983,17 @@ impl Comparator<'_> {
         let total = t.positions.len();
         let mut start = 0;
         while start < total {
-            // As many tokens as the read-back buffer holds the summaries of, at the most chunks
-            // a row may be split into (one chunk per row where the batch is large).
-            let most = heads * crate::cuda::attention_diff_layout(0, heads, width).1;
-            let count = (total - start).min((summary_rows() / most).max(1));
-            let (_, chunks) = crate::cuda::attention_diff_layout(count, heads, width);
+            // As many tokens as the read-back buffer holds the summaries of. Fewer tokens may
+            // split rows into more chunks, so shrink until the batch's own layout fits.
+            let mut count = total - start;
+            let chunks = loop {
+                let (_, chunks) = crate::cuda::attention_diff_layout(count, heads, width);
+                let fits = (summary_rows() / (heads * chunks).max(1)).max(1);
+                if count <= fits {
+                    break chunks;
+                }
+                count = fits;
+            };
             let (end, per_token) = (start + count, heads * chunks);
             let offset = match self.diffs.reserve(t, count * per_token) {
                 Some(o) => o,
@@ -1237,7 +1243,9 @@ impl Comparator<'_> {
                 }
                 let (d, bits) = combine_rows(rows, w, p.chunks);
                 let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
-                Some((pos, d, bitwise_equal, w * rpt))
+                // A token's row is its heads' rows, however many chunks each was split into:
+                // the first divergence's head and index are read from this length.
+                Some((pos, d, bitwise_equal, w * (rpt / p.chunks.max(1))))
             });
             self.book(p.step, p.id, rows);
         }

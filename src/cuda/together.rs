@@ -388,7 +388,7 @@ impl CudaModel {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         g.launch(
             "gemv_bf16_sides",
-            rows(vocab),
+            vocab.div_ceil(8) as u32,
             256,
             0,
             &[
