@@ -870,8 +870,8 @@ fn compare_holds_cuda_paths_to_the_cpu_reference() {
 /// for everything gives, with the invariant's second reference running beside its path, clean
 /// and with a planted bug; and the one decode steps offered tap by tap give, rather than
 /// repeated from the first step's plan; and with the sides' decode steps run as one pass (the
-/// default), the one they give run one by one; and the one read-back buffers that fill many
-/// times a pass give.
+/// default), the one they give run one by one, also with two sides (`--no-invariants`); and
+/// the one read-back buffers that fill many times a pass give.
 #[test]
 fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     if gpu().is_none() {
@@ -882,7 +882,7 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     // The default model (head_dim 64) and the random one (head_dim 128, whose decode
     // attention has a kernel of its own).
     for model in [None, Some(fixture("random-model"))] {
-        let run = |name: &str, env: &[(&str, &str)]| -> serde_json::Value {
+        let run_with = |extra: &[&str], name: &str, env: &[(&str, &str)]| -> serde_json::Value {
             let json = tmp.path().join(format!("{name}.json"));
             let mut args = vec![
                 "compare",
@@ -896,6 +896,7 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
                 json.to_str().unwrap(),
                 prompt.to_str().unwrap(),
             ];
+            args.extend(extra);
             if let Some(m) = &model {
                 args.extend(["--model", m.to_str().unwrap()]);
             }
@@ -913,7 +914,18 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
             );
             serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
         };
+        let run = |name: &str, env: &[(&str, &str)]| run_with(&[], name, env);
         streams_report_alike(&run);
+        // Two sides (no invariant): the reference's and the path's steps as one pass report
+        // what they report one by one, clean and with a planted bug.
+        for fault in [vec![], vec![("KVDIFF_FAULT", "rerotate-wrong-sign")]] {
+            let two = run_with(&["--no-invariants"], "two", &fault);
+            let mut alone = fault.clone();
+            alone.push(("KVDIFF_CUDA_TOGETHER", "0"));
+            let apart = run_with(&["--no-invariants"], "two-apart", &alone);
+            assert_eq!(two, apart, "two sides ({fault:?})");
+            assert_eq!(two["paths"].as_array().unwrap().len(), 1, "{two}");
+        }
     }
 }
 
