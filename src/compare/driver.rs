@@ -17,6 +17,18 @@ use crate::support::fault::{self, Fault};
 use crate::tap::dump::Dumper;
 use crate::tap::{Recorded, StepLayout, TapFilter, TapSink, TapValue, Tee};
 
+/// With `-v`, the GPU memory in use (the allocator's pool of freed buffers included).
+fn note_gpu_memory(what: &str, model: &Model) {
+    if let Some(g) = crate::cuda::gpu_of(model).filter(|_| crate::support::timing::on()) {
+        let (free, total) = g.memory();
+        eprintln!(
+            "kvdiff memory: {what}: {} of {} MiB in use",
+            (total - free) >> 20,
+            total >> 20
+        );
+    }
+}
+
 /// A path's prefill: builds the KV for the prompt, offering taps to the sink, and returns the
 /// cache with the last prompt token's logits.
 pub trait Prefill:
@@ -268,6 +280,7 @@ impl CompareSpec<'_> {
             });
         }
         drop(span);
+        note_gpu_memory("references prefilled", self.model);
         let span = crate::support::timing::span("compare: path prefill");
         let mut store = ChunkStore::default();
         let (cache, logits) = {
@@ -276,6 +289,7 @@ impl CompareSpec<'_> {
             prefill(self.path_model, self.prompt, &mut store, sink)
         };
         drop(span);
+        note_gpu_memory("path prefilled", self.model);
         let mut run = Lockstep {
             sides,
             cache,

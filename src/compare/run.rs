@@ -35,6 +35,30 @@ fn budget_of(available: Option<u64>) -> usize {
         .max(HOST_MEMORY_BUDGET)
 }
 
+/// The GPU memory a GPU reference may hold its taps in, for a run of `tokens` tokens (prompt
+/// and answer) on a model shaped `c` with `free` bytes free: half of it, or less where the rest
+/// of the run needs more than the other half. Long prompts do: at 40k tokens of Qwen3-0.6B's
+/// shape the rest took about 54 GB of an 80 GB H100 beside budgets of 14 and 20 GiB, and a
+/// budget of half the free memory ran out of it. The rest: four KV caches in f32 (the
+/// references', the path's, its stored chunks'), the largest pass's forward workspace, 4 GiB
+/// of path taps and scratch, a quarter over for the allocator's pool (which keeps freed
+/// buffers for reuse), and 4 GiB to spare. At least 1 GiB: the budget splits the reference's
+/// taps into layer groups, so a small one costs passes, not memory.
+pub fn gpu_tap_budget(free: usize, c: &crate::engine::config::Config, tokens: usize) -> usize {
+    let kv_caches = 4 * 2 * c.num_hidden_layers * c.kv_dim() * 4 * tokens;
+    let h = c.hidden_size;
+    let workspace = 4 * tokens * (4 * h + 2 * c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size);
+    let rest = (kv_caches + workspace + (4 << 30)) / 4 * 5 + (4 << 30);
+    (free / 2).min(free.saturating_sub(rest)).max(1 << 30)
+}
+
+/// `KVDIFF_CUDA_TAP_BUDGET` (MiB): the GPU reference's tap budget, instead of
+/// `gpu_tap_budget`'s; smaller budgets split the reference's taps into more layer groups.
+fn forced_gpu_budget() -> Option<usize> {
+    let mib: usize = std::env::var("KVDIFF_CUDA_TAP_BUDGET").ok()?.parse().ok()?;
+    Some(mib.max(1) << 20)
+}
+
 /// The backends a comparison runs on (sorted, once each), as a noise profile names them.
 pub fn backend_names(
     reference: &Target,
@@ -142,9 +166,12 @@ impl Request<'_> {
             max_new_tokens: self.max_new_tokens,
             eos: &eos,
             dump: self.dump,
-            // A GPU reference holds its taps in GPU memory: half of what is free there.
-            memory_budget: crate::cuda::gpu_of(ref_model)
-                .map_or_else(host_memory_budget, |g| g.memory().0 / 2),
+            // A GPU reference holds its taps in GPU memory: what the rest leaves of it.
+            memory_budget: crate::cuda::gpu_of(ref_model).map_or_else(host_memory_budget, |g| {
+                let tokens = self.prompt.ids.len() + self.max_new_tokens;
+                forced_gpu_budget()
+                    .unwrap_or_else(|| gpu_tap_budget(g.memory().0, &ref_model.config, tokens))
+            }),
         };
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
@@ -425,7 +452,33 @@ impl Request<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{budget_of, HOST_MEMORY_BUDGET};
+    use super::{budget_of, gpu_tap_budget, HOST_MEMORY_BUDGET};
+
+    /// Qwen3-0.6B's shape on an 80 GB GPU with 77 GB free: half the free memory up to 16k
+    /// tokens (one pass there), less beyond, shrinking as the prompt grows; never below 1 GiB.
+    #[test]
+    fn gpu_budget_leaves_room_for_the_caches_of_long_prompts() {
+        let c = crate::engine::config::Config::parse(
+            r#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
+                "hidden_size": 1024, "intermediate_size": 3072,
+                "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "head_dim": 128}"#,
+        )
+        .unwrap();
+        let free = 77usize << 30;
+        assert_eq!(gpu_tap_budget(free, &c, 512), free / 2);
+        assert_eq!(gpu_tap_budget(free, &c, 16_400), free / 2);
+        let mut last = free / 2;
+        for tokens in [24_000, 32_784, 40_000, 200_000] {
+            let b = gpu_tap_budget(free, &c, tokens);
+            assert!(b <= last, "{tokens}: {b} > {last}");
+            last = b;
+        }
+        // At 40k the rest measured about 54 GB: the taps get what is left with room to spare.
+        let b40 = gpu_tap_budget(free, &c, 40_000);
+        assert!(b40 + (54usize << 30) <= free, "{}", b40 >> 20);
+        assert_eq!(gpu_tap_budget(free, &c, 200_000), 1 << 30);
+    }
 
     #[test]
     fn host_budget_is_a_quarter_of_what_is_available_and_at_least_the_floor() {

@@ -275,6 +275,21 @@ fn keep_freed_memory(ctx: &CudaContext) {
     }
 }
 
+/// Waits for all work on the device, then hands the pool's free buffers back to the driver.
+fn release_pooled_memory(ctx: &CudaContext) {
+    let _ = ctx.synchronize();
+    unsafe {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .is_ok()
+        {
+            let _ = sys::cuMemPoolTrimTo(pool, 0);
+        }
+    }
+}
+
 /// cuBLAS on `stream`, with an explicit workspace so that GEMMs can be captured into graphs.
 fn cublas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlice<u8>)> {
     let blas = CudaBlas::new(stream.clone())
@@ -697,7 +712,7 @@ impl Gpu {
         }
         let stream = self.stream();
         // Safety: written by the copy below before anything reads it.
-        let dev = unsafe { stream.alloc::<T>(host.len()) }.expect("CUDA allocation");
+        let dev = self.allocating(host.len(), |n| unsafe { stream.alloc::<T>(n) });
         let mut pool = self.staging.lock().expect("not poisoned");
         let fits = |s: &Staging| s.buf.len() >= bytes;
         let free = pool
@@ -802,13 +817,40 @@ impl Gpu {
     /// Uninitialised device memory (at least one element, so pointers are never null).
     pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
         // Safety: every buffer is written by a kernel or a copy before it is read.
-        unsafe { self.stream().alloc::<T>(len.max(1)) }.expect("CUDA allocation")
+        self.allocating(len, |n| unsafe { self.stream().alloc::<T>(n) })
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
-        self.stream()
-            .alloc_zeros::<T>(len.max(1))
-            .expect("CUDA allocation")
+        self.allocating(len, |n| self.stream().alloc_zeros::<T>(n))
+    }
+
+    /// `alloc(len.max(1))`, asked again once the allocator's pool has given its free buffers
+    /// back where the driver is out of memory: freed buffers stay in the pool
+    /// (`keep_freed_memory`), and one of another size may not fit among them, which at 40k
+    /// tokens failed a run with most of the pool free.
+    fn allocating<T>(
+        &self,
+        len: usize,
+        alloc: impl Fn(usize) -> std::result::Result<CudaSlice<T>, cudarc::driver::DriverError>,
+    ) -> CudaSlice<T> {
+        let len = len.max(1);
+        match alloc(len) {
+            Ok(buf) => return buf,
+            Err(e) if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                panic!("CUDA allocation: {e:?}")
+            }
+            Err(_) => {}
+        }
+        release_pooled_memory(&self.ctx);
+        alloc(len).unwrap_or_else(|e| {
+            let free = self.memory().0;
+            panic!(
+                "out of GPU memory: {} MiB asked for, {} MiB free ({e:?}); a shorter prompt, \
+                 fewer taps (--taps) or a GPU with more memory",
+                (len * std::mem::size_of::<T>()) >> 20,
+                free >> 20
+            )
+        })
     }
 
     pub fn sync(&self) {
