@@ -21,7 +21,9 @@ mkdir -p "$w"
 rows=()
 for n in "${lengths[@]}"; do
   p="$w/long-$n.json"
-  [ -f "$p" ] || python3 scripts/bench_hf.py prompt "$w/model" "$n" "$p" > "$w/long-$n.tokens"
+  # The token count comes with the prompt: make both unless both are there.
+  [ -f "$p" ] && [ -s "$w/long-$n.tokens" ] ||
+    python3 scripts/bench_hf.py prompt "$w/model" "$n" "$p" > "$w/long-$n.tokens"
   tokens=$(python3 -c "import json; print(json.load(open('$w/long-$n.tokens'))['prompt_tokens'])")
   # KVDIFF_BENCH_WARM=1: an untimed run first, so the timed one finds its noise calibration
   # cached (what a repeated CI run sees); unset, the calibration is part of the time.
