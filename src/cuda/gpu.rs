@@ -826,8 +826,8 @@ impl Gpu {
 
     /// `alloc(len.max(1))`, asked again once the allocator's pool has given its free buffers
     /// back where the driver is out of memory: freed buffers stay in the pool
-    /// (`keep_freed_memory`), and one of another size may not fit among them, which at 40k
-    /// tokens failed a run with most of the pool free.
+    /// (`keep_freed_memory`), and a buffer of another size may not fit among them. Out of
+    /// memory even then, the panic says how much was asked for and what is free.
     fn allocating<T>(
         &self,
         len: usize,
