@@ -75,3 +75,55 @@ extern "C" __global__ void copy_rows(const float* src, int stride, int width, fl
     size_t r = blockIdx.x;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[r * width + i] = src[r * stride + i];
 }
+
+// Folds the `chunks` consecutive summaries of each of `rows` rows (a head row's column chunks,
+// as attention_diff_mma leaves them, indices counted from the row's column 0) into one, as the
+// host's `combine_rows` folds sub-rows: the first largest difference and its column, the first
+// non-finite column, the value pair at the first of those the row reports (chunk 0's where
+// nothing differs), the largest reference value, and the sums and bit counts added in chunk
+// order. A skipped row (word 7 = -2 in chunk 0) stays skipped. The host then reads one summary
+// per head row, however finely the kernel split the columns. One thread per row.
+extern "C" __global__ void combine_diff_chunks(const float* in, float* out, int rows, int chunks) {
+    PDL_ENTER();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* c = in + (size_t)r * chunks * 12;
+    float* o = out + (size_t)r * 12;
+    if (c[7] == -2.0f) {
+        for (int i = 0; i < 12; i++) o[i] = c[i];
+        return;
+    }
+    float max_abs = 0.0f, at = 0.0f, max_ref = 0.0f, bad = -1.0f, value = 0.0f, reference = 0.0f;
+    float d2 = 0.0f, b2 = 0.0f, ab = 0.0f, a2 = 0.0f, bits = 0.0f;
+    for (int k = 0; k < chunks; k++, c += 12) {
+        if (c[0] > max_abs) {
+            max_abs = c[0];
+            at = c[1];
+            if (bad < 0.0f) value = c[9], reference = c[10];
+        }
+        if (bad < 0.0f && c[7] >= 0.0f) {
+            bad = c[7];
+            value = c[9], reference = c[10];
+        }
+        max_ref = fmaxf(max_ref, c[2]);
+        d2 += c[3];
+        b2 += c[4];
+        ab += c[5];
+        a2 += c[6];
+        bits += c[8];
+    }
+    c = in + (size_t)r * chunks * 12;
+    if (max_abs == 0.0f && bad < 0.0f) value = c[9], reference = c[10], at = c[1];
+    o[0] = max_abs;
+    o[1] = at;
+    o[2] = max_ref;
+    o[3] = d2;
+    o[4] = b2;
+    o[5] = ab;
+    o[6] = a2;
+    o[7] = bad;
+    o[8] = bits;
+    o[9] = value;
+    o[10] = reference;
+    o[11] = 0.0f;
+}

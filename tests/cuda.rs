@@ -484,6 +484,92 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
     assert_eq!(rows[0][8] as usize, differing, "bitwise-different count");
 }
 
+/// A head row's column chunks folded on the GPU (`combine_diff_chunks`) and then across heads
+/// by the host give the row the host gives folding every chunk of every head itself: the same
+/// largest difference, its index, the first non-finite index, the value pair and the bit
+/// count; the norms to f32 rounding (the chunks' sums are added in f32 on the GPU). Rows
+/// without a reference stay skipped.
+#[test]
+fn column_chunks_folded_on_the_gpu_give_the_hosts_row() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let (heads, chunks, w) = (4usize, 5usize, 640usize);
+    let cols = w / chunks;
+    for case in 0..6 {
+        let noise = rng.vec(heads * chunks * 12, 1.0);
+        let mut rows = vec![[0f32; 12]; heads * chunks];
+        for (i, r) in rows.iter_mut().enumerate() {
+            let n = &noise[i * 12..(i + 1) * 12];
+            let from = (i % chunks) * cols;
+            r[0] = match case {
+                0 => 0.0,                   // nothing differs anywhere
+                1 => 0.25 * (i % 3) as f32, // ties across chunks and heads
+                _ => n[0].abs(),
+            };
+            r[1] = (from + (n[1].abs() * 1e3) as usize % cols) as f32;
+            r[2] = n[2].abs() * 4.0;
+            for k in 3..7 {
+                r[k] = n[k].abs();
+            }
+            r[7] = -1.0;
+            r[8] = (n[8].abs() * 10.0).floor();
+            r[9] = n[9];
+            r[10] = n[10];
+        }
+        if case == 3 {
+            // Non-finite values in two chunks of head 2 (the first counts) and one of head 3.
+            rows[2 * chunks + 3][7] = (3 * cols + 5) as f32;
+            rows[2 * chunks + 4][7] = (4 * cols + 1) as f32;
+            rows[3 * chunks + 1][7] = (cols + 9) as f32;
+        }
+        if case == 4 {
+            // The whole row has no reference.
+            for r in rows.iter_mut() {
+                r[7] = -2.0;
+            }
+        }
+        let folded = kvdiff::compare::gpu::combine_chunks_on_gpu(&g, &rows, chunks);
+        assert_eq!(folded.len(), heads, "case {case}");
+        if case == 4 {
+            assert!(
+                folded.iter().all(|r| r[7] == -2.0),
+                "skipped row kept: {folded:?}"
+            );
+            continue;
+        }
+        let (flat, flat_bits) = kvdiff::compare::gpu::combine_rows(&rows, w, chunks);
+        let (by_head, head_bits) = kvdiff::compare::gpu::combine_rows(&folded, w, 1);
+        assert_eq!(
+            (
+                by_head.index,
+                by_head.max_abs,
+                by_head.max_ref,
+                by_head.non_finite
+            ),
+            (flat.index, flat.max_abs, flat.max_ref, flat.non_finite),
+            "case {case}"
+        );
+        assert_eq!(
+            (
+                by_head.value.to_bits(),
+                by_head.reference.to_bits(),
+                head_bits
+            ),
+            (flat.value.to_bits(), flat.reference.to_bits(), flat_bits),
+            "case {case}"
+        );
+        for (a, b, what) in [
+            (by_head.rel_l2, flat.rel_l2, "relative L2"),
+            (by_head.cosine, flat.cosine, "cosine"),
+        ] {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "case {case} {what}: {a} vs {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn logits_agreement_on_the_gpu_matches_the_host() {
     let Some(g) = gpu() else { return };

@@ -978,23 +978,15 @@ impl Comparator<'_> {
             return false;
         }
         let heads = t.rows_per_token;
-        let width = (t.lead + t.width).max(b_lead + b_width);
         let (qa_row, stats_row) = (4 * heads * pa.head_dim, 4 * heads * 4);
         let total = t.positions.len();
         let mut start = 0;
+        // One summary per head row: the kernel's column chunks are folded on the GPU.
+        let per_token = heads;
         while start < total {
-            // As many tokens as the read-back buffer holds the summaries of. Fewer tokens may
-            // split rows into more chunks, so shrink until the batch's own layout fits.
-            let mut count = total - start;
-            let chunks = loop {
-                let (_, chunks) = crate::cuda::attention_diff_layout(count, heads, width);
-                let fits = (summary_rows() / (heads * chunks).max(1)).max(1);
-                if count <= fits {
-                    break chunks;
-                }
-                count = fits;
-            };
-            let (end, per_token) = (start + count, heads * chunks);
+            // As many tokens as the read-back buffer holds the summaries of.
+            let count = (total - start).min((summary_rows() / per_token.max(1)).max(1));
+            let end = start + count;
             let offset = match self.diffs.reserve(t, count * per_token) {
                 Some(o) => o,
                 None => {
@@ -1037,7 +1029,7 @@ impl Comparator<'_> {
                 id: t.id,
                 positions: t.positions[start..end].to_vec(),
                 rows_per_token: per_token,
-                chunks,
+                chunks: 1,
                 path_width: t.lead + t.width,
                 ref_width: b_lead + b_width,
                 offset: offset.0,

@@ -55,6 +55,7 @@ const KERNELS: &[&str] = &[
     "probs_from_stats",
     "argmax",
     "diff_rows",
+    "combine_diff_chunks",
     "copy_rows",
     "gemv_bf16",
     "gemm_bf16_l",

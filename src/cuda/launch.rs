@@ -349,21 +349,30 @@ pub(crate) struct AttnSide<'a> {
 /// Blocks of `attention_diff_mma` enough to fill a large GPU.
 const DIFF_BLOCKS: usize = 512;
 
+/// The narrowest column chunk `attention_diff_layout` makes unasked: below it, each block's
+/// fixed work (its query tile and statistics) outweighs its few key tiles.
+const DIFF_MIN_COLS: usize = 4 * MMA_KT;
+
 /// How `attention_diff_mma` splits rows `width` wide for `count` queries of `heads` heads:
 /// columns per chunk and chunks per head row. Whole rows where the queries alone make enough
-/// blocks (every chunk is a summary the host combines), else chunks of MMA_RB_KEYS columns.
-/// Chunks of 128 columns for short passes were tried: at 512 tokens they took
-/// `attention_diff_mma` from 20.7 to 12.0 ms of GPU time, and the path's prefill from about
-/// 65 to 106 ms, the host combining four times the summaries. Fewer queries never give fewer
-/// chunks.
-pub(crate) fn attention_diff_layout(count: usize, heads: usize, width: usize) -> (usize, usize) {
+/// blocks; else as many chunks as bring the blocks to `DIFF_BLOCKS`, each at least
+/// `DIFF_MIN_COLS` wide. `launch_attention_diff` folds a row's chunks on the GPU, so the
+/// host reads one summary per head row either way. A short pass (about 100 queries of a
+/// 512-token compare) made 32 blocks of whole rows, each walking every key tile alone.
+/// Fewer queries never give fewer chunks.
+fn attention_diff_layout(count: usize, heads: usize, width: usize) -> (usize, usize) {
     if let Some(cols) = forced_diff_cols() {
         return (cols, width.div_ceil(cols));
     }
-    let cols = if count.div_ceil(MMA_BQ) * heads >= DIFF_BLOCKS {
+    let blocks = count.div_ceil(MMA_BQ) * heads;
+    let cols = if blocks >= DIFF_BLOCKS {
         width.max(1)
     } else {
-        MMA_RB_KEYS
+        let chunks = DIFF_BLOCKS.div_ceil(blocks.max(1));
+        width
+            .div_ceil(chunks)
+            .next_multiple_of(MMA_KT)
+            .max(DIFF_MIN_COLS)
     };
     (cols, width.div_ceil(cols))
 }
@@ -400,8 +409,8 @@ pub(crate) fn attention_diff_applies(
 /// Diffs the attention rows of a path pass's `count` queries (`a`) against reference rows (`b`;
 /// their indices in the reference pass at `b_rows`, i32, -1: none) without writing either:
 /// `attention_diff_mma` rebuilds both as the tensor-core kernels wrote them and leaves the
-/// `diff_rows` summaries per (query, head, chunk of columns) at `out`. Only where
-/// `attention_diff_applies`.
+/// `diff_rows` summaries per (query, head) at `out`, a row's column chunks folded by
+/// `combine_diff_chunks`. Only where `attention_diff_applies`.
 pub(crate) fn launch_attention_diff(
     g: &Gpu,
     a: AttnSide<'_>,
@@ -413,6 +422,10 @@ pub(crate) fn launch_attention_diff(
     let (pa, pb) = (a.parts, b.parts);
     let width = (a.lead + a.width).max(b.lead + b.width);
     let (cols, chunks) = attention_diff_layout(count, pa.heads, width);
+    // Chunks' summaries go to a scratch buffer and are folded into `out` below; freed in
+    // stream order, after the fold has read them.
+    let scratch = (chunks > 1).then(|| g.alloc::<f32>(count * pa.heads * chunks * 12));
+    let summaries = scratch.as_ref().map_or(out, |s| super::gpu::ptr(g, s, 0));
     g.launch(
         "attention_diff_mma",
         (count.div_ceil(MMA_BQ) * pa.heads * chunks) as u32,
@@ -434,13 +447,33 @@ pub(crate) fn launch_attention_diff(
             Arg::I32(pb.split as i32),
             Arg::I32(b.lead as i32),
             Arg::I32(b.width as i32),
-            Arg::Ptr(out),
+            Arg::Ptr(summaries),
             Arg::I32(count as i32),
             Arg::I32(cols as i32),
             Arg::I32(pa.heads as i32),
             Arg::I32(pa.kv_heads as i32),
             Arg::I32(pa.head_dim as i32),
             Arg::F32(1.0 / (pa.head_dim as f32).sqrt()),
+        ],
+    );
+    if chunks > 1 {
+        launch_combine_diff_chunks(g, summaries, out, count * pa.heads, chunks);
+    }
+}
+
+/// Folds each of `rows` rows' `chunks` consecutive 12-word summaries at `from` into one at
+/// `to` (`combine_diff_chunks`).
+pub(crate) fn launch_combine_diff_chunks(g: &Gpu, from: u64, to: u64, rows: usize, chunks: usize) {
+    g.launch(
+        "combine_diff_chunks",
+        rows.div_ceil(128) as u32,
+        128,
+        0,
+        &[
+            Arg::Ptr(from),
+            Arg::Ptr(to),
+            Arg::I32(rows as i32),
+            Arg::I32(chunks as i32),
         ],
     );
 }
@@ -462,11 +495,30 @@ mod tests {
                     "more queries, more chunks: {count} x {width}"
                 );
                 last_chunks = chunks;
-                let whole = count.div_ceil(MMA_BQ) * heads >= DIFF_BLOCKS;
-                assert_eq!(cols, if whole { width } else { MMA_RB_KEYS });
+                let blocks = count.div_ceil(MMA_BQ) * heads;
+                if blocks >= DIFF_BLOCKS {
+                    assert_eq!(cols, width, "whole rows: {count} x {width}");
+                    continue;
+                }
+                assert_eq!(cols % MMA_KT, 0, "whole key tiles: {count} x {width}");
+                assert!(cols >= DIFF_MIN_COLS, "{count} x {width}");
+                // Enough blocks (whole key tiles may round a chunk up by less than a fifth),
+                // unless the chunks are as narrow as allowed already.
+                assert!(
+                    5 * blocks * chunks >= 4 * DIFF_BLOCKS || cols == DIFF_MIN_COLS,
+                    "{count} x {width}: {blocks} x {chunks} blocks"
+                );
+                // Not needlessly many: one chunk fewer would leave too few blocks.
+                assert!(
+                    chunks == 1 || blocks * (chunks - 1) < DIFF_BLOCKS || cols == DIFF_MIN_COLS,
+                    "{count} x {width}: {chunks} chunks"
+                );
             }
         }
-        assert_eq!(attention_diff_layout(16, 16, 16_384), (1024, 16));
+        // A 16-query pass over 16k keys: 16 blocks of queries, 32 chunks of 512 columns.
+        assert_eq!(attention_diff_layout(16, 16, 16_384), (512, 32));
+        // About 100 queries of a 512-token compare: 128-column chunks.
+        assert_eq!(attention_diff_layout(100, 16, 512), (128, 4));
         assert_eq!(attention_diff_layout(8176, 16, 16_384), (16_384, 1));
     }
 }

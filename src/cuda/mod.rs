@@ -29,8 +29,8 @@ pub use gpu::{
 };
 pub use kv::CudaKv;
 pub(crate) use launch::{
-    attention_diff_applies, attention_diff_layout, launch_attention_diff, launch_probs_from_stats,
-    AttnSide,
+    attention_diff_applies, launch_attention_diff, launch_combine_diff_chunks,
+    launch_probs_from_stats, AttnSide,
 };
 
 /// Whether a prefill of this model can offer its attention as parts (`AttnParts`): every layer

@@ -6,4 +6,6 @@ mod agreement;
 mod tap_diff;
 
 pub use agreement::{logits_agreement, DeviceAgreement, MAX_K as AGREEMENT_MAX_K};
-pub use tap_diff::{combine_rows, summary_rows, DeviceDiffs, DeviceRecorded};
+pub use tap_diff::{
+    combine_chunks_on_gpu, combine_rows, summary_rows, DeviceDiffs, DeviceRecorded,
+};

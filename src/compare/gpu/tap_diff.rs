@@ -363,6 +363,21 @@ impl DeviceDiffs {
     }
 }
 
+/// `rows` summaries of `chunks` column chunks each, as `attention_diff_mma` leaves them, folded
+/// on the GPU into one summary per row (what `launch_attention_diff` hands the host).
+pub fn combine_chunks_on_gpu(gpu: &Arc<Gpu>, rows: &[[f32; 12]], chunks: usize) -> Vec<[f32; 12]> {
+    let chunks = chunks.max(1);
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    let from = gpu.upload(&flat);
+    let n = rows.len() / chunks;
+    let to = gpu.zeros::<f32>(n * 12);
+    crate::cuda::launch_combine_diff_chunks(gpu, ptr(gpu, &from, 0), ptr(gpu, &to, 0), n, chunks);
+    gpu.download(&to, n * 12)
+        .chunks_exact(12)
+        .map(|c| c.try_into().expect("12 values"))
+        .collect()
+}
+
 /// One token's row metrics from its sub-rows' summaries: per head, `chunks` summaries of
 /// consecutive column ranges (indices counted from the head row's start), each head row `w`
 /// wide. The same `RowDiff` the host computes over the concatenated row. Also returns the count
