@@ -316,6 +316,21 @@ impl TapStats {
     }
 }
 
+/// One tap's compared rows, as `Comparator::book` takes them.
+type TapRows = Vec<(usize, RowDiff, bool, usize)>;
+
+/// A compared row as the grid keeps it.
+fn grid_row(position: usize, d: &RowDiff, diverged: bool) -> Row {
+    Row {
+        position,
+        rel_l2: d.rel_l2,
+        max_abs: d.max_abs,
+        cosine: d.cosine,
+        index: d.non_finite.unwrap_or(d.index),
+        diverged,
+    }
+}
+
 /// Rows of the per-layer table: embed, each layer, final norm, logits.
 fn group_of(id: TapId) -> (u8, usize) {
     match id {
@@ -384,24 +399,43 @@ impl<'a> Comparator<'a> {
         id: TapId,
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
-        let kind = id.kind();
         let grid = &mut self.grid;
-        let t = TapStats::of(rows, self.tol.bounds(kind), |pos, d, diverged| {
-            grid.add(
-                id,
-                Row {
-                    position: pos,
-                    rel_l2: d.rel_l2,
-                    max_abs: d.max_abs,
-                    cosine: d.cosine,
-                    index: d.non_finite.unwrap_or(d.index),
-                    diverged,
-                },
-            )
+        let t = TapStats::of(rows, self.tol.bounds(id.kind()), |pos, d, diverged| {
+            grid.add(id, grid_row(pos, d, diverged))
         });
+        self.book_stats(step, id, t);
+    }
+
+    /// `book` for many taps at once, each tap's rows summed on a worker (a prefill pass reads
+    /// back hundreds of taps of thousands of rows, and the host's booking held up the next
+    /// pass), then booked in the order given, so the grid and the first divergence come out
+    /// as booking them one by one would leave them.
+    fn book_all(&mut self, taps: Vec<(usize, TapId, TapRows)>) {
+        let tol = self.tol;
+        let summed: Vec<_> = taps
+            .into_par_iter()
+            .map(|(step, id, rows)| {
+                let mut cells = Vec::with_capacity(rows.len());
+                let t = TapStats::of(rows, tol.bounds(id.kind()), |pos, d, diverged| {
+                    cells.push(grid_row(pos, d, diverged))
+                });
+                (step, id, t, cells)
+            })
+            .collect();
+        for (step, id, t, cells) in summed {
+            for c in cells {
+                self.grid.add(id, c);
+            }
+            self.book_stats(step, id, t);
+        }
+    }
+
+    /// The per-layer statistics, learned noise and first divergence of one tap's rows.
+    fn book_stats(&mut self, step: usize, id: TapId, t: TapStats) {
         if t.compared == 0 {
             return;
         }
+        let kind = id.kind();
         let layer = self.layers.entry(group_of(id)).or_insert_with(|| LayerRow {
             layer: id
                 .layer()
@@ -921,6 +955,10 @@ struct PendingDiff {
     offset: usize,
 }
 
+/// Read-back summaries from which booking is spread over worker threads: below it, a decode
+/// step's, handing the rows to workers would cost more than booking them.
+const PARALLEL_BOOKING_ROWS: usize = 1 << 14;
+
 /// Reference attention rows rebuilt at once, at most (bytes of scratch).
 const REBUILD_BYTES: usize = 256 << 20;
 
@@ -1224,23 +1262,42 @@ impl Comparator<'_> {
             return;
         }
         let _span = crate::support::timing::span("compare: GPU diffs read back and booked");
-        let sums = self.diffs.finish_readback();
-        for p in std::mem::take(&mut self.reading) {
+        let back = self.diffs.finish_readback();
+        let sums = back.rows();
+        let reading = std::mem::take(&mut self.reading);
+        let rows_of = |p: &PendingDiff| -> TapRows {
             let w = p.path_width.max(p.ref_width);
             let rpt = p.rows_per_token;
-            let rows = p.positions.iter().enumerate().filter_map(|(i, &pos)| {
-                let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
-                if rows[0][7] == -2.0 {
-                    return None;
-                }
-                let (d, bits) = combine_rows(rows, w, p.chunks);
-                let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
-                // A token's row is its heads' rows, however many chunks each was split into:
-                // the first divergence's head and index are read from this length.
-                Some((pos, d, bitwise_equal, w * (rpt / p.chunks.max(1))))
-            });
-            self.book(p.step, p.id, rows);
+            p.positions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &pos)| {
+                    let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
+                    if rows[0][7] == -2.0 {
+                        return None;
+                    }
+                    let (d, bits) = combine_rows(rows, w, p.chunks);
+                    let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
+                    // A token's row is its heads' rows, however many chunks each was split
+                    // into: the first divergence's head and index are read from this length.
+                    Some((pos, d, bitwise_equal, w * (rpt / p.chunks.max(1))))
+                })
+                .collect()
+        };
+        // A decode step's few rows per tap are booked here; a prefill pass's on workers.
+        if sums.len() < PARALLEL_BOOKING_ROWS {
+            for p in &reading {
+                let rows = rows_of(p);
+                self.book(p.step, p.id, rows);
+            }
+        } else {
+            let taps = reading
+                .par_iter()
+                .map(|p| (p.step, p.id, rows_of(p)))
+                .collect();
+            self.book_all(taps);
         }
+        self.diffs.return_readback(back);
     }
 }
 

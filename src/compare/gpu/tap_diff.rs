@@ -347,19 +347,53 @@ impl DeviceDiffs {
         self.copy_done = Some(g.stream_unjoined().record_event(None).expect("CUDA event"));
     }
 
-    /// The rows `start_readback` copied, once the copy has completed.
-    pub fn finish_readback(&mut self) -> Vec<[f32; 12]> {
+    /// The rows `start_readback` copied, once the copy has completed: the pinned buffer itself,
+    /// lent until `return_readback` (copying a pass's summaries, tens of MB, into fresh memory
+    /// cost about 10 ms a prefill, most of it the new pages' faults).
+    pub fn finish_readback(&mut self) -> Readback {
         let Some(done) = self.copy_done.take() else {
-            return Vec::new();
+            return Readback {
+                host: None,
+                rows: 0,
+            };
         };
-        done.synchronize().expect("CUDA event");
-        let host = self.host.as_ref().expect("allocated");
-        let rows = host.as_slice().expect("pinned buffer")[..self.copied * 12]
-            .chunks_exact(12)
-            .map(|c| c.try_into().expect("12 values"))
-            .collect();
-        self.copied = 0;
-        rows
+        {
+            let _wait =
+                crate::support::timing::span("compare: diff summaries read back (GPU wait)");
+            done.synchronize().expect("CUDA event");
+        }
+        let rows = std::mem::take(&mut self.copied);
+        Readback {
+            host: Some(self.host.take().expect("allocated")),
+            rows,
+        }
+    }
+
+    /// Takes back the buffer `finish_readback` lent, for the next read-back.
+    pub fn return_readback(&mut self, r: Readback) {
+        if self.host.is_none() {
+            self.host = r.host;
+        }
+    }
+}
+
+/// Read-back summaries (`DeviceDiffs::finish_readback`), 12 words a row.
+pub struct Readback {
+    host: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    rows: usize,
+}
+
+impl Readback {
+    pub fn rows(&self) -> &[[f32; 12]] {
+        match &self.host {
+            Some(h) => {
+                let flat = &h.as_slice().expect("pinned buffer")[..self.rows * 12];
+                // Safety: `flat` holds rows * 12 initialised f32s, and [f32; 12] has f32's
+                // alignment and no padding; the rows borrow `self`, which owns the buffer.
+                unsafe { std::slice::from_raw_parts(flat.as_ptr().cast::<[f32; 12]>(), self.rows) }
+            }
+            None => &[],
+        }
     }
 }
 
