@@ -328,8 +328,16 @@ impl DeviceDiffs {
             return;
         }
         if self.host.as_ref().is_none_or(|h| h.len() < len) {
+            let _span = crate::support::timing::span("compare: pinned read-back buffer allocated");
+            // Grown in powers of two: pinning memory costs about a millisecond per 10 MB, and
+            // a run's passes read back ever more rows (a 512-token compare grew it each pass).
             // Safety: the buffer is only read after the copy into it has completed.
-            let pinned = unsafe { g.ctx.alloc_pinned_with_flags::<f32>(len.max(1 << 16), 0) };
+            let size = len
+                .max(1 << 16)
+                .next_power_of_two()
+                .min(self.cap.max(1) * 12)
+                .max(len);
+            let pinned = unsafe { g.ctx.alloc_pinned_with_flags::<f32>(size, 0) };
             self.host = Some(pinned.expect("CUDA pinned allocation"));
         }
         let host = self.host.as_mut().expect("allocated");
