@@ -955,6 +955,31 @@ struct PendingDiff {
     offset: usize,
 }
 
+impl PendingDiff {
+    /// Its compared rows from the read-back summaries `sums` (see `Comparator::book`).
+    fn rows<'s>(
+        &'s self,
+        sums: &'s [[f32; 12]],
+    ) -> impl Iterator<Item = (usize, RowDiff, bool, usize)> + 's {
+        let w = self.path_width.max(self.ref_width);
+        let rpt = self.rows_per_token;
+        self.positions
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, &pos)| {
+                let rows = &sums[self.offset + i * rpt..self.offset + (i + 1) * rpt];
+                if rows[0][7] == -2.0 {
+                    return None;
+                }
+                let (d, bits) = combine_rows(rows, w, self.chunks);
+                let bitwise_equal = bits == 0.0 && self.path_width == self.ref_width;
+                // A token's row is its heads' rows, however many chunks each was split into: the
+                // first divergence's head and index are read from this length.
+                Some((pos, d, bitwise_equal, w * (rpt / self.chunks.max(1))))
+            })
+    }
+}
+
 /// Read-back summaries from which booking is spread over worker threads: below it, a decode
 /// step's, handing the rows to workers would cost more than booking them.
 const PARALLEL_BOOKING_ROWS: usize = 1 << 14;
@@ -1265,35 +1290,15 @@ impl Comparator<'_> {
         let back = self.diffs.finish_readback();
         let sums = back.rows();
         let reading = std::mem::take(&mut self.reading);
-        let rows_of = |p: &PendingDiff| -> TapRows {
-            let w = p.path_width.max(p.ref_width);
-            let rpt = p.rows_per_token;
-            p.positions
-                .iter()
-                .enumerate()
-                .filter_map(|(i, &pos)| {
-                    let rows = &sums[p.offset + i * rpt..p.offset + (i + 1) * rpt];
-                    if rows[0][7] == -2.0 {
-                        return None;
-                    }
-                    let (d, bits) = combine_rows(rows, w, p.chunks);
-                    let bitwise_equal = bits == 0.0 && p.path_width == p.ref_width;
-                    // A token's row is its heads' rows, however many chunks each was split
-                    // into: the first divergence's head and index are read from this length.
-                    Some((pos, d, bitwise_equal, w * (rpt / p.chunks.max(1))))
-                })
-                .collect()
-        };
         // A decode step's few rows per tap are booked here; a prefill pass's on workers.
         if sums.len() < PARALLEL_BOOKING_ROWS {
             for p in &reading {
-                let rows = rows_of(p);
-                self.book(p.step, p.id, rows);
+                self.book(p.step, p.id, p.rows(sums));
             }
         } else {
-            let taps = reading
+            let taps: Vec<(usize, TapId, TapRows)> = reading
                 .par_iter()
-                .map(|p| (p.step, p.id, rows_of(p)))
+                .map(|p| (p.step, p.id, p.rows(sums).collect()))
                 .collect();
             self.book_all(taps);
         }
