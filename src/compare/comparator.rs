@@ -836,7 +836,6 @@ impl TapSink for Comparator<'_> {
                 id: t.id,
                 positions: positions.to_vec(),
                 rows_per_token: t.rows_per_token,
-                chunks: 1,
                 path_width: t.path_width + g.0,
                 ref_width: t.ref_width + g.1,
                 offset,
@@ -947,9 +946,8 @@ struct PendingDiff {
     step: usize,
     id: TapId,
     positions: Vec<usize>,
+    /// Summaries per token: one per head row (column chunks are folded on the GPU), else one.
     rows_per_token: usize,
-    /// Summaries per sub-row (a head's row in column chunks; 1: whole).
-    chunks: usize,
     path_width: usize,
     ref_width: usize,
     offset: usize,
@@ -971,11 +969,11 @@ impl PendingDiff {
                 if rows[0][7] == -2.0 {
                     return None;
                 }
-                let (d, bits) = combine_rows(rows, w, self.chunks);
+                let (d, bits) = combine_rows(rows, w, 1);
                 let bitwise_equal = bits == 0.0 && self.path_width == self.ref_width;
-                // A token's row is its heads' rows, however many chunks each was split into: the
-                // first divergence's head and index are read from this length.
-                Some((pos, d, bitwise_equal, w * (rpt / self.chunks.max(1))))
+                // A token's row is its heads' rows: the first divergence's head and index are
+                // read from this length.
+                Some((pos, d, bitwise_equal, w * rpt))
             })
     }
 }
@@ -1092,7 +1090,6 @@ impl Comparator<'_> {
                 id: t.id,
                 positions: t.positions[start..end].to_vec(),
                 rows_per_token: per_token,
-                chunks: 1,
                 path_width: t.lead + t.width,
                 ref_width: b_lead + b_width,
                 offset: offset.0,
@@ -1182,7 +1179,6 @@ impl Comparator<'_> {
             id: t.id,
             positions: t.positions.to_vec(),
             rows_per_token: t.rows_per_token,
-            chunks: 1,
             path_width: t.lead + t.width,
             ref_width: lead + width,
             offset,
