@@ -991,6 +991,12 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
             let out = kvdiff(&args, &env);
             let err = String::from_utf8_lossy(&out.stderr);
             assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
+            let traced = env.contains(&("KVDIFF_CUDA_TRACE", "1"));
+            assert_eq!(
+                err.contains("CUDA trace (main stream)") && err.contains("5 ms slices"),
+                traced,
+                "{name}: {err}"
+            );
             // The three sides' decode steps ran as one pass unless turned off.
             let off = env.contains(&("KVDIFF_CUDA_TOGETHER", "0"));
             assert_eq!(
@@ -1076,6 +1082,10 @@ fn streams_report_alike(run: NamedRun<'_>) {
             &with_fault(&[("KVDIFF_CUDA_SUMMARY_ROWS", "2048")]),
         );
         assert_eq!(small, own, "small read-back buffers ({fault:?})");
+        // The main stream's timeline (events around every launch, no graphs) changes nothing
+        // reported.
+        let traced = run("traced", &with_fault(&[("KVDIFF_CUDA_TRACE", "1")]));
+        assert_eq!(traced, own, "traced ({fault:?})");
     }
 }
 

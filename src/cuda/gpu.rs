@@ -190,6 +190,8 @@ pub struct Gpu {
     /// Per operation: calls and seconds, when `KVDIFF_CUDA_PROFILE` is set (each operation is
     /// then synchronised, so totals are exact but the run is slower).
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
+    /// The main stream's timeline, when `KVDIFF_CUDA_TRACE` is set: where the GPU idles.
+    trace: Option<std::sync::Mutex<super::trace::Trace>>,
     graphs: bool,
     /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless
     /// `KVDIFF_CUDA_PDL=0`): see `pdl_wait` in kernels/common.cuh.
@@ -482,6 +484,7 @@ impl Gpu {
         };
         let (kernels, shared_optin) = load_kernels(&ctx, major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let trace = super::trace::Trace::from_env(&ctx).map(std::sync::Mutex::new);
         let gpu = Arc::new(Gpu {
             ctx,
             stream,
@@ -504,7 +507,9 @@ impl Gpu {
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
+            trace,
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
+                && std::env::var_os("KVDIFF_CUDA_TRACE").is_none()
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
@@ -533,6 +538,10 @@ impl Gpu {
 
     /// Runs `f` as operation `name`, timed when profiling.
     fn timed<R>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> R) -> R {
+        if let Some(t) = &self.trace {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            return t.around(&self.stream, name, f);
+        }
         let Some(p) = &self.profile else { return f() };
         self.sync();
         let t = std::time::Instant::now();
@@ -568,8 +577,11 @@ impl Gpu {
         Graph(g)
     }
 
-    /// The profile table, when profiling.
+    /// The profile table, when profiling, or the timeline's, when tracing.
     pub fn profile_report(&self) -> Option<String> {
+        if let Some(t) = &self.trace {
+            return t.lock().ok()?.report();
+        }
         let p = self.profile.as_ref()?.lock().ok()?;
         let total: f64 = p.values().map(|v| v.1).sum();
         let mut rows: Vec<_> = p.iter().collect();

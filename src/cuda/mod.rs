@@ -9,7 +9,8 @@
 //! - `forward.rs`: the forward pass (prefill and graph-replayed decode steps);
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
-//! - `host_ops.rs`: each kernel on host data, for the tests.
+//! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
+//!   timeline (`KVDIFF_CUDA_TRACE`).
 
 mod forward;
 mod gpu;
@@ -19,6 +20,7 @@ mod launch;
 mod stream_load;
 mod taps;
 mod together;
+mod trace;
 mod upload;
 mod workspace;
 

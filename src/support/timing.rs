@@ -46,6 +46,12 @@ pub fn enable() {
     ENABLED.store(1, Ordering::Relaxed);
 }
 
+/// Milliseconds from the table's start (`mark_start`) to `at`, for other timelines.
+pub fn offset_ms(at: Instant) -> f64 {
+    let start = *START.get_or_init(|| at);
+    at.saturating_duration_since(start).as_secs_f64() * 1e3
+}
+
 /// Adds the time until it is dropped to phase `name`.
 pub struct Span(Option<(&'static str, Instant)>);
 
