@@ -122,22 +122,32 @@ __device__ void agree_reduce(Agree* all, int k) {
     __syncthreads();
 }
 
-extern "C" __global__ void logits_agreement(const float* path, const float* ref, int n, int k,
-                                            Agree* partials, unsigned int* counter,
-                                            double* out) {
+// Several comparisons in one launch (one per slot of the `Sides` arguments, `blocks` blocks
+// each, side-major): a decode step compares its path with every reference, and the launches
+// would otherwise run one after another, each a few blocks deep in merges on a mostly idle
+// GPU. A comparison's blocks, states and merge order are those of a launch of its own.
+extern "C" __global__ void logits_agreement(Sides paths, Sides refs, int n, int k,
+                                            Sides partials_of, Sides counters, Sides outs,
+                                            int blocks) {
     PDL_ENTER();
     __shared__ Agree all[AGREE_THREADS];
+    int job = blockIdx.x / blocks, block = blockIdx.x % blocks;
+    const float* path = at_side<const float>(paths, job);
+    const float* ref = at_side<const float>(refs, job);
+    Agree* partials = at_side<Agree>(partials_of, job);
+    unsigned int* counter = at_side<unsigned int>(counters, job);
+    double* out = at_side<double>(outs, job);
     Agree s;
     agree_empty(&s, k);
-    int per = (n + gridDim.x - 1) / gridDim.x;
-    int from = blockIdx.x * per, to = min(n, from + per);
+    int per = (n + blocks - 1) / blocks;
+    int from = block * per, to = min(n, from + per);
     for (int i = from + threadIdx.x; i < to; i += AGREE_THREADS) agree_add(&s, path[i], ref[i], i, k);
     all[threadIdx.x] = s;
     agree_reduce(all, k);
-    if (threadIdx.x == 0) partials[blockIdx.x] = all[0];
-    if (!last_block_done(counter, gridDim.x)) return;
+    if (threadIdx.x == 0) partials[block] = all[0];
+    if (!last_block_done(counter, blocks)) return;
     agree_empty(&s, k);
-    for (int b = threadIdx.x; b < (int)gridDim.x; b += AGREE_THREADS) {
+    for (int b = threadIdx.x; b < blocks; b += AGREE_THREADS) {
         Agree o;
         // Other blocks' states, read past L1.
         const double* src = (const double*)&partials[b];

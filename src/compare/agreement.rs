@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::compare::diff::LogitsAgreement;
-use crate::compare::gpu::DeviceAgreement;
+use crate::compare::gpu::{launch_agreements, AgreementJob, DeviceAgreement};
 use crate::cuda::logits_on_gpu;
 use crate::engine::model::StepLogits;
 
@@ -15,6 +15,20 @@ pub(crate) struct Agreement {
     worker: Option<AgreementWorker>,
     device: Option<DeviceAgreement>,
     max_steps: usize,
+}
+
+/// A step's comparisons on the GPU, not launched yet, and the reference rows they read.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    jobs: Vec<AgreementJob>,
+    held: Vec<StepLogits>,
+}
+
+impl Deferred {
+    /// Launches the comparisons (as one launch where they fit), then lets the rows go.
+    pub(crate) fn launch(self) {
+        launch_agreements(&self.jobs);
+    }
 }
 
 /// The host worker's queue of (path, reference) logits and its thread.
@@ -35,13 +49,28 @@ impl Agreement {
     }
 
     pub(crate) fn add(&mut self, path: &StepLogits, reference: StepLogits) {
+        let mut step = Deferred::default();
+        self.add_deferred(path, reference, &mut step);
+        step.launch();
+    }
+
+    /// `add`, except that a comparison on the GPU is left in `step`, to be launched with the
+    /// other references' comparisons of the same step (`Deferred::launch`).
+    pub(crate) fn add_deferred(
+        &mut self,
+        path: &StepLogits,
+        reference: StepLogits,
+        step: &mut Deferred,
+    ) {
         if let (Some(p), Some(r)) = (logits_on_gpu(path), logits_on_gpu(&reference)) {
             if Arc::ptr_eq(p.gpu, r.gpu) {
                 let d = self.device.get_or_insert_with(|| {
                     DeviceAgreement::new(p.gpu, Self::TOP_K, self.max_steps)
                 });
                 if d.has_room() {
-                    d.add(p.at, r.at, p.len);
+                    step.jobs.push(d.job(p.at, r.at, p.len));
+                    // The row is read by the launch: held until then.
+                    step.held.push(reference);
                     return;
                 }
             }

@@ -726,6 +726,8 @@ impl Lockstep {
     ) -> u32 {
         let pt = logits.argmax();
         let mut fed = None;
+        // The step's comparisons on the GPU, launched together after the loop.
+        let mut agreements = crate::compare::agreement::Deferred::default();
         for ((side, spec), r) in self.sides.iter_mut().zip(specs).zip(ref_logits) {
             let rt = r.argmax();
             fed.get_or_insert(rt);
@@ -746,8 +748,9 @@ impl Lockstep {
                     near_tie: flip.near_tie,
                 });
             }
-            side.agreement.add(&logits, r);
+            side.agreement.add_deferred(&logits, r, &mut agreements);
         }
+        agreements.launch();
         self.tokens.push(pt);
         fed.expect("at least one reference")
     }

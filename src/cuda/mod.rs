@@ -25,6 +25,7 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
+pub(crate) use gpu::MAX_SIDES;
 pub use gpu::{
     cublas_asked, device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg,
     GemmTile, Gpu,

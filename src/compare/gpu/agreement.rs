@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use crate::compare::diff::LogitsAgreement;
-use crate::cuda::{ptr, Arg, Gpu};
+use crate::cuda::{ptr, Arg, Gpu, MAX_SIDES};
 
 /// Blocks of one comparison, and the f64 words of the kernel's `Agree` state.
 const BLOCKS: usize = 128;
@@ -46,24 +46,29 @@ impl DeviceAgreement {
     /// Enqueues the comparison of two `n`-wide rows at device addresses `path` and `reference`
     /// (read before anything enqueued after this call overwrites them).
     pub fn add(&mut self, path: u64, reference: u64, n: usize) {
+        let job = self.job(path, reference, n);
+        launch_agreements(&[job]);
+    }
+
+    /// The comparison `add` enqueues, to be launched by `launch_agreements` together with
+    /// other comparisons' (of other `DeviceAgreement`s: each has its own partial states).
+    pub fn job(&mut self, path: u64, reference: u64, n: usize) -> AgreementJob {
         assert!(self.has_room(), "DeviceAgreement sized for fewer steps");
         let g = &*self.gpu;
-        g.launch(
-            "logits_agreement",
-            BLOCKS as u32,
-            128,
-            0,
-            &[
-                Arg::Ptr(path),
-                Arg::Ptr(reference),
-                Arg::I32(n as i32),
-                Arg::I32(self.k as i32),
-                Arg::Ptr(ptr(g, &self.partials, 0)),
-                Arg::Ptr(ptr(g, &self.counter, 0)),
-                Arg::Ptr(ptr(g, &self.out, 4 * self.steps)),
+        let job = AgreementJob {
+            gpu: self.gpu.clone(),
+            k: self.k,
+            n,
+            ptrs: [
+                path,
+                reference,
+                ptr(g, &self.partials, 0),
+                ptr(g, &self.counter, 0),
+                ptr(g, &self.out, 4 * self.steps),
             ],
-        );
+        };
         self.steps += 1;
+        job
     }
 
     /// Waits for the enqueued comparisons and folds them into `into`.
@@ -75,6 +80,52 @@ impl DeviceAgreement {
         for s in all.chunks(4) {
             into.add_summary(s[0] != 0.0, s[1] as usize, s[2], s[3]);
         }
+    }
+}
+
+/// One comparison for `launch_agreements`: its GPU, top-k, row width, and the addresses of the
+/// path row, the reference row, its partial states, counter and output.
+pub struct AgreementJob {
+    gpu: Arc<Gpu>,
+    k: usize,
+    n: usize,
+    ptrs: [u64; 5],
+}
+
+/// Launches `jobs` (comparisons on one GPU, of one top-k and width) as few `logits_agreement`
+/// launches as `MAX_SIDES` allows, each comparison with its own blocks.
+pub fn launch_agreements(jobs: &[AgreementJob]) {
+    for group in jobs.chunks(MAX_SIDES) {
+        let first = &group[0];
+        assert!(
+            group
+                .iter()
+                .all(|j| Arc::ptr_eq(&j.gpu, &first.gpu) && j.k == first.k && j.n == first.n),
+            "comparisons launched together share their GPU, top-k and width"
+        );
+        let slot = |w: usize| {
+            let mut a = [0u64; MAX_SIDES];
+            for (s, j) in a.iter_mut().zip(group) {
+                *s = j.ptrs[w];
+            }
+            Arg::Sides(a)
+        };
+        first.gpu.launch(
+            "logits_agreement",
+            (BLOCKS * group.len()) as u32,
+            128,
+            0,
+            &[
+                slot(0),
+                slot(1),
+                Arg::I32(first.n as i32),
+                Arg::I32(first.k as i32),
+                slot(2),
+                slot(3),
+                slot(4),
+                Arg::I32(BLOCKS as i32),
+            ],
+        );
     }
 }
 

@@ -5,7 +5,9 @@
 mod agreement;
 mod tap_diff;
 
-pub use agreement::{logits_agreement, DeviceAgreement, MAX_K as AGREEMENT_MAX_K};
+pub use agreement::{
+    launch_agreements, logits_agreement, AgreementJob, DeviceAgreement, MAX_K as AGREEMENT_MAX_K,
+};
 pub use tap_diff::{
     combine_chunks_on_gpu, combine_rows, summary_rows, DeviceDiffs, DeviceRecorded,
 };
