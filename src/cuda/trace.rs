@@ -67,7 +67,14 @@ impl Trace {
                 host: crate::support::timing::offset_ms(*host),
             })
             .collect();
-        Some(summarize(&ops))
+        let mut out = summarize(&ops);
+        if 2 * (self.ops.len() + 1) > self.events.len() {
+            out += &format!(
+                "  (events ran out: operations after the first {} were not traced)\n",
+                self.ops.len()
+            );
+        }
+        Some(out)
     }
 }
 
