@@ -507,10 +507,10 @@ impl Gpu {
             kernels,
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
-            trace,
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
-                && std::env::var_os("KVDIFF_CUDA_TRACE").is_none()
+                && trace.is_none()
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
+            trace,
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
             tensor_core_shared: (major >= 8
@@ -555,8 +555,8 @@ impl Gpu {
         r
     }
 
-    /// Whether decode steps are replayed from CUDA graphs: not when profiling (every operation
-    /// is timed on its own) nor with `KVDIFF_CUDA_GRAPHS=0`.
+    /// Whether decode steps are replayed from CUDA graphs: not when profiling or tracing
+    /// (every operation is timed on its own) nor with `KVDIFF_CUDA_GRAPHS=0`.
     pub fn graphs(&self) -> bool {
         self.graphs
     }
