@@ -14,6 +14,9 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 const EVENTS: usize = 1 << 16;
 
 pub struct Trace {
+    /// `KVDIFF_CUDA_TRACE=graphs`: decode steps stay in CUDA graphs, each replay traced as
+    /// one operation, so the timeline is the one a plain run has.
+    graphs: bool,
     events: Vec<CudaEvent>,
     /// Per operation: name, its two events, and when the host enqueued it.
     ops: Vec<(String, usize, Instant)>,
@@ -21,15 +24,20 @@ pub struct Trace {
 
 impl Trace {
     pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Trace> {
-        std::env::var_os("KVDIFF_CUDA_TRACE").filter(|v| v != "0")?;
+        let mode = std::env::var_os("KVDIFF_CUDA_TRACE").filter(|v| v != "0")?;
         let events = (0..EVENTS)
             .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
             .collect::<Result<Vec<_>, _>>()
             .ok()?;
         Some(Trace {
+            graphs: mode == "graphs",
             events,
             ops: Vec::new(),
         })
+    }
+
+    pub fn keeps_graphs(&self) -> bool {
+        self.graphs
     }
 
     /// Runs `f` (which enqueues on `stream`) between two events, while events last.
@@ -97,8 +105,16 @@ pub fn summarize(ops: &[Op]) -> String {
     let mut idle_by_next: BTreeMap<&str, (u64, f64)> = BTreeMap::new();
     let mut slices: BTreeMap<u64, (f64, f64, f64)> = BTreeMap::new();
     let mut prev_end = 0.0;
+    // (gap, op, host time the previous operation was enqueued): the host's work between the
+    // two enqueues is what the GPU waited for.
+    let mut waits: Vec<(f64, &Op, f64)> = Vec::new();
+    let mut prev_host = ops.first().map_or(0.0, |o| o.host);
     for op in ops {
         let gap = (op.start - prev_end).max(0.0);
+        if gap > 0.2 {
+            waits.push((gap, op, prev_host));
+        }
+        prev_host = op.host;
         let o = by_op.entry(&op.name).or_insert((0, 0.0));
         o.0 += 1;
         o.1 += op.end - op.start;
@@ -129,6 +145,16 @@ pub fn summarize(ops: &[Op]) -> String {
     idle_rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
     for (k, (n, t)) in idle_rows.iter().take(12) {
         out += &format!("    {k:<34} {n:>6} waits {t:>9.2} ms\n");
+    }
+    waits.sort_by(|a, b| b.0.total_cmp(&a.0));
+    if !waits.is_empty() {
+        out += "  longest waits: ms idle, before which operation, when the GPU got to it (ms after the first operation), the host's enqueues around it (ms after main started):\n";
+    }
+    for (gap, op, before) in waits.iter().take(16) {
+        out += &format!(
+            "    {gap:>6.2} ms before {:<34} at {:>7.1}  host {before:>7.1} .. {:>7.1}\n",
+            op.name, op.start, op.host
+        );
     }
     out += "  busy by operation:\n";
     let mut rows: Vec<_> = by_op.into_iter().collect();
@@ -208,5 +234,22 @@ mod tests {
         assert!(slices[0].contains("2.00  0.00  host    100.0"), "{s}");
         assert!(slices[1].contains("2.00  3.00  host    104.0"), "{s}");
         assert!(slices[2].contains("1.00  4.00  host    110.0"), "{s}");
+        // The longest waits, longest first, each with the host's enqueues around it: c was
+        // enqueued at 110 ms, the operation before it at 104.5.
+        let waits: Vec<&str> = s
+            .lines()
+            .skip_while(|l| !l.starts_with("  longest waits"))
+            .skip(1)
+            .take_while(|l| l.starts_with("    "))
+            .collect();
+        assert_eq!(waits.len(), 2, "{s}");
+        assert!(
+            waits[0].contains("4.00 ms before c") && waits[0].contains("host   104.5 ..   110.0"),
+            "{s}"
+        );
+        assert!(
+            waits[1].contains("3.00 ms before b") && waits[1].contains("host   100.0 ..   104.0"),
+            "{s}"
+        );
     }
 }

@@ -10,6 +10,12 @@ static ENABLED: AtomicU8 = AtomicU8::new(2);
 static TOTALS: Mutex<BTreeMap<&'static str, Phase>> = Mutex::new(BTreeMap::new());
 /// What the table's offsets count from: `mark_start` (main), else the first span.
 static START: OnceLock<Instant> = OnceLock::new();
+/// `KVDIFF_TIMING=log`: every span of at least `LOGGED` seconds, in order, with its thread
+/// (at most `LOG_MAX`), to line up with `KVDIFF_CUDA_TRACE`'s longest waits.
+static LOG: Mutex<Vec<(&'static str, f64, f64, String)>> = Mutex::new(Vec::new());
+static LOGGING: OnceLock<bool> = OnceLock::new();
+const LOGGED: f64 = 1e-4;
+const LOG_MAX: usize = 20_000;
 
 /// One phase's calls, their summed time, and when the first began and the last ended (seconds
 /// after `START`): with phases on several threads, the offsets show which waited for which.
@@ -78,6 +84,16 @@ impl Drop for Span {
             e.total += t.elapsed().as_secs_f64();
             e.first = e.first.min(began);
             e.last = e.last.max(ended);
+            drop(m);
+            let logging = *LOGGING
+                .get_or_init(|| std::env::var_os("KVDIFF_TIMING").is_some_and(|v| v == "log"));
+            if logging && ended - began >= LOGGED {
+                let mut log = LOG.lock().unwrap_or_else(|e| e.into_inner());
+                if log.len() < LOG_MAX {
+                    let thread = std::thread::current().name().unwrap_or("?").to_string();
+                    log.push((name, began, ended, thread));
+                }
+            }
         }
     }
 }
@@ -103,5 +119,50 @@ pub fn report() -> Option<String> {
             p.last * 1e3
         );
     }
+    let mut log = LOG.lock().ok()?;
+    s += &log_table(&mut log);
     Some(s)
+}
+
+/// `KVDIFF_TIMING=log`'s spans (name, start and end in seconds, thread) in order of start.
+fn log_table(log: &mut [(&'static str, f64, f64, String)]) -> String {
+    if log.is_empty() {
+        return String::new();
+    }
+    log.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let mut s = String::from(
+        "kvdiff timing log (spans of 0.1 ms or more, by start; ms after main started):\n",
+    );
+    for (name, began, ended, thread) in log.iter() {
+        s += &format!(
+            "  {:>8.2} .. {:>8.2} {:>7.2}  {name} [{thread}]\n",
+            began * 1e3,
+            ended * 1e3,
+            (ended - began) * 1e3
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_log_lists_spans_by_start_with_their_thread() {
+        let mut log = vec![
+            ("later", 0.0020, 0.0035, "main".to_string()),
+            ("earlier", 0.0010, 0.0040, "worker".to_string()),
+        ];
+        let s = super::log_table(&mut log);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines.len(), 3, "{s}");
+        assert!(
+            lines[1].ends_with("1.00 ..     4.00    3.00  earlier [worker]"),
+            "{s}"
+        );
+        assert!(
+            lines[2].ends_with("2.00 ..     3.50    1.50  later [main]"),
+            "{s}"
+        );
+        assert!(super::log_table(&mut []).is_empty());
+    }
 }
