@@ -331,7 +331,10 @@ fn planted_with(
         memory_budget: usize::MAX,
     };
     let r = spec
-        .run_with("planted", true, 0, |m, pr, _, sink| bug(m, pr, sink))
+        .run_with("planted", true, 0, |m, pr, _, sink| {
+            let (cache, logits) = bug(m, pr, sink);
+            (cache, kvdiff::engine::pass::StepLogits::Host(logits))
+        })
         .unwrap();
     assert!(r.diverged);
     (prompt, r)

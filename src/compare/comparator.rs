@@ -873,7 +873,13 @@ impl Comparator<'_> {
             match recs.as_slice() {
                 // One pass: the rows it lacks are left out, as on the host.
                 [only] => Some((0, rows(only))),
+                // A pass lacking the first or last position is passed over without looking
+                // up the rest.
                 _ => recs.iter().enumerate().find_map(|(i, r)| {
+                    let ends = [t.positions.first(), t.positions.last()];
+                    if ends.iter().flatten().any(|&&p| r.index.row(p).is_none()) {
+                        return None;
+                    }
                     let rr = rows(r);
                     rr.iter().all(Option::is_some).then_some((i, rr))
                 }),
@@ -1018,6 +1024,29 @@ fn materialize<'t>(
 }
 
 impl Comparator<'_> {
+    /// Pins the host buffer GPU diff summaries come back to, sized for the largest pass of
+    /// the reference's prefill (a path's pass covers no more positions), now rather than at
+    /// the first read-back that needs it: pinning tens of MB takes milliseconds, which the
+    /// host can spend while the GPU still runs the references' queued passes, not in the
+    /// middle of the path's, whose next work it would hold up.
+    pub(crate) fn pin_readback(&mut self) {
+        let mut passes: Vec<usize> = Vec::new();
+        let mut gpu = None;
+        for records in self.device_reference.values() {
+            for (i, r) in records.iter().enumerate() {
+                if passes.len() <= i {
+                    passes.resize(i + 1, 0);
+                }
+                passes[i] += r.positions.len() * r.rows_per_token.max(1);
+                gpu.get_or_insert_with(|| r.gpu());
+            }
+        }
+        let (Some(rows), Some(g)) = (passes.into_iter().max(), gpu) else {
+            return;
+        };
+        self.diffs.pin_host(&g, rows.min(summary_rows()));
+    }
+
     /// Diffs a path's attention rows kept as parts against the reference's, both rebuilt in one
     /// kernel (`attention_diff_mma`) that leaves only per-row summaries, in batches of tokens
     /// whose summaries fit the read-back buffer. False where the kernel does not apply (the

@@ -32,11 +32,11 @@ fn note_gpu_memory(what: &str, model: &Model) {
 /// A path's prefill: builds the KV for the prompt, offering taps to the sink, and returns the
 /// cache with the last prompt token's logits.
 pub trait Prefill:
-    Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)
+    Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, StepLogits)
 {
 }
 
-impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, Vec<f32>)>
+impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, StepLogits)>
     Prefill for F
 {
 }
@@ -271,13 +271,17 @@ impl CompareSpec<'_> {
             // The references' decode steps run beside the path's on the GPU.
             s.model.decode_on_side_stream(&mut cache);
             cmps.push(cmp);
-            ref_logits.push(StepLogits::Host(logits));
+            ref_logits.push(logits);
             sides.push(Side {
                 cache,
                 split: s.reference.decode_split(self.prompt),
                 first_token: None,
                 agreement: Agreement::new(self.max_new_tokens),
             });
+        }
+        // While the GPU still runs the references' passes.
+        for cmp in cmps.iter_mut() {
+            cmp.pin_readback();
         }
         drop(span);
         note_gpu_memory("references prefilled", self.model);
@@ -296,14 +300,7 @@ impl CompareSpec<'_> {
             split,
             tokens: Vec::new(),
         };
-        run.decode(
-            &specs,
-            taps,
-            &mut cmps,
-            &mut dumps,
-            StepLogits::Host(logits),
-            ref_logits,
-        );
+        run.decode(&specs, taps, &mut cmps, &mut dumps, logits, ref_logits);
         dumps.finish(self, name, &cmps[0].tokens[n..])?;
         let names = std::iter::once((name, exact)).chain(others.iter().map(|o| (o.1, true)));
         let tokens = run.tokens;
@@ -648,8 +645,25 @@ impl Lockstep {
     ) {
         let spec = specs[0];
         let n = spec.prompt.ids.len();
+        let together = specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model));
         let mut step = 0;
         while step < spec.max_new_tokens {
+            if together && step > 0 && step + 1 < spec.max_new_tokens {
+                // The steps' graph is captured while the GPU runs a step, before the host
+                // waits for that step's tokens (steps before it run without one).
+                let pos = [n + step];
+                let batch = |split| Batch {
+                    cascade_split: split,
+                    ..Batch::new(&[0], &pos)
+                };
+                let mut steps: Vec<_> = self
+                    .sides
+                    .iter_mut()
+                    .map(|side| (batch(side.split), &mut side.cache))
+                    .chain(std::iter::once((batch(self.split), &mut self.cache)))
+                    .collect();
+                spec.path_model.prepare_decode_together(&mut steps);
+            }
             let booked = crate::support::timing::span("compare: step booked (argmaxes, agreement)");
             let rt = self.book_step(specs, step, logits, ref_logits);
             drop(booked);
@@ -677,7 +691,7 @@ impl Lockstep {
             // One model under every side: the steps run as one pass where the device can,
             // each weight read once for all; each side's forward_step below then only offers
             // its taps.
-            if specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model)) {
+            if together {
                 let mut steps: Vec<_> = self
                     .sides
                     .iter_mut()
@@ -724,7 +738,9 @@ impl Lockstep {
         logits: StepLogits,
         ref_logits: Vec<StepLogits>,
     ) -> u32 {
+        let wait = crate::support::timing::span("compare: step's tokens read (GPU wait)");
         let pt = logits.argmax();
+        drop(wait);
         let mut fed = None;
         // The step's comparisons on the GPU, launched together after the loop.
         let mut agreements = crate::compare::agreement::Deferred::default();
@@ -732,6 +748,7 @@ impl Lockstep {
             let rt = r.argmax();
             fed.get_or_insert(rt);
             if rt != pt && side.first_token.is_none() {
+                let _span = crate::support::timing::span("compare: first token flip read back");
                 let (rh, ph) = (r.to_host(), logits.to_host());
                 let flip = TokenFlip::of(&rh, &ph, spec.tolerance.bounds("logits"));
                 side.first_token = Some(TokenDivergence {

@@ -127,7 +127,7 @@ impl ReferenceSource for ReferenceRun<'_> {
                     &mut rec,
                 );
                 self.cache = Some(cache);
-                logits
+                logits.into_host()
             }
             Some(mut cache) => {
                 let l = self.model.forward_step(

@@ -119,8 +119,8 @@ pub fn generate_on_path(
     let model = &engine.model;
     let eos = engine.eos_ids();
     let mut sink = NullSink::new(model.config.num_hidden_layers);
-    let (mut cache, mut logits) =
-        path.prefill(model, prompt, &mut ChunkStore::default(), &mut sink);
+    let (mut cache, logits) = path.prefill(model, prompt, &mut ChunkStore::default(), &mut sink);
+    let mut logits = logits.into_host();
     let mut out = Vec::new();
     while out.len() < max_new {
         let t = argmax(&logits) as u32;

@@ -179,6 +179,10 @@ impl DeviceModel for CudaModel {
         CudaModel::decode_together(self, steps)
     }
 
+    fn prepare_decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
+        CudaModel::prepare_together(self, steps)
+    }
+
     fn decode_on_side_stream(&self, cache: &mut KvCache) {
         if let Some(kv) = cache.device_mut::<CudaKv>() {
             kv.side = Some(self.gpu.side_slot());
@@ -397,9 +401,9 @@ impl CudaModel {
             run();
         } else if fresh {
             state.graph = Some((key, g.capture(run)));
-            state.graph.as_ref().expect("captured").1.launch();
+            g.replay(&state.graph.as_ref().expect("captured").1, "decode graph");
         } else {
-            state.graph.as_ref().expect("captured").1.launch();
+            g.replay(&state.graph.as_ref().expect("captured").1, "decode graph");
         }
         None
     }

@@ -192,12 +192,18 @@ pub struct Gpu {
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
     /// The main stream's timeline, when `KVDIFF_CUDA_TRACE` is set: where the GPU idles.
     trace: Option<std::sync::Mutex<super::trace::Trace>>,
+    /// Set while a graph is being captured: what is captured is timed when replayed (as one
+    /// operation), not at capture.
+    capturing: std::sync::atomic::AtomicBool,
     graphs: bool,
     /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless
     /// `KVDIFF_CUDA_PDL=0`): see `pdl_wait` in kernels/common.cuh.
     pdl: bool,
     /// Pinned buffers that `upload_staged` copies from, each with the event of its last copy.
     staging: std::sync::Mutex<Vec<Staging>>,
+    /// Pinned host memory the weights were streamed through, lent out afterwards in pieces
+    /// (`lend_pinned`): pinning costs about a millisecond per 3-10 MB, paid once here.
+    pinned_pool: std::sync::Mutex<Option<PinnedPool>>,
     /// Dynamic shared memory a block may hold on request, in bytes, when prefill attention may
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
@@ -508,11 +514,15 @@ impl Gpu {
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
-                && trace.is_none()
+                && trace
+                    .as_ref()
+                    .is_none_or(|t| t.lock().is_ok_and(|t| t.keeps_graphs()))
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
+            capturing: false.into(),
             trace,
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
+            pinned_pool: Default::default(),
             tensor_core_shared: (major >= 8
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
@@ -539,6 +549,9 @@ impl Gpu {
     /// Runs `f` as operation `name`, timed when profiling.
     fn timed<R>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> R) -> R {
         if let Some(t) = &self.trace {
+            if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+                return f();
+            }
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
             return t.around(&self.stream, name, f);
         }
@@ -556,7 +569,8 @@ impl Gpu {
     }
 
     /// Whether decode steps are replayed from CUDA graphs: not when profiling or tracing
-    /// (every operation is timed on its own) nor with `KVDIFF_CUDA_GRAPHS=0`.
+    /// kernel by kernel (every operation is timed on its own; `KVDIFF_CUDA_TRACE=graphs`
+    /// keeps them, each replay one operation) nor with `KVDIFF_CUDA_GRAPHS=0`.
     pub fn graphs(&self) -> bool {
         self.graphs
     }
@@ -568,13 +582,55 @@ impl Gpu {
         self.stream()
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .expect("CUDA graph capture");
+        self.capturing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         f();
+        self.capturing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let g = self
             .stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .expect("CUDA graph instantiate")
             .expect("a captured graph");
         Graph(g)
+    }
+
+    /// Keeps `buf` (pinned host memory nobody uses any more) to lend out (`lend_pinned`).
+    pub(super) fn keep_pinned(&self, mut buf: cudarc::driver::PinnedHostSlice<u8>) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        let Ok(base) = buf.as_mut_slice().map(|s| s.as_mut_ptr()) else {
+            return;
+        };
+        let mut pool = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
+        *pool = Some(PinnedPool {
+            buf: Arc::new(buf),
+            base,
+            next: 0,
+        });
+    }
+
+    /// `len` f32s of pinned host memory from what `keep_pinned` kept, if that much is left.
+    pub fn lend_pinned(&self, len: usize) -> Option<LentPinned> {
+        let mut pool = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
+        let p = pool.as_mut()?;
+        let (at, next) = carve(p.next, p.buf.len(), len * std::mem::size_of::<f32>())?;
+        p.next = next;
+        Some(LentPinned {
+            _buf: p.buf.clone(),
+            // Safety: `at + bytes` is within the buffer; pieces never overlap.
+            ptr: unsafe { p.base.add(at) }.cast::<f32>(),
+            len,
+        })
+    }
+
+    /// Replays `graph` on the main stream (one operation of the trace).
+    pub fn replay(&self, graph: &Graph, name: &'static str) {
+        self.timed(
+            || name.to_string(),
+            || graph.0.launch().expect("CUDA graph launch"),
+        );
     }
 
     /// The profile table, when profiling, or the timeline's, when tracing.
@@ -1104,23 +1160,65 @@ impl Gpu {
     }
 }
 
+/// Pinned memory lent out front to back (`Gpu::lend_pinned`).
+struct PinnedPool {
+    buf: Arc<cudarc::driver::PinnedHostSlice<u8>>,
+    base: *mut u8,
+    next: usize,
+}
+
+// The pool hands out disjoint pieces; the raw base is only offset, never read here.
+unsafe impl Send for PinnedPool {}
+
+/// Where a piece of `bytes` goes in a pool of `size` bytes whose first `next` are lent: its
+/// offset (64-byte aligned) and the new `next`; `None` when it does not fit or is empty.
+fn carve(next: usize, size: usize, bytes: usize) -> Option<(usize, usize)> {
+    let at = next.next_multiple_of(64);
+    (bytes > 0 && at + bytes <= size).then_some((at, at + bytes))
+}
+
+/// A piece of the pinned pool, `len` f32s, this holder's alone; keeps the pool's memory alive.
+pub struct LentPinned {
+    _buf: Arc<cudarc::driver::PinnedHostSlice<u8>>,
+    ptr: *mut f32,
+    len: usize,
+}
+
+// Like a `PinnedHostSlice`: plain host memory owned by this holder.
+unsafe impl Send for LentPinned {}
+unsafe impl Sync for LentPinned {}
+
+impl LentPinned {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[f32] {
+        // Safety: the piece is `len` f32s inside the live pool, lent to this holder only.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        // Safety: as `as_slice`, and `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 /// A pinned staging buffer of `Gpu::upload_staged` and the event of the copy from it.
 struct Staging {
     buf: cudarc::driver::PinnedHostSlice<u8>,
     done: Option<cudarc::driver::CudaEvent>,
 }
 
-/// A captured sequence of GPU work, replayed with `launch`.
+/// A captured sequence of GPU work, replayed with `Gpu::replay`.
 pub struct Graph(cudarc::driver::CudaGraph);
 
 // Like `Gpu`: used from one thread at a time.
 unsafe impl Send for Graph {}
-
-impl Graph {
-    pub fn launch(&self) {
-        self.0.launch().expect("CUDA graph launch");
-    }
-}
 
 /// Most caches one `_sides` launch takes (`MAX_SIDES` in kernels/common.cuh).
 pub(crate) const MAX_SIDES: usize = 3;
@@ -1214,4 +1312,20 @@ fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
         .map_err(|e| Error::Internal(format!("NVRTC compile of kernels/*.cu: {e}")))?;
     crate::support::cache::write(&name, ptx.to_src().as_bytes());
     Ok(ptx)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pinned_pieces_are_aligned_disjoint_and_within_the_pool() {
+        let (a, next) = super::carve(0, 1000, 100).unwrap();
+        assert_eq!((a, next), (0, 100));
+        // The next piece starts at the next 64-byte boundary, after the first.
+        let (b, next) = super::carve(next, 1000, 300).unwrap();
+        assert_eq!((b, next), (128, 428));
+        // Exactly the rest fits; one byte more does not; nothing is lent for nothing.
+        assert_eq!(super::carve(next, 1000, 1000 - 448), Some((448, 1000)));
+        assert_eq!(super::carve(next, 1000, 1000 - 448 + 1), None);
+        assert_eq!(super::carve(next, 1000, 0), None);
+    }
 }

@@ -28,7 +28,7 @@ pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub(crate) use gpu::MAX_SIDES;
 pub use gpu::{
     cublas_asked, device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg,
-    GemmTile, Gpu,
+    GemmTile, Gpu, LentPinned,
 };
 pub use kv::CudaKv;
 pub(crate) use launch::{

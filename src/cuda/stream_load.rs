@@ -17,9 +17,14 @@ use crate::engine::weights::{Checkpoint, TensorSource};
 use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 
-/// Bytes one read and copy moves (each reader thread holds a staging buffer this large).
+/// Bytes one read and copy moves (each reader thread holds a staging piece this large).
 const PIECE: usize = 4 << 20;
 const READERS: usize = 8;
+
+/// The device buffers, and the pinned memory they were staged through (one allocation, each
+/// reader a piece of it: pinned allocations made side by side wait on each other), which the
+/// GPU lends out afterwards.
+pub(super) type Streamed = (Vec<CudaSlice<u16>>, cudarc::driver::PinnedHostSlice<u8>);
 
 /// The checkpoint's files, when every tensor is bf16 in a folder (what `stream` loads).
 pub(super) fn streamable(
@@ -56,7 +61,7 @@ pub(super) fn stream(
     files: &[PathBuf],
     plan: &[Vec<String>],
     fits: impl FnOnce(usize, &str) -> Result<()>,
-) -> Result<Vec<CudaSlice<u16>>> {
+) -> Result<Streamed> {
     let cuda = |e: cudarc::driver::DriverError| {
         Error::Internal(format!("CUDA while loading weights: {e}"))
     };
@@ -115,19 +120,27 @@ pub(super) fn stream(
         .collect::<Result<Vec<_>>>()?;
     let next = AtomicUsize::new(0);
     let readers = READERS.min(pieces.len()).max(1);
+    let pin = crate::support::timing::span("startup: weights: staging pinned");
+    // Safety: only the first `len` bytes of a piece are copied, after being read.
+    let mut staging =
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(READERS * PIECE, 0) }.map_err(cuda)?;
+    drop(pin);
+    let (pieces, next, handles, ctx) = (&pieces, &next, &handles, &ctx);
+    // Reading the pinned buffer's host side checks its event, in the current context.
+    ctx.bind_to_thread().map_err(cuda)?;
     let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..readers)
-            .map(|_| {
-                s.spawn(|| -> Result<()> {
+        let workers: Vec<_> = staging
+            .as_mut_slice()
+            .map_err(cuda)?
+            .chunks_mut(PIECE)
+            .take(readers)
+            .map(|host| {
+                s.spawn(move || -> Result<()> {
                     let cuda = |e: cudarc::driver::DriverError| {
                         Error::Internal(format!("CUDA while loading weights: {e}"))
                     };
-                    // Safety: only the first `len` bytes of a piece are copied, after being read.
-                    let pin = crate::support::timing::span("startup: weights: staging pinned");
-                    let mut staging =
-                        unsafe { ctx.alloc_pinned_with_flags::<u8>(PIECE, 0) }.map_err(cuda)?;
-                    drop(pin);
-                    let host = staging.as_mut_slice().map_err(cuda)?;
+                    // The raw copies below use the thread's current context.
+                    ctx.bind_to_thread().map_err(cuda)?;
                     loop {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             return Ok(());
@@ -153,14 +166,14 @@ pub(super) fn stream(
                 })
             })
             .collect();
-        workers
+        Ok(workers
             .into_iter()
             .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+            .collect())
+    })?;
     results.into_iter().collect::<Result<()>>()?;
     drop(span);
-    Ok(buffers)
+    Ok((buffers, staging))
 }
 
 /// Refuses Inf and NaN in the streamed buffers, with the message the host reader gives.

@@ -80,6 +80,27 @@ impl CudaModel {
     /// two or more than `MAX_SIDES` steps, a step of several tokens, a sparse model, sliding
     /// windows, or rows the vector loads of a side's own step would not take.
     pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        self.together(steps, true)
+    }
+
+    /// Makes ready what `decode_together` would need for `steps` (arenas, room for the token,
+    /// the captured graph) without running anything, so that the set-up overlaps the GPU's
+    /// work (until then steps run without a graph). The batches' tokens are not read.
+    pub(crate) fn prepare_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
+        // Nothing is prepared where a cache would grow or get a new arena: the last step's
+        // logits and taps may still be read from the arena it has.
+        let settled = steps.iter_mut().all(|(_, cache)| {
+            cache.device_mut::<CudaKv>().is_some_and(|kv| {
+                let cap = kv.capacity();
+                kv.len < cap && kv.decode.as_ref().is_some_and(|s| s.ws.probs_stride == cap)
+            })
+        });
+        if settled {
+            self.together(steps, false);
+        }
+    }
+
+    fn together(&self, steps: &mut [(Batch<'_>, &mut KvCache)], launch: bool) -> bool {
         let c = &self.config;
         let shape_ok = self.gpu.together()
             && (2..=MAX_SIDES).contains(&steps.len())
@@ -138,28 +159,33 @@ impl CudaModel {
                 plans
             }
         };
-        for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            let ws = &mut kv.decode.as_mut().expect("decode state").ws;
-            g.stream()
-                .memcpy_htod(meta, &mut ws.meta)
-                .expect("CUDA upload");
-            kv.queued = Some(meta.clone());
+        if launch {
+            for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
+                let kv = cache.device_mut::<CudaKv>().expect("device cache");
+                let ws = &mut kv.decode.as_mut().expect("decode state").ws;
+                g.stream()
+                    .memcpy_htod(meta, &mut ws.meta)
+                    .expect("CUDA upload");
+                kv.queued = Some(meta.clone());
+            }
         }
         let run = || self.kernels_together(&plans);
-        if !g.graphs() {
-            run();
+        // A step with no graph yet runs its kernels as they are launched: capturing (a few
+        // ms of host time) is left to `prepare_together`, called while the GPU is busy.
+        if !g.graphs() || (launch && !captured) {
+            if launch {
+                run();
+            }
             return true;
         }
         let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
         let state = first.decode.as_mut().expect("decode state");
-        match &state.together {
-            Some((_, graph)) if captured => graph.launch(),
-            _ => {
-                let graph = g.capture(run);
-                graph.launch();
-                state.together = Some((key, graph));
-            }
+        if !captured {
+            state.together = Some((key, g.capture(run)));
+        }
+        if launch {
+            let graph = &state.together.as_ref().expect("captured above").1;
+            g.replay(graph, "decode graph (sides together)");
         }
         true
     }

@@ -119,9 +119,10 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                         Ok(gpu)
                     })
                 };
-                let buffers = super::stream_load::stream(ckpt, &files, &plan, |free, name| {
-                    check_fits(free, name, config)
-                })?;
+                let (buffers, staging) =
+                    super::stream_load::stream(ckpt, &files, &plan, |free, name| {
+                        check_fits(free, name, config)
+                    })?;
                 let gpu = {
                     let _span =
                         crate::support::timing::span("startup: waiting for the GPU to open");
@@ -129,6 +130,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                         .map_err(|_| Error::Internal("opening the GPU panicked".into()))??
                 };
                 super::stream_load::check_finite(&gpu, ckpt, &plan, &buffers)?;
+                gpu.keep_pinned(staging);
                 (gpu, buffers, true)
             }
             None => {

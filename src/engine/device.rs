@@ -45,6 +45,9 @@ pub trait DeviceModel: Send + Sync {
     fn decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
         false
     }
+    /// Makes ready what `decode_together` would need for `steps` without running anything
+    /// (the batches' tokens are not read).
+    fn prepare_decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) {}
     fn decode_on_side_stream(&self, cache: &mut KvCache);
     fn as_any(&self) -> &dyn Any;
 }

@@ -527,6 +527,15 @@ impl Model {
             .is_some_and(|d| d.decode_together(steps))
     }
 
+    /// Makes ready what `decode_together` would need for `steps` (on a GPU: the steps'
+    /// arenas and their captured graph) without running anything, so that the set-up overlaps
+    /// the device's work still queued. The batches' tokens are not read.
+    pub fn prepare_decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
+        if let Some(d) = &self.device {
+            d.prepare_decode_together(steps);
+        }
+    }
+
     /// Has `cache`'s decode steps run on the device's side stream, beside the main stream's (a
     /// comparison's reference beside the compared path). No effect on the CPU.
     pub fn decode_on_side_stream(&self, cache: &mut KvCache) {

@@ -10,6 +10,7 @@ use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::engine::pass::StepLogits;
 use crate::tap::{emit, LayerTap, NullSink, TapId, TapSink};
 
 pub fn prefill(
@@ -18,7 +19,7 @@ pub fn prefill(
     r: f32,
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let prefix = blended_prefix(model, prompt, r, store, sink, None);
     super::prefill_query(model, prompt, prefix, sink)
 }

@@ -6,6 +6,7 @@
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::engine::pass::StepLogits;
 use crate::tap::TapSink;
 
 /// Tokens in the shared part: every chunk but the query.
@@ -17,7 +18,7 @@ pub fn prefill(
     model: &Model,
     prompt: &ChunkedPrompt,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let shared = shared_len(prompt);
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
     let mut cache = model.new_cache();
@@ -33,6 +34,6 @@ pub fn prefill(
         cascade_split: shared,
         ..Batch::new(&prompt.ids[shared..], &positions[shared..])
     };
-    let logits = model.forward(rest, &mut cache, 0, sink);
+    let logits = model.forward_step(rest, &mut cache, 0, sink);
     (cache, logits)
 }

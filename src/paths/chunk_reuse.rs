@@ -11,6 +11,7 @@ use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::engine::pass::StepLogits;
 use crate::support::fault::{self, Fault};
 use crate::tap::{LayerTap, Masked, TapSink};
 
@@ -37,7 +38,7 @@ pub fn prefill(
     mode: Reuse,
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let prefix = reused_prefix(model, prompt, mode, store, sink);
     super::prefill_query(model, prompt, prefix, sink)
 }

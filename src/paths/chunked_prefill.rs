@@ -3,6 +3,7 @@
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::engine::pass::StepLogits;
 use crate::support::fault::{self, Fault};
 use crate::tap::TapSink;
 
@@ -11,10 +12,10 @@ pub fn prefill(
     prompt: &ChunkedPrompt,
     piece: usize,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let mut cache = model.new_cache();
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
-    let mut logits = Vec::new();
+    let mut logits = StepLogits::Host(Vec::new());
     let pieces = prompt.ids.len().div_ceil(piece);
     for (i, (ids, pos)) in prompt
         .ids
@@ -29,7 +30,7 @@ pub fn prefill(
         };
         // Only the last piece's logits are read.
         if i + 1 == pieces {
-            logits = model.forward(Batch::new(ids, pos), target, 0, sink);
+            logits = model.forward_step(Batch::new(ids, pos), target, 0, sink);
         } else {
             model.prefill(Batch::new(ids, pos), target, 0, sink);
         }

@@ -15,6 +15,7 @@ use std::fmt;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::Model;
+use crate::engine::pass::StepLogits;
 use crate::tap::TapSink;
 
 pub use chunk_reuse::Reuse;
@@ -112,7 +113,7 @@ impl PathSpec {
         prompt: &ChunkedPrompt,
         store: &mut ChunkStore,
         sink: &mut dyn TapSink,
-    ) -> (KvCache, Vec<f32>) {
+    ) -> (KvCache, StepLogits) {
         match *self {
             PathSpec::Standard => standard::prefill(model, prompt, sink),
             PathSpec::ChunkedPrefill(n) => chunked_prefill::prefill(model, prompt, n, sink),
@@ -144,11 +145,11 @@ pub fn prefill_query(
     prompt: &ChunkedPrompt,
     mut cache: KvCache,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let q = &prompt.chunks[prompt.chunks.len() - 1];
     let positions: Vec<usize> = (q.start..q.end).collect();
     let _span = crate::support::timing::span("paths: query chunk prefill");
-    let logits = model.forward(
+    let logits = model.forward_step(
         crate::engine::model::Batch::new(prompt.tokens(q), &positions),
         &mut cache,
         0,

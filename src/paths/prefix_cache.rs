@@ -5,6 +5,7 @@ use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model};
+use crate::engine::pass::StepLogits;
 use crate::tap::TapSink;
 
 pub fn prefill(
@@ -12,10 +13,10 @@ pub fn prefill(
     prompt: &ChunkedPrompt,
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
-) -> (KvCache, Vec<f32>) {
+) -> (KvCache, StepLogits) {
     let mut cache = model.new_cache();
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
-    let mut logits = Vec::new();
+    let mut logits = StepLogits::Host(Vec::new());
     let last = prompt.chunks.len() - 1;
     for (i, c) in prompt.chunks.iter().enumerate() {
         let key = prompt.prefix_hash(c);
@@ -31,7 +32,7 @@ pub fn prefill(
             model.prefill(batch, &mut cache, 0, sink);
             store.put(key, cache.clone());
         } else {
-            logits = model.forward(batch, &mut cache, 0, sink);
+            logits = model.forward_step(batch, &mut cache, 0, sink);
         }
     }
     (cache, logits)

@@ -187,6 +187,46 @@ pub fn summary_rows() -> usize {
     })
 }
 
+/// Pinned host memory summaries are read back into: lent by the GPU (what the weights were
+/// staged through) or pinned for this buffer.
+enum HostBuf {
+    Own(cudarc::driver::PinnedHostSlice<f32>),
+    Lent(crate::cuda::LentPinned),
+}
+
+impl HostBuf {
+    /// `len` f32s: lent if the GPU has that much left, else pinned now.
+    fn new(g: &Gpu, len: usize) -> HostBuf {
+        if let Some(lent) = g.lend_pinned(len) {
+            return HostBuf::Lent(lent);
+        }
+        // Safety: the buffer is only read after a copy into it has completed.
+        let pinned = unsafe { g.ctx.alloc_pinned_with_flags::<f32>(len, 0) };
+        HostBuf::Own(pinned.expect("CUDA pinned allocation"))
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            HostBuf::Own(p) => p.len(),
+            HostBuf::Lent(l) => l.len(),
+        }
+    }
+
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            HostBuf::Own(p) => p.as_slice().expect("pinned buffer"),
+            HostBuf::Lent(l) => l.as_slice(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        match self {
+            HostBuf::Own(p) => p.as_mut_slice().expect("pinned buffer"),
+            HostBuf::Lent(l) => l.as_mut_slice(),
+        }
+    }
+}
+
 /// Diff jobs (one per row: path row, reference row, widths, leads) gathered on the host, run by one
 /// `diff_rows` launch each time `launch` is called, their summaries read back in one copy.
 #[derive(Default)]
@@ -199,7 +239,7 @@ pub struct DeviceDiffs {
     /// Queued jobs, four words each, for rows `used - jobs.len() / 4..used`.
     jobs: Vec<u64>,
     /// Pinned host memory for read-back, the rows being copied, and the copy's event.
-    host: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    host: Option<HostBuf>,
     copied: usize,
     copy_done: Option<cudarc::driver::CudaEvent>,
 }
@@ -309,6 +349,18 @@ impl DeviceDiffs {
         self.jobs.clear();
     }
 
+    /// Pins a host buffer for the summaries of `rows` rows now, unless one that large is
+    /// already there (see `Comparator::pin_readback`).
+    pub fn pin_host(&mut self, g: &Arc<Gpu>, rows: usize) {
+        let len = rows * 12;
+        if len == 0 || self.host.as_ref().is_some_and(|h| h.len() >= len) {
+            return;
+        }
+        let _span =
+            crate::support::timing::span("compare: pinned read-back buffer allocated ahead");
+        self.host = Some(HostBuf::new(g, len));
+    }
+
     /// Runs the queued jobs and starts copying every row's summaries to the host without
     /// waiting, so GPU work queued next overlaps the wait; empties the buffer (later jobs may
     /// reuse it: they run after the copy). `finish_readback` returns the rows.
@@ -331,17 +383,15 @@ impl DeviceDiffs {
             let _span = crate::support::timing::span("compare: pinned read-back buffer allocated");
             // Grown in powers of two: pinning memory costs about a millisecond per 10 MB, and
             // a run's passes read back ever more rows (a 512-token compare grew it each pass).
-            // Safety: the buffer is only read after the copy into it has completed.
             let size = len
                 .max(1 << 16)
                 .next_power_of_two()
                 .min(self.cap.max(1) * 12)
                 .max(len);
-            let pinned = unsafe { g.ctx.alloc_pinned_with_flags::<f32>(size, 0) };
-            self.host = Some(pinned.expect("CUDA pinned allocation"));
+            self.host = Some(HostBuf::new(g, size));
         }
         let host = self.host.as_mut().expect("allocated");
-        let dst = &mut host.as_mut_slice().expect("pinned buffer")[..len];
+        let dst = &mut host.as_mut_slice()[..len];
         // Safety: `out` holds at least `len` values; the copy is ordered on the stream and
         // `finish_readback` waits for its event before reading `dst`.
         unsafe {
@@ -387,7 +437,7 @@ impl DeviceDiffs {
 
 /// Read-back summaries (`DeviceDiffs::finish_readback`), 12 words a row.
 pub struct Readback {
-    host: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    host: Option<HostBuf>,
     rows: usize,
 }
 
@@ -395,7 +445,7 @@ impl Readback {
     pub fn rows(&self) -> &[[f32; 12]] {
         match &self.host {
             Some(h) => {
-                let flat = &h.as_slice().expect("pinned buffer")[..self.rows * 12];
+                let flat = &h.as_slice()[..self.rows * 12];
                 // Safety: `flat` holds rows * 12 initialised f32s, and [f32; 12] has f32's
                 // alignment and no padding; the rows borrow `self`, which owns the buffer.
                 unsafe { std::slice::from_raw_parts(flat.as_ptr().cast::<[f32; 12]>(), self.rows) }
