@@ -652,17 +652,8 @@ impl Lockstep {
                 // The steps' graph is captured while the GPU runs a step, before the host
                 // waits for that step's tokens (steps before it run without one).
                 let pos = [n + step];
-                let batch = |split| Batch {
-                    cascade_split: split,
-                    ..Batch::new(&[0], &pos)
-                };
-                let mut steps: Vec<_> = self
-                    .sides
-                    .iter_mut()
-                    .map(|side| (batch(side.split), &mut side.cache))
-                    .chain(std::iter::once((batch(self.split), &mut self.cache)))
-                    .collect();
-                spec.path_model.prepare_decode_together(&mut steps);
+                spec.path_model
+                    .prepare_decode_together(&mut self.steps(&[0], &pos));
             }
             let booked = crate::support::timing::span("compare: step booked (argmaxes, agreement)");
             let rt = self.book_step(specs, step, logits, ref_logits);
@@ -683,23 +674,17 @@ impl Lockstep {
             crate::support::progress::note(|| {
                 format!("decode step {step}/{}", spec.max_new_tokens)
             });
+            // One model under every side: the steps run as one pass where the device can,
+            // each weight read once for all; each side's forward_step below then only offers
+            // its taps.
+            if together {
+                spec.path_model.decode_together(&mut self.steps(&fed, &pos));
+            }
             // Every side is fed the same token at the same position, under its own split.
             let batch = |split| Batch {
                 cascade_split: split,
                 ..Batch::new(&fed, &pos)
             };
-            // One model under every side: the steps run as one pass where the device can,
-            // each weight read once for all; each side's forward_step below then only offers
-            // its taps.
-            if together {
-                let mut steps: Vec<_> = self
-                    .sides
-                    .iter_mut()
-                    .map(|side| (batch(side.split), &mut side.cache))
-                    .chain(std::iter::once((batch(self.split), &mut self.cache)))
-                    .collect();
-                spec.path_model.decode_together(&mut steps);
-            }
             let span = crate::support::timing::span("compare: reference decode step");
             ref_logits = specs
                 .iter()
@@ -727,6 +712,24 @@ impl Lockstep {
                 .path_model
                 .forward_step(batch(self.split), &mut self.cache, step, sink);
         }
+    }
+
+    /// Every side's step of `tokens` at `positions` (the references', then the path's), each
+    /// under its own cascade split, over its own cache.
+    fn steps<'s>(
+        &'s mut self,
+        tokens: &'s [u32],
+        positions: &'s [usize],
+    ) -> Vec<(Batch<'s>, &'s mut KvCache)> {
+        let batch = |split| Batch {
+            cascade_split: split,
+            ..Batch::new(tokens, positions)
+        };
+        self.sides
+            .iter_mut()
+            .map(|side| (batch(side.split), &mut side.cache))
+            .chain(std::iter::once((batch(self.split), &mut self.cache)))
+            .collect()
     }
 
     /// Books one step's next-token choices and agreement against every reference; returns

@@ -185,6 +185,15 @@ mod tests {
         }
     }
 
+    /// The indented lines under the line starting with `header`.
+    fn section<'a>(s: &'a str, header: &str) -> Vec<&'a str> {
+        s.lines()
+            .skip_while(|l| !l.starts_with(header))
+            .skip(1)
+            .take_while(|l| l.starts_with("    "))
+            .collect()
+    }
+
     #[test]
     fn idle_time_is_charged_to_the_operation_that_ended_the_wait() {
         // a runs 0-2 ms; b waits 3 ms for the host, runs 5-6; a again right after (a 1 us
@@ -202,12 +211,7 @@ mod tests {
             ),
             "{s}"
         );
-        let idle: Vec<&str> = s
-            .lines()
-            .skip_while(|l| !l.starts_with("  idle before"))
-            .skip(1)
-            .take_while(|l| l.starts_with("    "))
-            .collect();
+        let idle = section(&s, "  idle before");
         assert_eq!(idle.len(), 2, "{s}");
         assert!(
             idle[0].trim_start().starts_with('c') && idle[0].contains("4.00 ms"),
@@ -236,12 +240,7 @@ mod tests {
         assert!(slices[2].contains("1.00  4.00  host    110.0"), "{s}");
         // The longest waits, longest first, each with the host's enqueues around it: c was
         // enqueued at 110 ms, the operation before it at 104.5.
-        let waits: Vec<&str> = s
-            .lines()
-            .skip_while(|l| !l.starts_with("  longest waits"))
-            .skip(1)
-            .take_while(|l| l.starts_with("    "))
-            .collect();
+        let waits = section(&s, "  longest waits");
         assert_eq!(waits.len(), 2, "{s}");
         assert!(
             waits[0].contains("4.00 ms before c") && waits[0].contains("host   104.5 ..   110.0"),
