@@ -123,7 +123,7 @@ pub(super) fn stream(
     let pin = crate::support::timing::span("startup: weights: staging pinned");
     // Safety: only the first `len` bytes of a piece are copied, after being read.
     let mut staging =
-        unsafe { ctx.alloc_pinned_with_flags::<u8>(READERS * PIECE, 0) }.map_err(cuda)?;
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, 0) }.map_err(cuda)?;
     drop(pin);
     let (pieces, next, handles, ctx) = (&pieces, &next, &handles, &ctx);
     // Reading the pinned buffer's host side checks its event, in the current context.
@@ -133,7 +133,6 @@ pub(super) fn stream(
             .as_mut_slice()
             .map_err(cuda)?
             .chunks_mut(PIECE)
-            .take(readers)
             .map(|host| {
                 s.spawn(move || -> Result<()> {
                     let cuda = |e: cudarc::driver::DriverError| {
