@@ -1024,12 +1024,12 @@ fn materialize<'t>(
 }
 
 impl Comparator<'_> {
-    /// Pins the host buffer GPU diff summaries come back to, sized for the largest pass of
-    /// the reference's prefill (a path's pass covers no more positions), now rather than at
-    /// the first read-back that needs it: pinning tens of MB takes milliseconds, which the
-    /// host can spend while the GPU still runs the references' queued passes, not in the
-    /// middle of the path's, whose next work it would hold up.
-    pub(crate) fn pin_readback(&mut self) {
+    /// Gives the host buffer GPU diff summaries come back to its size up front: that of the
+    /// largest pass of the reference's prefill (a path's pass covers no more positions). Grown
+    /// pass by pass instead, in powers of two, each growth took a new piece of the GPU's lent
+    /// pinned memory (or pinned more, milliseconds per 10 MB, in the middle of the path's
+    /// prefill, whose next work waited for it).
+    pub(crate) fn size_readback(&mut self) {
         let mut passes: Vec<usize> = Vec::new();
         let mut gpu = None;
         for records in self.device_reference.values() {
@@ -1044,7 +1044,7 @@ impl Comparator<'_> {
         let (Some(rows), Some(g)) = (passes.into_iter().max(), gpu) else {
             return;
         };
-        self.diffs.pin_host(&g, rows.min(summary_rows()));
+        self.diffs.reserve_host(&g, rows.min(summary_rows()));
     }
 
     /// Diffs a path's attention rows kept as parts against the reference's, both rebuilt in one

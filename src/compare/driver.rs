@@ -279,9 +279,8 @@ impl CompareSpec<'_> {
                 agreement: Agreement::new(self.max_new_tokens),
             });
         }
-        // While the GPU still runs the references' passes.
         for cmp in cmps.iter_mut() {
-            cmp.pin_readback();
+            cmp.size_readback();
         }
         drop(span);
         note_gpu_memory("references prefilled", self.model);

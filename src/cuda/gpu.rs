@@ -490,7 +490,7 @@ impl Gpu {
         };
         let (kernels, shared_optin) = load_kernels(&ctx, major, minor)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let trace = super::trace::Trace::from_env(&ctx).map(std::sync::Mutex::new);
+        let trace = super::trace::Trace::from_env(&ctx);
         let gpu = Arc::new(Gpu {
             ctx,
             stream,
@@ -514,12 +514,10 @@ impl Gpu {
             name: format!("{name} (sm_{major}{minor})"),
             profile: std::env::var_os("KVDIFF_CUDA_PROFILE").map(|_| Default::default()),
             graphs: std::env::var_os("KVDIFF_CUDA_PROFILE").is_none()
-                && trace
-                    .as_ref()
-                    .is_none_or(|t| t.lock().is_ok_and(|t| t.keeps_graphs()))
+                && trace.as_ref().is_none_or(super::trace::Trace::keeps_graphs)
                 && std::env::var("KVDIFF_CUDA_GRAPHS").as_deref() != Ok("0"),
             capturing: false.into(),
-            trace,
+            trace: trace.map(std::sync::Mutex::new),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
             pinned_pool: Default::default(),
@@ -1189,14 +1187,6 @@ unsafe impl Send for LentPinned {}
 unsafe impl Sync for LentPinned {}
 
 impl LentPinned {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn as_slice(&self) -> &[f32] {
         // Safety: the piece is `len` f32s inside the live pool, lent to this holder only.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }

@@ -123,7 +123,9 @@ impl CudaModel {
             let base = cache.len();
             let kv = cache.device_mut::<CudaKv>().expect("device cache");
             kv.reserve(1);
-            metas.push(self.pass_meta(*batch, base));
+            if launch {
+                metas.push(self.pass_meta(*batch, base));
+            }
             let buffers = [kv.key_ptr(0), kv.value_ptr(0)];
             let ws = &self.decode_state(kv).ws;
             key.extend([

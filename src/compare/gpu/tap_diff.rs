@@ -208,7 +208,7 @@ impl HostBuf {
     fn len(&self) -> usize {
         match self {
             HostBuf::Own(p) => p.len(),
-            HostBuf::Lent(l) => l.len(),
+            HostBuf::Lent(l) => l.as_slice().len(),
         }
     }
 
@@ -349,15 +349,14 @@ impl DeviceDiffs {
         self.jobs.clear();
     }
 
-    /// Pins a host buffer for the summaries of `rows` rows now, unless one that large is
-    /// already there (see `Comparator::pin_readback`).
-    pub fn pin_host(&mut self, g: &Arc<Gpu>, rows: usize) {
+    /// Takes a host buffer for the summaries of `rows` rows now, unless one that large is
+    /// already there (see `Comparator::size_readback`).
+    pub fn reserve_host(&mut self, g: &Arc<Gpu>, rows: usize) {
         let len = rows * 12;
         if len == 0 || self.host.as_ref().is_some_and(|h| h.len() >= len) {
             return;
         }
-        let _span =
-            crate::support::timing::span("compare: pinned read-back buffer allocated ahead");
+        let _span = crate::support::timing::span("compare: read-back buffer sized ahead");
         self.host = Some(HostBuf::new(g, len));
     }
 
