@@ -95,6 +95,9 @@ __device__ __forceinline__ void mma_scores(const float* qw, const float* ks, int
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < MMA_KT / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    // Unrolled: the next steps' fragment loads and splits then overlap this step's products;
+    // rolled, every step waited for its shared-memory loads and splits before its first MMA.
+#pragma unroll 4
     for (int k0 = 0; k0 < head_dim; k0 += 8) {
         unsigned ab[4], as[4], bb[MMA_KT / 8][2], bs[MMA_KT / 8][2];
         a_fragment(qw, hp, k0, ab, as);
