@@ -6,6 +6,20 @@
 //   0 max|a-b|   1 its index   2 max|b|   3 sum (a-b)^2   4 sum b^2   5 sum a*b   6 sum a^2
 //   7 first index with a NaN/Inf in either row, -1 if none (-2: row skipped)
 //   8 count of bitwise-different elements   9 a and 10 b at the non-finite index, else at 1
+// One warp's share of `diff_rows`' reduction: the five sums by warp_sum's butterfly (so
+// block_sum's order), the largest |b|, and the largest difference at its smallest index.
+__device__ __forceinline__ void summaries_over_warp(float v[5], float& mref, float& bv, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int k = 0; k < 5; k++) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+        mref = fmaxf(mref, __shfl_xor_sync(0xffffffffu, mref, o));
+        float w = __shfl_xor_sync(0xffffffffu, bv, o);
+        int j = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (w > bv || (w == bv && j < bi)) bv = w, bi = j;
+    }
+}
+
 extern "C" __global__ void diff_rows(const unsigned long long* jobs, float* out) {
     PDL_ENTER();
     // Per warp: the five sums, the largest |b|, the largest difference and its index.
@@ -51,15 +65,7 @@ extern "C" __global__ void diff_rows(const unsigned long long* jobs, float* out)
     // same bits; the maxima and the first largest difference come out alike in any order.
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float v[5] = {d2, b2, ab, a2, bits};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int k = 0; k < 5; k++) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
-        mref = fmaxf(mref, __shfl_xor_sync(0xffffffffu, mref, o));
-        float w = __shfl_xor_sync(0xffffffffu, bv, o);
-        int j = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (w > bv || (w == bv && j < bi)) bv = w, bi = j;
-    }
+    summaries_over_warp(v, mref, bv, bi);
     if (lane == 0) {
 #pragma unroll
         for (int k = 0; k < 5; k++) part[k][warp] = v[k];
@@ -74,15 +80,7 @@ extern "C" __global__ void diff_rows(const unsigned long long* jobs, float* out)
     mref = lane < warps ? part[5][lane] : NEG_INF;
     bv = lane < warps ? part[6][lane] : -1.0f;
     bi = lane < warps ? part_i[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int k = 0; k < 5; k++) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
-        mref = fmaxf(mref, __shfl_xor_sync(0xffffffffu, mref, o));
-        float w = __shfl_xor_sync(0xffffffffu, bv, o);
-        int j = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (w > bv || (w == bv && j < bi)) bv = w, bi = j;
-    }
+    summaries_over_warp(v, mref, bv, bi);
     d2 = v[0], b2 = v[1], ab = v[2], a2 = v[3], bits = v[4];
     if (threadIdx.x == 0) {
         int idx = first_bad != 0x7fffffff ? first_bad : bi;
