@@ -1089,6 +1089,76 @@ fn streams_report_alike(run: NamedRun<'_>) {
     }
 }
 
+/// An invariant run on its own (as a long prompt's is, where both references' taps do not fit
+/// together) replays its path's prefill attention from the path's own run instead of computing
+/// it again: the report is the one computing it gives, clean and with a planted bug, on both
+/// head sizes, and the replay ran (`-v` counts it).
+#[test]
+fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    for model in [None, Some(fixture("random-model"))] {
+        for fault in [None, Some("rerotate-wrong-sign")] {
+            let run = |name: &str, memo: bool| -> (serde_json::Value, String) {
+                let json = tmp.path().join(format!("{name}.json"));
+                let mut args = vec![
+                    "-v",
+                    "compare",
+                    "--backend",
+                    "cuda",
+                    "--paths",
+                    "chunk-reuse:rerotate",
+                    "--max-new-tokens",
+                    "8",
+                    "--json",
+                    json.to_str().unwrap(),
+                    prompt.to_str().unwrap(),
+                ];
+                if let Some(m) = &model {
+                    args.extend(["--model", m.to_str().unwrap()]);
+                }
+                let mut env = vec![("KVDIFF_INVARIANT_BESIDE", "0")];
+                env.extend(fault.map(|f| ("KVDIFF_FAULT", f)));
+                if !memo {
+                    env.push(("KVDIFF_CUDA_ATTENTION_MEMO", "0"));
+                }
+                let out = kvdiff(&args, &env);
+                let err = String::from_utf8_lossy(&out.stderr).to_string();
+                assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
+                let report = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+                (report, err)
+            };
+            let (replayed, err) = run("replayed", true);
+            assert!(
+                err.contains("prefill attentions replayed from the path's own run"),
+                "{model:?} {fault:?}: no replay: {err}"
+            );
+            let (computed, err) = run("computed", false);
+            assert!(!err.contains("replayed"), "{err}");
+            assert_eq!(replayed, computed, "{model:?} {fault:?}");
+            let names: Vec<&str> = replayed["paths"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|p| p["path"].as_str())
+                .collect();
+            assert!(
+                names.iter().any(|n| n.starts_with("invariant:")),
+                "{names:?}"
+            );
+            if fault.is_some() {
+                assert_eq!(
+                    replayed["outcome"]["exit_code"], 1,
+                    "the planted bug unseen"
+                );
+            }
+        }
+    }
+}
+
 /// Chunk reuse on the GPU (chunk caches copied and concatenated on the device, keys re-rotated
 /// there, chunk attention rows diffed from the chunk's first position) matches the same path on
 /// the CPU.

@@ -14,6 +14,7 @@
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
 use crate::compare::report::PathReport;
+use crate::cuda::MemoAct;
 use crate::error::Result;
 use crate::paths::blend::blended_prefix;
 use crate::paths::{prefill_query, PathSpec, Reuse};
@@ -91,8 +92,13 @@ impl Invariant {
                     ..*spec
                 };
                 let path = PathSpec::ChunkReuse(Reuse::Rerotate);
+                // The path's own comparison recorded this prefill's attention where it could
+                // (`run_target`): the same computation, copied back instead of run again.
                 s.run_with(label, true, 0, |m, pr, store, sink| {
-                    path.prefill(m, pr, store, sink)
+                    crate::cuda::attention_memo(m, MemoAct::Replay);
+                    let r = path.prefill(m, pr, store, sink);
+                    crate::cuda::attention_memo(m, MemoAct::Hold);
+                    r
                 })?
             }
             Invariant::BlendOneIsStandard => {

@@ -9,6 +9,7 @@ use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::{CachedNoise, NoiseCache};
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
+use crate::cuda::MemoAct;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
@@ -57,6 +58,23 @@ pub fn gpu_tap_budget(free: usize, c: &crate::engine::config::Config, tokens: us
 fn forced_gpu_budget() -> Option<usize> {
     let mib: usize = std::env::var("KVDIFF_CUDA_TAP_BUDGET").ok()?.parse().ok()?;
     Some(mib.max(1) << 20)
+}
+
+/// The share of the free GPU memory (one part in this many) a path's recorded prefill
+/// attention may take, counted when its prefill starts: at 16k tokens of Qwen3-0.6B's shape
+/// it takes 5.8 GB of about 38 GB free.
+const MEMO_SHARE_OF_FREE: usize = 4;
+
+/// `KVDIFF_CUDA_ATTENTION_MEMO=0`: an invariant run on its own computes its path's prefill
+/// attention again instead of replaying it (the reports are the same bits either way).
+fn attention_memo_allowed() -> bool {
+    std::env::var("KVDIFF_CUDA_ATTENTION_MEMO").as_deref() != Ok("0")
+}
+
+/// `KVDIFF_INVARIANT_BESIDE=0`: an invariant that could ride along its path's run runs on its
+/// own instead (as long prompts' do), so short prompts exercise that route too.
+fn beside_allowed() -> bool {
+    std::env::var("KVDIFF_INVARIANT_BESIDE").as_deref() != Ok("0")
 }
 
 /// The backends a comparison runs on (sorted, once each), as a noise profile names them.
@@ -351,7 +369,21 @@ impl Request<'_> {
                     dump: None,
                     ..*spec
                 };
-                out.push(inv.run(&s, &self.invariant_label(inv, backend))?);
+                let label = self.invariant_label(inv, backend);
+                let report = inv.run(&s, &label);
+                let (replayed, full) = crate::cuda::attention_memo_stats(model);
+                if replayed > 0 && progress::verbosity() >= 1 {
+                    eprintln!(
+                        "kvdiff: {label}: {replayed} prefill attentions replayed from the path's own run{}",
+                        if full {
+                            " (the rest computed: the recording ran out of room)"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                crate::cuda::attention_memo(model, MemoAct::Clear);
+                out.push(report?);
             }
         }
         Ok(out)
@@ -391,9 +423,33 @@ impl Request<'_> {
         // experts check the invariant in a run of its own, where the path follows its own.
         let inv = Invariant::beside(t.path)
             .filter(|_| self.invariants && backend == self.reference.on(self.backend))
-            .filter(|_| s.model.config.arch.moe.is_none() && s.fits_beside(1));
+            .filter(|_| s.model.config.arch.moe.is_none() && s.fits_beside(1))
+            .filter(|_| beside_allowed());
         let Some(inv) = inv else {
-            return s.run_with(&label, exact, split, prefill);
+            // The invariant, if any, runs on its own later and prefills this path again:
+            // its prefill attention is recorded here and replayed there (`MemoAct`).
+            let record = self.invariants
+                && Invariant::beside(t.path).is_some()
+                && s.fits_beside(0)
+                && attention_memo_allowed();
+            let recorded = std::cell::Cell::new(false);
+            return s.run_with(
+                &label,
+                exact,
+                split,
+                |m: &Model, pr: &ChunkedPrompt, store: &mut ChunkStore, sink: &mut dyn TapSink| {
+                    let gpu = crate::cuda::gpu_of(m);
+                    if record && !recorded.replace(true) {
+                        if let Some(g) = gpu {
+                            let cap = g.memory().0 / MEMO_SHARE_OF_FREE;
+                            crate::cuda::attention_memo(m, MemoAct::Record { cap });
+                        }
+                    }
+                    let r = prefill(m, pr, store, sink);
+                    crate::cuda::attention_memo(m, MemoAct::Hold);
+                    r
+                },
+            );
         };
         let (reference, wide) = Invariant::rerotate_reference(tolerance);
         let other = CompareSpec {

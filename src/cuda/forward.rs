@@ -660,7 +660,7 @@ impl CudaModel {
     /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
     /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
     fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
-        self.attention_half(l, ws, kvp, pass.split);
+        self.attention_half(l, ws, kvp, pass);
         match &self.layers[l].moe {
             Some(sparse) => self.sparse_mlp(l, ws, sparse, pass),
             None => self.mlp_half(l, ws),
@@ -669,7 +669,8 @@ impl CudaModel {
 
     /// The QKV projection (fused with the input norm in a decode step), q/k norm + RoPE + KV
     /// append, and attention into `io.attn` and its bf16 copy.
-    fn attention_half(&self, l: usize, ws: &Workspace, kvp: (u64, u64), split: usize) {
+    fn attention_half(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
+        let split = pass.split;
         let g = &*self.gpu;
         let c = &self.config;
         let w = &self.layers[l];
@@ -746,6 +747,29 @@ impl CudaModel {
                 Arg::F32(self.rope_scale),
             ],
         );
+        // A prefill whose attention the memo holds (or records): see `memo.rs`.
+        let memo = (n > 1 && !ws.probs_wanted).then(|| {
+            let key = super::memo::Key {
+                layer: l,
+                n,
+                base: pass.taps.base,
+                split,
+                meta: super::memo::Key::meta_hash(&pass.meta),
+            };
+            let at = super::memo::Outputs {
+                out: io.attn,
+                out_bf: ws.attn_bf(g),
+                stats: io.stats,
+                q_dim: qd,
+                heads,
+            };
+            (key, at)
+        });
+        if let Some((key, at)) = memo {
+            if self.memo().replay_into(g, key, at) {
+                return;
+            }
+        }
         let base_ptr = ws.meta_ptr(g, 3 * n + 1);
         launch_attention(
             g,
@@ -772,6 +796,9 @@ impl CudaModel {
                 window: c.arch.window(l).unwrap_or(0),
             },
         );
+        if let Some((key, at)) = memo {
+            self.memo().record_from(g, key, at);
+        }
     }
 
     /// The output projection and residual, the post-attention norm, the SwiGLU MLP and its

@@ -17,6 +17,7 @@ mod gpu;
 pub mod host_ops;
 mod kv;
 mod launch;
+mod memo;
 mod stream_load;
 mod taps;
 mod together;
@@ -42,4 +43,5 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
     !workspace::Workspace::needs_probs(c, 2, false)
 }
 pub use launch::PrefillAttention;
+pub use memo::{attention_memo, attention_memo_stats, MemoAct};
 pub use upload::{gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel};

@@ -52,6 +52,8 @@ pub struct CudaModel {
     pub(super) inv_freq: CudaSlice<f32>,
     /// RoPE's cos/sin factor (YaRN's attention factor; 1 otherwise).
     pub(super) rope_scale: f32,
+    /// Prefill attention recorded for a path's second run (`memo.rs`).
+    pub(super) memo: std::sync::Mutex<super::memo::Memo>,
 }
 
 /// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
@@ -364,6 +366,7 @@ impl CudaModel {
             config: config.clone(),
             device: gpu.clone(),
             gpu,
+            memo: Default::default(),
         };
         if !warmed && model.gpu.gemm_needs_warm_up() {
             let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");
