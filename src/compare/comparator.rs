@@ -965,24 +965,48 @@ impl PendingDiff {
         &'s self,
         sums: &'s [[f32; 12]],
     ) -> impl Iterator<Item = (usize, RowDiff, bool, usize)> + 's {
-        let w = self.path_width.max(self.ref_width);
-        let rpt = self.rows_per_token;
         self.positions
             .iter()
             .enumerate()
-            .filter_map(move |(i, &pos)| {
-                let rows = &sums[self.offset + i * rpt..self.offset + (i + 1) * rpt];
-                if rows[0][7] == -2.0 {
-                    return None;
-                }
-                let (d, bits) = combine_rows(rows, w, 1);
-                let bitwise_equal = bits == 0.0 && self.path_width == self.ref_width;
-                // A token's row is its heads' rows: the first divergence's head and index are
-                // read from this length.
-                Some((pos, d, bitwise_equal, w * rpt))
-            })
+            .filter_map(move |(i, &pos)| self.row(sums, i, pos))
+    }
+
+    /// `rows`, collected in order over the workers: a long prompt's tap has thousands of
+    /// tokens, each folding a summary per head, and one read-back may hold only a few taps.
+    fn rows_par(&self, sums: &[[f32; 12]]) -> TapRows {
+        if self.positions.len() * self.rows_per_token < PARALLEL_TAP_ROWS {
+            return self.rows(sums).collect();
+        }
+        self.positions
+            .par_iter()
+            .enumerate()
+            .filter_map(|(i, &pos)| self.row(sums, i, pos))
+            .collect()
+    }
+
+    /// Token `i`'s (at position `pos`) compared row, folded from its summaries.
+    fn row(
+        &self,
+        sums: &[[f32; 12]],
+        i: usize,
+        pos: usize,
+    ) -> Option<(usize, RowDiff, bool, usize)> {
+        let w = self.path_width.max(self.ref_width);
+        let rpt = self.rows_per_token;
+        let rows = &sums[self.offset + i * rpt..self.offset + (i + 1) * rpt];
+        if rows[0][7] == -2.0 {
+            return None;
+        }
+        let (d, bits) = combine_rows(rows, w, 1);
+        let bitwise_equal = bits == 0.0 && self.path_width == self.ref_width;
+        // A token's row is its heads' rows: the first divergence's head and index are read
+        // from this length.
+        Some((pos, d, bitwise_equal, w * rpt))
     }
 }
+
+/// Summary rows of one tap from which `PendingDiff::rows_par` folds them over the workers.
+const PARALLEL_TAP_ROWS: usize = 1 << 14;
 
 /// Read-back summaries from which booking is spread over worker threads: below it, a decode
 /// step's, handing the rows to workers would cost more than booking them.
@@ -1323,7 +1347,7 @@ impl Comparator<'_> {
         } else {
             let taps: Vec<(usize, TapId, TapRows)> = reading
                 .par_iter()
-                .map(|p| (p.step, p.id, p.rows(sums).collect()))
+                .map(|p| (p.step, p.id, p.rows_par(sums)))
                 .collect();
             self.book_all(taps);
         }
@@ -1333,8 +1357,48 @@ impl Comparator<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ReferenceRecorder, HOLD_BYTES};
-    use crate::tap::TapFilter;
+    use super::{PendingDiff, ReferenceRecorder, HOLD_BYTES, PARALLEL_TAP_ROWS};
+    use crate::tap::{LayerTap, TapFilter, TapId};
+
+    /// Folding a long tap's summaries over the workers gives the rows, in the order, that
+    /// folding them one by one gives: skipped rows, head rows and all.
+    #[test]
+    fn rows_folded_in_parallel_are_the_rows_folded_in_order() {
+        let heads = 4;
+        let tokens = PARALLEL_TAP_ROWS / heads + 37;
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let sums: Vec<[f32; 12]> = (0..3 + tokens * heads)
+            .map(|i| {
+                let mut r = [0f32; 12];
+                for v in r.iter_mut() {
+                    *v = next();
+                }
+                r[1] = (i % 64) as f32;
+                // Some tokens without a reference row; the rest with no non-finite value.
+                r[7] = if i % (heads * 11) < heads { -2.0 } else { -1.0 };
+                r
+            })
+            .collect();
+        let p = PendingDiff {
+            step: 0,
+            id: TapId::Layer(3, LayerTap::AttnProbs),
+            positions: (100..100 + tokens).collect(),
+            rows_per_token: heads,
+            path_width: 64,
+            ref_width: 64,
+            offset: 3,
+        };
+        let serial: Vec<_> = p.rows(&sums).collect();
+        let parallel = p.rows_par(&sums);
+        assert!(serial.len() < tokens && serial.len() > tokens / 2);
+        assert_eq!(parallel, serial);
+    }
 
     /// A reference holds its passes' buffers while they fit the budget, the first whatever
     /// its size, and each pass it took on for all of that pass's taps; a pass past the

@@ -179,6 +179,8 @@ pub struct Gpu {
     /// Whether lockstep decode steps through one model may run as one pass
     /// (`CudaModel::decode_together`; not with `KVDIFF_CUDA_TOGETHER=0`).
     together: bool,
+    /// Staged uploads of one size in flight before the next waits (`upload_staged`).
+    staging_depth: usize,
     /// Who computes the GEMMs of passes of more than one token.
     gemm: Gemm,
     /// Streaming multiprocessors: a GEMM's tile is the largest that gives each one work.
@@ -507,6 +509,11 @@ impl Gpu {
                 .clamp(1, SIDE_STREAMS),
             repeat_steps: std::env::var("KVDIFF_CUDA_REPEAT_STEPS").as_deref() != Ok("0"),
             together: std::env::var("KVDIFF_CUDA_TOGETHER").as_deref() != Ok("0"),
+            staging_depth: std::env::var("KVDIFF_CUDA_STAGING_DEPTH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(STAGING_DEPTH)
+                .max(1),
             gemm,
             sms,
             tiled_gemm: major >= 8,
@@ -788,7 +795,7 @@ impl Gpu {
         let at = match free {
             Some(i) => i,
             // Enough buffers in flight: wait for the oldest that fits.
-            None if pool.iter().filter(|s| fits(s)).count() >= 4 => {
+            None if pool.iter().filter(|s| fits(s)).count() >= self.staging_depth => {
                 let i = pool.iter().position(fits).expect("counted");
                 if let Some(e) = &pool[i].done {
                     e.synchronize().expect("CUDA event");
@@ -1209,6 +1216,13 @@ pub struct Graph(cudarc::driver::CudaGraph);
 
 // Like `Gpu`: used from one thread at a time.
 unsafe impl Send for Graph {}
+
+/// Staged uploads (`Gpu::upload_staged`) in flight before the host waits for the oldest:
+/// how far the host may run ahead of the GPU queueing diff jobs, and so how much host work
+/// (booking a pass's summaries) the GPU's queue hides. At 4, a 16k comparison's host caught up
+/// with the GPU within a few diff launches and then idled it at every end of pass (16k: 4.03-4.07
+/// s against 3.89-4.00 s at 16). `KVDIFF_CUDA_STAGING_DEPTH` sets it.
+const STAGING_DEPTH: usize = 16;
 
 /// Most caches one `_sides` launch takes (`MAX_SIDES` in kernels/common.cuh).
 pub(crate) const MAX_SIDES: usize = 3;
