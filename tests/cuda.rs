@@ -964,33 +964,14 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let prompt = fixture("prompts/task.json");
     // The default model (head_dim 64) and the random one (head_dim 128, whose decode
     // attention has a kernel of its own).
     for model in [None, Some(fixture("random-model"))] {
         let run_with = |extra: &[&str], name: &str, env: &[(&str, &str)]| -> serde_json::Value {
             let json = tmp.path().join(format!("{name}.json"));
-            let mut args = vec![
-                "compare",
-                "--backend",
-                "cuda",
-                "--paths",
-                "chunk-reuse:rerotate",
-                "--max-new-tokens",
-                "12",
-                "--json",
-                json.to_str().unwrap(),
-                prompt.to_str().unwrap(),
-            ];
-            args.extend(extra);
-            if let Some(m) = &model {
-                args.extend(["--model", m.to_str().unwrap()]);
-            }
             let mut env = env.to_vec();
             env.push(("KVDIFF_TIMING", "1"));
-            let out = kvdiff(&args, &env);
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
+            let (report, err) = compare_rerotate(&[], "12", extra, model.as_deref(), &json, &env);
             let traced = env.contains(&("KVDIFF_CUDA_TRACE", "1"));
             assert_eq!(
                 err.contains("CUDA trace (main stream)") && err.contains("5 ms slices"),
@@ -1004,7 +985,7 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
                 !off,
                 "{name} ({model:?}): {err}"
             );
-            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+            report
         };
         let run = |name: &str, env: &[(&str, &str)]| run_with(&[], name, env);
         streams_report_alike(&run);
@@ -1018,6 +999,62 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
             assert_eq!(two, apart, "two sides ({fault:?})");
             assert_eq!(two["paths"].as_array().unwrap().len(), 1, "{two}");
         }
+    }
+}
+
+/// `kvdiff FLAGS compare --backend cuda --paths chunk-reuse:rerotate` on the shipped task
+/// prompt for `new_tokens` tokens, with `extra` arguments, on `model` (else the default one):
+/// its JSON report (written to `json`) and its stderr. It must exit 0 or 1.
+fn compare_rerotate(
+    flags: &[&str],
+    new_tokens: &str,
+    extra: &[&str],
+    model: Option<&std::path::Path>,
+    json: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (serde_json::Value, String) {
+    let prompt = fixture("prompts/task.json");
+    let mut args = flags.to_vec();
+    args.extend([
+        "compare",
+        "--backend",
+        "cuda",
+        "--paths",
+        "chunk-reuse:rerotate",
+        "--max-new-tokens",
+        new_tokens,
+        "--json",
+        json.to_str().unwrap(),
+        prompt.to_str().unwrap(),
+    ]);
+    args.extend(extra);
+    if let Some(m) = model {
+        args.extend(["--model", m.to_str().unwrap()]);
+    }
+    let out = kvdiff(&args, env);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{args:?}: {err}");
+    let report = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    (report, err)
+}
+
+/// The report names the invariant among its paths, and, where a bug was planted, fails.
+fn assert_invariant_and_fault_reported(report: &serde_json::Value, fault: Option<&str>) {
+    let names: Vec<&str> = report["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["path"].as_str())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("invariant:")),
+        "no invariant reported: {names:?}"
+    );
+    if fault.is_some() {
+        assert_eq!(
+            report["outcome"]["exit_code"], 1,
+            "the planted bug unseen: {report}"
+        );
     }
 }
 
@@ -1035,22 +1072,7 @@ fn streams_report_alike(run: NamedRun<'_>) {
             env
         };
         let own = run("own", &with_fault(&[]));
-        let names: Vec<&str> = own["paths"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|p| p["path"].as_str())
-            .collect();
-        assert!(
-            names.iter().any(|n| n.starts_with("invariant:")),
-            "no invariant beside the path: {names:?}"
-        );
-        if fault.is_some() {
-            assert_eq!(
-                own["outcome"]["exit_code"], 1,
-                "the planted bug unseen: {own}"
-            );
-        }
+        assert_invariant_and_fault_reported(&own, fault);
         // Steps run one by one, the references' on side streams of their own.
         let alone = [("KVDIFF_CUDA_TOGETHER", "0")];
         let apart = run("apart", &with_fault(&alone));
@@ -1099,37 +1121,16 @@ fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() 
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let prompt = fixture("prompts/task.json");
     for model in [None, Some(fixture("random-model"))] {
         for fault in [None, Some("rerotate-wrong-sign")] {
             let run = |name: &str, memo: bool| -> (serde_json::Value, String) {
                 let json = tmp.path().join(format!("{name}.json"));
-                let mut args = vec![
-                    "-v",
-                    "compare",
-                    "--backend",
-                    "cuda",
-                    "--paths",
-                    "chunk-reuse:rerotate",
-                    "--max-new-tokens",
-                    "8",
-                    "--json",
-                    json.to_str().unwrap(),
-                    prompt.to_str().unwrap(),
-                ];
-                if let Some(m) = &model {
-                    args.extend(["--model", m.to_str().unwrap()]);
-                }
                 let mut env = vec![("KVDIFF_INVARIANT_BESIDE", "0")];
                 env.extend(fault.map(|f| ("KVDIFF_FAULT", f)));
                 if !memo {
                     env.push(("KVDIFF_CUDA_ATTENTION_MEMO", "0"));
                 }
-                let out = kvdiff(&args, &env);
-                let err = String::from_utf8_lossy(&out.stderr).to_string();
-                assert!(matches!(out.status.code(), Some(0 | 1)), "{name}: {err}");
-                let report = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-                (report, err)
+                compare_rerotate(&["-v"], "8", &[], model.as_deref(), &json, &env)
             };
             let (replayed, err) = run("replayed", true);
             assert!(
@@ -1139,22 +1140,7 @@ fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() 
             let (computed, err) = run("computed", false);
             assert!(!err.contains("replayed"), "{err}");
             assert_eq!(replayed, computed, "{model:?} {fault:?}");
-            let names: Vec<&str> = replayed["paths"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter_map(|p| p["path"].as_str())
-                .collect();
-            assert!(
-                names.iter().any(|n| n.starts_with("invariant:")),
-                "{names:?}"
-            );
-            if fault.is_some() {
-                assert_eq!(
-                    replayed["outcome"]["exit_code"], 1,
-                    "the planted bug unseen"
-                );
-            }
+            assert_invariant_and_fault_reported(&replayed, fault);
         }
     }
 }
