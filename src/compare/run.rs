@@ -427,9 +427,12 @@ impl Request<'_> {
             .filter(|_| beside_allowed());
         let Some(inv) = inv else {
             // The invariant, if any, runs on its own later and prefills this path again:
-            // its prefill attention is recorded here and replayed there (`MemoAct`).
+            // its prefill attention is recorded here and replayed there (`MemoAct`). Not with
+            // experts: there the path's routing follows this run's reference on near ties and
+            // its own in the invariant's run, so the attention's inputs may differ.
             let record = self.invariants
                 && Invariant::beside(t.path).is_some()
+                && s.model.config.arch.moe.is_none()
                 && s.fits_beside(0)
                 && attention_memo_allowed();
             let recorded = std::cell::Cell::new(false);
@@ -438,9 +441,8 @@ impl Request<'_> {
                 exact,
                 split,
                 |m: &Model, pr: &ChunkedPrompt, store: &mut ChunkStore, sink: &mut dyn TapSink| {
-                    let gpu = crate::cuda::gpu_of(m);
                     if record && !recorded.replace(true) {
-                        if let Some(g) = gpu {
+                        if let Some(g) = crate::cuda::gpu_of(m) {
                             let cap = g.memory().0 / MEMO_SHARE_OF_FREE;
                             crate::cuda::attention_memo(m, MemoAct::Record { cap });
                         }
