@@ -32,6 +32,8 @@ struct Pass<'a> {
     taps: TapCtx<'a>,
     /// Routing the sink offers sparse layers for near ties (`TapSink::route_hints`).
     hints: Option<RouteHints>,
+    /// `meta` hashed, once a pass, where the attention memo wants it (`memo::Key`).
+    meta_hash: std::cell::OnceCell<u64>,
 }
 
 /// Where a pass's last-token logits go: read back, left on the GPU (with their argmax), or
@@ -227,6 +229,7 @@ impl CudaModel {
                 Some(_) => sink.route_hints(),
                 None => None,
             },
+            meta_hash: std::cell::OnceCell::new(),
             taps: TapCtx {
                 step,
                 pos: batch.positions,
@@ -748,13 +751,15 @@ impl CudaModel {
             ],
         );
         // A prefill whose attention the memo holds (or records): see `memo.rs`.
-        let memo = (n > 1 && !ws.probs_wanted).then(|| {
+        let memo = (n > 1 && !ws.probs_wanted && self.memo().active()).then(|| {
             let key = super::memo::Key {
                 layer: l,
                 n,
                 base: pass.taps.base,
                 split,
-                meta: super::memo::Key::meta_hash(&pass.meta),
+                meta: *pass
+                    .meta_hash
+                    .get_or_init(|| super::memo::Key::meta_hash(&pass.meta)),
             };
             let at = super::memo::Outputs {
                 out: io.attn,

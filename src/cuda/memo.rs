@@ -56,12 +56,6 @@ struct Entry {
     stats: Option<CudaSlice<f32>>,
 }
 
-impl Entry {
-    fn bytes(&self) -> usize {
-        4 * (self.out.len() + self.out_bf.len() + self.stats.as_ref().map_or(0, |s| s.len()))
-    }
-}
-
 #[derive(Default)]
 enum State {
     #[default]
@@ -116,6 +110,15 @@ impl Memo {
 
     pub fn clear(&mut self) {
         *self = Memo::default();
+    }
+
+    /// Whether a prefill's attention is to be recorded or replayed now (else its key is not
+    /// even built).
+    pub fn active(&self) -> bool {
+        matches!(
+            self.state,
+            State::Recording { .. } | State::Replaying { .. }
+        )
     }
 
     /// Replaying: copies the next entry's results into `to` and returns true, if that entry
@@ -178,7 +181,7 @@ impl Memo {
         if let Some(s) = &e.stats {
             g.copy_device(from.stats, ptr(g, s, 0), s.len());
         }
-        self.bytes += e.bytes();
+        self.bytes += bytes;
         self.entries.push(e);
     }
 }
@@ -202,15 +205,9 @@ impl super::CudaModel {
     }
 }
 
-fn cuda_model(model: &crate::engine::model::Model) -> Option<&super::CudaModel> {
-    model
-        .device()
-        .and_then(|d| d.as_any().downcast_ref::<super::CudaModel>())
-}
-
 /// Acts on the prefill attention memo of `model`, where it runs on the GPU (else nothing).
 pub fn attention_memo(model: &crate::engine::model::Model, act: MemoAct) {
-    let Some(m) = cuda_model(model) else {
+    let Some(m) = super::upload::cuda_model_of(model) else {
         return;
     };
     let mut memo = m.memo();
@@ -224,7 +221,7 @@ pub fn attention_memo(model: &crate::engine::model::Model, act: MemoAct) {
 
 /// How many attentions the memo of `model` replayed, and whether recording ran out of room.
 pub fn attention_memo_stats(model: &crate::engine::model::Model) -> (usize, bool) {
-    cuda_model(model).map_or((0, false), |m| {
+    super::upload::cuda_model_of(model).map_or((0, false), |m| {
         let memo = m.memo();
         (memo.replayed, memo.full)
     })

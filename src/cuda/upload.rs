@@ -158,10 +158,14 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
 
 /// The GPU `model` runs on, if it runs on one.
 pub fn gpu_of(model: &Model) -> Option<&Arc<Gpu>> {
+    cuda_model_of(model).map(|m| &m.gpu)
+}
+
+/// `model`'s CUDA copy, if it runs on the GPU.
+pub(super) fn cuda_model_of(model: &Model) -> Option<&CudaModel> {
     model
         .device()
         .and_then(|d| d.as_any().downcast_ref::<CudaModel>())
-        .map(|m| &m.gpu)
 }
 
 /// The device buffers of a model, in a fixed order, each the checkpoint tensors it stacks
