@@ -426,22 +426,22 @@ impl Request<'_> {
             .filter(|_| s.model.config.arch.moe.is_none() && s.fits_beside(1))
             .filter(|_| beside_allowed());
         let Some(inv) = inv else {
-            // The invariant, if any, runs on its own later and prefills this path again:
-            // its prefill attention is recorded here and replayed there (`MemoAct`). Not with
-            // experts: there the path's routing follows this run's reference on near ties and
-            // its own in the invariant's run, so the attention's inputs may differ.
+            // The invariant, if any, runs on its own later and prefills this path again: its
+            // prefill attention is recorded here (a single pass: the prefill runs once) and
+            // replayed there (`MemoAct`). Not with experts: there the path's routing follows
+            // this run's reference on near ties and its own in the invariant's run, so the
+            // attention's inputs may differ.
             let record = self.invariants
                 && Invariant::beside(t.path).is_some()
                 && s.model.config.arch.moe.is_none()
                 && s.fits_beside(0)
                 && attention_memo_allowed();
-            let recorded = std::cell::Cell::new(false);
             return s.run_with(
                 &label,
                 exact,
                 split,
                 |m: &Model, pr: &ChunkedPrompt, store: &mut ChunkStore, sink: &mut dyn TapSink| {
-                    if record && !recorded.replace(true) {
+                    if record {
                         if let Some(g) = crate::cuda::gpu_of(m) {
                             let cap = g.memory().0 / MEMO_SHARE_OF_FREE;
                             crate::cuda::attention_memo(m, MemoAct::Record { cap });
