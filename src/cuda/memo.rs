@@ -198,31 +198,3 @@ pub enum MemoAct {
     /// Drop everything.
     Clear,
 }
-
-impl super::CudaModel {
-    pub(super) fn memo(&self) -> std::sync::MutexGuard<'_, Memo> {
-        self.memo.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Acts on the prefill attention memo of `model`, where it runs on the GPU (else nothing).
-pub fn attention_memo(model: &crate::engine::model::Model, act: MemoAct) {
-    let Some(m) = super::upload::cuda_model_of(model) else {
-        return;
-    };
-    let mut memo = m.memo();
-    match act {
-        MemoAct::Record { cap } => memo.record(cap),
-        MemoAct::Hold => memo.hold(),
-        MemoAct::Replay => memo.replay(),
-        MemoAct::Clear => memo.clear(),
-    }
-}
-
-/// How many attentions the memo of `model` replayed, and whether recording ran out of room.
-pub fn attention_memo_stats(model: &crate::engine::model::Model) -> (usize, bool) {
-    super::upload::cuda_model_of(model).map_or((0, false), |m| {
-        let memo = m.memo();
-        (memo.replayed, memo.full)
-    })
-}

@@ -43,5 +43,7 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
     !workspace::Workspace::needs_probs(c, 2, false)
 }
 pub use launch::PrefillAttention;
-pub use memo::{attention_memo, attention_memo_stats, MemoAct};
-pub use upload::{gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel};
+pub use memo::MemoAct;
+pub use upload::{
+    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
+};

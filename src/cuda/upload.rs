@@ -8,6 +8,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gpu::{ptr, Gpu};
+use super::memo::{Memo, MemoAct};
 use super::workspace::WARM_ROWS;
 use crate::engine::config::Config;
 use crate::engine::model::Model;
@@ -53,7 +54,7 @@ pub struct CudaModel {
     /// RoPE's cos/sin factor (YaRN's attention factor; 1 otherwise).
     pub(super) rope_scale: f32,
     /// Prefill attention recorded for a path's second run (`memo.rs`).
-    pub(super) memo: std::sync::Mutex<super::memo::Memo>,
+    pub(super) memo: std::sync::Mutex<Memo>,
 }
 
 /// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
@@ -166,6 +167,35 @@ pub(super) fn cuda_model_of(model: &Model) -> Option<&CudaModel> {
     model
         .device()
         .and_then(|d| d.as_any().downcast_ref::<CudaModel>())
+}
+
+impl CudaModel {
+    /// The prefill attention memo (`memo.rs`).
+    pub(super) fn memo(&self) -> std::sync::MutexGuard<'_, Memo> {
+        self.memo.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Acts on the prefill attention memo of `model`, where it runs on the GPU (else nothing).
+pub fn attention_memo(model: &Model, act: MemoAct) {
+    let Some(m) = cuda_model_of(model) else {
+        return;
+    };
+    let mut memo = m.memo();
+    match act {
+        MemoAct::Record { cap } => memo.record(cap),
+        MemoAct::Hold => memo.hold(),
+        MemoAct::Replay => memo.replay(),
+        MemoAct::Clear => memo.clear(),
+    }
+}
+
+/// How many attentions the memo of `model` replayed, and whether recording ran out of room.
+pub fn attention_memo_stats(model: &Model) -> (usize, bool) {
+    cuda_model_of(model).map_or((0, false), |m| {
+        let memo = m.memo();
+        (memo.replayed, memo.full)
+    })
 }
 
 /// The device buffers of a model, in a fixed order, each the checkpoint tensors it stacks
