@@ -319,28 +319,52 @@ extern "C" __global__ void attention_decode_sides(Sides q, Sides keys, Sides val
                            head_dim, side_int(stride, s), side_int(chunks, s), scale);
 }
 
+// The step's q/k norm, RoPE and cache append (qk_norm_rope for one token), folded into the
+// decode attention that reads them: a launch less per layer on a chain of latency-bound
+// kernels. `meta` is qk_norm_rope's: the query's position, the key's position, the cache entry.
+struct StepRope {
+    const float* qkv;
+    const bf16_t* q_weight;
+    const bf16_t* k_weight;
+    const int* meta;
+    const float* inv_freq;
+    float* q_normed;
+    float* q_rotated;
+    float* k_normed;
+    float* k_rotated;
+    float eps;
+    float scale;
+};
+
 // attention_decode for head_dim 128, built for latency: a decode step's attention is a chain
 // of dependent memory round trips, not a bandwidth problem (a few MB). Lane l holds dims
 // 4l..4l+3 as float4s; warp w takes keys start + w + j * DECODE_WARPS, and every key and value
 // of the block is loaded before the first reduction, so the chunk costs one round trip instead
 // of one per loop turn. Same output layout, probabilities and merge as attention_decode.
+// ROPE: the query comes from the QKV row (`rope`), normalised and turned here while the keys
+// load (threads 0-127 the query, 128-255 the new key where this block needs it); the block
+// whose chunk holds the new key uses the key it turned, and block (first head of the KV
+// head, chunk 0) writes the cache entry and the key taps, chunk 0's blocks the query taps.
+template <bool ROPE>
 __device__ __forceinline__ void attention_decode_128_block(
-    int block, const float* q, const float* keys, const float* values, float* probs, float* part,
+    int block, const float* q, float* keys, float* values, float* probs, float* part,
     float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
-    int kv_heads, int stride, int chunks, float scale) {
+    int kv_heads, int stride, int chunks, float scale, const StepRope& rope) {
     static_assert(DECODE_CHUNK == 64 && DECODE_WARPS == 8, "two scores per lane, 8 keys per warp");
     __shared__ float sc[DECODE_CHUNK];
     __shared__ float4 red[DECODE_WARPS][32];
     __shared__ float stat[2];
     extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
     int h = block / chunks, c = block % chunks;
-    int kvh = h / (heads / kv_heads), kv_dim = kv_heads * 128;
+    int group = heads / kv_heads, kvh = h / group, kv_dim = kv_heads * 128;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
     int start, end;
     decode_chunk(c, visible, cut, &start, &end);
     float* pm = part + ((size_t)h * chunks + c) * (128 + 2);
-    if (start >= end) {
+    int slot = ROPE ? rope.meta[2] : -1;
+    bool writer = ROPE && c == 0 && h % group == 0;
+    if (start >= end && !writer) {
         if (threadIdx.x < 128) pm[2 + threadIdx.x] = 0.0f;
         if (threadIdx.x == 0) {
             pm[0] = NEG_INF;
@@ -348,7 +372,6 @@ __device__ __forceinline__ void attention_decode_128_block(
         }
     } else {
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = end - start;
-        float4 qv = ((const float4*)(q + (size_t)h * 128))[lane];
         const float* kb = keys + (size_t)kvh * 128 + lane * 4;
         const float* vb = values + (size_t)kvh * 128 + lane * 4;
         float4 kk[DECODE_KEYS_PER_WARP], vv[DECODE_KEYS_PER_WARP];
@@ -356,10 +379,68 @@ __device__ __forceinline__ void attention_decode_128_block(
         for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
             int e = start + warp + j * DECODE_WARPS;
             kk[j] = vv[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (e < end) {
+            // The new key's entry is being written (ROPE): its key and value come below.
+            if (e < end && e != slot) {
                 kk[j] = *(const float4*)(kb + (size_t)e * kv_dim);
-                vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
+                // With ROPE the values load after it, so that the keys' loads and its
+                // arithmetic fit the registers of three blocks an SM.
+                if (!ROPE) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
             }
+        }
+        float4 qv;
+        if (ROPE) {
+            __shared__ float normed[2][128];
+            __shared__ float4 turned[3][32];  // the query, the new key, its value
+            __shared__ float squares[DECODE_WARPS];
+            bool has_new = start <= slot && slot < end;
+            int i = threadIdx.x & 127, is_k = threadIdx.x >> 7;
+            bool active = !is_k || has_new || writer;
+            int col = is_k ? (heads + kvh) * 128 : h * 128;
+            float v = active ? rope.qkv[col + i] : 0.0f;
+            // block_sum's order over each half's four warps: qk_norm_rope's bits.
+            float ss = warp_sum(v * v);
+            if (lane == 0) squares[warp] = ss;
+            __syncthreads();
+            ss = warp_sum(lane < 4 ? squares[4 * is_k + lane] : 0.0f);
+            float y = head_norm(v, ss, rope.q_weight ? (is_k ? rope.k_weight : rope.q_weight)
+                                                     : nullptr, i, 128, rope.eps);
+            normed[is_k][i] = y;
+            __syncthreads();
+            float r = rope_element(normed[is_k], i, 128, rope.meta[is_k], rope.inv_freq,
+                                   rope.scale);
+            ((float*)turned[is_k])[i] = r;
+            if (!is_k && c == 0) {
+                rope.q_normed[h * 128 + i] = y;
+                rope.q_rotated[h * 128 + i] = r;
+            }
+            if (is_k && active) {
+                float val = rope.qkv[(heads + kv_heads + kvh) * 128 + i];
+                ((float*)turned[2])[i] = val;
+                if (writer) {
+                    rope.k_normed[kvh * 128 + i] = y;
+                    rope.k_rotated[kvh * 128 + i] = r;
+                    keys[(size_t)slot * kv_dim + kvh * 128 + i] = r;
+                    values[(size_t)slot * kv_dim + kvh * 128 + i] = val;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                int e = start + warp + j * DECODE_WARPS;
+                if (e < end && e != slot) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
+            }
+            __syncthreads();
+            qv = turned[0][lane];
+#pragma unroll
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                // Only inside the chunk: past its end the key's value would still meet a
+                // zero probability, and 0 * NaN of unwritten shared memory is NaN.
+                if (has_new && start + warp + j * DECODE_WARPS == slot) {
+                    kk[j] = turned[1][lane];
+                    vv[j] = turned[2][lane];
+                }
+            }
+        } else {
+            qv = ((const float4*)(q + (size_t)h * 128))[lane];
         }
 #pragma unroll
         for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
@@ -427,8 +508,24 @@ extern "C" __global__ void attention_decode_128(const float* q, const float* key
                                                 int split, int heads, int kv_heads, int head_dim,
                                                 int stride, int chunks, float scale) {
     PDL_ENTER();
-    attention_decode_128_block(blockIdx.x, q, keys, values, probs, part, out, out_bf16, counters,
-                               meta, split, heads, kv_heads, stride, chunks, scale);
+    attention_decode_128_block<false>(blockIdx.x, q, (float*)keys, (float*)values, probs, part,
+                                      out, out_bf16, counters, meta, split, heads, kv_heads,
+                                      stride, chunks, scale, StepRope{});
+}
+
+// attention_decode_128 with the step's qk_norm_rope folded in (StepRope).
+extern "C" __global__ void attention_decode_128_rope(
+    const float* qkv, const bf16_t* q_weight, const bf16_t* k_weight, const int* rope_meta,
+    const float* inv_freq, float* q_normed, float* q_rotated, float* k_normed, float* k_rotated,
+    float eps, float rope_scale, float* keys, float* values, float* probs, float* part,
+    float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
+    int kv_heads, int stride, int chunks, float scale) {
+    PDL_ENTER();
+    StepRope rope{qkv,      q_weight,  k_weight, rope_meta, inv_freq,
+                  q_normed, q_rotated, k_normed, k_rotated, eps,      rope_scale};
+    attention_decode_128_block<true>(blockIdx.x, nullptr, keys, values, probs, part, out,
+                                     out_bf16, counters, meta, split, heads, kv_heads, stride,
+                                     chunks, scale, rope);
 }
 
 // attention_decode_sides for head_dim 128 (rows 16-byte aligned). Three blocks an SM, as the
@@ -443,13 +540,38 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode
     PDL_ENTER();
     int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
     if (b >= heads * side_int(chunks, s)) return;
-    attention_decode_128_block(b, at_side<const float>(q, s),
-                               at_side<const float>(keys, s), at_side<const float>(values, s),
-                               at_side<float>(probs, s), at_side<float>(part, s),
-                               at_side<float>(out, s), at_side<bf16_t>(out_bf16, s),
-                               at_side<unsigned int>(counters, s), at_side<const int>(meta, s),
-                               side_int(split, s), heads, kv_heads, side_int(stride, s),
-                               side_int(chunks, s), scale);
+    attention_decode_128_block<false>(b, at_side<const float>(q, s), at_side<float>(keys, s),
+                                      at_side<float>(values, s), at_side<float>(probs, s),
+                                      at_side<float>(part, s), at_side<float>(out, s),
+                                      at_side<bf16_t>(out_bf16, s),
+                                      at_side<unsigned int>(counters, s),
+                                      at_side<const int>(meta, s), side_int(split, s), heads,
+                                      kv_heads, side_int(stride, s), side_int(chunks, s), scale,
+                                      StepRope{});
+}
+
+// attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope).
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode_128_rope_sides(
+    Sides qkv, const bf16_t* q_weight, const bf16_t* k_weight, Sides rope_meta,
+    const float* inv_freq, Sides q_normed, Sides q_rotated, Sides k_normed, Sides k_rotated,
+    float eps, float rope_scale, Sides keys, Sides values, Sides probs, Sides part, Sides out,
+    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads,
+    SideInts stride, SideInts chunks, int per_side, float scale) {
+    PDL_ENTER();
+    int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
+    if (b >= heads * side_int(chunks, s)) return;
+    StepRope rope{at_side<const float>(qkv, s), q_weight,  k_weight,
+                  at_side<const int>(rope_meta, s), inv_freq, at_side<float>(q_normed, s),
+                  at_side<float>(q_rotated, s),     at_side<float>(k_normed, s),
+                  at_side<float>(k_rotated, s),     eps,      rope_scale};
+    attention_decode_128_block<true>(b, nullptr, at_side<float>(keys, s),
+                                     at_side<float>(values, s), at_side<float>(probs, s),
+                                     at_side<float>(part, s), at_side<float>(out, s),
+                                     at_side<bf16_t>(out_bf16, s),
+                                     at_side<unsigned int>(counters, s),
+                                     at_side<const int>(meta, s), side_int(split, s), heads,
+                                     kv_heads, side_int(stride, s), side_int(chunks, s), scale,
+                                     rope);
 }
 
 // Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes

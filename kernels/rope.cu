@@ -5,6 +5,27 @@
 // contiguous [token, head, head_dim], and puts each token's rotated key and its value at cache
 // entry base + t. `meta` holds the RoPE positions (n), the key positions (n), then base.
 // One block of head_dim threads per (token, q or k head).
+// One element of a head after Qwen3's RMSNorm, the head's squares summing to `ss` (no weight:
+// families without the norm). Shared with the decode attention that folds this kernel in, so
+// both give the same bits.
+__device__ __forceinline__ float head_norm(float v, float ss, const bf16_t* weight, int i,
+                                           int head_dim, float eps) {
+    return weight ? bf16_to_f32(weight[i]) * (v * (1.0f / sqrtf(ss / head_dim + eps))) : v;
+}
+
+// Element i of the normalised head `row` (shared memory) turned to `position`.
+__device__ __forceinline__ float rope_element(const float* row, int i, int head_dim, int position,
+                                              const float* inv_freq, float rope_scale) {
+    int half = head_dim / 2, j = i < half ? i : i - half;
+    float angle = (float)position * inv_freq[j];
+    float s, c;
+    sincosf(angle, &s, &c);
+    // YaRN's attention factor scales cos and sin (exactly 1 for other RoPE types).
+    s *= rope_scale;
+    c *= rope_scale;
+    return i < half ? row[i] * c - row[i + half] * s : row[i] * c + row[i - half] * s;
+}
+
 __device__ __forceinline__ void qk_norm_rope_block(
     int block, const float* qkv, int heads, int kv_heads, int head_dim, const bf16_t* q_weight,
     const bf16_t* k_weight, const int* meta, int n, const float* inv_freq, float* q_normed,
@@ -19,20 +40,13 @@ __device__ __forceinline__ void qk_norm_rope_block(
     int col = is_k ? heads * head_dim + head * head_dim : head * head_dim;
     float v = qkv[(size_t)t * ld + col + i];
     float ss = block_sum(v * v, scratch);
-    const bf16_t* weight = is_k ? k_weight : q_weight;
-    float y = q_weight ? bf16_to_f32(weight[i]) * (v * (1.0f / sqrtf(ss / head_dim + eps))) : v;
+    // q_weight null: the family has no q/k norm.
+    float y = head_norm(v, ss, q_weight ? (is_k ? k_weight : q_weight) : nullptr, i, head_dim, eps);
     size_t out = ((size_t)t * nh + head) * head_dim + i;
     (is_k ? k_normed : q_normed)[out] = y;
     row[i] = y;
     __syncthreads();
-    int half = head_dim / 2, j = i < half ? i : i - half;
-    float angle = (float)meta[is_k ? n + t : t] * inv_freq[j];
-    float s, c;
-    sincosf(angle, &s, &c);
-    // YaRN's attention factor scales cos and sin (exactly 1 for other RoPE types).
-    s *= rope_scale;
-    c *= rope_scale;
-    float r = i < half ? row[i] * c - row[i + half] * s : row[i] * c + row[i - half] * s;
+    float r = rope_element(row, i, head_dim, meta[is_k ? n + t : t], inv_freq, rope_scale);
     (is_k ? k_rotated : q_rotated)[out] = r;
     if (is_k) {
         int kv_dim = kv_heads * head_dim;

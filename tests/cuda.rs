@@ -1145,6 +1145,86 @@ fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() 
     }
 }
 
+/// A decode step's q/k norm, RoPE and cache append folded into its attention kernel (head size
+/// 128) give what `qk_norm_rope` before it gives: every tap of a dump, byte for byte, over a
+/// prompt longer than one attention chunk (the new key in another block than the one that
+/// writes it); and compare's reports, its sides' steps as one pass and one by one, clean and
+/// with planted bugs that move the keys' positions and the cached mask.
+#[test]
+fn rope_folded_into_decode_attention_gives_the_bits_of_the_separate_kernel() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("random-model");
+    let prompt = fixture("prompts/task.json");
+    let dump = |name: &str, env: &[(&str, &str)]| -> Vec<(String, Vec<u8>)> {
+        let out_dir = tmp.path().join(name);
+        let args = [
+            "dump",
+            "--backend",
+            "cuda",
+            "--model",
+            model.to_str().unwrap(),
+            "--max-new-tokens",
+            "6",
+            "--out",
+            out_dir.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ];
+        let out = kvdiff(&args, env);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut files: Vec<_> = std::fs::read_dir(&out_dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let name = e.file_name().to_string_lossy().into_owned();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let folded = dump("folded", &[]);
+    let apart = dump("apart", &[("KVDIFF_CUDA_ROPE_IN_ATTENTION", "0")]);
+    assert!(
+        folded.len() >= 7,
+        "prefill and six decode steps: {}",
+        folded.len()
+    );
+    let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&folded), names(&apart));
+    for ((name, a), (_, b)) in folded.iter().zip(&apart) {
+        assert!(a == b, "{name} differs with the rope folded in");
+    }
+    for fault in [
+        vec![],
+        vec![("KVDIFF_CUDA_FAULT", "local-key-positions")],
+        vec![("KVDIFF_FAULT", "cached-mask-off-by-one")],
+    ] {
+        for together in [true, false] {
+            let run = |name: &str, fold: bool| -> serde_json::Value {
+                let json = tmp.path().join(format!("{name}.json"));
+                let mut env = fault.clone();
+                if !together {
+                    env.push(("KVDIFF_CUDA_TOGETHER", "0"));
+                }
+                if !fold {
+                    env.push(("KVDIFF_CUDA_ROPE_IN_ATTENTION", "0"));
+                }
+                compare_rerotate(&[], "10", &[], Some(&model), &json, &env).0
+            };
+            let (on, off) = (run("on", true), run("off", false));
+            assert_eq!(on, off, "{fault:?}, together: {together}");
+        }
+    }
+}
+
 /// Chunk reuse on the GPU (chunk caches copied and concatenated on the device, keys re-rotated
 /// there, chunk attention rows diffed from the chunk's first position) matches the same path on
 /// the CPU.

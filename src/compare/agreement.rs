@@ -21,11 +21,11 @@ pub(crate) struct Agreement {
 #[derive(Default)]
 pub(crate) struct Deferred {
     jobs: Vec<AgreementJob>,
-    held: Vec<StepLogits>,
 }
 
 impl Deferred {
-    /// Launches the comparisons (as one launch where they fit), then lets the rows go.
+    /// Launches the comparisons (as one launch where they fit). The rows they read must be
+    /// alive until this returns.
     pub(crate) fn launch(self) {
         launch_agreements(&self.jobs);
     }
@@ -50,27 +50,26 @@ impl Agreement {
 
     pub(crate) fn add(&mut self, path: &StepLogits, reference: StepLogits) {
         let mut step = Deferred::default();
-        self.add_deferred(path, reference, &mut step);
+        self.add_deferred(path, &reference, &mut step);
         step.launch();
     }
 
     /// `add`, except that a comparison on the GPU is left in `step`, to be launched with the
-    /// other references' comparisons of the same step (`Deferred::launch`).
+    /// other references' comparisons of the same step (`Deferred::launch`, before the rows
+    /// are dropped).
     pub(crate) fn add_deferred(
         &mut self,
         path: &StepLogits,
-        reference: StepLogits,
+        reference: &StepLogits,
         step: &mut Deferred,
     ) {
-        if let (Some(p), Some(r)) = (logits_on_gpu(path), logits_on_gpu(&reference)) {
+        if let (Some(p), Some(r)) = (logits_on_gpu(path), logits_on_gpu(reference)) {
             if Arc::ptr_eq(p.gpu, r.gpu) {
                 let d = self.device.get_or_insert_with(|| {
                     DeviceAgreement::new(p.gpu, Self::TOP_K, self.max_steps)
                 });
                 if d.has_room() {
                     step.jobs.push(d.job(p.at, r.at, p.len));
-                    // The row is read by the launch: held until then.
-                    step.held.push(reference);
                     return;
                 }
             }
@@ -88,7 +87,7 @@ impl Agreement {
             });
             (to, worker)
         });
-        let _ = to.send((path.to_host(), reference.into_host()));
+        let _ = to.send((path.to_host(), reference.to_host()));
     }
 
     pub(crate) fn finish(self) -> LogitsAgreement {

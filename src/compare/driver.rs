@@ -741,13 +741,23 @@ impl Lockstep {
         logits: StepLogits,
         ref_logits: Vec<StepLogits>,
     ) -> u32 {
+        // The tokens' reads are queued first and the step's comparisons on the GPU launched
+        // after them (together): the GPU runs the comparisons while the host waits for the
+        // tokens alone and queues the next step.
+        logits.read_argmax_soon();
+        for r in &ref_logits {
+            r.read_argmax_soon();
+        }
+        let mut agreements = crate::compare::agreement::Deferred::default();
+        for (side, r) in self.sides.iter_mut().zip(&ref_logits) {
+            side.agreement.add_deferred(&logits, r, &mut agreements);
+        }
+        agreements.launch();
         let wait = crate::support::timing::span("compare: step's tokens read (GPU wait)");
         let pt = logits.argmax();
         drop(wait);
         let mut fed = None;
-        // The step's comparisons on the GPU, launched together after the loop.
-        let mut agreements = crate::compare::agreement::Deferred::default();
-        for ((side, spec), r) in self.sides.iter_mut().zip(specs).zip(ref_logits) {
+        for ((side, spec), r) in self.sides.iter_mut().zip(specs).zip(&ref_logits) {
             let rt = r.argmax();
             fed.get_or_insert(rt);
             if rt != pt && side.first_token.is_none() {
@@ -768,9 +778,7 @@ impl Lockstep {
                     near_tie: flip.near_tie,
                 });
             }
-            side.agreement.add_deferred(&logits, r, &mut agreements);
         }
-        agreements.launch();
         self.tokens.push(pt);
         fed.expect("at least one reference")
     }

@@ -12,6 +12,7 @@ use super::gpu::{ptr, Arg, Gpu};
 use super::kv::CudaKv;
 use super::launch::{
     launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
+    StepRope,
 };
 use super::taps::{offer_at, TapCtx};
 use super::upload::{CudaModel, SparseMlp};
@@ -81,6 +82,8 @@ struct CudaLogits {
     len: usize,
     gpu: Arc<Gpu>,
     own: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// The argmax's read, started by `read_argmax_soon`.
+    soon: std::cell::RefCell<Option<super::gpu::U32Read>>,
 }
 
 /// What the compare driver needs to diff two steps' logits where they are.
@@ -105,12 +108,22 @@ pub fn logits_on_gpu(logits: &StepLogits) -> Option<LogitsOnGpu<'_>> {
 
 impl DeviceLogits for CudaLogits {
     fn argmax(&self) -> u32 {
+        if let Some(read) = self.soon.borrow_mut().take() {
+            return *self.argmax.get_or_init(|| read.wait());
+        }
         *self.argmax.get_or_init(|| match (self.side, &self.own) {
             (Some(side), _) => self.gpu.download_u32_on_side(side, self.pick),
             (None, Some((_, pick))) => self.gpu.download(pick, 1)[0],
             // A step enqueued with others' (`decode_together`).
             (None, None) => self.gpu.download_u32_at(self.pick),
         })
+    }
+
+    fn read_argmax_soon(&self) {
+        // A side stream's argmax is read there, waiting for that stream alone already.
+        if self.argmax.get().is_none() && self.side.is_none() {
+            *self.soon.borrow_mut() = self.gpu.read_u32_soon(self.pick);
+        }
     }
 
     fn into_host(self: Box<Self>) -> Vec<f32> {
@@ -365,6 +378,7 @@ impl CudaModel {
                 len: c.vocab_size,
                 gpu: self.gpu.clone(),
                 own: None,
+                soon: Default::default(),
             }));
         }
         sink.end_pass(step);
@@ -539,6 +553,7 @@ impl CudaModel {
                 len: vocab,
                 gpu: self.gpu.clone(),
                 own: Some((logits, pick)),
+                soon: Default::default(),
             }));
         }
         let m = rows.len();
@@ -725,31 +740,54 @@ impl CudaModel {
             );
         }
         let norm_ptr = |s: &Option<CudaSlice<u16>>| s.as_ref().map_or(0, |s| ptr(g, s, 0));
-        g.launch(
-            "qk_norm_rope",
-            (n * (heads + kvh)) as u32,
-            hd as u32,
-            (hd * 4) as u32,
-            &[
-                Arg::Ptr(io.qkv),
-                Arg::I32(heads as i32),
-                Arg::I32(kvh as i32),
-                Arg::I32(hd as i32),
-                Arg::Ptr(norm_ptr(&w.q_norm)),
-                Arg::Ptr(norm_ptr(&w.k_norm)),
-                Arg::Ptr(ws.meta_ptr(g, n)),
-                Arg::I32(n as i32),
-                Arg::Ptr(ptr(g, &self.inv_freq, 0)),
-                Arg::Ptr(io.q_n),
-                Arg::Ptr(io.q_r),
-                Arg::Ptr(io.k_n),
-                Arg::Ptr(io.k_r),
-                Arg::Ptr(kvp.0),
-                Arg::Ptr(kvp.1),
-                Arg::F32(c.rms_norm_eps),
-                Arg::F32(self.rope_scale),
-            ],
-        );
+        let window = c.arch.window(l).unwrap_or(0);
+        let rope = StepRope {
+            qkv: io.qkv,
+            q_weight: norm_ptr(&w.q_norm),
+            k_weight: norm_ptr(&w.k_norm),
+            meta: ws.meta_ptr(g, n),
+            inv_freq: ptr(g, &self.inv_freq, 0),
+            q_normed: io.q_n,
+            q_rotated: io.q_r,
+            k_normed: io.k_n,
+            k_rotated: io.k_r,
+            eps: c.rms_norm_eps,
+            scale: self.rope_scale,
+        };
+        // A decode step whose attention takes the float4 kernel does its q/k norm and RoPE
+        // there; the rows' alignment is the one `launch_attention` asks of that kernel.
+        let folded = n == 1
+            && window == 0
+            && hd == 128
+            && (io.q_r | kvp.0 | kvp.1) % 16 == 0
+            && g.rope_in_attention();
+        if !folded {
+            g.launch(
+                "qk_norm_rope",
+                (n * (heads + kvh)) as u32,
+                hd as u32,
+                (hd * 4) as u32,
+                &[
+                    Arg::Ptr(io.qkv),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::Ptr(rope.q_weight),
+                    Arg::Ptr(rope.k_weight),
+                    Arg::Ptr(rope.meta),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(rope.inv_freq),
+                    Arg::Ptr(io.q_n),
+                    Arg::Ptr(io.q_r),
+                    Arg::Ptr(io.k_n),
+                    Arg::Ptr(io.k_r),
+                    Arg::Ptr(kvp.0),
+                    Arg::Ptr(kvp.1),
+                    Arg::F32(c.rms_norm_eps),
+                    Arg::F32(self.rope_scale),
+                ],
+            );
+        }
         // A prefill whose attention the memo holds (or records): see `memo.rs`.
         let memo = (n > 1 && !ws.probs_wanted && self.memo().active()).then(|| {
             let key = super::memo::Key {
@@ -798,7 +836,8 @@ impl CudaModel {
                 head_dim: hd,
                 prefill: PrefillAttention::for_head_dim(hd),
                 write_probs: ws.probs_wanted,
-                window: c.arch.window(l).unwrap_or(0),
+                window,
+                rope: folded.then_some(rope),
             },
         );
         if let Some((key, at)) = memo {

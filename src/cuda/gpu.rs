@@ -42,6 +42,7 @@ const KERNELS: &[&str] = &[
     "attention",
     "attention_decode",
     "attention_decode_128",
+    "attention_decode_128_rope",
     "attention_tiled",
     "attention_mma",
     "probs_from_stats_mma",
@@ -74,6 +75,7 @@ const KERNELS: &[&str] = &[
     "gemv_add_norm_bf16_sides",
     "qk_norm_rope_sides",
     "attention_decode_128_sides",
+    "attention_decode_128_rope_sides",
     "attention_decode_sides",
 ];
 
@@ -179,6 +181,9 @@ pub struct Gpu {
     /// Whether lockstep decode steps through one model may run as one pass
     /// (`CudaModel::decode_together`; not with `KVDIFF_CUDA_TOGETHER=0`).
     together: bool,
+    /// Whether a decode step's q/k norm and RoPE run inside its attention kernel (head size
+    /// 128; not with `KVDIFF_CUDA_ROPE_IN_ATTENTION=0`).
+    rope_in_attention: bool,
     /// Staged uploads of one size in flight before the next waits (`upload_staged`).
     staging_depth: usize,
     /// Who computes the GEMMs of passes of more than one token.
@@ -203,6 +208,8 @@ pub struct Gpu {
     pdl: bool,
     /// Pinned buffers that `upload_staged` copies from, each with the event of its last copy.
     staging: std::sync::Mutex<Vec<Staging>>,
+    /// Pinned words for `read_u32_soon`, made at its first use.
+    word_slots: std::sync::OnceLock<Option<Arc<WordSlots>>>,
     /// Pinned host memory the weights were streamed through, lent out afterwards in pieces
     /// (`lend_pinned`): pinning costs about a millisecond per 3-10 MB, paid once here.
     pinned_pool: std::sync::Mutex<Option<PinnedPool>>,
@@ -509,6 +516,7 @@ impl Gpu {
                 .clamp(1, SIDE_STREAMS),
             repeat_steps: std::env::var("KVDIFF_CUDA_REPEAT_STEPS").as_deref() != Ok("0"),
             together: std::env::var("KVDIFF_CUDA_TOGETHER").as_deref() != Ok("0"),
+            rope_in_attention: std::env::var("KVDIFF_CUDA_ROPE_IN_ATTENTION").as_deref() != Ok("0"),
             staging_depth: std::env::var("KVDIFF_CUDA_STAGING_DEPTH")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -527,6 +535,7 @@ impl Gpu {
             trace: trace.map(std::sync::Mutex::new),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
+            word_slots: Default::default(),
             pinned_pool: Default::default(),
             tensor_core_shared: (major >= 8
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
@@ -712,6 +721,11 @@ impl Gpu {
         self.together
     }
 
+    /// Whether a decode step's attention kernel (head size 128) does its q/k norm and RoPE.
+    pub fn rope_in_attention(&self) -> bool {
+        self.rope_in_attention
+    }
+
     /// Whether decode steps of caches that ask for it run on a side stream.
     pub fn side_enabled(&self) -> bool {
         self.side_enabled && self.graphs
@@ -758,6 +772,38 @@ impl Gpu {
             .expect("CUDA download");
         s.synchronize().expect("CUDA synchronize");
         v[0]
+    }
+
+    /// Starts reading the u32 at device address `at`, written by work queued on the main
+    /// stream: a copy into pinned memory and an event after it. `U32Read::wait` then waits
+    /// for that copy alone, not for what is queued after it (a step's next-token comparisons,
+    /// which the GPU runs while the host waits). `None` when no pinned word is free.
+    pub fn read_u32_soon(&self, at: u64) -> Option<U32Read> {
+        let slots = self
+            .word_slots
+            .get_or_init(|| WordSlots::new(&self.ctx).map(Arc::new))
+            .as_ref()?;
+        let slot = slots.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+        let stream = self.stream();
+        // Safety: the word is this read's alone until it is dropped, which waits for the copy.
+        let host = unsafe { std::slice::from_raw_parts_mut(slots.base.add(slot), 1) };
+        self.timed(
+            || "next token read".to_string(),
+            || unsafe { cudarc::driver::result::memcpy_dtoh_async(host, at, stream.cu_stream()) },
+        )
+        .expect("CUDA download");
+        let done = self
+            .ctx
+            .new_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .and_then(|e| e.record(stream).map(|_| e))
+            .expect("CUDA event");
+        Some(U32Read {
+            slots: slots.clone(),
+            slot,
+            done: Some(done),
+        })
     }
 
     /// One u32 at device address `at`, read on side stream `slot` (waiting for it alone).
@@ -1202,6 +1248,64 @@ impl LentPinned {
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         // Safety: as `as_slice`, and `&mut self` makes this the only view.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// Pinned u32 words lent to `U32Read`s: enough for every side's token of several steps.
+pub struct WordSlots {
+    _buf: cudarc::driver::PinnedHostSlice<u32>,
+    base: *mut u32,
+    free: std::sync::Mutex<Vec<usize>>,
+}
+
+// Each word is lent to one read at a time; the base is only offset.
+unsafe impl Send for WordSlots {}
+unsafe impl Sync for WordSlots {}
+
+impl WordSlots {
+    const WORDS: usize = 64;
+
+    fn new(ctx: &Arc<CudaContext>) -> Option<WordSlots> {
+        // Safety: each word is written by a copy before its read is waited for and read.
+        let mut buf = unsafe { ctx.alloc_pinned::<u32>(Self::WORDS) }.ok()?;
+        let base = buf.as_mut_ptr().ok()?;
+        Some(WordSlots {
+            _buf: buf,
+            base,
+            free: std::sync::Mutex::new((0..Self::WORDS).collect()),
+        })
+    }
+}
+
+/// A u32 on its way from the GPU (`Gpu::read_u32_soon`).
+pub struct U32Read {
+    slots: Arc<WordSlots>,
+    slot: usize,
+    done: Option<cudarc::driver::CudaEvent>,
+}
+
+impl U32Read {
+    /// Waits for the copy (and the work queued before it) and returns the word.
+    pub fn wait(self) -> u32 {
+        if let Some(e) = &self.done {
+            e.synchronize().expect("CUDA event");
+        }
+        // Safety: the copy into this read's word has completed.
+        unsafe { std::ptr::read_volatile(self.slots.base.add(self.slot)) }
+    }
+}
+
+impl Drop for U32Read {
+    fn drop(&mut self) {
+        // The word is lent again only once no copy into it is in flight.
+        if let Some(e) = self.done.take() {
+            let _ = e.synchronize();
+        }
+        self.slots
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.slot);
     }
 }
 

@@ -256,6 +256,7 @@ impl AttentionRun {
                 window,
                 prefill: kernel,
                 write_probs: true,
+                rope: None,
             },
         );
         AttentionRun {

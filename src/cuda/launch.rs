@@ -57,6 +57,28 @@ pub(crate) struct Attention {
     /// A sliding layer's window (0: none). Only the per-query kernel implements it, so a
     /// sliding layer runs that kernel for prefill and decode alike.
     pub window: usize,
+    /// Decode with head size 128 only: the step's q/k norm, RoPE and cache append, done by
+    /// the attention kernel (`attention_decode_128_rope`) instead of `qk_norm_rope`.
+    pub rope: Option<StepRope>,
+}
+
+/// `qk_norm_rope`'s inputs and outputs for one token (`StepRope` in kernels/attention.cu).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepRope {
+    /// The token's fused QKV projection row.
+    pub qkv: u64,
+    /// Per-head norm weights (0: the family has none).
+    pub q_weight: u64,
+    pub k_weight: u64,
+    /// The query's RoPE position, the key's, the cache entry.
+    pub meta: u64,
+    pub inv_freq: u64,
+    pub q_normed: u64,
+    pub q_rotated: u64,
+    pub k_normed: u64,
+    pub k_rotated: u64,
+    pub eps: f32,
+    pub scale: f32,
 }
 
 /// The prefill attention kernel.
@@ -128,33 +150,61 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             * 4;
         // Its float4 loads need 16-byte aligned rows (a workspace's query rows may sit 8 bytes
         // off for some model shapes).
-        let kernel = match (a.head_dim, (a.q | a.keys | a.values) % 16) {
-            (128, 0) => "attention_decode_128",
-            _ => "attention_decode",
+        let kernel = match (a.head_dim, (a.q | a.keys | a.values) % 16, a.rope.is_some()) {
+            (128, 0, true) => "attention_decode_128_rope",
+            (128, 0, false) => "attention_decode_128",
+            _ => {
+                assert!(
+                    a.rope.is_none(),
+                    "only the head-128 decode kernel turns q and k"
+                );
+                "attention_decode"
+            }
         };
+        let mut args = Vec::with_capacity(27);
+        match &a.rope {
+            Some(r) => args.extend([
+                Arg::Ptr(r.qkv),
+                Arg::Ptr(r.q_weight),
+                Arg::Ptr(r.k_weight),
+                Arg::Ptr(r.meta),
+                Arg::Ptr(r.inv_freq),
+                Arg::Ptr(r.q_normed),
+                Arg::Ptr(r.q_rotated),
+                Arg::Ptr(r.k_normed),
+                Arg::Ptr(r.k_rotated),
+                Arg::F32(r.eps),
+                Arg::F32(r.scale),
+            ]),
+            None => args.push(Arg::Ptr(a.q)),
+        }
+        args.extend([
+            Arg::Ptr(a.keys),
+            Arg::Ptr(a.values),
+            Arg::Ptr(a.probs),
+            Arg::Ptr(a.part),
+            Arg::Ptr(a.out),
+            Arg::Ptr(a.out_bf),
+            Arg::Ptr(a.counters),
+            Arg::Ptr(a.meta),
+            Arg::I32(a.split as i32),
+            Arg::I32(a.heads as i32),
+            Arg::I32(a.kv_heads as i32),
+        ]);
+        if a.rope.is_none() {
+            args.push(Arg::I32(a.head_dim as i32));
+        }
+        args.extend([
+            Arg::I32(a.stride as i32),
+            Arg::I32(a.chunks as i32),
+            Arg::F32(scale),
+        ]);
         g.launch(
             kernel,
             (a.heads * a.chunks) as u32,
             DECODE_THREADS,
             shared as u32,
-            &[
-                Arg::Ptr(a.q),
-                Arg::Ptr(a.keys),
-                Arg::Ptr(a.values),
-                Arg::Ptr(a.probs),
-                Arg::Ptr(a.part),
-                Arg::Ptr(a.out),
-                Arg::Ptr(a.out_bf),
-                Arg::Ptr(a.counters),
-                Arg::Ptr(a.meta),
-                Arg::I32(a.split as i32),
-                Arg::I32(a.heads as i32),
-                Arg::I32(a.kv_heads as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.stride as i32),
-                Arg::I32(a.chunks as i32),
-                Arg::F32(scale),
-            ],
+            &args,
         );
         return;
     }

@@ -295,32 +295,47 @@ impl CudaModel {
                 }
             }
             let norm = |s: &Option<cudarc::driver::CudaSlice<u16>>| s.as_ref().map_or(0, pb);
-            g.launch(
-                "qk_norm_rope_sides",
-                (plans.len() * (heads + kvh)) as u32,
-                hd as u32,
-                (hd * 4) as u32,
-                &[
+            let rope = [
+                Arg::Ptr(norm(&w.q_norm)),
+                Arg::Ptr(norm(&w.k_norm)),
+                sides(plans, |p| p.rope_meta),
+                Arg::Ptr(ptr(g, &self.inv_freq, 0)),
+                io(|i| i.q_n),
+                io(|i| i.q_r),
+                io(|i| i.k_n),
+                io(|i| i.k_r),
+            ];
+            // Head size 128 folds the q/k norm and RoPE into the attention kernel.
+            let folded = hd == 128 && g.rope_in_attention();
+            let mut attention = Vec::with_capacity(32);
+            if folded {
+                attention.push(io(|i| i.qkv));
+                attention.extend(rope);
+                attention.extend([Arg::F32(eps), Arg::F32(self.rope_scale)]);
+            } else {
+                let mut args = vec![
                     io(|i| i.qkv),
                     Arg::I32(heads as i32),
                     Arg::I32(kvh as i32),
                     Arg::I32(hd as i32),
-                    Arg::Ptr(norm(&w.q_norm)),
-                    Arg::Ptr(norm(&w.k_norm)),
-                    sides(plans, |p| p.rope_meta),
-                    Arg::Ptr(ptr(g, &self.inv_freq, 0)),
-                    io(|i| i.q_n),
-                    io(|i| i.q_r),
-                    io(|i| i.k_n),
-                    io(|i| i.k_r),
+                ];
+                args.extend(rope);
+                args.extend([
                     sides(plans, |p| p.kv[l].0),
                     sides(plans, |p| p.kv[l].1),
                     Arg::F32(eps),
                     Arg::F32(self.rope_scale),
-                ],
-            );
-            let mut attention = vec![
-                io(|i| i.q_r),
+                ]);
+                g.launch(
+                    "qk_norm_rope_sides",
+                    (plans.len() * (heads + kvh)) as u32,
+                    hd as u32,
+                    (hd * 4) as u32,
+                    &args,
+                );
+                attention.push(io(|i| i.q_r));
+            }
+            attention.extend([
                 sides(plans, |p| p.kv[l].0),
                 sides(plans, |p| p.kv[l].1),
                 io(|i| i.probs),
@@ -332,7 +347,7 @@ impl CudaModel {
                 side_ints(plans, |p| p.split),
                 Arg::I32(heads as i32),
                 Arg::I32(kvh as i32),
-            ];
+            ]);
             if hd != 128 {
                 attention.push(Arg::I32(hd as i32));
             }
@@ -343,8 +358,9 @@ impl CudaModel {
                 Arg::F32(1.0 / (hd as f32).sqrt()),
             ]);
             g.launch(
-                match hd {
-                    128 => "attention_decode_128_sides",
+                match (hd, folded) {
+                    (128, true) => "attention_decode_128_rope_sides",
+                    (128, false) => "attention_decode_128_sides",
                     _ => "attention_decode_sides",
                 },
                 (plans.len() * heads * chunks) as u32,

@@ -18,6 +18,13 @@ impl StepLogits {
         }
     }
 
+    /// Starts reading the argmax where it is on a device (`DeviceLogits::read_argmax_soon`).
+    pub fn read_argmax_soon(&self) {
+        if let StepLogits::Device(d) = self {
+            d.read_argmax_soon();
+        }
+    }
+
     /// A host copy of the logits.
     pub fn to_host(&self) -> Vec<f32> {
         match self {
@@ -64,6 +71,9 @@ impl<'a> Batch<'a> {
 pub trait DeviceLogits {
     /// The index of the largest logit (the first of equals).
     fn argmax(&self) -> u32;
+    /// Starts reading the argmax, so that `argmax` later waits for the work queued before
+    /// this call and not for what is queued after it.
+    fn read_argmax_soon(&self) {}
     fn into_host(self: Box<Self>) -> Vec<f32>;
     fn to_host(&self) -> Vec<f32>;
     fn as_any(&self) -> &dyn Any;
