@@ -115,6 +115,13 @@ __device__ __forceinline__ void decode_chunk(int c, int visible, int cut, int* s
     }
 }
 
+// How many of a head's chunks hold keys: the grid has a block per chunk of the cache's
+// capacity (a captured graph serves every step until the cache grows), and the chunks past
+// the last key only leave. They are the last ones (decode_chunk).
+__device__ __forceinline__ int decode_chunks_used(int visible, int cut) {
+    return (cut + DECODE_CHUNK - 1) / DECODE_CHUNK + (visible - cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
+}
+
 // Merges a head's chunks: per cascade segment the log-sum-exp of its chunks, the segments
 // weighted as in `attention`; rescales the probabilities in place and writes the output in
 // f32 and bf16. Run by the last block of the head to finish; `factor` holds `chunks` + 2 *
@@ -126,6 +133,8 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
     int lane = threadIdx.x & 31;
     int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
     const float* ph = part + (size_t)h * chunks * (head_dim + 2);
+    // Only the chunks that hold keys wrote their parts.
+    chunks = decode_chunks_used(visible, cut);
     if (threadIdx.x < 32) {
         // Lanes over chunks: per segment the largest chunk max, then the rescaled sums.
         float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
@@ -202,17 +211,13 @@ __device__ __forceinline__ void attention_decode_block(
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
+    int used = decode_chunks_used(visible, cut);
+    // A chunk past the last key: nothing to score, and the merge leaves it out.
+    if (c >= used) return;
     int start, end;
     decode_chunk(c, visible, cut, &start, &end);
     float* pm = part + ((size_t)h * chunks + c) * (head_dim + 2);
-    if (start >= end) {
-        // An empty chunk: weight 0 in the merge, and zeros so the merge needs no branch.
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) pm[2 + d] = 0.0f;
-        if (threadIdx.x == 0) {
-            pm[0] = NEG_INF;
-            pm[1] = 0.0f;
-        }
-    } else {
+    {
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const float* qv = q + (size_t)h * head_dim;
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qv[d];
@@ -284,7 +289,7 @@ __device__ __forceinline__ void attention_decode_block(
         }
     }
     // Count this chunk in; the head's last one merges.
-    if (!last_block_done(&counters[h], chunks)) return;
+    if (!last_block_done(&counters[h], used)) return;
     merge_head(h, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, qs);
 }
 
@@ -359,18 +364,16 @@ __device__ __forceinline__ void attention_decode_128_block(
     int group = heads / kv_heads, kvh = h / group, kv_dim = kv_heads * 128;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
+    int used = decode_chunks_used(visible, cut);
+    // A chunk past the last key: nothing to score, and the merge leaves it out. (Chunk 0,
+    // which writes the new key with ROPE, always holds keys.)
+    if (c >= used) return;
     int start, end;
     decode_chunk(c, visible, cut, &start, &end);
     float* pm = part + ((size_t)h * chunks + c) * (128 + 2);
     int slot = ROPE ? rope.meta[2] : -1;
     bool writer = ROPE && c == 0 && h % group == 0;
-    if (start >= end && !writer) {
-        if (threadIdx.x < 128) pm[2 + threadIdx.x] = 0.0f;
-        if (threadIdx.x == 0) {
-            pm[0] = NEG_INF;
-            pm[1] = 0.0f;
-        }
-    } else {
+    {
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = end - start;
         const float* kb = keys + (size_t)kvh * 128 + lane * 4;
         const float* vb = values + (size_t)kvh * 128 + lane * 4;
@@ -497,7 +500,7 @@ __device__ __forceinline__ void attention_decode_128_block(
             pm[1] = stat[1];
         }
     }
-    if (!last_block_done(&counters[h], chunks)) return;
+    if (!last_block_done(&counters[h], used)) return;
     merge_head(h, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
 }
 

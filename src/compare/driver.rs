@@ -647,10 +647,11 @@ impl Lockstep {
         let together = specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model));
         let mut step = 0;
         while step < spec.max_new_tokens {
-            if together && step > 0 && step + 1 < spec.max_new_tokens {
-                // The steps' graph is captured while the GPU runs a step, before the host
-                // waits for that step's tokens (steps before it run without one). Asked every
-                // step: a cache that grew has a new arena, and the graph is captured anew.
+            if together && step + 1 < spec.max_new_tokens {
+                // The steps' graph is captured while the GPU runs a step (the prefill's last
+                // work before the first), before the host waits for that step's tokens. Asked
+                // every step: a cache that grew has a new arena, and the graph is captured
+                // anew.
                 let pos = [n + step];
                 spec.path_model
                     .prepare_decode_together(&mut self.steps(&[0], &pos));

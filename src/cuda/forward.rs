@@ -429,6 +429,7 @@ impl CudaModel {
     pub(super) fn decode_state<'k>(&self, kv: &'k mut CudaKv) -> &'k mut DecodeState {
         let cap = kv.capacity();
         if kv.decode.as_ref().is_none_or(|s| s.ws.probs_stride != cap) {
+            let _span = crate::support::timing::span("cuda decode: arena made");
             kv.decode = Some(DecodeState {
                 ws: Workspace::new(&self.gpu, &self.config, 1, cap, true, true),
                 graph: None,

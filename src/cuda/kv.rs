@@ -78,6 +78,7 @@ impl CudaKv {
         if self.len + n <= self.cap {
             return;
         }
+        let _span = crate::support::timing::span("kv cache: grown on the device");
         let cap = (self.len + n).next_power_of_two();
         let used = self.len * self.kv_dim;
         for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
@@ -144,6 +145,10 @@ impl DeviceKv for CudaKv {
             side: None,
             queued: None,
         })
+    }
+
+    fn reserve(&mut self, n: usize) {
+        CudaKv::reserve(self, n);
     }
 
     fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool {

@@ -88,11 +88,17 @@ impl CudaModel {
     /// work (until then steps run without a graph). The batches' tokens are not read.
     pub(crate) fn prepare_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
         // Nothing is prepared where a cache would grow or get a new arena: the last step's
-        // logits and taps may still be read from the arena it has.
+        // logits and taps may still be read from the arena it has. Before the first step
+        // there is no arena yet (a prefill's logits and taps live in buffers of their own),
+        // so the caches may grow then: while the GPU still runs the prefill's last work,
+        // rather than at the first step, with the GPU waiting.
         let settled = steps.iter_mut().all(|(_, cache)| {
             cache.device_mut::<CudaKv>().is_some_and(|kv| {
                 let cap = kv.capacity();
-                kv.len < cap && kv.decode.as_ref().is_some_and(|s| s.ws.probs_stride == cap)
+                match &kv.decode {
+                    None => true,
+                    Some(s) => kv.len < cap && s.ws.probs_stride == cap,
+                }
             })
         });
         if settled {

@@ -29,6 +29,8 @@ pub trait DeviceKv: Send {
     fn clone_box(&self) -> Box<dyn DeviceKv>;
     /// Appends `other`'s entries on the device; false when `other` is of another kind.
     fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
+    /// Makes room for `n` more entries now (growing later copies every entry again).
+    fn reserve(&mut self, _n: usize) {}
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -101,6 +103,15 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.positions.is_empty()
+    }
+
+    /// Room on the device for `total` entries in all, where the cache has a device copy: a
+    /// cache built in pieces (chunk reuse) then grows once, not once per piece.
+    pub fn reserve_total(&mut self, total: usize) {
+        let len = self.len();
+        if let Some(d) = &mut self.device {
+            d.reserve(total.saturating_sub(len));
+        }
     }
 
     pub fn kv_dim(&self) -> usize {

@@ -53,7 +53,11 @@ pub fn reused_prefix(
 ) -> KvCache {
     let mut cache = model.new_cache();
     let last = prompt.chunks.len() - 1;
-    for chunk in &prompt.chunks[..last] {
+    let keys: Vec<u64> = prompt.chunks[..last]
+        .iter()
+        .map(|chunk| store_key(prompt, chunk, mode))
+        .collect();
+    for (i, chunk) in prompt.chunks[..last].iter().enumerate() {
         let global: Vec<usize> = (chunk.start..chunk.end).collect();
         let local: Vec<usize> = (0..chunk.end - chunk.start).collect();
         let rope_at = if mode == Reuse::Global {
@@ -61,13 +65,10 @@ pub fn reused_prefix(
         } else {
             &local
         };
-        // Global rotation depends on where the chunk stands, so it is part of the key.
-        let key = prompt.content_hash(chunk)
-            ^ if mode == Reuse::Global && !fault::active(Fault::GlobalKeyIgnoresPosition) {
-                chunk.start as u64 * 0x9e37_79b9
-            } else {
-                0
-            };
+        let key = keys[i];
+        // A copy is kept only for a chunk met again further on: a copy of a device cache
+        // is an allocation and a copy per layer.
+        let again = keys[i + 1..].contains(&key);
         let mut alone = match store.get(key) {
             Some(kv) => kv,
             None => {
@@ -95,14 +96,17 @@ pub fn reused_prefix(
                 }
                 if mode == Reuse::Rerotate && fault::active(Fault::RerotateStoresRotated) {
                     model.rerotate(&mut kv, chunk.start, &global, sink);
-                    store.put(key, kv.clone());
+                    if again {
+                        store.put(key, kv.clone());
+                    }
                     kv.positions = global;
-                    cache.append(kv);
+                    append(&mut cache, kv, prompt);
                     continue;
                 }
-                let _span =
-                    crate::support::timing::span("chunk-reuse: chunk KV stored and appended");
-                store.put(key, kv.clone());
+                if again {
+                    let _span = crate::support::timing::span("chunk-reuse: chunk KV stored");
+                    store.put(key, kv.clone());
+                }
                 kv
             }
         };
@@ -110,9 +114,30 @@ pub fn reused_prefix(
             let _span = crate::support::timing::span("chunk-reuse: re-rotation");
             model.rerotate(&mut alone, chunk.start, &global, sink);
         }
-        let _span = crate::support::timing::span("chunk-reuse: chunk KV stored and appended");
         alone.positions = global;
-        cache.append(alone);
+        append(&mut cache, alone, prompt);
     }
     cache
+}
+
+/// The store's key of `chunk`: its content, and for global rotation where it stands.
+fn store_key(prompt: &ChunkedPrompt, chunk: &crate::engine::chunks::Chunk, mode: Reuse) -> u64 {
+    prompt.content_hash(chunk)
+        ^ if mode == Reuse::Global && !fault::active(Fault::GlobalKeyIgnoresPosition) {
+            chunk.start as u64 * 0x9e37_79b9
+        } else {
+            0
+        }
+}
+
+/// Appends a chunk's KV to the prefix; after the first, the prefix has room for the whole
+/// prompt (what the query's prefill would grow it to), so that it grows once rather than
+/// with every chunk.
+fn append(cache: &mut KvCache, kv: KvCache, prompt: &ChunkedPrompt) {
+    let _span = crate::support::timing::span("chunk-reuse: chunk KV appended");
+    let first = cache.is_empty();
+    cache.append(kv);
+    if first {
+        cache.reserve_total(prompt.ids.len());
+    }
 }
