@@ -359,6 +359,7 @@ __device__ __forceinline__ void attention_decode_128_block(
     __shared__ float sc[DECODE_CHUNK];
     __shared__ float4 red[DECODE_WARPS][32];
     __shared__ float stat[2];
+    __shared__ float4 turned[3][32];  // ROPE: the query, the new key, its value
     extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
     int h = block / chunks, c = block % chunks;
     int group = heads / kv_heads, kvh = h / group, kv_dim = kv_heads * 128;
@@ -385,15 +386,14 @@ __device__ __forceinline__ void attention_decode_128_block(
             // The new key's entry is being written (ROPE): its key and value come below.
             if (e < end && e != slot) {
                 kk[j] = *(const float4*)(kb + (size_t)e * kv_dim);
-                // With ROPE the values load after it, so that the keys' loads and its
-                // arithmetic fit the registers of three blocks an SM.
+                // With ROPE the values load once the scores are taken (below), in the
+                // registers the keys held: four blocks an SM, the three sides in one wave.
                 if (!ROPE) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
             }
         }
         float4 qv;
         if (ROPE) {
             __shared__ float normed[2][128];
-            __shared__ float4 turned[3][32];  // the query, the new key, its value
             __shared__ float squares[DECODE_WARPS];
             bool has_new = start <= slot && slot < end;
             int i = threadIdx.x & 127, is_k = threadIdx.x >> 7;
@@ -426,29 +426,32 @@ __device__ __forceinline__ void attention_decode_128_block(
                     values[(size_t)slot * kv_dim + kvh * 128 + i] = val;
                 }
             }
-#pragma unroll
-            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
-                int e = start + warp + j * DECODE_WARPS;
-                if (e < end && e != slot) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
-            }
             __syncthreads();
             qv = turned[0][lane];
 #pragma unroll
             for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
                 // Only inside the chunk: past its end the key's value would still meet a
                 // zero probability, and 0 * NaN of unwritten shared memory is NaN.
-                if (has_new && start + warp + j * DECODE_WARPS == slot) {
-                    kk[j] = turned[1][lane];
-                    vv[j] = turned[2][lane];
-                }
+                if (has_new && start + warp + j * DECODE_WARPS == slot) kk[j] = turned[1][lane];
             }
         } else {
             qv = ((const float4*)(q + (size_t)h * 128))[lane];
         }
+        float dots[DECODE_KEYS_PER_WARP];
+#pragma unroll
+        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++)
+            dots[j] = (qv.x * kk[j].x + qv.y * kk[j].y) + (qv.z * kk[j].z + qv.w * kk[j].w);
+        if (ROPE) {
+#pragma unroll
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                int e = start + warp + j * DECODE_WARPS;
+                if (e < end && e != slot) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
+                if (e < end && e == slot) vv[j] = turned[2][lane];
+            }
+        }
 #pragma unroll
         for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
-            float s = (qv.x * kk[j].x + qv.y * kk[j].y) + (qv.z * kk[j].z + qv.w * kk[j].w);
-            s = warp_sum(s);
+            float s = warp_sum(dots[j]);
             int i = warp + j * DECODE_WARPS;
             if (lane == 0 && i < len) sc[i] = s * scale;
         }
@@ -553,8 +556,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode
                                       StepRope{});
 }
 
-// attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope).
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode_128_rope_sides(
+// attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope). Four blocks
+// an SM (the values load after the scores), so three sides' chunks fit one wave.
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode_128_rope_sides(
     Sides qkv, const bf16_t* q_weight, const bf16_t* k_weight, Sides rope_meta,
     const float* inv_freq, Sides q_normed, Sides q_rotated, Sides k_normed, Sides k_rotated,
     float eps, float rope_scale, Sides keys, Sides values, Sides probs, Sides part, Sides out,
