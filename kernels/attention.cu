@@ -534,6 +534,21 @@ extern "C" __global__ void attention_decode_128_rope(
                                      chunks, scale, rope);
 }
 
+// Block b of side s of the `_sides` kernels below: that side's buffers picked.
+template <bool ROPE>
+__device__ __forceinline__ void attention_decode_128_side(
+    int s, int b, const float* q, Sides keys, Sides values, Sides probs, Sides part, Sides out,
+    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads,
+    SideInts stride, SideInts chunks, float scale, const StepRope& rope) {
+    attention_decode_128_block<ROPE>(b, q, at_side<float>(keys, s), at_side<float>(values, s),
+                                     at_side<float>(probs, s), at_side<float>(part, s),
+                                     at_side<float>(out, s), at_side<bf16_t>(out_bf16, s),
+                                     at_side<unsigned int>(counters, s),
+                                     at_side<const int>(meta, s), side_int(split, s), heads,
+                                     kv_heads, side_int(stride, s), side_int(chunks, s), scale,
+                                     rope);
+}
+
 // attention_decode_sides for head_dim 128 (rows 16-byte aligned). Three blocks an SM, as the
 // single kernel gets: picking each side's buffers would otherwise hold registers enough to
 // leave two, and a grid of three sides then ran in three waves instead of two.
@@ -546,14 +561,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode
     PDL_ENTER();
     int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
     if (b >= heads * side_int(chunks, s)) return;
-    attention_decode_128_block<false>(b, at_side<const float>(q, s), at_side<float>(keys, s),
-                                      at_side<float>(values, s), at_side<float>(probs, s),
-                                      at_side<float>(part, s), at_side<float>(out, s),
-                                      at_side<bf16_t>(out_bf16, s),
-                                      at_side<unsigned int>(counters, s),
-                                      at_side<const int>(meta, s), side_int(split, s), heads,
-                                      kv_heads, side_int(stride, s), side_int(chunks, s), scale,
-                                      StepRope{});
+    attention_decode_128_side<false>(s, b, at_side<const float>(q, s), keys, values, probs, part,
+                                     out, out_bf16, counters, meta, split, heads, kv_heads,
+                                     stride, chunks, scale, StepRope{});
 }
 
 // attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope). Four blocks
@@ -571,14 +581,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode
                   at_side<const int>(rope_meta, s), inv_freq, at_side<float>(q_normed, s),
                   at_side<float>(q_rotated, s),     at_side<float>(k_normed, s),
                   at_side<float>(k_rotated, s),     eps,      rope_scale};
-    attention_decode_128_block<true>(b, nullptr, at_side<float>(keys, s),
-                                     at_side<float>(values, s), at_side<float>(probs, s),
-                                     at_side<float>(part, s), at_side<float>(out, s),
-                                     at_side<bf16_t>(out_bf16, s),
-                                     at_side<unsigned int>(counters, s),
-                                     at_side<const int>(meta, s), side_int(split, s), heads,
-                                     kv_heads, side_int(stride, s), side_int(chunks, s), scale,
-                                     rope);
+    attention_decode_128_side<true>(s, b, nullptr, keys, values, probs, part, out, out_bf16,
+                                    counters, meta, split, heads, kv_heads, stride, chunks, scale,
+                                    rope);
 }
 
 // Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes
