@@ -802,7 +802,7 @@ impl Gpu {
         Some(U32Read {
             slots: slots.clone(),
             slot,
-            done: Some(done),
+            done,
         })
     }
 
@@ -1252,7 +1252,7 @@ impl LentPinned {
 }
 
 /// Pinned u32 words lent to `U32Read`s: enough for every side's token of several steps.
-pub struct WordSlots {
+struct WordSlots {
     _buf: cudarc::driver::PinnedHostSlice<u32>,
     base: *mut u32,
     free: std::sync::Mutex<Vec<usize>>,
@@ -1281,15 +1281,13 @@ impl WordSlots {
 pub struct U32Read {
     slots: Arc<WordSlots>,
     slot: usize,
-    done: Option<cudarc::driver::CudaEvent>,
+    done: cudarc::driver::CudaEvent,
 }
 
 impl U32Read {
     /// Waits for the copy (and the work queued before it) and returns the word.
     pub fn wait(self) -> u32 {
-        if let Some(e) = &self.done {
-            e.synchronize().expect("CUDA event");
-        }
+        self.done.synchronize().expect("CUDA event");
         // Safety: the copy into this read's word has completed.
         unsafe { std::ptr::read_volatile(self.slots.base.add(self.slot)) }
     }
@@ -1297,10 +1295,9 @@ impl U32Read {
 
 impl Drop for U32Read {
     fn drop(&mut self) {
-        // The word is lent again only once no copy into it is in flight.
-        if let Some(e) = self.done.take() {
-            let _ = e.synchronize();
-        }
+        // The word is lent again only once no copy into it is in flight (after `wait`, the
+        // event has completed and this returns at once).
+        let _ = self.done.synchronize();
         self.slots
             .free
             .lock()
