@@ -1,4 +1,4 @@
-"""The README's walkthrough: an engine that prefills a prompt in chunks through HF transformers'
+"""The walkthrough of docs/commands/diff.md: an engine that prefills a prompt in chunks through HF transformers'
 KV cache, captured for `kvdiff diff`. `--bug restart` feeds every chunk after the first position
 ids that restart from 0 (the classic chunk-reuse bug).
 

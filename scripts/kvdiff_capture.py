@@ -1,7 +1,7 @@
 """kvdiff_capture: an engine's tensors written as a kvdiff dump, for `kvdiff diff`.
 
-Writes the dump format kvdiff reads (format "kvdiff-dump", version 1; the README's "Dump
-format" section is the spec): one safetensors file per forward call, tensors named by kvdiff's
+Writes the dump format kvdiff reads (format "kvdiff-dump", version 1; docs/dump-format.md
+is the spec): one safetensors file per forward call, tensors named by kvdiff's
 taps (`embed`, `L{i}.q_rope`, `logits`, ...), rows `[token, ...]` matched by position, and a
 `meta.json`. Needs torch and safetensors for torch tensors; plain Python lists need neither.
 

@@ -1,6 +1,6 @@
 //! The bad-input table: every way a user can hand kvdiff a wrong file, flag or output path gets
 //! exit code 2, one to three lines on stderr naming the culprit, nothing on stdout, and no file
-//! written. The README's Troubleshooting table lists the same cases.
+//! written. docs/troubleshooting.md lists the same cases.
 
 mod common;
 
