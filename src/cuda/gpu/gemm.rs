@@ -1,0 +1,204 @@
+//! Matrix products of a pass: kvdiff's tiled tensor-core kernels (sm_80 and later) or cuBLAS
+//! (older GPUs, or asked for as the benchmark's peer), picked once when the device opens, and
+//! one-row products on the GEMV kernel, which reads the weights near bandwidth.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::{internal, Arg, Gpu, CUDA_FIX};
+use crate::error::{Error, Result};
+
+/// The GEMM engine: kvdiff's tensor-core kernels (`kernels/gemm.cu`, sm_80 and later), or
+/// cuBLAS (older GPUs, or `KVDIFF_CUDA_GEMM=cublas`, the benchmark's peer).
+pub(super) enum Gemm {
+    Own,
+    Cublas {
+        blas: CudaBlas,
+        /// Set explicitly so that GEMMs can be captured into CUDA graphs.
+        _workspace: CudaSlice<u8>,
+    },
+}
+
+/// The tile shapes of `kernels/gemm.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmTile {
+    /// 128 x 128, 8 warps.
+    Large,
+    /// 64 x 64, 4 warps.
+    Medium,
+    /// 32 x 32, 4 warps.
+    Small,
+    /// 64 x 64, loading element by element: any k, any alignment.
+    Unaligned,
+}
+
+impl GemmTile {
+    pub const ALL: [GemmTile; 4] = [
+        GemmTile::Large,
+        GemmTile::Medium,
+        GemmTile::Small,
+        GemmTile::Unaligned,
+    ];
+
+    /// Whether the tile can take operands at `x` and `w` with rows `k` long: all but
+    /// `Unaligned` copy 16-byte pieces of rows.
+    pub fn takes(self, k: usize, x: u64, w: u64) -> bool {
+        self == GemmTile::Unaligned || (k % 8 == 0 && (x | w) % 16 == 0)
+    }
+}
+
+/// cuBLAS on `stream`, with an explicit workspace so that GEMMs can be captured into graphs.
+pub(super) fn cublas_with_workspace(stream: &Arc<CudaStream>) -> Result<(CudaBlas, CudaSlice<u8>)> {
+    let blas = CudaBlas::new(stream.clone())
+        .map_err(|e| Error::usage("--backend cuda", format!("cuBLAS: {e}"), CUDA_FIX))?;
+    let workspace_bytes = 32 << 20;
+    let blas_workspace = stream
+        .alloc_zeros::<u8>(workspace_bytes)
+        .map_err(internal("cuBLAS workspace"))?;
+    {
+        let (p, _) = blas_workspace.device_ptr(stream);
+        // Safety: the workspace outlives the handle's use (both live in `Gpu`).
+        let status = unsafe {
+            blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes)
+        };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::Internal(format!("cuBLAS workspace: {status:?}")));
+        }
+    }
+    Ok((blas, blas_workspace))
+}
+
+impl Gpu {
+    /// `y[n, m] (f32) = x[n, k] (bf16) · w[m, k]ᵀ (bf16)`, f32 accumulation. Pointers are raw
+    /// device addresses so callers can pass offsets into larger buffers. One row (a decode
+    /// step) goes to `kernels/gemv.cu`, which reads the weights near bandwidth; cuBLAS's
+    /// general kernels do not for n = 1.
+    pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        if n == 1 && k % 8 == 0 && (x | w) % 16 == 0 {
+            self.launch(
+                "gemv_bf16",
+                m.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w),
+                    Arg::Ptr(y),
+                    Arg::I32(k as i32),
+                    Arg::I32(m as i32),
+                ],
+            );
+            return;
+        }
+        let shape = || {
+            format!(
+                "gemm n={} {k}x{m}",
+                if n == 1 { "1".into() } else { n.to_string() }
+            )
+        };
+        match self.gemm {
+            // Profiled per launch, under the same name.
+            Gemm::Own => self.gemm_bf16_now(x, w, y, n, k, m),
+            Gemm::Cublas { .. } => self.timed(shape, || self.gemm_bf16_now(x, w, y, n, k, m)),
+        }
+    }
+
+    /// Whether GEMMs run on cuBLAS, which loads a kernel the first time it meets a shape
+    /// (a few ms each): `warm_up` shows it every shape before the first pass.
+    pub fn gemm_needs_warm_up(&self) -> bool {
+        matches!(self.gemm, Gemm::Cublas { .. })
+    }
+
+    pub(super) fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        let blas = match &self.gemm {
+            Gemm::Own => {
+                let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
+                let tile = if !GemmTile::Large.takes(k, x, w) {
+                    GemmTile::Unaligned
+                } else if tiles(128) >= self.sms {
+                    GemmTile::Large
+                } else if 2 * tiles(64) >= self.sms {
+                    GemmTile::Medium
+                } else {
+                    GemmTile::Small
+                };
+                return self.gemm_tiled(tile, x, w, y, n, k, m);
+            }
+            Gemm::Cublas { blas, .. } => blas,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // cuBLAS runs on the main stream: after any side-stream work it may read.
+        self.stream();
+        // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (k×m col-major, transposed),
+        // B = x (k×n col-major).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                y as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                m as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("cuBLAS GemmEx");
+    }
+
+    /// `y = x · wᵀ` by `kernels/gemm.cu` with tile `tile`, which must take the operands
+    /// (`GemmTile::takes`). GEMMs pick the largest tile that still gives every SM a block (the
+    /// medium one at half that), else the small one; every tile sums each output in the same
+    /// order, so they all give the same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_tiled(&self, tile: GemmTile, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
+        assert!(self.tiled_gemm, "kernels/gemm.cu needs sm_80 or later");
+        assert!(
+            tile.takes(k, x, w),
+            "{tile:?} tiles need 16-byte aligned rows"
+        );
+        let (kernel, side, threads) = match tile {
+            GemmTile::Large => ("gemm_bf16_l", 128, 256),
+            GemmTile::Medium => ("gemm_bf16_m", 64, 128),
+            GemmTile::Small => ("gemm_bf16_s", 32, 128),
+            GemmTile::Unaligned => ("gemm_bf16_any", 64, 128),
+        };
+        let blocks = n.div_ceil(side) * m.div_ceil(side);
+        // GEMM_STAGES tiles of both operands, GEMM_BK bf16 columns each.
+        let shared = 3 * 2 * side * 64 * 2;
+        let label = || format!("gemm n={n} {k}x{m}");
+        self.launch_as(
+            kernel,
+            label,
+            blocks as u32,
+            threads,
+            shared as u32,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(y),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(m as i32),
+            ],
+        );
+    }
+
+    /// Whether `kernels/gemm.cu` runs on this GPU.
+    pub fn has_tiled_gemm(&self) -> bool {
+        self.tiled_gemm
+    }
+}

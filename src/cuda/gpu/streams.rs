@@ -1,0 +1,114 @@
+//! The order GPU work runs in: the main stream, the side streams that references' decode steps
+//! replay on beside it (main waits for them through events only where its work needs theirs),
+//! and the CUDA graphs those steps are captured into.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::Gpu;
+
+/// A captured sequence of GPU work, replayed with `Gpu::replay`.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// Like `Gpu`: used from one thread at a time.
+unsafe impl Send for Graph {}
+
+impl Gpu {
+    /// Whether decode steps are replayed from CUDA graphs: not when profiling or tracing
+    /// kernel by kernel (every operation is timed on its own; `KVDIFF_CUDA_TRACE=graphs`
+    /// keeps them, each replay one operation) nor with `KVDIFF_CUDA_GRAPHS=0`.
+    pub fn graphs(&self) -> bool {
+        self.graphs
+    }
+
+    /// Records what `f` enqueues on the stream as a graph instead of running it.
+    pub fn capture(&self, f: impl FnOnce()) -> Graph {
+        use cudarc::driver::sys;
+        // Joined before capture starts: a captured stream cannot wait on outside events.
+        self.stream()
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("CUDA graph capture");
+        self.capturing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        f();
+        self.capturing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let g = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .expect("CUDA graph instantiate")
+            .expect("a captured graph");
+        Graph(g)
+    }
+
+    /// Replays `graph` on the main stream (one operation of the trace).
+    pub fn replay(&self, graph: &Graph, name: &'static str) {
+        self.timed(
+            || name.to_string(),
+            || graph.0.launch().expect("CUDA graph launch"),
+        );
+    }
+
+    /// The main stream, once it waits for work enqueued on the side streams.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        let pending = self
+            .side_pending
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        for (k, (side, done)) in self.side.iter().zip(&self.side_done).enumerate() {
+            if pending & (1 << k) != 0 {
+                done.record(side)
+                    .and_then(|_| self.stream.wait(done))
+                    .expect("CUDA stream synchronisation");
+            }
+        }
+        &self.stream
+    }
+
+    /// The main stream without waiting for the side streams: for work that touches nothing
+    /// of their caches (the compared path's own decode step, diff read-back).
+    pub(crate) fn stream_unjoined(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Whether decode steps of caches that ask for it run on a side stream.
+    pub fn side_enabled(&self) -> bool {
+        self.side_enabled && self.graphs
+    }
+
+    /// A side stream for one more cache's decode steps (round robin).
+    pub fn side_slot(&self) -> usize {
+        self.next_side
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % self.side_streams
+    }
+
+    /// Uploads `meta` into `dst` and replays `graph` on side stream `slot`, after everything
+    /// enqueued on the main stream so far; main-stream work reached through `stream()` waits
+    /// for it.
+    pub fn replay_on_side(
+        &self,
+        slot: usize,
+        graph: &Graph,
+        meta: &[i32],
+        dst: &mut CudaSlice<i32>,
+    ) {
+        let s = &self.side[slot];
+        self.main_done
+            .record(&self.stream)
+            .and_then(|_| s.wait(&self.main_done))
+            .expect("CUDA stream synchronisation");
+        s.memcpy_htod(meta, dst).expect("CUDA upload");
+        // Safety: the graph's buffers live with the cache it was captured for.
+        unsafe {
+            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), s.cu_stream()).result()
+        }
+        .expect("CUDA graph launch");
+        self.side_pending
+            .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn sync(&self) {
+        self.stream().synchronize().expect("CUDA synchronize");
+    }
+}
