@@ -3,10 +3,10 @@
 //! kvdiff builds and runs its CPU features on machines without it; asking for CUDA there is
 //! a one-line error.
 //!
-//! - `gpu.rs`: the device, kernel modules, GEMMs (`kernels/gemm.cu`, or cuBLAS), streams and
+//! - `gpu/`: the device, kernel modules, GEMMs (`kernels/gemm.cu`, or cuBLAS), streams and
 //!   graphs;
 //! - `upload.rs`: the weights on the device;
-//! - `forward.rs`: the forward pass (prefill and graph-replayed decode steps);
+//! - `forward/`: the forward pass (prefill and graph-replayed decode steps);
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's

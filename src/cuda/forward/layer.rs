@@ -1,0 +1,415 @@
+//! A decoder layer's kernels, as prefill and decode both enqueue them: norms, projections,
+//! attention and the dense MLP, and the LM head. Where a decode step allows, a norm is fused
+//! into the GEMV that reads its output: a step is a chain of small latency-bound launches, and
+//! each one saved is time off every step.
+
+use cudarc::driver::CudaSlice;
+
+use super::Pass;
+use crate::cuda::gpu::{ptr, Arg};
+use crate::cuda::launch::{
+    launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
+    StepRope,
+};
+use crate::cuda::upload::CudaModel;
+use crate::cuda::workspace::Workspace;
+
+impl CudaModel {
+    /// Embedding gather and the first layer's input norm.
+    pub(super) fn embed_and_norm(&self, ws: &Workspace, n: usize) {
+        let g = &*self.gpu;
+        let io = ws.io(g, 0);
+        g.launch(
+            "embed",
+            n as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(g, &self.embed, 0)),
+                Arg::Ptr(ws.meta_ptr(g, 0)),
+                Arg::Ptr(io.x_in),
+                Arg::I32(self.config.hidden_size as i32),
+            ],
+        );
+        if self.fused_decode(ws) {
+            // The first layer's projection normalises its input itself.
+            return;
+        }
+        self.add_norm(
+            n,
+            io.x_in,
+            0,
+            0,
+            ptr(g, &self.layers[0].input_norm, 0),
+            io.attn_norm,
+            ws.xn_bf(g),
+        );
+    }
+
+    /// `resid = x + add` (when `add` is not null) and its RMSNorm in f32 and bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_norm(
+        &self,
+        n: usize,
+        x: u64,
+        add: u64,
+        resid: u64,
+        w: u64,
+        out: u64,
+        out_bf: u64,
+    ) {
+        let h = self.config.hidden_size;
+        self.gpu.launch(
+            "add_rms_norm",
+            n as u32,
+            256u32.min(h.next_power_of_two() as u32).max(32),
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(add),
+                Arg::Ptr(resid),
+                Arg::Ptr(w),
+                Arg::Ptr(out),
+                Arg::Ptr(out_bf),
+                Arg::I32(h as i32),
+                Arg::F32(self.config.rms_norm_eps),
+            ],
+        );
+    }
+
+    /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
+    /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
+    pub(super) fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
+        self.attention_half(l, ws, kvp, pass);
+        match &self.layers[l].moe {
+            Some(sparse) => self.sparse_mlp(l, ws, sparse, pass),
+            None => self.mlp_half(l, ws),
+        }
+    }
+
+    /// The QKV projection (fused with the input norm in a decode step), q/k norm + RoPE + KV
+    /// append, and attention into `io.attn` and its bf16 copy.
+    fn attention_half(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
+        let split = pass.split;
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = ws.n;
+        let io = ws.io(g, l);
+        let (h, hd, heads, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let qkvd = qd + 2 * kvd;
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        let rows = ws.rows;
+        let fused = self.fused_decode(ws);
+        let eps = c.rms_norm_eps;
+        if fused {
+            // The fused RMSNorm + QKV projection.
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.x_in,
+                    norm_w: pb(&w.input_norm),
+                    eps,
+                    w: pb(&w.qkv),
+                    out: io.qkv,
+                    k: h,
+                    m: qkvd,
+                    norm_out: io.attn_norm,
+                    swiglu: false,
+                },
+            );
+        } else {
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.qkv), io.qkv, rows, h, qkvd);
+        }
+        if let Some(bias) = &w.qkv_bias {
+            g.launch(
+                "add_bias",
+                (n * qkvd).div_ceil(256) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(io.qkv),
+                    Arg::Ptr(ptr(g, bias, 0)),
+                    Arg::I32(qkvd as i32),
+                    Arg::I32(n as i32),
+                ],
+            );
+        }
+        let norm_ptr = |s: &Option<CudaSlice<u16>>| s.as_ref().map_or(0, |s| ptr(g, s, 0));
+        let window = c.arch.window(l).unwrap_or(0);
+        let rope = StepRope {
+            qkv: io.qkv,
+            q_weight: norm_ptr(&w.q_norm),
+            k_weight: norm_ptr(&w.k_norm),
+            meta: ws.meta_ptr(g, n),
+            inv_freq: ptr(g, &self.inv_freq, 0),
+            q_normed: io.q_n,
+            q_rotated: io.q_r,
+            k_normed: io.k_n,
+            k_rotated: io.k_r,
+            eps: c.rms_norm_eps,
+            scale: self.rope_scale,
+        };
+        // A decode step whose attention takes the float4 kernel does its q/k norm and RoPE
+        // there; the rows' alignment is the one `launch_attention` asks of that kernel.
+        let folded = n == 1
+            && window == 0
+            && hd == 128
+            && (io.q_r | kvp.0 | kvp.1) % 16 == 0
+            && g.rope_in_attention();
+        if !folded {
+            g.launch(
+                "qk_norm_rope",
+                (n * (heads + kvh)) as u32,
+                hd as u32,
+                (hd * 4) as u32,
+                &[
+                    Arg::Ptr(io.qkv),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::Ptr(rope.q_weight),
+                    Arg::Ptr(rope.k_weight),
+                    Arg::Ptr(rope.meta),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(rope.inv_freq),
+                    Arg::Ptr(io.q_n),
+                    Arg::Ptr(io.q_r),
+                    Arg::Ptr(io.k_n),
+                    Arg::Ptr(io.k_r),
+                    Arg::Ptr(kvp.0),
+                    Arg::Ptr(kvp.1),
+                    Arg::F32(c.rms_norm_eps),
+                    Arg::F32(self.rope_scale),
+                ],
+            );
+        }
+        // A prefill whose attention the memo holds (or records): see `memo.rs`.
+        let memo = (n > 1 && !ws.probs_wanted && self.memo().active()).then(|| {
+            let key = crate::cuda::memo::Key {
+                layer: l,
+                n,
+                base: pass.taps.base,
+                split,
+                meta: *pass
+                    .meta_hash
+                    .get_or_init(|| crate::cuda::memo::Key::meta_hash(&pass.meta)),
+            };
+            let at = crate::cuda::memo::Outputs {
+                out: io.attn,
+                out_bf: ws.attn_bf(g),
+                stats: io.stats,
+                q_dim: qd,
+                heads,
+            };
+            (key, at)
+        });
+        if let Some((key, at)) = memo {
+            if self.memo().replay_into(g, key, at) {
+                return;
+            }
+        }
+        let base_ptr = ws.meta_ptr(g, 3 * n + 1);
+        launch_attention(
+            g,
+            &Attention {
+                n,
+                q: io.q_r,
+                keys: kvp.0,
+                values: kvp.1,
+                probs: io.probs,
+                stats: if n > 1 { io.stats } else { 0 },
+                stride: ws.probs_stride,
+                part: io.part,
+                chunks: ws.chunks,
+                counters: ptr(g, &ws.counters, 0),
+                out: io.attn,
+                out_bf: ws.attn_bf(g),
+                meta: base_ptr,
+                split,
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                prefill: PrefillAttention::for_head_dim(hd),
+                write_probs: ws.probs_wanted,
+                window,
+                rope: folded.then_some(rope),
+            },
+        );
+        if let Some((key, at)) = memo {
+            self.memo().record_from(g, key, at);
+        }
+    }
+
+    /// The output projection and residual, the post-attention norm, the SwiGLU MLP and its
+    /// residual, and the norm of the layer's output (fused where a decode step allows).
+    fn mlp_half(&self, l: usize, ws: &Workspace) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = ws.n;
+        let io = ws.io(g, l);
+        let (h, qd, inter) = (c.hidden_size, c.q_dim(), c.intermediate_size);
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        let rows = ws.rows;
+        let fused = self.fused_decode(ws);
+        let eps = c.rms_norm_eps;
+        if fused {
+            launch_gemv_add(g, ws.attn_bf(g), pb(&w.o), io.o, qd, h, io.x_in, io.mid);
+            // The fused RMSNorm + gate/up projection + SwiGLU.
+            launch_gemv_norm(
+                g,
+                &GemvNorm {
+                    resid: io.mid,
+                    norm_w: pb(&w.post_norm),
+                    eps,
+                    w: pb(&w.gate_up),
+                    out: ws.act_bf(g),
+                    k: h,
+                    m: inter,
+                    norm_out: io.mlp_norm,
+                    swiglu: true,
+                },
+            );
+            if l + 1 < self.layers.len() {
+                // The next layer's projection normalises this layer's output.
+                launch_gemv_add(
+                    g,
+                    ws.act_bf(g),
+                    pb(&w.down),
+                    io.mlp,
+                    inter,
+                    h,
+                    io.mid,
+                    io.x_out,
+                );
+                return;
+            }
+        } else {
+            self.attention_output(l, ws);
+            g.gemm_bf16(ws.xn_bf(g), pb(&w.gate_up), io.gu, rows, h, 2 * inter);
+            g.launch(
+                "swiglu",
+                (n * inter).div_ceil(256) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(io.gu),
+                    Arg::Ptr(ws.act_bf(g)),
+                    Arg::I32(inter as i32),
+                    Arg::I32(n as i32),
+                ],
+            );
+        }
+        // The residual leaving this layer, normed for the next one (or the final norm).
+        let next_norm = self.next_norm(l);
+        self.project_add_norm(
+            ws,
+            ws.act_bf(g),
+            pb(&w.down),
+            io.mlp,
+            inter,
+            io.mid,
+            io.x_out,
+            pb(next_norm),
+            io.norm_out,
+        );
+    }
+
+    /// The norm applied to layer `l`'s output: the next layer's input norm, or the final norm.
+    pub(super) fn next_norm(&self, l: usize) -> &CudaSlice<u16> {
+        self.layers
+            .get(l + 1)
+            .map_or(&self.norm, |nl| &nl.input_norm)
+    }
+
+    /// o_proj, the residual after attention and its post-attention norm (f32 and bf16 rows),
+    /// as the unfused dense MLP and every sparse layer start.
+    pub(super) fn attention_output(&self, l: usize, ws: &Workspace) {
+        let g = &*self.gpu;
+        let w = &self.layers[l];
+        let io = ws.io(g, l);
+        let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
+        self.project_add_norm(
+            ws,
+            ws.attn_bf(g),
+            pb(&w.o),
+            io.o,
+            self.config.q_dim(),
+            io.x_in,
+            io.mid,
+            pb(&w.post_norm),
+            io.mlp_norm,
+        );
+    }
+
+    /// `y = x · wᵀ` (k inputs, hidden outputs), then `resid_out = resid + y` and its RMSNorm
+    /// into `out` and the bf16 GEMM input: one fused launch for a decode step.
+    #[allow(clippy::too_many_arguments)]
+    fn project_add_norm(
+        &self,
+        ws: &Workspace,
+        x: u64,
+        w: u64,
+        y: u64,
+        k: usize,
+        resid: u64,
+        resid_out: u64,
+        norm_w: u64,
+        out: u64,
+    ) {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        if ws.rows == 1 && k % 8 == 0 && (x | w) % 16 == 0 {
+            g.launch(
+                "gemv_add_norm_bf16",
+                h.div_ceil(8) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w),
+                    Arg::Ptr(y),
+                    Arg::I32(k as i32),
+                    Arg::I32(h as i32),
+                    Arg::Ptr(resid),
+                    Arg::Ptr(resid_out),
+                    Arg::Ptr(norm_w),
+                    Arg::Ptr(out),
+                    Arg::Ptr(ws.xn_bf(g)),
+                    Arg::F32(self.config.rms_norm_eps),
+                    Arg::Ptr(ptr(g, &ws.counters, self.config.num_attention_heads)),
+                ],
+            );
+            return;
+        }
+        g.gemm_bf16(x, w, y, ws.rows, k, h);
+        self.add_norm(ws.n, resid, y, resid_out, norm_w, out, ws.xn_bf(g));
+    }
+
+    /// Logits of every row of the batch into `out` ([n, vocab]).
+    pub(super) fn lm_head(&self, ws: &Workspace, n: usize, out: u64) {
+        self.lm_head_rows(ws, 0, n, out);
+    }
+
+    /// Logits of rows `first..first + count` (their final-norm bf16 rows are in `xn_bf`).
+    pub(super) fn lm_head_rows(&self, ws: &Workspace, first: usize, count: usize, out: u64) {
+        let g = &*self.gpu;
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        g.gemm_bf16(
+            ws.xn_bf(g) + (first * h * 2) as u64,
+            ptr(g, head, 0),
+            out,
+            count,
+            h,
+            vocab,
+        );
+    }
+}
