@@ -1,6 +1,6 @@
 //! The lockstep driver: runs a reference path and another path on the same prompt, prefill then
 //! one decode step at a time, and compares every selected tap as the second path produces it
-//! (`comparator.rs`). After the first token mismatch both paths are fed the reference's token
+//! (`comparator/`). After the first token mismatch both paths are fed the reference's token
 //! (teacher forcing), so later steps stay comparable.
 
 use crate::compare::agreement::Agreement;

@@ -1,5 +1,5 @@
 //! Comparing paths: the lockstep driver runs a reference and a path side by side and diffs
-//! every tap as it arrives (`driver.rs`, `comparator.rs`); row metrics and tolerances
+//! every tap as it arrives (`driver.rs`, `comparator/`); row metrics and tolerances
 //! (`diff.rs`, the noise model in `noise.rs`); the exact invariants of approximate paths
 //! (`invariants.rs`); a whole comparison as `kvdiff compare` runs it (`run.rs`); the reports
 //! (`report.rs`, `grid.rs`, `html.rs`); `PATH@BACKEND` targets (`target.rs`); the task-level
