@@ -3,12 +3,13 @@
 //! (`diff.rs`, the noise model in `noise.rs`); the exact invariants of approximate paths
 //! (`invariants.rs`); a whole comparison as `kvdiff compare` runs it (`run.rs`); the reports
 //! (`report.rs`, `grid.rs`, `html.rs`); `PATH@BACKEND` targets (`target.rs`); the task-level
-//! check (`eval.rs`); an engine's dump held to a reference (`engine_diff.rs`); and the same
-//! diffs run on the GPU (`gpu/`).
+//! check (`eval.rs`); an engine's dump held to a reference (`engine_diff.rs`, and a whole
+//! `kvdiff diff` run in `diff_run.rs`); and the same diffs run on the GPU (`gpu/`).
 
 mod agreement;
 mod comparator;
 pub mod diff;
+pub mod diff_run;
 pub mod driver;
 pub mod engine_diff;
 pub mod eval;

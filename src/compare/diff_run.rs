@@ -1,0 +1,335 @@
+//! One whole `kvdiff diff`, as the command runs it: the dumps opened, the model loaded where a
+//! reference or a calibration needs it, tolerances learned or given, the engine's dump held to
+//! the reference step by step (`engine_diff.rs`), and the report. The command line only turns
+//! flags into a `DiffRequest` and prints what comes back, as it does for `run.rs`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::compare::diff::Tolerance;
+use crate::compare::engine_diff::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
+use crate::compare::noise::{Calibration, NoiseProfile};
+use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
+use crate::compare::run::Policy;
+use crate::compare::target::Backend;
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::model::Model;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
+use crate::support::progress;
+use crate::tap::read::DumpDir;
+use crate::tap::TapFilter;
+
+/// What to diff.
+pub struct DiffRequest<'a> {
+    /// The engine's dump.
+    pub engine_dump: &'a Path,
+    /// A dump held as the reference; without one, kvdiff's own reference runs now on the
+    /// engine's tokens.
+    pub reference_dump: Option<&'a Path>,
+    /// The sequence to compare in a batched capture (its `seq` ids).
+    pub seq: Option<i64>,
+    /// The model folder of the dumped run; without it, what the dump's meta.json names.
+    pub model: Option<&'a Path>,
+    /// Where kvdiff's own reference runs.
+    pub backend: Backend,
+    /// Comma-separated globs over tap names to compare.
+    pub taps: &'a str,
+    pub policy: Policy,
+    /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now.
+    pub noise_profile: Option<&'a Path>,
+}
+
+/// The dumps opened and the model loaded: a diff ready to run. Apart from the run so that the
+/// caller can check CUDA is there, and start opening the GPU, before anything runs on it.
+pub struct OpenedDiff<'a> {
+    request: &'a DiffRequest<'a>,
+    reference_dump: Option<DumpDir>,
+    engine_dump: DumpDir,
+    engine: Option<Engine>,
+}
+
+/// What a diff found, and what it kept that the caller may still use.
+pub struct DiffOutcome {
+    pub report: Report,
+    /// Steps diffed, and the time the diff itself took (not loading nor calibrating).
+    pub steps: usize,
+    pub took: Duration,
+    /// The model on the GPU, when the reference ran there (its profile is the caller's to
+    /// print).
+    pub gpu_model: Option<Model>,
+    /// The model on the CPU, when one was loaded; kept with the report rather than dropped
+    /// inside the run, so that freeing it does not hold up the report.
+    pub engine: Option<Engine>,
+}
+
+impl DiffRequest<'_> {
+    /// Opens the dumps and loads the model where the run needs one: for kvdiff's own reference,
+    /// or to calibrate the noise model.
+    pub fn open(&self) -> Result<OpenedDiff<'_>> {
+        let (reference_dump, engine_dump) = match self.reference_dump {
+            None => (None, DumpDir::open(self.engine_dump, self.seq)?),
+            Some(r) => (
+                Some(DumpDir::open(r, self.seq)?),
+                DumpDir::open(self.engine_dump, self.seq)?,
+            ),
+        };
+        let auto = self.policy == Policy::Auto;
+        let needs_model = reference_dump.is_none() || (auto && self.noise_profile.is_none());
+        let engine = load_model(self.model, &engine_dump, needs_model)?;
+        Ok(OpenedDiff {
+            request: self,
+            reference_dump,
+            engine_dump,
+            engine,
+        })
+    }
+}
+
+impl OpenedDiff<'_> {
+    /// Whether kvdiff's own reference runs on CUDA.
+    pub fn on_cuda(&self) -> bool {
+        self.reference_dump.is_none() && self.request.backend == Backend::Cuda
+    }
+
+    /// Holds the engine's dump to the reference, step by step, and assembles the report.
+    pub fn run(self) -> Result<DiffOutcome> {
+        let req = self.request;
+        let reference_dump = &self.reference_dump;
+        let engine_dump = &self.engine_dump;
+        let engine = self.engine.as_ref();
+        let cuda = self.on_cuda();
+        let gpu_model = match (engine, cuda) {
+            (Some(e), true) => Some(crate::cuda::to_cuda(&e.model)?),
+            _ => None,
+        };
+        let layers = engine
+            .map(|e| e.model.config.num_hidden_layers)
+            .unwrap_or_else(|| {
+                engine_dump
+                    .taps
+                    .iter()
+                    .filter_map(|t| t.layer())
+                    .max()
+                    .map_or(0, |l| l + 1)
+            });
+        let taps = TapFilter::parse(req.taps, layers)
+            .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))?;
+        let prompt_ids = engine_dump
+            .load_step(0, &TapFilter::none())?
+            .tokens
+            .into_values()
+            .collect::<Vec<u32>>();
+        let ref_side = match reference_dump {
+            Some(r) => side(r.meta.half_precision()),
+            None => side(cuda),
+        };
+        let engine_side = side(engine_dump.meta.half_precision());
+        let (tolerance, mut info) = match req.policy {
+            Policy::Fixed { atol, rtol } => {
+                let t = Tolerance::Fixed { atol, rtol };
+                let i = ToleranceInfo::new(&t);
+                (t, i)
+            }
+            Policy::Exact => (Tolerance::Exact, ToleranceInfo::new(&Tolerance::Exact)),
+            Policy::Auto => {
+                let steps = engine_dump.steps().len();
+                let sides = (ref_side, engine_side);
+                auto_tolerance(
+                    req.noise_profile,
+                    engine,
+                    gpu_model.as_ref(),
+                    &prompt_ids,
+                    steps,
+                    sides,
+                )?
+            }
+        };
+        if req.policy == Policy::Auto {
+            let held = |s: &str| match s {
+                "cpu" => "float32, as kvdiff's f32 CPU backend",
+                _ => "16-bit floats, as kvdiff's bf16 rounding",
+            };
+            let src = info.source.take().unwrap_or_default();
+            info.source = Some(format!(
+                "{src}; the engine ({}) is held as {}, the reference as {}",
+                engine_dump.meta.dtype,
+                held(engine_side),
+                held(ref_side)
+            ));
+        }
+        let label = format!("engine:{}", engine_dump.meta.engine);
+        let d = DumpDiff {
+            engine: engine_dump,
+            taps: &taps,
+            tolerance: &tolerance,
+            tokenizer: engine.map(|e| &e.tokenizer),
+            label,
+        };
+        let start = std::time::Instant::now();
+        let (diff, reference_label) = match reference_dump {
+            Some(r) => {
+                let mut src = r;
+                (
+                    d.run(&mut src as &mut dyn ReferenceSource)?,
+                    format!("{} ({})", r.dir.display(), r.meta.engine),
+                )
+            }
+            None => {
+                let e = engine.expect("loaded for the one-folder form");
+                let model = gpu_model.as_ref().unwrap_or(&e.model);
+                let mut run =
+                    ReferenceRun::new(model).following_routes(tolerance.bounds("router_logits"));
+                (
+                    d.run(&mut run)?,
+                    format!("kvdiff standard@{}", if cuda { "cuda" } else { "cpu" }),
+                )
+            }
+        };
+        let took = start.elapsed();
+        let steps = diff.info.steps;
+        let report = assemble(engine_dump, engine, diff, reference_label, info);
+        Ok(DiffOutcome {
+            report,
+            steps,
+            took,
+            gpu_model,
+            engine: self.engine,
+        })
+    }
+}
+
+/// What meta.json's `model` names, when it names something loadable here.
+fn model_of(meta_model: Option<&str>) -> Option<ModelSource> {
+    let m = meta_model?;
+    if m == ModelSource::Embedded.describe() {
+        return Some(ModelSource::Embedded);
+    }
+    let p = Path::new(m);
+    p.join("config.json")
+        .is_file()
+        .then(|| ModelSource::Dir(p.to_path_buf()))
+}
+
+fn load_model(
+    model: Option<&Path>,
+    engine_dump: &DumpDir,
+    required: bool,
+) -> Result<Option<Engine>> {
+    let source = match model {
+        Some(dir) => Some(ModelSource::from_arg(Some(dir))?),
+        None => model_of(engine_dump.meta.model.as_deref()),
+    };
+    match source {
+        Some(s) => {
+            let _p = progress::Progress::spinner("loading the model");
+            Ok(Some(Engine::load(s)?))
+        }
+        None if required => Err(Error::usage(
+            "--model",
+            format!(
+                "{}'s meta.json names no model folder found here ({})",
+                engine_dump.dir.display(),
+                engine_dump
+                    .meta
+                    .model
+                    .as_deref()
+                    .unwrap_or("no \"model\" key")
+            ),
+            "pass --model DIR (the Hugging Face folder the engine ran)",
+        )),
+        None => Ok(None),
+    }
+}
+
+/// The noise side a dump's dtype is held as: f32 as kvdiff's CPU backend, 16-bit floats as its
+/// bf16 rounding.
+fn side(half: bool) -> &'static str {
+    if half {
+        "cuda"
+    } else {
+        "cpu"
+    }
+}
+
+fn auto_tolerance(
+    noise_profile: Option<&Path>,
+    engine: Option<&Engine>,
+    gpu_model: Option<&Model>,
+    prompt_ids: &[u32],
+    steps: usize,
+    (ref_side, engine_side): (&str, &str),
+) -> Result<(Tolerance, ToleranceInfo)> {
+    let (profile, source, cal) = match noise_profile {
+        Some(f) => {
+            let p = NoiseProfile::load(f)?;
+            if let Some(e) = engine {
+                p.check_model(&e.model, f)?;
+            }
+            let src = p.describe_pinned(f);
+            (p, src, None)
+        }
+        None => {
+            let e = engine.expect("auto without a profile loads the model");
+            let _p = progress::Progress::spinner("calibrating the noise model");
+            let last = prompt_ids.len() + steps.max(1) - 1;
+            let cal = Calibration::new(&e.model, prompt_ids, last);
+            let p = NoiseProfile::calibrate(&cal, &e.model, e.source.describe(), &["cpu", "cuda"])?;
+            let src = p.describe();
+            (p, src, Some(cal))
+        }
+    };
+    // A GPU reference is held to what bf16 allows; a pinned profile (`kvdiff calibrate
+    // --backend cuda`) was checked on this GPU when it was made.
+    let gpu = match (gpu_model, &cal) {
+        (Some(g), Some(cal)) => Some(profile.check_gpu(cal, g)?),
+        _ => None,
+    };
+    let t = profile.tolerance(ref_side, engine_side)?;
+    let info = ToleranceInfo::learned(&t, &profile, source, gpu);
+    Ok((t, info))
+}
+
+fn assemble(
+    engine_dump: &DumpDir,
+    engine: Option<&Engine>,
+    diff: EngineDiff,
+    reference: String,
+    tolerance: ToleranceInfo,
+) -> Report {
+    let chunks = ChunkedPrompt::from_boundaries(diff.prompt_ids.clone(), &diff.piece_starts, false)
+        .chunks
+        .into_iter()
+        .map(|c| ChunkInfo {
+            role: c.role,
+            start: c.start,
+            end: c.end,
+        })
+        .collect();
+    let decode = |ids: &[u32], special: bool| {
+        engine
+            .map(|e| e.tokenizer.decode(ids, special))
+            .unwrap_or_default()
+    };
+    let reference_tokens = diff.tokens[diff.prompt_ids.len()..].to_vec();
+    Report {
+        schema: SCHEMA,
+        model: engine
+            .map(|e| e.source.describe())
+            .or_else(|| engine_dump.meta.model.clone())
+            .unwrap_or_else(|| "(not named)".into()),
+        prompt: engine_dump.dir.display().to_string(),
+        reference,
+        prompt_tokens: diff.prompt_ids.len(),
+        chunks,
+        reference_text: decode(&reference_tokens, true),
+        token_texts: diff.tokens.iter().map(|&t| decode(&[t], false)).collect(),
+        prompt_ids: diff.prompt_ids,
+        reference_tokens,
+        tolerance,
+        paths: vec![diff.report],
+        outcome: None,
+        engine: Some(diff.info),
+    }
+}
