@@ -8,6 +8,8 @@ use crate::compare::gpu::{summary_rows, DeviceRecorded};
 use crate::tap::{DeviceTap, TapSink};
 
 impl Comparator<'_> {
+    /// Diffs a tap the path computed on the GPU against the reference's rows where they lie;
+    /// false where the tap is to be offered on the host instead (as `record_device` answers).
     pub(super) fn diff_device_tap(&mut self, step: usize, t: &DeviceTap<'_>) -> bool {
         let locate = crate::support::timing::span("compare: reference rows located");
         // The reference pass whose rows hold every position of this tap.

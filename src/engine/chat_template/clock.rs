@@ -243,6 +243,7 @@ fn iso_weeks_in_year(year: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     fn at(unix: i64) -> CivilTime {
         CivilTime::from_unix_micros(unix * 1_000_000)
     }

@@ -179,6 +179,7 @@ pub(super) fn py_formatter(out: &mut Output, _state: &State, value: &Value) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
     #[test]
     fn floats_print_like_python() {
         let cases = [
