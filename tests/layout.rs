@@ -1,6 +1,7 @@
 //! The source tree's architecture, checked: data flows one way between the folders of `src/`
-//! (each may use only the folders before it in `LAYERS`), and no two modules import each
-//! other. A `use` that breaks either fails here with the file and the path it names.
+//! (each may use only the folders before it in `LAYERS`), no two modules import each other,
+//! and no file grows past `MAX_LINES`. A `use` that breaks either of the first two fails here
+//! with the file and the path it names; a long file, with its length.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -184,12 +185,40 @@ fn no_two_modules_import_each_other() {
     assert!(mutual.is_empty(), "{}", mutual.join("\n"));
 }
 
+/// Past this, a file is split along its seams (a folder whose `mod.rs` keeps the public paths).
+const MAX_LINES: usize = 900;
+
+#[test]
+fn no_source_file_is_over_900_lines() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    files.sort();
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let lines = std::fs::read_to_string(f).unwrap().lines().count();
+            (lines > MAX_LINES).then(|| {
+                let rel = f.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap_or(f);
+                format!("{}: {lines} lines", rel.display())
+            })
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "over {MAX_LINES} lines, split along its seams:\n{}",
+        long.join("\n")
+    );
+}
+
 #[test]
 fn the_checker_sees_imports() {
     // The checks above must not pass because nothing was found.
     let edges = imports();
     assert!(edges["compare::driver"].contains("engine::model"));
     assert!(edges["cuda::forward"].contains("cuda::kv"));
+    // A folder's child module is seen as well as its mod.rs.
+    assert!(edges["cuda::forward::decode"].contains("cuda::kv"));
     assert!(edges["engine::model"].contains("engine::device"));
     assert!(!edges["engine::model"].iter().any(|m| folder(m) == "cuda"));
 }
