@@ -1,0 +1,216 @@
+"""The capture package without torch: what it writes (files, steps, rows, meta.json), how the
+nano-vllm adapter places rows from the engine's bookkeeping, and its public API. Runs against
+the installed package (`pip install .`), or the source tree when it is not installed."""
+
+import inspect
+import json
+import os
+import re
+import struct
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+try:
+    import kvdiff_capture as kc
+except ImportError:  # not installed: the source tree
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kvdiff_capture as kc
+
+from kvdiff_capture.adapters.nano_vllm import rows_from_context, rows_from_sequences  # noqa: E402
+
+
+def read(path):
+    """A safetensors file as ({name: (dtype, shape, values)}, metadata), read by hand."""
+    b = Path(path).read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, h in header.items():
+        lo, hi = h["data_offsets"]
+        code = {"F32": "f", "I64": "q"}[h["dtype"]]
+        out[name] = (h["dtype"], h["shape"], array(code, b[8 + n + lo:8 + n + hi]).tolist())
+    return out, meta
+
+
+def files(d):
+    """{file name: (tensors, metadata)} of a dump folder."""
+    return {f: read(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith(".safetensors")}
+
+
+def rows_by_step(d, seq=None):
+    """{step: [(position, token)]} over a dump's files (of one sequence when given)."""
+    out = {}
+    for f, (t, meta) in files(d).items():
+        if seq is not None and f".seq-{seq}." not in f:
+            continue
+        step = int(meta["step"])
+        out.setdefault(step, []).extend(zip(t["positions"][2], t["tokens"][2]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_the_package_version_follows_the_dump_format_kvdiff_reads():
+    major = int(kc.__version__.split(".")[0])
+    assert major == kc.VERSION
+    reader = (ROOT / "src/tap/read.rs").read_text()
+    assert re.search(rf"pub const VERSION: u64 = {kc.VERSION};", reader), "the Rust reader's version moved"
+    project = (ROOT / "pyproject.toml").read_text()
+    assert f'version = "{kc.__version__}"' in project
+
+
+def test_a_plain_list_capture_writes_steps_rows_and_meta(tmp_path):
+    out = tmp_path / "dump"
+    with kc.capture(None, out, engine="my-engine", dtype="bfloat16", model_name="/models/m") as cap:
+        cap.begin([5, 6, 7])                       # prompt, first piece
+        kc.tap("embed", [[1.0, 2.0]] * 3)
+        cap.end()
+        cap.begin([8, 9])                          # prompt, second piece
+        kc.tap("embed", [[3.0, 4.0]] * 2)
+        cap.end()
+        for tok in (10, 11):                       # two decode steps
+            cap.begin([tok])
+            kc.tap("embed", [[float(tok), 0.0]])
+            kc.tap("not.selected", [[0.0]])
+            cap.end()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta == {"format": "kvdiff-dump", "version": 1, "engine": "my-engine",
+                    "dtype": "bfloat16", "model": "/models/m"}
+    assert rows_by_step(out) == {0: [(0, 5), (1, 6), (2, 7), (3, 8), (4, 9)], 1: [(5, 10)], 2: [(6, 11)]}
+    f = files(out)
+    last = f["step-0002.call-00003.seq-0.safetensors"][0]
+    assert last["embed"] == ("F32", [1, 2], [11.0, 0.0])
+    assert not (tmp_path / "dump.partial").exists()
+
+
+def test_a_failing_engine_leaves_nothing_half_written(tmp_path):
+    with pytest.raises(RuntimeError):
+        with kc.capture(None, tmp_path / "dump") as cap:
+            cap.begin([1, 2])
+            cap.end()
+            raise RuntimeError("engine crashed")
+    assert not (tmp_path / "dump").exists()
+    assert not (tmp_path / "dump.partial").exists()
+
+
+def test_the_prompt_goes_to_meta_json_in_the_shape_kvdiff_reads(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ["a", "b"]}]
+    with kc.capture(None, tmp_path / "a", prompt=messages) as cap:
+        cap.begin([1])
+        cap.end()
+    assert json.loads((tmp_path / "a/meta.json").read_text())["prompt"] == {"messages": messages}
+    prompt_file = tmp_path / "p.json"
+    prompt_file.write_text(json.dumps({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}))
+    with kc.capture(None, tmp_path / "b", prompt=str(prompt_file)) as cap:
+        pass
+    stored = json.loads((tmp_path / "b/meta.json").read_text())["prompt"]
+    assert stored["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="role"):
+        kc.Capture(tmp_path / "c", prompt=[{"content": "no role"}])
+
+
+def test_rope_positions_are_kept_only_where_the_engine_fed_other_ids(tmp_path):
+    out = tmp_path / "dump"
+    with kc.capture(None, out) as cap:
+        cap.begin([1, 2, 3], positions=[0, 1, 2], rope_positions=[0, 1, 2])
+        cap.end()
+        cap.begin([4, 5], positions=[3, 4], rope_positions=[0, 1], prompt_len=5)  # a chunk restarted at 0
+        cap.end()
+    f = files(out)
+    assert "rope_positions" not in f["step-0000.call-00000.seq-0.safetensors"][0]
+    second = f["step-0000.call-00001.seq-0.safetensors"][0]
+    assert second["positions"][2] == [3, 4] and second["rope_positions"][2] == [0, 1]
+
+
+def test_a_batch_is_split_per_sequence_and_tap_rows_follow_their_positions(tmp_path):
+    out = tmp_path / "dump"
+    with kc.capture(None, out) as cap:
+        cap.begin([1, 2, 3, 7, 8], positions=[0, 1, 2, 0, 1], seq=[4, 4, 4, 9, 9], prompt_len={4: 3, 9: 2})
+        kc.tap("embed", [[float(i)] for i in range(5)])
+        kc.tap("logits", [[0.5], [0.25]], positions=[2, 1], seq=[4, 9])
+        cap.end()
+        cap.begin([30, 31], positions=[3, 2], seq=[4, 9])
+        kc.tap("embed", [[10.0], [11.0]])
+        cap.end()
+    f = files(out)
+    s4 = f["step-0000.call-00000.seq-4.safetensors"][0]
+    assert s4["embed"][2] == [0.0, 1.0, 2.0] and s4["seq"][2] == [4, 4, 4]
+    assert s4["logits.positions"][2] == [2] and s4["logits"][2] == [0.5]
+    s9 = f["step-0001.call-00001.seq-9.safetensors"][0]
+    assert s9["positions"][2] == [2] and s9["embed"][2] == [11.0]
+
+
+def test_a_sequence_prefilled_again_after_preemption_writes_only_its_new_row(tmp_path):
+    out = tmp_path / "dump"
+    with kc.capture(None, out) as cap:
+        cap.begin([1, 2, 3], positions=[0, 1, 2], seq=[5] * 3, prompt_len={5: 3})
+        cap.end()
+        cap.begin([40], positions=[3], seq=[5])   # decode step 1
+        cap.end()
+        # Preempted, then prefilled anew: prompt and the decoded token again, plus the new one.
+        cap.begin([1, 2, 3, 40, 41], positions=[0, 1, 2, 3, 4], seq=[5] * 5, prompt_len={5: 3}, recompute=[5])
+        cap.end()
+    assert rows_by_step(out, seq=5) == {0: [(0, 1), (1, 2), (2, 3)], 1: [(3, 40)], 2: [(4, 41)]}
+
+
+def test_nano_vllm_rows_come_from_the_scheduler_not_from_the_fed_position_ids():
+    # Sequence 7 prefills its second chunk (16 cached, 8 new) beside sequence 3's decode step:
+    # the rows sit at 16..23 whatever ids the engine fed RoPE.
+    seqs = [(7, 16, 24, 24)]
+    pos, ids, plens, again = rows_from_sequences(seqs, True, [0, 8])
+    assert pos == list(range(16, 24)) and ids == [7] * 8 and plens == {7: 24} and again == []
+    # Decode: each row is its sequence's last token; ids stay with their sequence when the
+    # batch's order changes (sequence 2 finished, 9 joined).
+    pos, ids, _, _ = rows_from_sequences([(9, 0, 12, 11), (3, 0, 30, 20)], False, None)
+    assert pos == [11, 29] and ids == [9, 3]
+    # A preempted sequence prefilled anew recomputes what it already decoded.
+    _, _, _, again = rows_from_sequences([(3, 0, 31, 20)], True, None)
+    assert again == [3]
+
+
+class _Ctx:
+    def __init__(self, is_prefill, cu_q=None, cu_k=None, lens=None):
+        self.is_prefill, self.cu_seqlens_q, self.cu_seqlens_k, self.context_lens = is_prefill, cu_q, cu_k, lens
+
+
+def test_nano_vllm_rows_from_the_attention_context_alone():
+    # Two packed prefill pieces: the first has 4 cached tokens (a prefix-cache hit), the second none.
+    pos, ids = rows_from_context(5, _Ctx(True, [0, 2, 5], [0, 6, 9]))
+    assert pos == [4, 5, 0, 1, 2] and ids == [0, 0, 1, 1, 1]
+    pos, ids = rows_from_context(2, _Ctx(False, lens=[7, 3, 99]))
+    assert pos == [6, 2] and ids == [0, 1]
+    assert rows_from_context(3, _Ctx(True, [0, 2], [0, 2])) == (None, None)
+
+
+def test_adapters_are_registered_by_name_and_unknown_ones_refused(tmp_path):
+    class Handle:
+        removed = False
+
+        def remove(self):
+            Handle.removed = True
+
+    kc.register_adapter("toy", lambda cap, model: Handle())
+    try:
+        with kc.capture(object(), tmp_path / "d", adapter="toy") as cap:
+            cap.begin([1])
+            cap.end()
+        assert Handle.removed
+        assert json.loads((tmp_path / "d/meta.json").read_text())["engine"] == "toy"
+        with pytest.raises(ValueError, match="no adapter"):
+            with kc.capture(object(), tmp_path / "e", adapter="missing"):
+                pass
+        with pytest.raises(TypeError):
+            kc.register_adapter("bad", 3)
+    finally:
+        kc.ADAPTERS.pop("toy", None)
+
+
+def test_the_public_api_is_typed():
+    assert (Path(kc.__file__).parent / "py.typed").exists()
+    for fn in (kc.capture, kc.tap, kc.Capture.begin, kc.Capture.tap, kc.register_adapter):
+        sig = inspect.signature(fn)
+        untyped = [p for p in sig.parameters.values() if p.name not in ("self",) and p.annotation is inspect.Parameter.empty]
+        assert not untyped, f"{fn.__qualname__}: {untyped}"
