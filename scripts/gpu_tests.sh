@@ -38,7 +38,7 @@ if [ "$stage" = all ] || [ "$stage" = profile ]; then
   scripts/profile_kernels.sh .out/bin/kvdiff 2>&1 | tee "$out/profile.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = capture ]; then
-  # HF transformers and a nano-vllm layout captured by scripts/kvdiff_capture.py, then kvdiff diff.
+  # HF transformers and a nano-vllm layout captured by the kvdiff_capture package, then kvdiff diff.
   python3 scripts/capture_hf_test.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/capture.log" | grep -vE "^\(|Writing|Loading"
   for m in fixtures/default-model fixtures/random-model; do
     python3 scripts/capture_nano_test.py .out/bin/kvdiff "$m"

@@ -98,7 +98,11 @@ fn anchors(text: &str) -> BTreeSet<String> {
             if h.starts_with(' ') {
                 let s = slug(&h.replace('`', ""));
                 let k = seen.entry(s.clone()).or_insert(0);
-                out.insert(if *k == 0 { s.clone() } else { format!("{s}-{k}") });
+                out.insert(if *k == 0 {
+                    s.clone()
+                } else {
+                    format!("{s}-{k}")
+                });
                 *k += 1;
             }
         }
@@ -114,8 +118,9 @@ fn anchors(text: &str) -> BTreeSet<String> {
 
 /// `base/target` with `.` and `..` folded; `None` when it climbs out of the repository.
 fn resolve(base: &Path, target: &str) -> Option<PathBuf> {
+    let joined = base.join(target);
     let mut parts: Vec<Component> = Vec::new();
-    for c in base.join(target).components() {
+    for c in joined.components() {
         match c {
             Component::CurDir => {}
             Component::ParentDir => {
@@ -174,7 +179,9 @@ fn every_relative_link_and_anchor_resolves() {
         }
         if let Some(anchor) = anchor {
             if full.extension().is_none_or(|e| e != "md") {
-                broken.push(format!("{where_}: an anchor into a file that is not Markdown"));
+                broken.push(format!(
+                    "{where_}: an anchor into a file that is not Markdown"
+                ));
                 continue;
             }
             let text = std::fs::read_to_string(&full).unwrap();
@@ -226,7 +233,10 @@ fn each_docs_page_opens_with_a_title_and_what_it_is_for() {
         let title = lines.next().unwrap_or("");
         let first = lines.next().unwrap_or("");
         if !title.starts_with("# ") {
-            bad.push(format!("{}: the first line is not a `# ` title", page.display()));
+            bad.push(format!(
+                "{}: the first line is not a `# ` title",
+                page.display()
+            ));
         } else if first.starts_with('#') || first.starts_with("```") || first.starts_with('|') {
             bad.push(format!(
                 "{}: no sentence after the title says what the page is for",
@@ -275,7 +285,8 @@ fn the_readme_is_a_short_door_that_starts_with_the_two_setup_commands() {
 #[test]
 fn the_checker_finds_links_and_anchors() {
     // The checks above must not pass because nothing was parsed.
-    let text = "# A `b`, c\n## A b c\nsee [x](y.md#z) and `[no](code.md)`\n```\n[no](fenced.md)\n```\n";
+    let text =
+        "# A `b`, c\n## A b c\nsee [x](y.md#z) and `[no](code.md)`\n```\n[no](fenced.md)\n```\n";
     assert_eq!(links(text), vec![(3, "y.md#z".to_string())]);
     assert_eq!(
         anchors(text),

@@ -406,7 +406,7 @@ fn malformed_dumps_are_refused_naming_the_file() {
     refused(&tmp.path().join("absent"), "absent", "no folder");
 }
 
-/// `scripts/kvdiff_capture.py` without torch: kvdiff's dump replayed through it as an engine
+/// The capture package (`scripts/kvdiff_capture/`) without torch: kvdiff's dump replayed through it as an engine
 /// would write it (prefill in two calls, rows numbered by the capture, plain lists).
 #[test]
 fn the_python_capture_module_writes_what_kvdiff_reads() {

@@ -19,8 +19,8 @@ EXAMPLES:
   kvdiff diff engine-dump/                 the engine against kvdiff's own reference, run now
                                            on the dump's tokens (model from meta.json or --model)
   kvdiff diff ref-dump/ engine-dump/       two dumps: the first is the reference
-  Dumps come from `kvdiff dump`, `kvdiff compare --dump` or scripts/kvdiff_capture.py (any
-  engine); the README's \"Dump format\" section is the spec.
+  Dumps come from `kvdiff dump`, `kvdiff compare --dump` or the kvdiff_capture Python
+  package (any engine; pip install the repository); docs/dump-format.md is the spec.
 
 TOLERANCE: auto calibrates the model's noise (an f64 recomputation) and holds each side to
 what its dtype allows: float32 as kvdiff's f32 CPU backend, bfloat16/float16 as kvdiff's bf16

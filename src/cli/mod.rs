@@ -66,7 +66,7 @@ enum Command {
     /// Run a prompt set (JSONL conversations or a folder of prompt files) and random chunkings
     /// of it through compare, one JSON line per (case, path); `sweep summarize` merges the files.
     Sweep(sweep::SweepArgs),
-    /// Hold an engine's dump (kvdiff dump, or scripts/kvdiff_capture.py from any engine) to a
+    /// Hold an engine's dump (kvdiff dump, or the kvdiff_capture package from any engine) to a
     /// reference: kvdiff's own, run now on the dump's tokens, or a second dump. Reports the
     /// first step, tap and position where they part, as compare does.
     #[command(after_help = diff::DIFF_HELP)]

@@ -6,7 +6,7 @@
 //! from DRAM once and from L2 for the other sides. Where a step is bound by its weight reads
 //! (Qwen3-4B's shape) that makes the decode steps of a compare 1.45× faster; a small model's
 //! steps are bound by kernel latency instead, and its sides' steps on streams of their own
-//! already fill the GPU (see the README).
+//! already fill the GPU (see docs/gpu-backend.md).
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic

@@ -121,7 +121,7 @@ impl Dumper {
             .collect();
         // One key only: safetensors writes metadata in HashMap order, and dumps must be
         // byte-identical from run to run. The layout (first axis = token, see `positions`) is
-        // documented in the README.
+        // documented in docs/dump-format.md.
         let meta = std::collections::HashMap::from([("step".to_string(), step.to_string())]);
         let path = self.dir.staging.join(format!("step-{step:04}.safetensors"));
         if let Err(e) = safetensors::serialize_to_file(views, Some(meta), &path) {

@@ -1,4 +1,4 @@
-//! Reading a dump folder (format `kvdiff-dump`, version 1; the README's "Dump format" section is
+//! Reading a dump folder (format `kvdiff-dump`, version 1; docs/dump-format.md is
 //! its spec): kvdiff's own dumps and those the capture module writes from any engine.
 //!
 //! A step may come in several files (a chunked prefill is several forward calls, a
@@ -73,7 +73,7 @@ fn bad(path: &Path, what: impl Into<String>) -> Error {
     Error::input(
         path,
         what,
-        "rewrite the dump with kvdiff dump or the capture module (scripts/kvdiff_capture.py); the README's \"Dump format\" section is the spec",
+        "rewrite the dump with kvdiff dump or the capture module (the kvdiff_capture package); docs/dump-format.md is the spec",
     )
 }
 
@@ -521,7 +521,7 @@ fn read_meta(dir: &Path) -> Result<DumpMeta> {
         Error::input(
             &path,
             format!("cannot read: {e}"),
-            "every dump folder has a meta.json (format, version, engine, dtype); see the README's \"Dump format\"",
+            "every dump folder has a meta.json (format, version, engine, dtype); see docs/dump-format.md",
         )
     })?;
     let raw: serde_json::Value =
