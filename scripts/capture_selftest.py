@@ -3,10 +3,12 @@ as two forward calls, each decode step as one, rows numbered by the capture itse
 written through `tap()` as plain Python lists. `kvdiff diff` must find the replay equivalent to
 the original, and name the one row `--perturb` changes.
 
-  python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW] [--batched]
+  python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW]
+      [--batched | --staggered] [--prompt PROMPT_FILE]
 
---batched packs two copies of the run into every call as sequences 0 and 1 (continuous
-batching); only sequence 1 is perturbed.
+--batched packs two copies of the run into every call as sequences 0 and 1; --staggered runs
+them as sequences 3 and 9 of a continuous-batching engine (9 joins a call later and finishes
+later). Only the second copy is perturbed. --prompt stores the conversation in meta.json.
 """
 import json
 import os
@@ -45,42 +47,76 @@ def nest(flat, shape):
     return [nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
+def calls_of(src, steps, perturb, copy_perturbed):
+    """The replayed run as forward calls: (tokens, positions, {tap: rows}) each, the prefill in
+    two calls; the perturbation, if any, applied to this copy only when `copy_perturbed`."""
+    out = []
+    for f in steps:
+        step = int(f[5:9])
+        t = read(os.path.join(src, f))
+        n = t["positions"][1][0]
+        for call in ([range(0, n // 2), range(n // 2, n)] if step == 0 else [range(n)]):
+            taps = {}
+            for name, tensor in t.items():
+                if name in ("tokens", "positions") or name.endswith(".positions"):
+                    continue
+                r, shape = rows(tensor, call)
+                if copy_perturbed and perturb and name == perturb[0] and step == int(perturb[1]):
+                    want = int(perturb[2])
+                    for k, i in enumerate(call):
+                        if i == want:
+                            big = max(abs(x) for x in r[k])
+                            r[k] = list(r[k])
+                            r[k][len(r[k]) // 3] += 0.05 * big
+                taps[name] = [nest(x, shape) for x in r]
+            out.append(([t["tokens"][2][i] for i in call], [t["positions"][2][i] for i in call], taps, n if step == 0 else None))
+    return out
+
+
 def main():
-    src, out = sys.argv[1], sys.argv[2]
-    perturb = sys.argv[4:7] if len(sys.argv) > 3 and sys.argv[3] == "--perturb" else None
-    batched = "--batched" in sys.argv
-    copies = 2 if batched else 1
+    args = sys.argv[1:]
+    src, out = args[0], args[1]
+    perturb = args[args.index("--perturb") + 1:args.index("--perturb") + 4] if "--perturb" in args else None
+    prompt = args[args.index("--prompt") + 1] if "--prompt" in args else None
+    batched = "--batched" in args
+    staggered = "--staggered" in args
     meta = json.load(open(os.path.join(src, "meta.json")))
     steps = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
-    with kc.capture(None, out, engine="replay", dtype="float32", model_name=meta["model"]) as cap:
-        for f in steps:
-            step = int(f[5:9])
-            t = read(os.path.join(src, f))
-            n = t["positions"][1][0]
-            calls = [range(0, n // 2), range(n // 2, n)] if step == 0 else [range(n)]
-            for call in calls:
-                toks = [t["tokens"][2][i] for i in call]
-                if batched:
-                    cap.begin(toks * 2, positions=[t["positions"][2][i] for i in call] * 2,
-                              seq=[0] * len(call) + [1] * len(call))
-                else:
-                    cap.begin(toks)
-                for name, tensor in t.items():
-                    if name in ("tokens", "positions") or name.endswith(".positions"):
-                        continue
-                    out_rows = []
-                    for copy in range(copies):
-                        r, shape = rows(tensor, call)
-                        if perturb and name == perturb[0] and step == int(perturb[1]) and copy == copies - 1:
-                            want = int(perturb[2])
-                            for k, i in enumerate(call):
-                                if i == want:
-                                    big = max(abs(x) for x in r[k])
-                                    r[k] = list(r[k])
-                                    r[k][len(r[k]) // 3] += 0.05 * big
-                        out_rows += [nest(x, shape) for x in r]
-                    kc.tap(name, out_rows)
+    with kc.capture(None, out, engine="replay", dtype="float32", model_name=meta["model"], prompt=prompt) as cap:
+        if staggered:
+            # Sequences 3 and 9 as a continuous-batching engine runs them: 9 joins a call later
+            # (its prefill beside 3's decode steps) and outlives 3, ending alone in its slot.
+            a = calls_of(src, steps, perturb, False)
+            b = calls_of(src, steps, perturb, True)
+            plen = a[0][3] or 0
+            for k in range(len(a) + 1):
+                parts = [(3, a[k])] if k < len(a) else []
+                if k >= 1:
+                    parts.append((9, b[k - 1]))
+                toks, pos, seq, taps = [], [], [], {}
+                for s, (tk, ps, tp, _) in parts:
+                    toks += tk
+                    pos += ps
+                    seq += [s] * len(tk)
+                    for name, r in tp.items():
+                        taps.setdefault(name, []).extend(r)
+                cap.begin(toks, positions=pos, seq=seq, prompt_len={3: plen, 9: plen})
+                for name, r in taps.items():
+                    kc.tap(name, r)
                 cap.end()
+            return
+        copies = [calls_of(src, steps, perturb, c == 1 or not batched) for c in range(2 if batched else 1)]
+        for k, (toks, pos, taps, _) in enumerate(copies[0]):
+            if batched:
+                other = copies[1][k]
+                cap.begin(toks * 2, positions=pos * 2, seq=[0] * len(toks) + [1] * len(toks))
+                for name in taps:
+                    kc.tap(name, taps[name] + other[2][name])
+            else:
+                cap.begin(toks)
+                for name, r in taps.items():
+                    kc.tap(name, r)
+            cap.end()
 
 
 main()

@@ -441,9 +441,28 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = kvdiff(&["diff", out.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--seq"));
+    // Without --seq, every sequence is diffed in turn, one report (and one JSON file) each.
+    let o = kvdiff(&[
+        "diff",
+        "--json",
+        json.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("## sequence 0") && text.contains("## sequence 1"),
+        "{text}"
+    );
+    for (seq, want) in [(0, None), (1, Some((0, "L2.k".to_string(), 17)))] {
+        let r = common::read_json(&tmp.path().join(format!("r.seq-{seq}.json")));
+        assert_eq!(first(&r), want, "seq {seq}");
+    }
     for (seq, want) in [("0", None), ("1", Some((0, "L2.k".to_string(), 17)))] {
         let o = kvdiff(&[
             "diff",
@@ -609,4 +628,165 @@ fn a_token_sent_to_another_expert_is_listed_with_the_router_margin() {
         text.contains("expert choice differs from the reference at 1 token-layer"),
         "{text}"
     );
+}
+
+/// Continuous batching: sequences 3 and 9 (ids that stay with them), 9 prefilling beside 3's
+/// decode steps and decoding alone after 3 finished. Each is found whole, in its own steps, and
+/// only 9's perturbed row is named.
+#[test]
+fn sequences_that_join_and_finish_at_different_steps_are_diffed_each_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let out = tmp.path().join("staggered");
+    let o = Command::new("python3")
+        .arg(common::root().join("scripts/capture_selftest.py"))
+        .arg(&d)
+        .arg(&out)
+        .args(["--perturb", "L1.v", "2", "0", "--staggered"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json = tmp.path().join("r.json");
+    let o = kvdiff(&[
+        "diff",
+        "-q",
+        "--json",
+        json.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines = String::from_utf8_lossy(&o.stdout);
+    assert!(lines.contains("seq 3 (exact): EQUIVALENT"), "{lines}");
+    assert!(lines.contains("seq 9 (exact): DIVERGED"), "{lines}");
+    let steps = std::fs::read_dir(&d)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "safetensors")
+        })
+        .count();
+    for (seq, want) in [(3, None), (9, Some((2, "L1.v".to_string(), 0)))] {
+        let r = common::read_json(&tmp.path().join(format!("r.seq-{seq}.json")));
+        assert_eq!(
+            r["engine"]["steps"].as_u64(),
+            Some(steps as u64),
+            "seq {seq}: {r}"
+        );
+        let got =
+            first(&r).map(|(s, tap, p)| (s, tap, p - r["prompt_tokens"].as_u64().unwrap() - 1));
+        assert_eq!(got, want, "seq {seq}");
+    }
+}
+
+/// The seed's fourth bug: chat-template tokens missing between chunks. The engine's run is
+/// kvdiff's own on ids without the second message's first two template tokens, replayed
+/// through the capture package's plain-list API with the conversation it was asked to answer.
+/// Its tensors match a reference run on its own ids; the prompt check names what it lacks.
+#[test]
+fn the_prompt_check_names_template_tokens_an_engine_left_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let task = common::fixture("prompts/task.json");
+    let o = kvdiff(&["tokens", "--json", task.to_str().unwrap()]);
+    assert!(o.status.success());
+    let ids: Vec<u64> = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    // The second message's header starts at the second occurrence of the first id
+    // (`<|im_start|>` in this template).
+    let at = ids.iter().skip(1).position(|&t| t == ids[0]).unwrap() + 1;
+    let bad: Vec<u64> = ids[..at].iter().chain(&ids[at + 2..]).copied().collect();
+    let mut prompt = common::read_json(&task);
+    prompt["ids"] = serde_json::json!(bad);
+    let bad_prompt = tmp.path().join("bad.json");
+    std::fs::write(&bad_prompt, prompt.to_string()).unwrap();
+
+    // `tokens` and `compare` hold a prompt's own ids to the template.
+    let o = kvdiff(&["tokens", bad_prompt.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let line = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        line.contains(&format!(
+            "PARTS from the chat template of {} at position {at}: the engine lacks",
+            bad_prompt.display()
+        )),
+        "{line}"
+    );
+    let o = kvdiff(&[
+        "compare",
+        "-q",
+        "--paths",
+        "cascade",
+        "--max-new-tokens",
+        "2",
+        bad_prompt.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let q = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        q.lines().next().unwrap().starts_with("prompt: PARTS"),
+        "{q}"
+    );
+    assert!(q.contains("== cascade (exact): EQUIVALENT"), "{q}");
+
+    // An engine that fed those ids, captured with its conversation: `kvdiff diff` names it.
+    for (name, source, want) in [("good", &task, None), ("bad", &bad_prompt, Some(at))] {
+        let d = tmp.path().join(format!("dump-{name}"));
+        let o = kvdiff(&[
+            "dump",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            d.to_str().unwrap(),
+            source.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let e = tmp.path().join(format!("engine-{name}"));
+        let o = Command::new("python3")
+            .arg(common::root().join("scripts/capture_selftest.py"))
+            .arg(&d)
+            .arg(&e)
+            .arg("--prompt")
+            .arg(&task)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let json = tmp.path().join(format!("{name}.json"));
+        let (code, r) = diff(&[&e], &json);
+        let check = &r["prompt_check"];
+        assert_eq!(first(&r), None, "the tensors match: {r}");
+        match want {
+            None => {
+                assert_eq!(code, Some(0), "{check}");
+                assert!(check["first_difference"].is_null(), "{check}");
+            }
+            Some(at) => {
+                assert_eq!(code, Some(1));
+                let part = &check["first_difference"];
+                assert_eq!(part["position"].as_u64(), Some(at as u64), "{check}");
+                assert_eq!(part["kind"], "missing");
+                assert_eq!(part["expected"], serde_json::json!(ids[at..at + 2]));
+                let place = part["place"].as_str().unwrap();
+                assert!(
+                    place.contains("chunk 2") && place.contains("message 2"),
+                    "{place}"
+                );
+            }
+        }
+    }
 }

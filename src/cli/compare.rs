@@ -227,6 +227,16 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if let (Some(folder), Some(out)) = (&staging, &a.dump) {
         folder.commit(out)?;
     }
+    if p.ids.is_some() {
+        let check = kvdiff::engine::prompt_check::check(
+            &engine.tokenizer,
+            &p,
+            &chunked.ids,
+            &a.prompt.display().to_string(),
+        )
+        .map_err(|e| Error::input(&a.prompt, e, "check the prompt's messages"))?;
+        report.prompt_check = Some(check);
+    }
     let gpu = gpu_model.and_then(kvdiff::cuda::gpu_of);
     // Waiting for the tokenizer's parse is start-up, wherever it falls.
     let took = start

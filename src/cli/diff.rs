@@ -7,8 +7,9 @@ use clap::Args;
 
 use kvdiff::compare::diff_run::DiffRequest;
 use kvdiff::compare::report::{self, Judgement};
-use kvdiff::error::Result;
+use kvdiff::error::{Result, EXIT_OK};
 use kvdiff::support::progress;
+use kvdiff::tap::read::DumpDir;
 
 use super::args::{
     print_timings, require_cuda, set_threads, BackendArg, ReportFiles, ToleranceArgs,
@@ -19,6 +20,8 @@ EXAMPLES:
   kvdiff diff engine-dump/                 the engine against kvdiff's own reference, run now
                                            on the dump's tokens (model from meta.json or --model)
   kvdiff diff ref-dump/ engine-dump/       two dumps: the first is the reference
+  kvdiff diff --prompt chat.json dump/     also check the engine's prompt ids against the
+                                           chat template's for that conversation
   Dumps come from `kvdiff dump`, `kvdiff compare --dump` or the kvdiff_capture Python
   package (any engine; pip install the repository); docs/dump-format.md is the spec.
 
@@ -46,9 +49,15 @@ pub struct DiffArgs {
     taps: String,
     #[command(flatten)]
     tol: ToleranceArgs,
-    /// The sequence to compare in a batched capture (its `seq` ids).
+    /// The sequence to compare in a batched capture (its `seq` ids); without it, every
+    /// sequence is diffed in turn.
     #[arg(long, value_name = "ID")]
     seq: Option<i64>,
+    /// The conversation the engine was asked to answer (a prompt file): its chat template's
+    /// ids are held to the engine's prompt, and the first difference named. Default: the
+    /// conversation the dump's meta.json holds (`capture(..., prompt=...)`), if any.
+    #[arg(long, value_name = "PROMPT")]
+    prompt: Option<PathBuf>,
     /// Fail on a near-tie token flip too.
     #[arg(long)]
     strict: bool,
@@ -68,41 +77,99 @@ pub fn run(a: DiffArgs) -> Result<i32> {
         [r, e] => (Some(r), e),
         _ => unreachable!("clap takes one or two"),
     };
-    let request = DiffRequest {
-        engine_dump,
-        reference_dump: reference_dump.map(PathBuf::as_path),
-        seq: a.seq,
-        model: a.model.as_deref(),
-        backend: a.backend.backend(),
-        taps: &a.taps,
-        policy,
-        noise_profile: a.tol.noise_profile.as_deref(),
+    // A batched capture without --seq: every sequence in turn, one verdict each.
+    let sequences: Vec<Option<i64>> = match a.seq {
+        Some(s) => vec![Some(s)],
+        None => {
+            let all = DumpDir::sequences_of(engine_dump)?;
+            if all.len() > 1 {
+                say!(
+                    "kvdiff: {} holds {} sequences {:?}: diffing each",
+                    engine_dump.display(),
+                    all.len(),
+                    all
+                );
+                all.into_iter().map(Some).collect()
+            } else {
+                vec![None]
+            }
+        }
     };
-    let opened = request.open()?;
-    if opened.on_cuda() {
-        require_cuda()?;
-    }
-    let outcome = opened.run()?;
-    say!(
-        "kvdiff: diffed {} steps in {:.0} ms",
-        outcome.steps,
-        outcome.took.as_secs_f64() * 1e3
-    );
-    print_timings(outcome.gpu_model.as_ref());
-    let mut report = outcome.report;
+    let several = sequences.len() > 1;
     let judge = Judgement {
         budget: None,
         strict: a.strict,
     };
-    let code = report.judge(&judge);
-    a.files.write(&report)?;
-    if progress::quiet() {
-        print!("{}", report::verdict_lines(&report, &judge));
-    } else {
-        print!(
-            "{}",
-            report::text(&report, &judge, progress::colour_stdout())
+    let mut code = EXIT_OK;
+    let mut loaded = None;
+    for seq in sequences {
+        let request = DiffRequest {
+            engine_dump,
+            reference_dump: reference_dump.map(PathBuf::as_path),
+            seq,
+            model: a.model.as_deref(),
+            backend: a.backend.backend(),
+            taps: &a.taps,
+            policy,
+            noise_profile: a.tol.noise_profile.as_deref(),
+            prompt: a.prompt.as_deref(),
+        };
+        let opened = request.open_with(loaded.take())?;
+        if opened.on_cuda() {
+            require_cuda()?;
+        }
+        let outcome = opened.run()?;
+        say!(
+            "kvdiff: diffed {} steps in {:.0} ms",
+            outcome.steps,
+            outcome.took.as_secs_f64() * 1e3
         );
+        print_timings(outcome.gpu_model.as_ref());
+        loaded = outcome.engine;
+        let mut report = outcome.report;
+        if let (true, Some(s)) = (several, seq) {
+            for p in &mut report.paths {
+                p.path = format!("{} seq {s}", p.path);
+            }
+        }
+        code = code.max(report.judge(&judge));
+        match seq.filter(|_| several) {
+            Some(s) => per_sequence(&a.files, s).write(&report)?,
+            None => a.files.write(&report)?,
+        }
+        if progress::quiet() {
+            print!("{}", report::verdict_lines(&report, &judge));
+        } else {
+            if several {
+                println!("## sequence {}", seq.unwrap_or(0));
+            }
+            print!(
+                "{}",
+                report::text(&report, &judge, progress::colour_stdout())
+            );
+            if several {
+                println!();
+            }
+        }
     }
     Ok(code)
+}
+
+/// A batched capture's reports, one file per sequence: `report.json` becomes
+/// `report.seq-3.json`.
+fn per_sequence(files: &ReportFiles, seq: i64) -> ReportFiles {
+    let named = |p: &Option<PathBuf>| {
+        p.as_ref().map(|p| {
+            let stem = p.file_stem().unwrap_or_default().to_string_lossy();
+            let name = match p.extension() {
+                Some(ext) => format!("{stem}.seq-{seq}.{}", ext.to_string_lossy()),
+                None => format!("{stem}.seq-{seq}"),
+            };
+            p.with_file_name(name)
+        })
+    };
+    ReportFiles {
+        json: named(&files.json),
+        html: named(&files.html),
+    }
 }

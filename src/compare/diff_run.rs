@@ -3,7 +3,7 @@
 //! the reference step by step (`engine_diff.rs`), and the report. The command line only turns
 //! flags into a `DiffRequest` and prints what comes back, as it does for `run.rs`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::compare::diff::Tolerance;
@@ -17,6 +17,7 @@ use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
+use crate::io::prompt::Prompt;
 use crate::support::progress;
 use crate::tap::read::DumpDir;
 use crate::tap::TapFilter;
@@ -39,6 +40,16 @@ pub struct DiffRequest<'a> {
     pub policy: Policy,
     /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now.
     pub noise_profile: Option<&'a Path>,
+    /// The conversation the engine was asked to answer (`--prompt`); without it, the one the
+    /// dump's meta.json holds, if any. Its chat template's ids are held to the engine's.
+    pub prompt: Option<&'a Path>,
+}
+
+/// A conversation to check the engine's prompt against, and where it came from.
+struct Conversation {
+    prompt: Prompt,
+    source: String,
+    file: PathBuf,
 }
 
 /// The dumps opened and the model loaded: a diff ready to run. Apart from the run so that the
@@ -48,6 +59,7 @@ pub struct OpenedDiff<'a> {
     reference_dump: Option<DumpDir>,
     engine_dump: DumpDir,
     engine: Option<Engine>,
+    conversation: Option<Conversation>,
 }
 
 /// What a diff found, and what it kept that the caller may still use.
@@ -68,6 +80,12 @@ impl DiffRequest<'_> {
     /// Opens the dumps and loads the model where the run needs one: for kvdiff's own reference,
     /// or to calibrate the noise model.
     pub fn open(&self) -> Result<OpenedDiff<'_>> {
+        self.open_with(None)
+    }
+
+    /// `open`, with the model of an earlier diff of the same run (another sequence of one
+    /// batched capture) instead of loading it again.
+    pub fn open_with(&self, loaded: Option<Engine>) -> Result<OpenedDiff<'_>> {
         let (reference_dump, engine_dump) = match self.reference_dump {
             None => (None, DumpDir::open(self.engine_dump, self.seq)?),
             Some(r) => (
@@ -75,15 +93,56 @@ impl DiffRequest<'_> {
                 DumpDir::open(self.engine_dump, self.seq)?,
             ),
         };
+        let conversation = self.conversation(&engine_dump)?;
         let auto = self.policy == Policy::Auto;
-        let needs_model = reference_dump.is_none() || (auto && self.noise_profile.is_none());
-        let engine = load_model(self.model, &engine_dump, needs_model)?;
+        let needs_model = reference_dump.is_none()
+            || (auto && self.noise_profile.is_none())
+            || conversation.is_some();
+        let engine = match loaded {
+            Some(e) => Some(e),
+            None => load_model(self.model, &engine_dump, needs_model)?,
+        };
         Ok(OpenedDiff {
             request: self,
             reference_dump,
             engine_dump,
             engine,
+            conversation,
         })
+    }
+
+    /// `--prompt`, else the dump's own record of its conversation: meta.json's `prompts` for
+    /// this sequence, or `prompt` in a dump of one sequence.
+    fn conversation(&self, dump: &DumpDir) -> Result<Option<Conversation>> {
+        if let Some(path) = self.prompt {
+            return Ok(Some(Conversation {
+                prompt: Prompt::load(path)?,
+                source: path.display().to_string(),
+                file: path.to_path_buf(),
+            }));
+        }
+        let raw = &dump.meta.raw;
+        let seq = self.seq.unwrap_or(0);
+        let value = raw
+            .get("prompts")
+            .and_then(|m| m.get(seq.to_string()))
+            .or_else(|| raw.get("prompt").filter(|_| dump.sequences.len() == 1));
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let meta = dump.dir.join("meta.json");
+        let prompt = crate::io::prompt::parse_json(&value.to_string()).map_err(|e| {
+            Error::input(
+                &meta,
+                format!("its prompt is not a conversation: {e}"),
+                "store the prompt as {\"messages\": [{\"role\": ..., \"content\": ...}]}",
+            )
+        })?;
+        Ok(Some(Conversation {
+            prompt,
+            source: format!("{} (meta.json)", dump.dir.display()),
+            file: meta,
+        }))
     }
 }
 
@@ -121,6 +180,10 @@ impl OpenedDiff<'_> {
             .tokens
             .into_values()
             .collect::<Vec<u32>>();
+        let prompt_check = match (&self.conversation, engine) {
+            (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
+            _ => None,
+        };
         let ref_side = match reference_dump {
             Some(r) => side(r.meta.half_precision()),
             None => side(cuda),
@@ -189,7 +252,8 @@ impl OpenedDiff<'_> {
         };
         let took = start.elapsed();
         let steps = diff.info.steps;
-        let report = assemble(engine_dump, engine, diff, reference_label, info);
+        let mut report = assemble(engine_dump, engine, diff, reference_label, info);
+        report.prompt_check = prompt_check;
         Ok(DiffOutcome {
             report,
             steps,
@@ -331,5 +395,42 @@ fn assemble(
         paths: vec![diff.report],
         outcome: None,
         engine: Some(diff.info),
+        prompt_check: None,
     }
+}
+
+/// The engine's prompt ids held to the chat template's for the conversation; a prompt file's
+/// own `ids` must be the dump's.
+fn check_prompt(
+    c: &Conversation,
+    e: &Engine,
+    prompt_ids: &[u32],
+    dump: &DumpDir,
+) -> Result<crate::engine::prompt_check::PromptCheck> {
+    if let Some((ids, _)) = c.prompt.raw_ids() {
+        if ids != prompt_ids {
+            let at = ids
+                .iter()
+                .zip(prompt_ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            return Err(Error::input(
+                &c.file,
+                format!(
+                    "its \"ids\" are not the prompt of {} (they part at position {at})",
+                    dump.dir.display()
+                ),
+                "give the ids the engine fed for this dump, or leave \"ids\" out",
+            ));
+        }
+    }
+    crate::engine::prompt_check::check(&e.tokenizer, &c.prompt, prompt_ids, &c.source).map_err(
+        |m| {
+            Error::input(
+                &c.file,
+                m,
+                "give the conversation the engine was asked to answer",
+            )
+        },
+    )
 }

@@ -172,6 +172,10 @@ pub struct Report {
     /// `kvdiff diff`: the engine's dump, the taps compared and those it did not provide.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineInfo>,
+    /// The engine's prompt ids held to the chat template's, where a conversation was given
+    /// with them (a prompt's `ids`, `kvdiff diff --prompt`, or a dump's meta.json).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_check: Option<crate::engine::prompt_check::PromptCheck>,
 }
 
 /// What the report says of the engine and its dump.
@@ -299,9 +303,11 @@ impl Report {
     /// next-token logits went over the budget, or, when strict, an exact path's token flipped
     /// at a near tie.
     pub fn failed(&self, j: &Judgement) -> bool {
-        self.paths
-            .iter()
-            .any(|p| verdict(p, j).ends_with("failure)"))
+        self.prompt_check.as_ref().is_some_and(|c| c.parts())
+            || self
+                .paths
+                .iter()
+                .any(|p| verdict(p, j).ends_with("failure)"))
     }
 
     /// Records each path's verdict and the exit code under `j`; returns the exit code.
@@ -339,11 +345,20 @@ pub fn verdict(p: &PathReport, j: &Judgement) -> &'static str {
     }
 }
 
-/// Each path's verdict line alone (`-q`).
+/// Each path's verdict line alone (`-q`), after the prompt check's where the prompt parts.
 pub fn verdict_lines(r: &Report, j: &Judgement) -> String {
-    r.paths
-        .iter()
-        .map(|p| format!("{}\n", verdict_line(p, j, false)))
+    let prompt = r
+        .prompt_check
+        .as_ref()
+        .filter(|c| c.parts())
+        .map(|c| format!("{}\n", c.describe()));
+    prompt
+        .into_iter()
+        .chain(
+            r.paths
+                .iter()
+                .map(|p| format!("{}\n", verdict_line(p, j, false))),
+        )
         .collect()
 }
 
@@ -418,6 +433,18 @@ pub fn text(r: &Report, j: &Judgement, colour: bool) -> String {
     );
     if let Some(src) = &r.tolerance.source {
         let _ = writeln!(s, "tolerance: {src}");
+    }
+    if let Some(c) = &r.prompt_check {
+        let line = c.describe();
+        let _ = writeln!(
+            s,
+            "{}",
+            if c.parts() {
+                paint(&line, "1;31", colour)
+            } else {
+                line
+            }
+        );
     }
     match &r.engine {
         None => {

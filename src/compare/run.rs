@@ -504,6 +504,7 @@ impl Request<'_> {
             tolerance,
             paths,
             engine: None,
+            prompt_check: None,
         }
     }
 }

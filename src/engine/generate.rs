@@ -79,14 +79,36 @@ impl Engine {
     }
 
     /// Renders and tokenizes a prompt, checking it fits the model with `max_new` tokens after it.
+    /// A prompt file's own `ids` (what an engine fed) are taken as they are, their text decoded.
     pub fn encode(&self, prompt: &Prompt, prompt_path: &Path, max_new: usize) -> Result<Encoded> {
         let text = self.render(prompt, prompt_path)?;
-        let ids = self
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+        let (text, ids) = match prompt.raw_ids() {
+            Some((ids, _)) => {
+                self.check_vocab(&ids, prompt_path)?;
+                (self.tokenizer.decode(&ids, false), ids)
+            }
+            None => {
+                let ids = self
+                    .tokenizer
+                    .encode(&text)
+                    .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+                (text, ids)
+            }
+        };
         self.check_fits(ids.len(), prompt_path, max_new)?;
         Ok(Encoded { text, ids })
+    }
+
+    fn check_vocab(&self, ids: &[u32], prompt_path: &Path) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(Error::input(
+                prompt_path,
+                format!("\"ids\" holds {bad}, outside the model's vocabulary of {vocab}"),
+                "give the token ids the engine fed this model",
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Renders, tokenizes (once) and cuts a prompt into chunks, checking it fits as `encode` does.
@@ -99,8 +121,37 @@ impl Engine {
         let text = self.render(prompt, prompt_path)?;
         let chunked = ChunkedPrompt::from_prompt(&self.tokenizer, prompt, &text)
             .map_err(|e| Error::input(prompt_path, e, "check the prompt's text"))?;
+        let chunked = match prompt.raw_ids() {
+            None => chunked,
+            Some((ids, starts)) => self.raw_chunks(prompt, prompt_path, chunked, ids, &starts)?,
+        };
         self.check_fits(chunked.ids.len(), prompt_path, max_new)?;
         Ok(chunked)
+    }
+
+    /// The ids a prompt file gives (what an engine fed) in place of the template's: cut where
+    /// the engine's pieces start, else where the template's chunks do when the ids are the
+    /// template's, else left whole.
+    fn raw_chunks(
+        &self,
+        prompt: &Prompt,
+        prompt_path: &Path,
+        template: ChunkedPrompt,
+        ids: Vec<u32>,
+        starts: &[usize],
+    ) -> Result<ChunkedPrompt> {
+        self.check_vocab(&ids, prompt_path)?;
+        let first_is_system = prompt
+            .messages
+            .first()
+            .is_some_and(|m| m.role == crate::io::prompt::Role::System);
+        Ok(if !starts.is_empty() {
+            ChunkedPrompt::from_boundaries(ids, starts, first_is_system)
+        } else if ids == template.ids {
+            template
+        } else {
+            ChunkedPrompt::from_boundaries(ids, &[], false)
+        })
     }
 
     fn render(&self, prompt: &Prompt, prompt_path: &Path) -> Result<String> {

@@ -15,6 +15,7 @@ pub mod model;
 pub mod ops;
 pub mod oracle;
 pub mod pass;
+pub mod prompt_check;
 pub mod rope;
 pub mod tokenizer;
 pub mod weights;

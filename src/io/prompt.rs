@@ -65,6 +65,26 @@ pub struct Prompt {
     /// Variables for the chat template (a JSON prompt's `chat_template_kwargs`, as the
     /// OpenAI-compatible servers call them): `date_string`, `enable_thinking`, ...
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The token ids an engine actually fed for this conversation (a JSON prompt's `ids`), as
+    /// the pieces it prefilled them in (one piece when given flat). Held to the template's ids
+    /// by the prompt check; `compare` runs on them.
+    pub ids: Option<Vec<Vec<u32>>>,
+}
+
+impl Prompt {
+    /// The engine's ids as one sequence, and where each of its pieces after the first starts.
+    pub fn raw_ids(&self) -> Option<(Vec<u32>, Vec<usize>)> {
+        let pieces = self.ids.as_ref()?;
+        let mut ids = Vec::new();
+        let mut starts = Vec::new();
+        for p in pieces {
+            if !ids.is_empty() {
+                starts.push(ids.len());
+            }
+            ids.extend_from_slice(p);
+        }
+        Some((ids, starts))
+    }
 }
 
 const JSON_FIX: &str =
@@ -123,8 +143,18 @@ enum JsonPrompt {
         messages: Vec<JsonMessage>,
         #[serde(default)]
         chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+        #[serde(default)]
+        ids: Option<JsonIds>,
     },
     Bare(Vec<JsonMessage>),
+}
+
+/// An engine's prompt ids: flat, or the pieces it prefilled.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum JsonIds {
+    Flat(Vec<u32>),
+    Pieces(Vec<Vec<u32>>),
 }
 
 #[derive(Deserialize)]
@@ -147,13 +177,22 @@ pub fn parse_json(text: &str) -> std::result::Result<Prompt, String> {
     let parsed: JsonPrompt = serde_json::from_value(value).map_err(|e| {
         format!("not a chat prompt ({e}); expected a messages array of {{role, content}}")
     })?;
-    let (raw, kwargs) = match parsed {
+    let (raw, kwargs, ids) = match parsed {
         JsonPrompt::Object {
             messages,
             chat_template_kwargs,
-        } => (messages, chat_template_kwargs),
-        JsonPrompt::Bare(messages) => (messages, Default::default()),
+            ids,
+        } => (messages, chat_template_kwargs, ids),
+        JsonPrompt::Bare(messages) => (messages, Default::default(), None),
     };
+    let ids = match ids {
+        None => None,
+        Some(JsonIds::Flat(v)) => Some(vec![v]),
+        Some(JsonIds::Pieces(v)) => Some(v),
+    };
+    if ids.as_ref().is_some_and(|v| v.iter().all(|p| p.is_empty())) {
+        return Err("\"ids\" is empty; give the token ids the engine fed, or leave it out".into());
+    }
     let mut messages = Vec::with_capacity(raw.len());
     for (i, m) in raw.into_iter().enumerate() {
         let role = Role::parse(&m.role).ok_or_else(|| {
@@ -179,6 +218,7 @@ pub fn parse_json(text: &str) -> std::result::Result<Prompt, String> {
     }
     let mut prompt = finish(messages)?;
     prompt.template_kwargs = kwargs;
+    prompt.ids = ids;
     Ok(prompt)
 }
 
@@ -256,6 +296,7 @@ fn finish(messages: Vec<Message>) -> std::result::Result<Prompt, String> {
     Ok(Prompt {
         messages,
         template_kwargs: Default::default(),
+        ids: None,
     })
 }
 

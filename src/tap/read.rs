@@ -41,6 +41,8 @@ struct Piece {
     path: PathBuf,
     rank: usize,
     tp_size: usize,
+    /// The sequences whose rows it holds.
+    seqs: BTreeSet<i64>,
 }
 
 /// An opened dump folder: its meta, and which files hold which step (read on demand).
@@ -135,6 +137,36 @@ impl DumpDir {
     /// Reads `meta.json` and every step file's header; `seq` selects one sequence of a
     /// batched capture (needed when the dump holds several).
     pub fn open(dir: &Path, seq: Option<i64>) -> Result<DumpDir> {
+        let mut d = Self::open_all(dir)?;
+        d.seq = seq;
+        if let Some(s) = seq {
+            if !d.sequences.contains(&s) {
+                return Err(Error::usage(
+                    "--seq",
+                    format!("{} holds no sequence {s}", dir.display()),
+                    format!("choose one of {:?}", d.sequences),
+                ));
+            }
+        } else if d.sequences.len() > 1 {
+            return Err(Error::usage(
+                "--seq",
+                format!(
+                    "{} holds sequences {:?} (a batched capture)",
+                    dir.display(),
+                    d.sequences
+                ),
+                "choose one with --seq ID",
+            ));
+        }
+        Ok(d)
+    }
+
+    /// The sequence ids a dump holds (one, 0, unless a batched engine wrote `seq`).
+    pub fn sequences_of(dir: &Path) -> Result<BTreeSet<i64>> {
+        Ok(Self::open_all(dir)?.sequences)
+    }
+
+    fn open_all(dir: &Path) -> Result<DumpDir> {
         if !dir.is_dir() {
             return Err(Error::input(
                 dir,
@@ -159,29 +191,10 @@ impl DumpDir {
             taps: BTreeSet::new(),
             ignored: BTreeSet::new(),
             sequences: BTreeSet::new(),
-            seq,
+            seq: None,
         };
         for path in files {
             d.index(&path)?;
-        }
-        if let Some(s) = seq {
-            if !d.sequences.contains(&s) {
-                return Err(Error::usage(
-                    "--seq",
-                    format!("{} holds no sequence {s}", dir.display()),
-                    format!("choose one of {:?}", d.sequences),
-                ));
-            }
-        } else if d.sequences.len() > 1 {
-            return Err(Error::usage(
-                "--seq",
-                format!(
-                    "{} holds sequences {:?} (a batched capture)",
-                    dir.display(),
-                    d.sequences
-                ),
-                "choose one with --seq ID",
-            ));
         }
         Ok(d)
     }
@@ -234,27 +247,48 @@ impl DumpDir {
                 }
             }
         }
-        if names.iter().any(|n| n == "seq") {
-            let seq = ints(&st, "seq", path)?;
-            self.sequences.extend(seq);
+        let seqs: BTreeSet<i64> = if names.iter().any(|n| n == "seq") {
+            ints(&st, "seq", path)?.into_iter().collect()
         } else {
-            self.sequences.insert(0);
-        }
+            BTreeSet::from([0])
+        };
+        self.sequences.extend(&seqs);
         self.steps.entry(step).or_default().push(Piece {
             path: path.to_path_buf(),
             rank,
             tp_size,
+            seqs,
         });
         Ok(())
     }
 
+    /// The steps the selected sequence has rows in (sequences of a batched engine start and
+    /// end at different times; each counts its own steps from its prompt).
     pub fn steps(&self) -> Vec<usize> {
-        self.steps.keys().copied().collect()
+        self.steps
+            .iter()
+            .filter(|(_, pieces)| pieces.iter().any(|p| self.holds(p)))
+            .map(|(&s, _)| s)
+            .collect()
+    }
+
+    /// Whether a piece holds rows of the selected sequence (of the only one, when none is).
+    fn holds(&self, p: &Piece) -> bool {
+        match self.seq {
+            Some(s) => p.seqs.contains(&s),
+            None => true,
+        }
     }
 
     /// Step `step`'s rows of the taps `filter` selects, pieces merged by position.
     pub fn load_step(&self, step: usize, filter: &TapFilter) -> Result<DumpStep> {
-        let pieces = self.steps.get(&step).map(Vec::as_slice).unwrap_or(&[]);
+        let pieces: Vec<&Piece> = self
+            .steps
+            .get(&step)
+            .into_iter()
+            .flatten()
+            .filter(|p| self.holds(p))
+            .collect();
         let tp_size = pieces.first().map_or(1, |p| p.tp_size);
         let mut ranks: Vec<RankRows> = (0..tp_size).map(|_| RankRows::default()).collect();
         let mut out = DumpStep {
