@@ -4,11 +4,12 @@ written through `tap()` as plain Python lists. `kvdiff diff` must find the repla
 the original, and name the one row `--perturb` changes.
 
   python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW]
-      [--batched | --staggered] [--prompt PROMPT_FILE]
+      [--batched | --staggered | --cached] [--prompt PROMPT_FILE]
 
 --batched packs two copies of the run into every call as sequences 0 and 1; --staggered runs
 them as sequences 3 and 9 of a continuous-batching engine (9 joins a call later and finishes
-later). Only the second copy is perturbed. --prompt stores the conversation in meta.json.
+later). Only the second copy is perturbed. --cached leaves the prompt's first half uncomputed,
+as a prefix-cache hit does (tokens only). --prompt stores the conversation in meta.json.
 """
 import json
 import os
@@ -101,6 +102,17 @@ def main():
                     for name, r in tp.items():
                         taps.setdefault(name, []).extend(r)
                 cap.begin(toks, positions=pos, seq=seq, prompt_len={3: plen, 9: plen})
+                for name, r in taps.items():
+                    kc.tap(name, r)
+                cap.end()
+            return
+        if "--cached" in args:
+            # A prefix-cache hit: the prompt's first call was never computed, only its tokens
+            # are known; the rest of the run as usual.
+            calls = calls_of(src, steps, perturb, True)
+            cap.cached_prefix(0, calls[0][0])
+            for toks, pos, taps, _ in calls[1:]:
+                cap.begin(toks, positions=pos, prompt_len=calls[0][3])
                 for name, r in taps.items():
                     kc.tap(name, r)
                 cap.end()

@@ -2,7 +2,8 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|profile|all]            (there, with .out/pack and .cache carried)
+#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|nano|profile|all]       (there, with .out/pack and .cache carried;
+#                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,4 +44,11 @@ if [ "$stage" = all ] || [ "$stage" = capture ]; then
   for m in fixtures/default-model fixtures/random-model; do
     python3 scripts/capture_nano_test.py .out/bin/kvdiff "$m"
   done
+fi
+if [ "$stage" = all ] || [ "$stage" = nano ]; then
+  # A real nano-vllm release (its wheel carried in .whl/: pip download --no-deps nano-vllm-fork),
+  # flash-attn replaced by the torch stand-in in scripts/nano_vllm/.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nano-site .whl/nano_vllm_fork-*.whl
+  PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} python3 scripts/nano_vllm_suite.py .out/bin/kvdiff /tmp/nano-suite 2>&1 |
+    tee "$out/nano.log" | grep -vE "^(\[debug\]|Generating)"
 fi

@@ -790,3 +790,32 @@ fn the_prompt_check_names_template_tokens_an_engine_left_out() {
         }
     }
 }
+
+/// A prefix-cache hit: the engine never computed the prompt's first rows, it only knows their
+/// tokens (`Capture.cached_prefix`). The reference runs them; only the rows the engine computed
+/// are compared, and a perturbed one among them is named.
+#[test]
+fn rows_an_engine_took_from_its_prefix_cache_are_run_by_the_reference_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let json = tmp.path().join("r.json");
+    for (name, perturb, want) in [
+        ("cached", None, None),
+        ("cached-bad", Some("20"), Some((0, "L2.k".to_string(), 20))),
+    ] {
+        let out = tmp.path().join(name);
+        let mut c = Command::new("python3");
+        c.arg(common::root().join("scripts/capture_selftest.py"))
+            .arg(&d)
+            .arg(&out)
+            .arg("--cached");
+        if let Some(row) = perturb {
+            c.args(["--perturb", "L2.k", "0", row]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let (code, r) = diff(&[&out], &json);
+        assert_eq!(first(&r), want, "{name}");
+        assert_eq!(code, Some(if want.is_some() { 1 } else { 0 }), "{name}");
+    }
+}

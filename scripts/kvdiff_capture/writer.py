@@ -191,6 +191,28 @@ class Capture:
             if rope != pos:
                 self.current["rope_positions"] = rope
 
+    def cached_prefix(self, seq: int, tokens: Ints) -> None:
+        """The first `len(tokens)` tokens of sequence `seq`, which the engine took from its KV
+        cache (a prefix-cache hit) instead of computing them in this capture: written as rows of
+        step 0 without taps, so that the reference can run them; only the rows the engine
+        computes are compared. Rows already written are left as they are."""
+        ids = self._ints(tokens)
+        done = self.written.setdefault(seq, set())
+        rows = [p for p in range(len(ids)) if p not in done]
+        if not rows:
+            return
+        self.next_index[seq] = max(self.next_index.get(seq, 0), len(ids))
+        meta = {"step": "0"}
+        rank = f".rank-{self.tp_rank}" if self.tp_rank is not None else ""
+        if self.tp_size is not None:
+            meta.update(tp_rank=str(self.tp_rank or 0), tp_size=str(self.tp_size))
+        name = f"step-0000.call-{self.calls:05d}.cached.seq-{seq}{rank}.safetensors"
+        tensors = {"tokens": ("I64", [len(rows)], [ids[p] for p in rows]),
+                   "positions": ("I64", [len(rows)], rows),
+                   "seq": ("I64", [len(rows)], [seq] * len(rows))}
+        save_plain(os.path.join(self.partial, name), tensors, meta)
+        done.update(rows)
+
     def positions(self) -> List[int]:
         return self.current["positions"] if self.current else []
 

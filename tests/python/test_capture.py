@@ -183,6 +183,9 @@ def test_nano_vllm_rows_from_the_attention_context_alone():
     pos, ids = rows_from_context(2, _Ctx(False, lens=[7, 3, 99]))
     assert pos == [6, 2] and ids == [0, 1]
     assert rows_from_context(3, _Ctx(True, [0, 2], [0, 2])) == (None, None)
+    # A context without the keys' lengths tells the sequences only.
+    assert rows_from_context(3, _Ctx(True, [0, 1, 3], None)) == (None, [0, 1, 1])
+    assert rows_from_context(2, _Ctx(False)) == (None, [0, 1])
 
 
 def test_adapters_are_registered_by_name_and_unknown_ones_refused(tmp_path):

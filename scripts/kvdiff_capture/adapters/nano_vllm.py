@@ -51,6 +51,8 @@ class _Batch:
     def __init__(self) -> None:
         self.seqs: Optional[List[Tuple[int, int, int, int]]] = None
         self.is_prefill = False
+        # Each sequence's tokens the engine found in its prefix cache, by sequence id.
+        self.cached: Dict[int, List[int]] = {}
 
 
 def rows_from_sequences(seqs: List[Tuple[int, int, int, int]], is_prefill: bool,
@@ -76,22 +78,31 @@ def rows_from_sequences(seqs: List[Tuple[int, int, int, int]], is_prefill: bool,
 
 
 def rows_from_context(n: int, ctx: Any) -> Tuple[Optional[List[int]], Optional[List[int]]]:
-    """(positions, slot ids) of a batch from the attention context alone, or (None, None)."""
+    """(positions, slot ids) of a batch from the attention context alone; None for what the
+    context does not tell (the capture then numbers rows in the order they are fed)."""
     if ctx is None:
         return None, None
-    if ctx.is_prefill and getattr(ctx, "cu_seqlens_q", None) is not None:
-        cu_q, cu_k = _ints(ctx.cu_seqlens_q), _ints(ctx.cu_seqlens_k)
-        positions, ids = [], []
-        for i in range(len(cu_q) - 1):
-            q, k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-            positions.extend(range(k - q, k))
-            ids.extend([i] * q)
-        return (positions, ids) if len(positions) == n else (None, None)
-    if not ctx.is_prefill and getattr(ctx, "context_lens", None) is not None:
-        lens = _ints(ctx.context_lens)[:n]
-        if len(lens) == n:
-            return [x - 1 for x in lens], list(range(n))
-    return None, None
+    if ctx.is_prefill:
+        cu_q, cu_k = getattr(ctx, "cu_seqlens_q", None), getattr(ctx, "cu_seqlens_k", None)
+        if cu_q is None:
+            return None, None
+        q = _ints(cu_q)
+        ids = [i for i in range(len(q) - 1) for _ in range(q[i + 1] - q[i])]
+        if len(ids) != n:
+            return None, None
+        if cu_k is None:
+            return None, ids
+        k = _ints(cu_k)
+        positions = [p for i in range(len(q) - 1)
+                     for p in range(k[i + 1] - k[i] - (q[i + 1] - q[i]), k[i + 1] - k[i])]
+        return positions, ids
+    lens = getattr(ctx, "context_lens", None)
+    if lens is None:
+        return None, (list(range(n)) if n > 1 else None)
+    lens = _ints(lens)[:n]
+    if len(lens) != n:
+        return None, None
+    return [x - 1 for x in lens], list(range(n))
 
 
 def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
@@ -114,6 +125,8 @@ def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
             batch.seqs = [(int(s.seq_id), int(s.num_cached_tokens), len(s),
                            int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs]
             batch.is_prefill = bool(is_prefill)
+            batch.cached = {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
+                            for s in seqs if is_prefill and s.num_cached_tokens > 0}
             try:
                 return original_run(seqs, is_prefill, *args, **kwargs)
             finally:
@@ -136,6 +149,9 @@ def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
             if len(positions) != n:
                 positions = seq = prompt_lens = None
                 again = []
+            else:
+                for sid, tokens in batch.cached.items():
+                    cap.cached_prefix(sid, tokens)
         if positions is None:
             positions, seq = rows_from_context(n, ctx)
         cap.begin(ids, positions=positions, rope_positions=fed, seq=seq, prompt_len=prompt_lens,
