@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|nano|profile|all]       (there, with .out/pack and .cache carried;
+#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 set -euo pipefail
 stage=${1:-all}
@@ -51,4 +51,8 @@ if [ "$stage" = all ] || [ "$stage" = nano ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nano-site .whl/nano_vllm_fork-*.whl
   PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} python3 scripts/nano_vllm_suite.py .out/bin/kvdiff /tmp/nano-suite 2>&1 |
     tee "$out/nano.log" | grep -vE "^(\[debug\]|Generating)"
+fi
+if [ "$stage" = all ] || [ "$stage" = devicemap ]; then
+  # HF transformers spread over every GPU and the CPU (device_map="auto") as the reference dump.
+  python3 scripts/capture_device_map_test.py .out/bin/kvdiff 2>&1 | tee "$out/devicemap.log" | grep -vE "^(Writing|Loading)"
 fi
