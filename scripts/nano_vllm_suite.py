@@ -248,8 +248,10 @@ KNOWN = {"bfloat16": ("fused norm wrong with a cache",)}
 def judge(kvdiff, dump, expect, short_ids, again, scenario):
     """(ok, what kvdiff said) for one case."""
     report = dump + ".json"
-    o = subprocess.run([kvdiff, "diff", "-q", "--model", MODEL, "--json", report, dump],
+    o = subprocess.run([kvdiff, "diff", "--model", MODEL, "--json", report, dump],
                        capture_output=True, text=True)
+    with open(dump + ".txt", "w") as f:
+        f.write(o.stdout)
     if o.returncode not in (0, 1):
         return False, f"exit {o.returncode}: {o.stderr.strip()[-300:]}"
     files = sorted(f for f in os.listdir(os.path.dirname(dump))
@@ -309,6 +311,10 @@ def main():
         failed += not ok and not known
         print(f"| {dtype} | {name} | {said} | {mark} |")
     print(f"\n{sum(1 for t in table if t[2])} of {len(table)} cases as expected, {failed} unexpected")
+    shown = os.path.join(out, "bfloat16-positions-restart-per-chunk.txt")
+    if os.path.exists(shown):
+        print("\nkvdiff diff on the bf16 run with positions restarting per chunk:\n")
+        print(open(shown).read())
     sys.exit(1 if failed else 0)
 
 
