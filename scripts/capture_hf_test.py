@@ -9,6 +9,8 @@ float32 and in bfloat16 on CUDA, eager attention:
   restart    chunks 2 and 3 fed position ids restarting from 0              -> L0.q_rope at chunk 2
   no-cache   chunk 2 fed a fresh cache (it does not see chunk 1)            -> L0.attn_probs at chunk 2
   inv-freq   the rotary inv_freq computed in bf16                          -> L0.q_rope
+  template   message 2's first two template tokens left out, the conversation captured with
+             the dump                                                       -> the prompt check
 Then the timing row: a model of Qwen3-0.6B's shape (random bf16 weights, scripts/bench_hf.py),
 512 prompt tokens + 64 decode steps, capture time vs `kvdiff diff --backend cuda` time.
 
@@ -43,8 +45,9 @@ def prompt_ids(tok, messages):
     return tok.encode(text, add_special_tokens=False)
 
 
-def run(model, ids, out, cuts, bug=None, steps=16):
-    """Prefill in pieces at `cuts`, then greedy decode, all captured."""
+def run(model, ids, out, cuts, bug=None, steps=16, prompt=None):
+    """Prefill in pieces at `cuts`, then greedy decode, all captured (with the conversation
+    `prompt`, for the prompt check, when given)."""
     dev = model.device
     cache = DynamicCache(config=model.config)
     bounds = [0] + cuts + [len(ids)]
@@ -53,7 +56,7 @@ def run(model, ids, out, cuts, bug=None, steps=16):
     if bug == "inv-freq":
         rotary.inv_freq.copy_(saved.to(torch.bfloat16).to(saved.dtype))
     try:
-        with torch.no_grad(), kc.capture(model, out, engine=f"hf-{model.dtype}".replace("torch.", "")):
+        with torch.no_grad(), kc.capture(model, out, engine=f"hf-{model.dtype}".replace("torch.", ""), prompt=prompt):
             for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 piece = torch.tensor([ids[a:b]], device=dev)
                 pos = torch.arange(a, b, device=dev)[None]
@@ -128,6 +131,13 @@ def main():
         n = len(ids)
         longer = long_ids(tok, model_limit(mdir) - 24)
         cuts = [n // 3, 2 * n // 3]
+        # The seed's template bug: the engine's prompt lacks the first two template tokens of
+        # message 2 (where message 1's rendering ends); the prompt check must name them there.
+        try:
+            sys_ids = tok.encode(tok.apply_chat_template(MESSAGES[:1], tokenize=False), add_special_tokens=False)
+        except Exception:  # a template that refuses a lone system message (Mistral's)
+            sys_ids = None
+        head = len(sys_ids) if sys_ids and ids[:len(sys_ids)] == sys_ids else None
         for dtype in (torch.float32, torch.bfloat16):
             model = AutoModelForCausalLM.from_pretrained(mdir, dtype=dtype, attn_implementation="eager")
             model = model.to("cuda").eval()
@@ -138,13 +148,24 @@ def main():
                 ("restart", cuts, "restart", ("L0.q_rope", cuts[0])),
                 ("no-cache", cuts, "no-cache", ("L0.attn_probs", cuts[0])),
                 ("inv-freq", [], "inv-freq", ("L0.q_rope", None)),
+                ("template", [], "template", ("prompt", head)),
             ]:
+                if bug == "template" and head is None:
+                    continue
                 dump = f"{WORK}/{name.replace('/', '-')}-{dname}-{case}"
                 t0 = time.time()
-                run(model, longer if bug == "inv-freq" else ids, dump, c, bug)
+                fed = longer if bug == "inv-freq" else ids
+                if bug == "template":
+                    fed = ids[:head] + ids[head + 2:]
+                run(model, fed, dump, c, bug, prompt=MESSAGES if bug == "template" else None)
                 cap_s = time.time() - t0
                 code, site, wall, r = kvdiff_diff(os.path.abspath(mdir), dump)
-                if want is None:
+                if bug == "template":
+                    part = (r.get("prompt_check") or {}).get("first_difference") if isinstance(r, dict) else None
+                    ok = code == 1 and site is None and part is not None and part["kind"] == "missing" \
+                        and head <= part["position"] <= head + 2
+                    site = ("prompt", part["position"]) if part else site
+                elif want is None:
                     ok = code == 0 and site is None
                 else:
                     ok = code == 1 and site is not None and site[0] == 0 and site[1] == want[0] and \
