@@ -406,23 +406,32 @@ fn malformed_dumps_are_refused_naming_the_file() {
     refused(&tmp.path().join("absent"), "absent", "no folder");
 }
 
+/// `scripts/capture_selftest.py SOURCE OUT ARGS...`: kvdiff's dump `source` replayed through the
+/// capture package (no torch) into `out`, as an engine would write it.
+fn replay(source: &Path, out: &Path, args: &[&str]) {
+    let o = Command::new("python3")
+        .arg(common::root().join("scripts/capture_selftest.py"))
+        .arg(source)
+        .arg(out)
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// The capture package (`scripts/kvdiff_capture/`) without torch: kvdiff's dump replayed through it as an engine
 /// would write it (prefill in two calls, rows numbered by the capture, plain lists).
 #[test]
 fn the_python_capture_module_writes_what_kvdiff_reads() {
     let tmp = tempfile::tempdir().unwrap();
     let d = dump(tmp.path());
-    let script = common::root().join("scripts/capture_selftest.py");
     let json = tmp.path().join("r.json");
     for (name, perturb) in [("replay", None), ("perturbed", Some(("L2.k", "0", "17")))] {
         let out = tmp.path().join(name);
-        let mut c = Command::new("python3");
-        c.arg(&script).arg(&d).arg(&out);
-        if let Some((tap, step, row)) = perturb {
-            c.args(["--perturb", tap, step, row]);
+        match perturb {
+            Some((tap, step, row)) => replay(&d, &out, &["--perturb", tap, step, row]),
+            None => replay(&d, &out, &[]),
         }
-        let o = c.output().expect("python3 runs");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let (code, r) = diff(&[&out], &json);
         assert_eq!(r["engine"]["engine"], "replay");
         match perturb {
@@ -433,14 +442,7 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
     // Two sequences packed into every call (continuous batching), only the second perturbed:
     // kvdiff asks which one, and finds each as it is.
     let out = tmp.path().join("batched");
-    let o = Command::new("python3")
-        .arg(&script)
-        .arg(&d)
-        .arg(&out)
-        .args(["--perturb", "L2.k", "0", "17", "--batched"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    replay(&d, &out, &["--perturb", "L2.k", "0", "17", "--batched"]);
     // Without --seq, every sequence is diffed in turn, one report (and one JSON file) each.
     let o = kvdiff(&[
         "diff",
@@ -638,14 +640,7 @@ fn sequences_that_join_and_finish_at_different_steps_are_diffed_each_in_place() 
     let tmp = tempfile::tempdir().unwrap();
     let d = dump(tmp.path());
     let out = tmp.path().join("staggered");
-    let o = Command::new("python3")
-        .arg(common::root().join("scripts/capture_selftest.py"))
-        .arg(&d)
-        .arg(&out)
-        .args(["--perturb", "L1.v", "2", "0", "--staggered"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    replay(&d, &out, &["--perturb", "L1.v", "2", "0", "--staggered"]);
     let json = tmp.path().join("r.json");
     let o = kvdiff(&[
         "diff",
@@ -757,15 +752,7 @@ fn the_prompt_check_names_template_tokens_an_engine_left_out() {
         ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let e = tmp.path().join(format!("engine-{name}"));
-        let o = Command::new("python3")
-            .arg(common::root().join("scripts/capture_selftest.py"))
-            .arg(&d)
-            .arg(&e)
-            .arg("--prompt")
-            .arg(&task)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        replay(&d, &e, &["--prompt", task.to_str().unwrap()]);
         let json = tmp.path().join(format!("{name}.json"));
         let (code, r) = diff(&[&e], &json);
         let check = &r["prompt_check"];
@@ -804,16 +791,10 @@ fn rows_an_engine_took_from_its_prefix_cache_are_run_by_the_reference_alone() {
         ("cached-bad", Some("20"), Some((0, "L2.k".to_string(), 20))),
     ] {
         let out = tmp.path().join(name);
-        let mut c = Command::new("python3");
-        c.arg(common::root().join("scripts/capture_selftest.py"))
-            .arg(&d)
-            .arg(&out)
-            .arg("--cached");
-        if let Some(row) = perturb {
-            c.args(["--perturb", "L2.k", "0", row]);
+        match perturb {
+            Some(row) => replay(&d, &out, &["--cached", "--perturb", "L2.k", "0", row]),
+            None => replay(&d, &out, &["--cached"]),
         }
-        let o = c.output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let (code, r) = diff(&[&out], &json);
         assert_eq!(first(&r), want, "{name}");
         assert_eq!(code, Some(if want.is_some() { 1 } else { 0 }), "{name}");
