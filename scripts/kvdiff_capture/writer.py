@@ -202,10 +202,7 @@ class Capture:
         if not rows:
             return
         self.next_index[seq] = max(self.next_index.get(seq, 0), len(ids))
-        meta = {"step": "0"}
-        rank = f".rank-{self.tp_rank}" if self.tp_rank is not None else ""
-        if self.tp_size is not None:
-            meta.update(tp_rank=str(self.tp_rank or 0), tp_size=str(self.tp_size))
+        meta, rank = self._file_meta(0)
         name = f"step-0000.call-{self.calls:05d}.cached.seq-{seq}{rank}.safetensors"
         tensors = {"tokens": ("I64", [len(rows)], [ids[p] for p in rows]),
                    "positions": ("I64", [len(rows)], rows),
@@ -276,11 +273,16 @@ class Capture:
             self._write_file(c, s, step, step_rows, len(by_step) > 1)
         done.update(pos)
 
-    def _write_file(self, c: Dict[str, Any], s: int, step: int, rows: List[int], split: bool) -> None:
+    def _file_meta(self, step: int) -> Tuple[Dict[str, str], str]:
+        """A step file's metadata (its step, and its tensor-parallel rank where there is one) and
+        the rank's part of its name."""
         meta = {"step": str(step)}
-        rank = f".rank-{self.tp_rank}" if self.tp_rank is not None else ""
         if self.tp_size is not None:
             meta.update(tp_rank=str(self.tp_rank or 0), tp_size=str(self.tp_size))
+        return meta, (f".rank-{self.tp_rank}" if self.tp_rank is not None else "")
+
+    def _write_file(self, c: Dict[str, Any], s: int, step: int, rows: List[int], split: bool) -> None:
+        meta, rank = self._file_meta(step)
         part = f".step-{step:04d}" if split else ""
         name = f"step-{step:04d}.call-{self.calls:05d}{part}.seq-{s}{rank}.safetensors"
         batched = len(set(c["seq"])) > 1 or s != 0

@@ -25,6 +25,38 @@ pub struct Chunk {
     pub end: usize,
 }
 
+/// Where one message's content lies in the rendered text (byte offsets).
+pub struct ContentSpan {
+    pub message: usize,
+    /// Where the previous message's content ended (0 for the first): the template tokens
+    /// between hold this message's header.
+    pub after: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Each message's content found in the rendered text, in order, each after the previous one
+/// (a message whose content the template left out is skipped).
+pub fn content_spans(prompt: &Prompt, text: &str) -> Vec<ContentSpan> {
+    let mut cursor = 0;
+    let mut spans = Vec::new();
+    for (i, m) in prompt.messages.iter().enumerate() {
+        let Some(found) = text[cursor..].find(m.content.as_str()) else {
+            continue;
+        };
+        let start = cursor + found;
+        let end = start + m.content.len();
+        spans.push(ContentSpan {
+            message: i,
+            after: cursor,
+            start,
+            end,
+        });
+        cursor = end;
+    }
+    spans
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkedPrompt {
     pub ids: Vec<u32>,
@@ -67,27 +99,27 @@ impl ChunkedPrompt {
     /// message and everything after it is the query.
     pub fn from_prompt(tok: &ChatTokenizer, prompt: &Prompt, text: &str) -> Result<Self, String> {
         let (ids, offsets) = tok.encode_with_offsets(text)?;
+        Ok(Self::from_offsets(prompt, text, ids, &offsets))
+    }
+
+    /// `from_prompt` on ids already encoded, with the byte offset where each starts.
+    pub fn from_offsets(prompt: &Prompt, text: &str, ids: Vec<u32>, offsets: &[usize]) -> Self {
         let last_user = prompt.messages.iter().rposition(|m| m.role == Role::User);
-        let mut cursor = 0;
         let mut byte_cuts = Vec::new();
-        for (i, m) in prompt.messages.iter().enumerate() {
-            let Some(found) = text[cursor..].find(m.content.as_str()) else {
-                continue;
-            };
-            let content_at = cursor + found;
+        for s in content_spans(prompt, text) {
+            let m = &prompt.messages[s.message];
             // The message's template tokens start after the previous message's content.
-            let head = text[cursor..content_at]
+            let head = text[s.after..s.start]
                 .rfind("<|im_start|>")
-                .map(|p| cursor + p)
-                .unwrap_or(content_at);
-            if Some(i) <= last_user || i == 0 {
+                .map(|p| s.after + p)
+                .unwrap_or(s.start);
+            if Some(s.message) <= last_user || s.message == 0 {
                 byte_cuts.push(head);
             }
             for &b in &m.chunk_breaks {
-                byte_cuts.push(content_at + b);
+                byte_cuts.push(s.start + b);
             }
-            cursor = content_at + m.content.len();
-            if Some(i) == last_user {
+            if Some(s.message) == last_user {
                 break;
             }
         }
@@ -99,7 +131,7 @@ impl ChunkedPrompt {
             .messages
             .first()
             .is_some_and(|m| m.role == Role::System);
-        Ok(Self::from_boundaries(ids, &boundaries, first_is_system))
+        Self::from_boundaries(ids, &boundaries, first_is_system)
     }
 
     pub fn tokens(&self, c: &Chunk) -> &[u32] {

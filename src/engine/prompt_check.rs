@@ -5,7 +5,7 @@
 //! place the two part, which ids are missing, extra or different, and where in the conversation
 //! that is.
 
-use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::chunks::{content_spans, ChunkedPrompt};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::io::prompt::Prompt;
 
@@ -155,8 +155,8 @@ pub fn check(
     source: &str,
 ) -> Result<PromptCheck, String> {
     let text = tok.render(&prompt.messages, &prompt.template_kwargs)?;
-    let chunked = ChunkedPrompt::from_prompt(tok, prompt, &text)?;
-    let (_, offsets) = tok.encode_with_offsets(&text)?;
+    let (ids, offsets) = tok.encode_with_offsets(&text)?;
+    let chunked = ChunkedPrompt::from_offsets(prompt, &text, ids, &offsets);
     let expected = &chunked.ids;
     let first = first_difference(expected, found).map(|(pos, kind, e, f)| {
         let span = |ids: &[u32], n: usize| ids[pos..pos + n.min(SHOWN)].to_vec();
@@ -190,27 +190,19 @@ fn place(
     pos: usize,
 ) -> String {
     let byte = offsets.get(pos).copied().unwrap_or(text.len());
-    let mut cursor = 0;
-    let mut where_ = None;
-    for (i, m) in prompt.messages.iter().enumerate() {
-        let Some(found) = text[cursor..].find(m.content.as_str()) else {
-            continue;
-        };
-        let start = cursor + found;
-        let end = start + m.content.len();
-        let name = format!("message {} ({})", i + 1, m.role.as_str());
-        if byte < start {
-            where_ = Some(format!(
+    let where_ = content_spans(prompt, text).into_iter().find_map(|s| {
+        let m = &prompt.messages[s.message];
+        let name = format!("message {} ({})", s.message + 1, m.role.as_str());
+        if byte < s.start {
+            Some(format!(
                 "in the template tokens before the content of {name}"
-            ));
-            break;
+            ))
+        } else if byte < s.end || (m.content.is_empty() && byte == s.end) {
+            Some(format!("in the content of {name}"))
+        } else {
+            None
         }
-        if byte < end || (m.content.is_empty() && byte == end) {
-            where_ = Some(format!("in the content of {name}"));
-            break;
-        }
-        cursor = end;
-    }
+    });
     let where_ =
         where_.unwrap_or_else(|| "after the last message (the generation prompt)".to_string());
     match chunked.chunks.iter().position(|c| c.start == pos) {
