@@ -13,8 +13,8 @@
 use std::time::Instant;
 
 use kvdiff::engine::config::Config;
+use kvdiff::engine::gemm;
 use kvdiff::engine::model::{Batch, Model};
-use kvdiff::engine::ops::matmul_t;
 use kvdiff::engine::Engine;
 use kvdiff::io::model_source::ModelSource;
 use kvdiff::tap::{NullSink, TapFilter};
@@ -50,6 +50,14 @@ fn best(reps: usize, mut f: impl FnMut()) -> f64 {
             t.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min)
+}
+
+/// kvdiff's `gemm::matmul_t` on the bench's flat buffers.
+fn matmul_t(x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+    let inp = w.len() / out;
+    let x = ndarray::ArrayView2::from_shape((n, inp), x).unwrap();
+    let w = ndarray::ArrayView2::from_shape((out, inp), w).unwrap();
+    gemm::matmul_t(x, w).into_raw_vec_and_offset().0
 }
 
 /// `matrixmultiply::sgemm` of y[n, out] = x[n, inp] · wᵀ, split over the cores by output

@@ -4,14 +4,15 @@
 #   - a random-weight model of Qwen3-0.6B's shape on the GPU (bench_hf.py builds it), cases run
 #     back to back on one GPU, with a pinned noise profile and with per-conversation calibration.
 # Each row is what `kvdiff sweep` prints at its end; the table comes last.
-#   [SWEEP_ROWS=gpu] [ROW_SECS=120] scripts/bench_sweep.sh [KVDIFF_BINARY]
+#   [SWEEP_ROWS=gpu|cpu] [ROW_SECS=120] scripts/bench_sweep.sh [KVDIFF_BINARY]
+# SWEEP_ROWS=cpu runs only the CPU rows (no torch needed): run it once per binary to compare two.
 set -euo pipefail
 bin=${1:-target/release/kvdiff}
 work=/tmp/kvdiff-bench-sweep
 rm -rf "$work" && mkdir -p "$work"
 say() { echo "[$(date +%T)] $*" >&2; }
 model=/tmp/kvdiff-bench/model
-if [ ! -f "$model/config.json" ]; then
+if [ "${SWEEP_ROWS:-all}" != cpu ] && [ ! -f "$model/config.json" ]; then
   say "build the 0.6B-shaped model"
   mkdir -p /tmp/kvdiff-bench
   python3 scripts/bench_hf.py build .cache/qwen3-tokenizer "$model" /tmp/kvdiff-bench/prompt.json > /dev/null
@@ -48,6 +49,7 @@ row "default model, cpu, cascade, pinned profile, $cores threads" \
 row "default model, cpu, every path + invariants, per conversation, $cores threads" \
   --chunkings random:1 --threads "$cores" --out "$work/cpu-all.jsonl" fixtures/prompt-set.jsonl
 fi
+if [ "${SWEEP_ROWS:-all}" != cpu ]; then
 "$bin" calibrate -q --backend cuda --model "$model" --out "$work/profile-06b.json" \
   /tmp/kvdiff-bench/prompt.json 2> "$work/calibrate.err" || cat "$work/calibrate.err" >&2
 row "0.6B shape, cuda, cascade, pinned profile, 100 conversations x 2 chunkings" \
@@ -59,6 +61,7 @@ row "0.6B shape, cuda, every path + invariants, pinned profile, 100 conversation
 row "0.6B shape, cuda, cascade, calibrated per conversation, 100 conversations x 2" \
   --backend cuda --model "$model" --paths cascade --chunkings random:1 --max-new-tokens 4 \
   --out "$work/gpu-cascade-cal.jsonl" "$work/set100.jsonl"
+fi
 for f in "$work"/*.jsonl; do
   [ "$f" = "$work/set100.jsonl" ] && continue
   echo "== $(basename "$f")"

@@ -229,7 +229,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         );
         let (_, out, out_bf) = host_ops::add_rms_norm(&g, &x, None, &w, 1e-6);
         assert_written("rms_norm", &out);
-        let want = ops::rms_norm(&x, &w, 1e-6);
+        let want = rms_norm_rows(&x, &w);
         assert!(
             rel_l2(&out, &want) < F32_TOL,
             "rms_norm {}",
@@ -243,7 +243,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         let (resid, out, _) = host_ops::add_rms_norm(&g, &x, Some(&add), &w, 1e-6);
         let sum: Vec<f32> = x.iter().zip(&add).map(|(a, b)| a + b).collect();
         assert_eq!(resid, sum, "residual add is exact");
-        let want = ops::rms_norm(&sum, &w, 1e-6);
+        let want = rms_norm_rows(&sum, &w);
         assert!(rel_l2(&out, &want) < F32_TOL, "add_rms_norm");
     }
     for &(n, heads, hd, theta) in &[(5usize, 16usize, 128usize, 1e6f64), (3, 2, 64, 1e4)] {
@@ -252,7 +252,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         let pos: Vec<usize> = (0..n).map(|i| 37 * i + 500).collect();
         let (normed, rotated) = host_ops::qk_norm_rope(&g, &x, &w, &pos, heads, theta, 1e-6);
         assert_written("qk_norm_rope", &rotated);
-        let want_n = ops::rms_norm(&x, &w, 1e-6);
+        let want_n = rms_norm_rows(&x, &w);
         let mut want_r = want_n.clone();
         let inv_freq = kvdiff::engine::rope::RopeTable::new(
             &kvdiff::engine::rope::RopeScaling::Default,
@@ -260,7 +260,8 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
             hd,
         )
         .inv_freq_f32;
-        ops::rope(&mut want_r, &pos, heads, hd, &inv_freq, 1.0);
+        let view = ndarray::ArrayViewMut3::from_shape((n, heads, hd), &mut want_r[..]).unwrap();
+        ops::rope(view, &pos, &inv_freq, 1.0);
         assert!(rel_l2(&normed, &want_n) < F32_TOL, "q/k norm");
         assert!(
             rel_l2(&rotated, &want_r) < F32_TOL,
@@ -356,7 +357,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         let norm_w = round_bf16(&rng.vec(k, 1.0));
         let w = round_bf16(&rng.vec(2 * m * k, 0.05));
         // The input the kernel rounds to bf16: the CPU's norm of the same row.
-        let want_norm = ops::rms_norm(&resid, &norm_w, 1e-6);
+        let want_norm = rms_norm_rows(&resid, &norm_w);
         let x = round_bf16(&want_norm);
         let (y, norm) = host_ops::gemv_norm(&g, &resid, &norm_w, &w[..m * k], false, 1e-6);
         assert_written("gemv_norm", &y);
@@ -399,7 +400,7 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         assert_written("gemv_add_norm", &o);
         let want_y: Vec<f32> = (0..m).map(|i| dot(&x, &w, i)).collect();
         let want_r: Vec<f32> = resid.iter().zip(&want_y).map(|(a, b)| a + b).collect();
-        let want_o = ops::rms_norm(&want_r, &norm_w, 1e-6);
+        let want_o = rms_norm_rows(&want_r, &norm_w);
         assert!(rel_l2(&y, &want_y) < F32_TOL, "gemv_add_norm y");
         assert!(rel_l2(&r, &want_r) < F32_TOL, "gemv_add_norm resid");
         assert!(rel_l2(&o, &want_o) < F32_TOL, "gemv_add_norm out");
@@ -1638,4 +1639,10 @@ fn planted_bugs_are_named_on_the_gpu() {
     ] {
         assert!(!r.diverged, "{}: {:?}", r.path, r.first_divergence);
     }
+}
+
+/// The CPU backend's RMSNorm (eps 1e-6) of each `w.len()`-wide row of `x`.
+fn rms_norm_rows(x: &[f32], w: &[f32]) -> Vec<f32> {
+    let rows = ndarray::ArrayView2::from_shape((x.len() / w.len(), w.len()), x).unwrap();
+    ops::rms_norm(rows, w, 1e-6).into_raw_vec_and_offset().0
 }

@@ -1,76 +1,96 @@
 //! The forward pass on the CPU, in f32: the reference every other backend and every path is
-//! held to. One readable function per block; `ops.rs` holds the arithmetic.
+//! held to. One readable function per block, over ndarray arrays whose shapes say what each
+//! tensor is (`[token, feature]`, `[token, head, dim]`); `gemm.rs` holds the matrix products and
+//! `ops.rs` the element-wise arithmetic.
 
 use half::bf16;
+use ndarray::{s, Array2, ArrayView2, ArrayViewMut3, Axis, Dimension, Zip};
 
 use crate::engine::arch::Moe;
+use crate::engine::gemm::matmul_t;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
-use crate::engine::ops::{dot, dots, matmul_t, rms_norm, rope, silu, softmax};
+#[cfg(target_arch = "x86_64")]
+use crate::engine::ops::dots_simd;
+use crate::engine::ops::{dot, dots, rms_norm, rope, silu, softmax};
 use crate::support::fault::{self, Fault};
 use crate::tap::{emit, scatter_by_position, HostAttnParts, LayerTap, RouteHints, TapId, TapSink};
 use rayon::prelude::*;
 
+/// A weight in torch's Linear layout, `[out, inp]`, over its flat storage.
+fn weight(w: &[f32], inp: usize) -> ArrayView2<'_, f32> {
+    ArrayView2::from_shape((w.len() / inp, inp), w).expect("a weight of whole rows")
+}
+
+/// The flat data of a standard-layout array, as taps and the KV cache take it.
+fn flat<D: Dimension>(a: &ndarray::ArrayRef<f32, D>) -> &[f32] {
+    a.as_slice().expect("a standard-layout array")
+}
+
+/// `[token, head·dim]` seen as `[token, head, dim]`.
+fn heads_of(a: &mut Array2<f32>, heads: usize) -> ArrayViewMut3<'_, f32> {
+    let (n, width) = a.dim();
+    a.view_mut()
+        .into_shape_with_order((n, heads, width / heads))
+        .expect("a standard-layout array")
+}
+
 impl Model {
     /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
-    fn matmul(&self, x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
+    fn matmul(&self, x: ArrayView2<'_, f32>, w: &[f32]) -> Array2<f32> {
+        let w = weight(w, x.ncols());
         if self.bf16_matmul_inputs {
-            let xr: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-            matmul_t(&xr, n, w, out)
+            let xr = x.mapv(|v| bf16::from_f32(v).to_f32());
+            matmul_t(xr.view(), w)
         } else {
-            matmul_t(x, n, w, out)
+            matmul_t(x, w)
         }
     }
 
     /// `x · wᵀ + bias` (no bias when `bias` is empty).
-    fn linear(&self, x: &[f32], n: usize, w: &[f32], bias: &[f32], out: usize) -> Vec<f32> {
-        let mut y = self.matmul(x, n, w, out);
+    fn linear(&self, x: ArrayView2<'_, f32>, w: &[f32], bias: &[f32]) -> Array2<f32> {
+        let mut y = self.matmul(x, w);
         if !bias.is_empty() {
-            for row in y.chunks_exact_mut(out) {
-                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-            }
+            y += &ndarray::aview1(bias);
         }
         y
     }
 
-    /// A SwiGLU block on `n` rows.
-    fn ffn(&self, f: &Ffn, x: &[f32], n: usize) -> Vec<f32> {
-        let (h, i) = (
-            self.config.hidden_size,
-            f.up_proj.len() / self.config.hidden_size,
-        );
-        let gate = self.linear(x, n, &f.gate_proj, &f.gate_bias, i);
-        let up = self.linear(x, n, &f.up_proj, &f.up_bias, i);
-        let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-        self.linear(&act, n, &f.down_proj, &f.down_bias, h)
+    /// A SwiGLU block on the rows of `x`.
+    fn ffn(&self, f: &Ffn, x: ArrayView2<'_, f32>) -> Array2<f32> {
+        let mut gate = self.linear(x, &f.gate_proj, &f.gate_bias);
+        let up = self.linear(x, &f.up_proj, &f.up_bias);
+        Zip::from(&mut gate)
+            .and(&up)
+            .for_each(|g, &u| *g = silu(*g) * u);
+        self.linear(gate.view(), &f.down_proj, &f.down_bias)
     }
 
     /// Qwen3-MoE's sparse block: router logits, softmax in f32, the top k experts per token
     /// (renormalised when configured), and each expert run on the tokens routed to it, summed
     /// in expert order as HF does.
-    #[allow(clippy::too_many_arguments)]
     fn sparse_mlp(
         &self,
         moe: &Moe,
         router: &[f32],
         experts: &[Ffn],
-        x: &[f32],
-        n: usize,
+        x: ArrayView2<'_, f32>,
         tap: &mut LayerEmitter<'_, '_>,
         hints: Option<&RouteHints>,
-    ) -> Vec<f32> {
-        let (h, e) = (self.config.hidden_size, moe.num_experts);
-        let logits = self.matmul(x, n, router, e);
-        tap.emit(LayerTap::RouterLogits, &[n, e], &logits);
+    ) -> Array2<f32> {
+        let logits = self.matmul(x, router);
+        tap.emit(LayerTap::RouterLogits, &logits);
         let hint = |p: &usize| hints.and_then(|h| h.get(&(tap.layer, *p)));
         let routes: Vec<Vec<(usize, f32)>> = logits
-            .chunks_exact(e)
+            .rows()
+            .into_iter()
             .zip(tap.positions)
-            .map(|(row, p)| moe.route_hinted(row, hint(p)))
+            .map(|(row, p)| moe.route_hinted(flat(&row), hint(p)))
             .collect();
         let chosen = crate::tap::expert_ids(&routes);
-        tap.emit(LayerTap::Experts, &[n, moe.top_k], &chosen);
-        let mut out = vec![0f32; n * h];
+        let n = x.nrows();
+        tap.emit_flat(LayerTap::Experts, &[n, moe.top_k], &chosen);
+        let mut out = Array2::<f32>::zeros(x.raw_dim());
         for (id, expert) in experts.iter().enumerate() {
             let picked: Vec<(usize, f32)> = routes
                 .iter()
@@ -80,16 +100,12 @@ impl Model {
             if picked.is_empty() {
                 continue;
             }
-            let rows: Vec<f32> = picked
-                .iter()
-                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
-                .collect();
-            let y = self.ffn(expert, &rows, picked.len());
-            for (&(t, w), yr) in picked.iter().zip(y.chunks_exact(h)) {
-                out[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(yr)
-                    .for_each(|(o, v)| *o += v * w);
+            let rows: Vec<usize> = picked.iter().map(|&(t, _)| t).collect();
+            let y = self.ffn(expert, x.select(Axis(0), &rows).view());
+            for (&(t, w), yr) in picked.iter().zip(y.rows()) {
+                Zip::from(out.row_mut(t))
+                    .and(yr)
+                    .for_each(|o, &v| *o += v * w);
             }
         }
         out
@@ -110,20 +126,21 @@ impl Model {
             1.0
         };
         let deltas = vec![sign * delta as f32; cache.len()];
-        let shape = [positions.len(), c.num_key_value_heads, c.head_dim];
+        let shape = (positions.len(), c.num_key_value_heads, c.head_dim);
         // A pure rotation: the keys already carry RoPE's cos/sin factor once.
         let inv_freq = c.rope_table().inv_freq_f32;
         for (l, layer) in cache.layers_mut().iter_mut().enumerate() {
-            crate::engine::ops::rope_at(
-                &mut layer.keys,
-                &deltas,
-                c.num_key_value_heads,
-                c.head_dim,
-                &inv_freq,
-                1.0,
-            );
+            let keys = ArrayViewMut3::from_shape(shape, &mut layer.keys).expect("whole entries");
+            crate::engine::ops::rope_at(keys, &deltas, &inv_freq, 1.0);
             let id = TapId::Layer(l, LayerTap::KRope);
-            emit(sink, 0, id, positions, &shape, &layer.keys);
+            emit(
+                sink,
+                0,
+                id,
+                positions,
+                &[shape.0, shape.1, shape.2],
+                &layer.keys,
+            );
         }
     }
 
@@ -136,18 +153,16 @@ impl Model {
         sink: &mut dyn TapSink,
     ) -> Vec<f32> {
         let c = &self.config;
-        let (n, h) = (batch.tokens.len(), c.hidden_size);
+        let h = c.hidden_size;
         let pos = batch.positions;
         sink.begin_step(step, batch.tokens, pos);
         // The host copy is the one this pass extends.
         cache.layers_mut();
 
         // 1. Embedding gather.
-        let mut x = Vec::with_capacity(n * h);
-        for &t in batch.tokens {
-            x.extend_from_slice(&self.embed_tokens[t as usize * h..(t as usize + 1) * h]);
-        }
-        emit(sink, step, TapId::Embed, pos, &[n, h], &x);
+        let ids: Vec<usize> = batch.tokens.iter().map(|&t| t as usize).collect();
+        let mut x = weight(&self.embed_tokens, h).select(Axis(0), &ids);
+        emit(sink, step, TapId::Embed, pos, x.shape(), flat(&x));
 
         let base = cache.len();
         cache.positions.extend_from_slice(pos);
@@ -163,18 +178,27 @@ impl Model {
         cache.commit_host();
 
         // Final norm and LM head: every position only when someone taps the logits.
-        let x = rms_norm(&x, &self.norm, c.rms_norm_eps);
-        emit(sink, step, TapId::FinalNorm, pos, &[n, h], &x);
+        let x = rms_norm(x.view(), &self.norm, c.rms_norm_eps);
+        emit(sink, step, TapId::FinalNorm, pos, x.shape(), flat(&x));
         let head = self.lm_head.as_deref().unwrap_or(&self.embed_tokens);
-        let v = c.vocab_size;
+        let n = x.nrows();
         let rows = sink.table().logits_rows(n);
         if rows.is_empty() {
-            return self.matmul(&x[(n - 1) * h..], 1, head, v);
+            return self
+                .matmul(x.slice(s![n - 1.., ..]), head)
+                .into_iter()
+                .collect();
         }
-        let m = rows.len();
-        let logits = self.matmul(&x[rows.start * h..], m, head, v);
-        emit(sink, step, TapId::Logits, &pos[rows], &[m, v], &logits);
-        logits[(m - 1) * v..].to_vec()
+        let logits = self.matmul(x.slice(s![rows.clone(), ..]), head);
+        emit(
+            sink,
+            step,
+            TapId::Logits,
+            &pos[rows],
+            logits.shape(),
+            flat(&logits),
+        );
+        logits.row(logits.nrows() - 1).to_vec()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -182,16 +206,15 @@ impl Model {
         &self,
         l: usize,
         w: &Layer,
-        x: Vec<f32>,
+        x: Array2<f32>,
         batch: Batch<'_>,
         base: usize,
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
         hints: Option<&RouteHints>,
-    ) -> Vec<f32> {
+    ) -> Array2<f32> {
         let c = &self.config;
-        let (n, h, hd) = (batch.tokens.len(), c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
         let mut tap = LayerEmitter {
             sink,
@@ -199,90 +222,88 @@ impl Model {
             layer: l,
             positions: batch.positions,
         };
-        tap.emit(LayerTap::ResidIn, &[n, h], &x);
+        tap.emit(LayerTap::ResidIn, &x);
 
-        // 1. Pre-attention norm and projections.
-        let xn = rms_norm(&x, &w.input_layernorm, c.rms_norm_eps);
-        tap.emit(LayerTap::AttnNorm, &[n, h], &xn);
-        let q = self.linear(&xn, n, &w.q_proj, &w.q_bias, heads * hd);
-        let k = self.linear(&xn, n, &w.k_proj, &w.k_bias, kv_heads * hd);
-        let v = self.linear(&xn, n, &w.v_proj, &w.v_bias, kv_heads * hd);
+        // 1. Pre-attention norm and projections, `[token, head·dim]`.
+        let xn = rms_norm(x.view(), &w.input_layernorm, c.rms_norm_eps);
+        tap.emit(LayerTap::AttnNorm, &xn);
+        let q = self.linear(xn.view(), &w.q_proj, &w.q_bias);
+        let k = self.linear(xn.view(), &w.k_proj, &w.k_bias);
+        let mut v = self.linear(xn.view(), &w.v_proj, &w.v_bias);
 
-        // 2. Per-head RMSNorm of q and k before RoPE, where the family has it (Qwen3).
+        // 2. Per-head RMSNorm of q and k before RoPE, where the family has it (Qwen3): each
+        // head's `dim` values are one row.
+        let head_norm = |a: Array2<f32>, weight: &[f32]| {
+            let (n, width) = a.dim();
+            let rows = a.into_shape_with_order((n * width / c.head_dim, c.head_dim));
+            let normed = rms_norm(
+                rows.expect("standard layout").view(),
+                weight,
+                c.rms_norm_eps,
+            );
+            normed
+                .into_shape_with_order((n, width))
+                .expect("standard layout")
+        };
         let (mut q, mut k) = match c.arch.qk_norm {
-            true => (
-                rms_norm(&q, &w.q_norm, c.rms_norm_eps),
-                rms_norm(&k, &w.k_norm, c.rms_norm_eps),
-            ),
+            true => (head_norm(q, &w.q_norm), head_norm(k, &w.k_norm)),
             false => (q, k),
         };
-        tap.emit(LayerTap::Q, &[n, heads, hd], &q);
-        tap.emit(LayerTap::K, &[n, kv_heads, hd], &k);
-        tap.emit(LayerTap::V, &[n, kv_heads, hd], &v);
+        tap.emit(LayerTap::Q, &heads_of(&mut q, heads));
+        tap.emit(LayerTap::K, &heads_of(&mut k, kv_heads));
+        tap.emit(LayerTap::V, &heads_of(&mut v, kv_heads));
 
         // 3. RoPE.
         let table = c.rope_table();
         let scale = table.scale as f32;
-        rope(
-            &mut q,
-            batch.rope_positions,
-            heads,
-            hd,
-            &table.inv_freq_f32,
-            scale,
-        );
-        rope(
-            &mut k,
-            batch.rope_positions,
-            kv_heads,
-            hd,
-            &table.inv_freq_f32,
-            scale,
-        );
-        tap.emit(LayerTap::QRope, &[n, heads, hd], &q);
-        tap.emit(LayerTap::KRope, &[n, kv_heads, hd], &k);
+        let at = batch.rope_positions;
+        rope(heads_of(&mut q, heads), at, &table.inv_freq_f32, scale);
+        rope(heads_of(&mut k, kv_heads), at, &table.inv_freq_f32, scale);
+        tap.emit(LayerTap::QRope, &heads_of(&mut q, heads));
+        tap.emit(LayerTap::KRope, &heads_of(&mut k, kv_heads));
 
         // 4. Append to the cache the path gave us.
-        cache.push_host(l, &k, &v);
+        cache.push_host(l, flat(&k), flat(&v));
 
         // 5. Causal GQA attention: token t sees cache entries 0..=base+t (the last `window`
         // of them in a sliding layer).
         let attn = self.cached_attention(l, &q, batch, base, cache, &mut tap);
-        tap.emit(LayerTap::AttnOut, &[n, heads * hd], &attn);
+        tap.emit(LayerTap::AttnOut, &attn);
 
         // 6. Output projection and residual.
-        let o = self.linear(&attn, n, &w.o_proj, &w.o_bias, h);
-        tap.emit(LayerTap::OProj, &[n, h], &o);
-        let mid: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
-        tap.emit(LayerTap::ResidMid, &[n, h], &mid);
+        let o = self.linear(attn.view(), &w.o_proj, &w.o_bias);
+        tap.emit(LayerTap::OProj, &o);
+        let mid = &x + &o;
+        tap.emit(LayerTap::ResidMid, &mid);
 
         // 7. MLP (dense SwiGLU, or routed experts) and residual.
-        let mn = rms_norm(&mid, &w.post_attention_layernorm, c.rms_norm_eps);
-        tap.emit(LayerTap::MlpNorm, &[n, h], &mn);
+        let mn = rms_norm(mid.view(), &w.post_attention_layernorm, c.rms_norm_eps);
+        tap.emit(LayerTap::MlpNorm, &mn);
         let mlp = match (&w.mlp, c.arch.sparse(l)) {
             (Mlp::Sparse { router, experts }, Some(moe)) => {
-                self.sparse_mlp(moe, router, experts, &mn, n, &mut tap, hints)
+                self.sparse_mlp(moe, router, experts, mn.view(), &mut tap, hints)
             }
-            (Mlp::Dense(f), _) => self.ffn(f, &mn, n),
+            (Mlp::Dense(f), _) => self.ffn(f, mn.view()),
             (Mlp::Sparse { .. }, None) => unreachable!("sparse weights only on sparse layers"),
         };
-        tap.emit(LayerTap::MlpOut, &[n, h], &mlp);
-        let out: Vec<f32> = mid.iter().zip(&mlp).map(|(a, b)| a + b).collect();
-        tap.emit(LayerTap::ResidOut, &[n, h], &out);
+        tap.emit(LayerTap::MlpOut, &mlp);
+        let out = &mid + &mlp;
+        tap.emit(LayerTap::ResidOut, &out);
         out
     }
 
-    /// Layer `l`'s attention of the batch's rotated queries over the cache, offering the
-    /// probabilities (columns at the entries' global positions) when they are tapped.
+    /// Layer `l`'s attention of the batch's rotated queries `[token, head·dim]` over the cache,
+    /// offering the probabilities (columns at the entries' global positions) when they are
+    /// tapped.
     fn cached_attention(
         &self,
         l: usize,
-        q: &[f32],
+        q: &Array2<f32>,
         batch: Batch<'_>,
         base: usize,
         cache: &mut KvCache,
         tap: &mut LayerEmitter<'_, '_>,
-    ) -> Vec<f32> {
+    ) -> Array2<f32> {
         let c = &self.config;
         let (n, heads) = (batch.tokens.len(), c.num_attention_heads);
         // A sink that rebuilds the rows from the queries and keys gets those instead.
@@ -301,7 +322,7 @@ impl Model {
             _ => base,
         };
         let attn = attention(
-            q,
+            flat(q),
             &layers[l].keys,
             &layers[l].values,
             n,
@@ -318,12 +339,12 @@ impl Model {
             }),
         );
         if want_probs {
-            tap.emit(LayerTap::AttnProbs, &[n, heads, span], &probs);
+            tap.emit_flat(LayerTap::AttnProbs, &[n, heads, span], &probs);
         }
         if by_parts {
             let parts = HostAttnParts {
                 positions: tap.positions.to_vec(),
-                q: q.to_vec(),
+                q: flat(q).to_vec(),
                 keys: layers[l].keys.clone(),
                 entry_positions: positions.to_vec(),
                 base: seen,
@@ -337,7 +358,7 @@ impl Model {
             let id = TapId::Layer(l, LayerTap::AttnProbs);
             tap.sink.record_parts(tap.step, id, parts);
         }
-        attn
+        Array2::from_shape_vec((n, heads * c.head_dim), attn).expect("one row per query")
     }
 }
 
@@ -354,7 +375,12 @@ impl LayerEmitter<'_, '_> {
         self.sink.table().wants(TapId::Layer(self.layer, t))
     }
 
-    fn emit(&mut self, t: LayerTap, shape: &[usize], data: &[f32]) {
+    /// Offers an array as a tap of its own shape.
+    fn emit<D: Dimension>(&mut self, t: LayerTap, a: &ndarray::ArrayRef<f32, D>) {
+        self.emit_flat(t, a.shape(), flat(a));
+    }
+
+    fn emit_flat(&mut self, t: LayerTap, shape: &[usize], data: &[f32]) {
         let id = TapId::Layer(self.layer, t);
         emit(self.sink, self.step, id, self.positions, shape, data);
     }
@@ -446,18 +472,25 @@ fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<P
         // Same operations in the same order, on 256-bit registers: bitwise the same.
         return unsafe { query_avx2(inputs, t, out, probs) };
     }
-    query(inputs, t, out, probs)
+    query::<false>(inputs, t, out, probs)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn query_avx2(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<ProbsOut<'_>>) {
-    query(inputs, t, out, probs)
+    query::<true>(inputs, t, out, probs)
 }
 
-/// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows.
+/// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows. `SIMD`: on
+/// AVX registers written out (only inside an AVX2 function), the same operations in the same
+/// order as the portable loops.
 #[inline(always)]
-fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: Option<ProbsOut<'_>>) {
+fn query<const SIMD: bool>(
+    inputs: Inputs<'_>,
+    t: usize,
+    out: &mut [f32],
+    mut probs: Option<ProbsOut<'_>>,
+) {
     let Inputs {
         q,
         keys,
@@ -474,7 +507,7 @@ fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: Option<ProbsO
     for head in 0..heads {
         let kvh = head / group;
         let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
-        let weights = softmax_row(
+        let weights = softmax_row::<SIMD>(
             &mut row,
             qv,
             keys,
@@ -485,31 +518,19 @@ fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: Option<ProbsO
             inputs.window,
         );
         let o = &mut out[head * hd..(head + 1) * hd];
-        let value = |e: usize| &values[e * kv_dim + kvh * hd..e * kv_dim + (kvh + 1) * hd];
+        let head_values = &values[kvh * hd..];
         if let Some((split, wa, wb)) = weights {
             // Cascade: each segment's own softmax and output, merged by log-sum-exp.
             let (a, b) = row.split_at(split);
             let (mut oa, mut ob) = (vec![0f32; hd], vec![0f32; hd]);
-            for (e, &p) in a.iter().enumerate() {
-                oa.iter_mut()
-                    .zip(value(e))
-                    .for_each(|(acc, &x)| *acc += p * x);
-            }
-            for (e, &p) in b.iter().enumerate() {
-                ob.iter_mut()
-                    .zip(value(split + e))
-                    .for_each(|(acc, &x)| *acc += p * x);
-            }
+            weigh_values::<SIMD>(&mut oa, a, head_values, kv_dim);
+            weigh_values::<SIMD>(&mut ob, b, &head_values[split * kv_dim..], kv_dim);
             for ((acc, x), y) in o.iter_mut().zip(&oa).zip(&ob) {
                 *acc = wa * x + wb * y;
             }
             merge_segments(&mut row, split, wa, wb);
         } else {
-            for (e, &p) in row.iter().enumerate() {
-                o.iter_mut()
-                    .zip(value(e))
-                    .for_each(|(acc, &x)| *acc += p * x);
-            }
+            weigh_values::<SIMD>(o, &row, head_values, kv_dim);
         }
         if let Some(p) = probs.as_mut() {
             scatter_by_position(
@@ -527,7 +548,7 @@ fn query(inputs: Inputs<'_>, t: usize, out: &mut [f32], mut probs: Option<ProbsO
 /// log-sum-exp merge comes back (`merge_segments` applies them to the row).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn softmax_row(
+fn softmax_row<const SIMD: bool>(
     row: &mut Vec<f32>,
     qv: &[f32],
     keys: &[f32],
@@ -547,7 +568,13 @@ fn softmax_row(
     // Four keys per load of the query; each score summed exactly as `dot` sums it.
     let mut e = 0;
     while e + 4 <= visible {
-        let [s] = dots([qv], [key(e), key(e + 1), key(e + 2), key(e + 3)]);
+        let four = [key(e), key(e + 1), key(e + 2), key(e + 3)];
+        let [s] = match SIMD {
+            // Safety: `SIMD` is set only inside AVX2 functions; the keys are `hd` long.
+            #[cfg(target_arch = "x86_64")]
+            true => unsafe { dots_simd::<1>([qv], four) },
+            _ => dots([qv], four),
+        };
         row.extend(s.iter().map(|&d| d * scale));
         e += 4;
     }
@@ -564,6 +591,53 @@ fn softmax_row(
     None
 }
 
+/// `o += Σₑ p[e] · v_e` over the entries in order (`v_e` at `values[e · stride..]`), each
+/// product rounded and then added, as the portable loop does. On AVX the running sums of 64
+/// dimensions stay in registers across all entries instead of going through memory at each.
+#[inline(always)]
+fn weigh_values<const SIMD: bool>(o: &mut [f32], p: &[f32], values: &[f32], stride: usize) {
+    let hd = o.len();
+    let mut d = 0;
+    #[cfg(target_arch = "x86_64")]
+    if SIMD {
+        // Safety: `SIMD` is set only inside AVX2 functions; entry e's `hd` values are in range.
+        unsafe {
+            while d + 64 <= hd {
+                weigh_block::<8>(&mut o[d..], p, &values[d..], stride);
+                d += 64;
+            }
+            while d + 8 <= hd {
+                weigh_block::<1>(&mut o[d..], p, &values[d..], stride);
+                d += 8;
+            }
+        }
+    }
+    for (e, &pe) in p.iter().enumerate() {
+        let v = &values[e * stride..e * stride + hd];
+        o[d..]
+            .iter_mut()
+            .zip(&v[d..])
+            .for_each(|(acc, &x)| *acc += pe * x);
+    }
+}
+
+/// `weigh_values` of the first `8 · B` dimensions, their sums in `B` registers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn weigh_block<const B: usize>(o: &mut [f32], p: &[f32], values: &[f32], stride: usize) {
+    use std::arch::x86_64::*;
+    let mut acc: [__m256; B] = std::array::from_fn(|b| _mm256_loadu_ps(o.as_ptr().add(8 * b)));
+    for (e, &pe) in p.iter().enumerate() {
+        let (pv, v) = (_mm256_set1_ps(pe), values.as_ptr().add(e * stride));
+        for (b, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(v.add(8 * b))));
+        }
+    }
+    for (b, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(o.as_mut_ptr().add(8 * b), *a);
+    }
+}
+
 fn merge_segments(row: &mut [f32], split: usize, wa: f32, wb: f32) {
     let (a, b) = row.split_at_mut(split);
     a.iter_mut().for_each(|p| *p *= wa);
@@ -578,23 +652,23 @@ pub fn probs_row(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) 
         // Same operations in the same order, on 256-bit registers: bitwise the same.
         return unsafe { probs_row_avx2(parts, t, head, out) };
     }
-    probs_row_in(parts, t, head, out)
+    probs_row_in::<false>(parts, t, head, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn probs_row_avx2(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
-    probs_row_in(parts, t, head, out)
+    probs_row_in::<true>(parts, t, head, out)
 }
 
 #[inline(always)]
-fn probs_row_in(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
+fn probs_row_in<const SIMD: bool>(parts: &HostAttnParts, t: usize, head: usize, out: &mut [f32]) {
     let (hd, kv_dim) = (parts.head_dim, parts.kv_heads * parts.head_dim);
     let kvh = head / (parts.heads / parts.kv_heads);
     let qv = &parts.q[(t * parts.heads + head) * hd..(t * parts.heads + head + 1) * hd];
     let mut row = Vec::new();
     let visible = parts.base + t + 1;
-    let weights = softmax_row(
+    let weights = softmax_row::<SIMD>(
         &mut row,
         qv,
         &parts.keys,

@@ -9,6 +9,7 @@ pub mod chunks;
 pub mod config;
 pub mod device;
 mod forward;
+pub mod gemm;
 pub mod generate;
 pub mod kv_cache;
 pub mod model;

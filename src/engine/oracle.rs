@@ -3,37 +3,36 @@
 //! against. A bug in the shared f32 code cannot move it. Slow and plain on purpose; it runs on
 //! a calibration prompt of a few dozen tokens.
 
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis};
 use rayon::prelude::*;
 
 use crate::engine::model::{Ffn, Mlp, Model};
 use crate::engine::rope::RopeTable;
 use crate::tap::{emit, LayerTap, TapId, TapSink};
 
-/// `y[n, out] = x[n, inp] · wᵀ`, `w` `[out, inp]` in f32 (exact in f64), summed in f64.
+/// `y[n, out] = x[n, inp] · wᵀ`, `w` `[out, inp]` in f32 (exact in f64), summed in f64 by
+/// matrixmultiply's DGEMM (as ndarray's `general_mat_mul` calls it), the weights widened a
+/// block of output features at a time; threads split the output features, never a sum.
 fn linear(x: &[f64], n: usize, w: &[f32], out: usize) -> Vec<f64> {
     let inp = w.len() / out;
-    let mut y = vec![0f64; n * out];
-    y.par_chunks_mut(out).enumerate().for_each(|(i, row)| {
-        let xi = &x[i * inp..(i + 1) * inp];
-        for (j, o) in row.iter_mut().enumerate() {
-            *o = dot(xi, &w[j * inp..(j + 1) * inp]);
-        }
-    });
-    y
-}
-
-/// Σ a·b in f64 over four running sums (exact enough: f64 keeps 29 bits beyond f32's).
-fn dot(a: &[f64], b: &[f32]) -> f64 {
-    let mut acc = [0f64; 4];
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..4 {
-            acc[k] += x[k] * y[k] as f64;
-        }
+    let x = ArrayView2::from_shape((n, inp), x).expect("[n, inp] rows");
+    let w = ArrayView2::from_shape((out, inp), w).expect("[out, inp] rows");
+    let mut y = Array2::<f64>::zeros((n, out));
+    if n == 0 || out == 0 {
+        return y.into_raw_vec_and_offset().0;
     }
-    let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x * y as f64).sum();
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+    let threads = rayon::current_num_threads().max(1);
+    let block = (out.div_ceil(4 * threads).div_ceil(8) * 8).clamp(8, 512);
+    let jobs: Vec<(ArrayViewMut2<'_, f64>, ArrayView2<'_, f32>)> = y
+        .axis_chunks_iter_mut(Axis(1), block)
+        .zip(w.axis_chunks_iter(Axis(0), block))
+        .collect();
+    jobs.into_par_iter().for_each(|(mut yb, wb)| {
+        let wide = wb.mapv(f64::from);
+        general_mat_mul(1.0, &x, &wide.t(), 0.0, &mut yb);
+    });
+    y.into_raw_vec_and_offset().0
 }
 
 /// `linear` plus a bias (none when empty).
@@ -261,29 +260,61 @@ fn causal_attention(
     let scale = 1.0 / (hd as f64).sqrt();
     let mut out = vec![0f64; n * heads * hd];
     let mut probs = vec![0f64; n * heads * span];
-    let mut exps = Vec::with_capacity(n);
-    for t in 0..n {
-        for head in 0..heads {
-            let g = head / (heads / kvh);
-            let qv = &q[(t * heads + head) * hd..][..hd];
-            exps.clear();
-            let first = window.map_or(0, |w| (t + 1).saturating_sub(w));
-            exps.extend((first..=t).map(|e| {
-                let key = &k[(e * kvh + g) * hd..][..hd];
-                qv.iter().zip(key).map(|(a, b)| a * b).sum::<f64>() * scale
-            }));
-            let m = exps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            exps.iter_mut().for_each(|s| *s = (*s - m).exp());
-            let sum: f64 = exps.iter().sum();
-            let o = &mut out[(t * heads + head) * hd..][..hd];
-            for (e, &p) in (first..).zip(exps.iter()) {
-                let p = p / sum;
-                probs[(t * heads + head) * span + positions[e]] += p;
-                for (acc, &x) in o.iter_mut().zip(&v[(e * kvh + g) * hd..][..hd]) {
-                    *acc += p * x;
+    // One query per task, each summed in one fixed order: the same bits for any thread count.
+    out.par_chunks_mut(heads * hd)
+        .zip(probs.par_chunks_mut((heads * span).max(1)))
+        .enumerate()
+        .for_each(|(t, (out, probs))| {
+            let mut exps = Vec::with_capacity(t + 1);
+            for head in 0..heads {
+                let g = head / (heads / kvh);
+                let qv = &q[(t * heads + head) * hd..][..hd];
+                exps.clear();
+                let first = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                exps.extend((first..=t).map(|e| {
+                    let key = &k[(e * kvh + g) * hd..][..hd];
+                    qv.iter().zip(key).map(|(a, b)| a * b).sum::<f64>() * scale
+                }));
+                let m = exps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                exps.iter_mut().for_each(|s| *s = (*s - m).exp());
+                let sum: f64 = exps.iter().sum();
+                let o = &mut out[head * hd..][..hd];
+                for (e, &p) in (first..).zip(exps.iter()) {
+                    let p = p / sum;
+                    probs[head * span + positions[e]] += p;
+                    for (acc, &x) in o.iter_mut().zip(&v[(e * kvh + g) * hd..][..hd]) {
+                        *acc += p * x;
+                    }
                 }
+            }
+        });
+    (out, probs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_is_the_f64_sum() {
+        let (n, inp, out) = (5, 600, 21);
+        let x: Vec<f64> = (0..n * inp)
+            .map(|i| ((i * 37 % 101) as f64 - 50.0) / 7.0)
+            .collect();
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 11.0)
+            .collect();
+        let y = linear(&x, n, &w, out);
+        for i in 0..n {
+            for j in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|k| x[i * inp + k] * w[j * inp + k] as f64)
+                    .sum();
+                assert!(
+                    (y[i * out + j] - want).abs() <= 1e-9 * want.abs().max(1.0),
+                    "({i}, {j})"
+                );
             }
         }
     }
-    (out, probs)
 }
