@@ -10,6 +10,8 @@ set -euo pipefail
 bin=${1:-target/release/kvdiff}
 work=/tmp/kvdiff-bench-sweep
 rm -rf "$work" && mkdir -p "$work"
+# A cold calibration cache for every run, so rows are comparable between runs and binaries.
+export KVDIFF_CACHE_DIR="$work/cache"
 say() { echo "[$(date +%T)] $*" >&2; }
 model=/tmp/kvdiff-bench/model
 if [ "${SWEEP_ROWS:-all}" != cpu ] && [ ! -f "$model/config.json" ]; then

@@ -506,6 +506,147 @@ fn auto_calibration_is_cached_and_a_cached_run_reports_the_same() {
     assert_eq!(std::fs::read_dir(cache.join("noise")).unwrap().count(), 2);
 }
 
+/// One calibration cache for compare, calibrate, sweep and diff: a calibration is made at the
+/// top of its run's bucket of positions and serves every later run that reaches no further,
+/// whatever its `--max-new-tokens`; `-v` says which, and why.
+#[test]
+fn a_calibration_serves_every_run_that_reaches_no_further() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let kv = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args(args)
+            .env("KVDIFF_CACHE_DIR", &cache)
+            .env("KVDIFF_TIMING", "1")
+            .output()
+            .unwrap();
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        let err = stderr(&out);
+        (err.contains("calibration: f64 oracle prefill"), err)
+    };
+    let task = fixture("prompts/task.json");
+    let task = task.to_str().unwrap();
+    let compare = |new: &str| {
+        let args = [
+            "-v",
+            "compare",
+            "--paths",
+            "chunked-prefill:8",
+            "--max-new-tokens",
+            new,
+            task,
+        ];
+        kv(&args)
+    };
+    // task.json has 51 tokens: 3 and 8 new tokens end in the same bucket (positions < 64);
+    // 40 in the one above (< 96).
+    let (calibrated, err) = compare("3");
+    assert!(calibrated, "a cold cache calibrates");
+    assert!(
+        err.contains("noise model computed: no calibration in the cache covers"),
+        "{err}"
+    );
+    assert!(err.contains("calibrating up to position 63"), "{err}");
+    let (calibrated, err) = compare("8");
+    assert!(!calibrated, "more new tokens within the bucket: no oracle");
+    assert!(
+        err.contains("reused from the cache: calibrated up to position 63"),
+        "{err}"
+    );
+    assert!(err.contains("this run reaches 58"), "{err}");
+    // Further than any stored calibration: computed at the next bucket's top, which then
+    // serves the shorter runs too.
+    let (calibrated, err) = compare("40");
+    assert!(
+        calibrated && err.contains("calibrating up to position 95"),
+        "{err}"
+    );
+    let (calibrated, _) = compare("20");
+    assert!(!calibrated);
+    // `calibrate` stores what it measures; a compare of the same prompt (CPU only) reuses it.
+    let two = fixture("prompts/two-contexts.txt");
+    let two = two.to_str().unwrap();
+    let out = tmp.path().join("p.json");
+    let (calibrated, _) = kv(&["calibrate", "--out", out.to_str().unwrap(), two]);
+    assert!(calibrated);
+    let reused = tmp.path().join("reused.json");
+    let json = ["--json", reused.to_str().unwrap()];
+    let (calibrated, err) =
+        kv(&[&["-v", "compare", "--paths", "cascade"][..], &json, &[two]].concat());
+    assert!(!calibrated, "compare reuses calibrate's measurement: {err}");
+    let fresh = tmp.path().join("fresh.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+        .args([
+            "compare",
+            "--paths",
+            "cascade",
+            "--json",
+            fresh.to_str().unwrap(),
+            two,
+        ])
+        .env("KVDIFF_CACHE_DIR", tmp.path().join("another-cache"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(
+        read_json(&reused),
+        read_json(&fresh),
+        "a calibration made for both backends reports as one made for the run's own"
+    );
+    // A sweep calibrates each conversation once, in the same cache: a second sweep none.
+    let set = tmp.path().join("set.jsonl");
+    let text = std::fs::read_to_string(fixture("prompt-set.jsonl")).unwrap();
+    std::fs::write(
+        &set,
+        text.lines()
+            .take(3)
+            .map(|l| format!("{l}\n"))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let sweep = |out: &str| {
+        let out = tmp.path().join(out);
+        let args = [
+            "sweep",
+            "--paths",
+            "cascade",
+            "--chunkings",
+            "random:1",
+            "--max-new-tokens",
+            "2",
+        ];
+        kv(&[
+            &args[..],
+            &["--out", out.to_str().unwrap(), set.to_str().unwrap()],
+        ]
+        .concat())
+    };
+    assert!(sweep("a.jsonl").0, "the first sweep calibrates");
+    assert!(
+        !sweep("b.jsonl").0,
+        "the second sweep finds every conversation's calibration"
+    );
+    // `diff` with auto tolerance: the same.
+    let dump = tmp.path().join("dump");
+    let (_, _) = kv(&[
+        "dump",
+        "--out",
+        dump.to_str().unwrap(),
+        "--max-new-tokens",
+        "3",
+        task,
+    ]);
+    let (calibrated, _) = kv(&["-v", "diff", dump.to_str().unwrap()]);
+    assert!(calibrated);
+    let (calibrated, err) = kv(&["-v", "diff", dump.to_str().unwrap()]);
+    assert!(!calibrated, "{err}");
+    assert!(err.contains("reused from the cache"), "{err}");
+}
+
 /// A repeated run takes its prompt's ids, the vocabulary size and the EOS ids from the cache
 /// instead of waiting for `tokenizer.json` to parse, and reports exactly what the first run
 /// did; other bytes in `tokenizer.json` or a damaged entry are tokenized afresh.

@@ -97,6 +97,7 @@ fn compare_reports_of_shipped_prompts() {
         let json = tmp.path().join("r.json");
         let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
             .current_dir(root())
+            .env("KVDIFF_CACHE_DIR", tmp.path().join("cache"))
             .args([
                 "compare",
                 "--json",

@@ -6,11 +6,13 @@ use std::path::PathBuf;
 use clap::Args;
 
 use kvdiff::compare::noise::{Calibration, NoiseProfile};
+use kvdiff::compare::noise_cache;
 use kvdiff::error::{Error, Result, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::io::prompt::Prompt;
+use kvdiff::support::progress;
 
-use super::args::{load_engine, require_cuda, set_threads, BackendArg};
+use super::args::{load_engine, print_timings, require_cuda, set_threads, BackendArg};
 
 #[derive(Args)]
 pub struct CalibrateArgs {
@@ -48,16 +50,20 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
     let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
     let enc = engine.encode(&p, &a.prompt, a.max_new_tokens)?;
     let last = enc.ids.len() + a.max_new_tokens.max(1) - 1;
-    let cal = Calibration::new(&engine.model, &enc.ids, last);
-    let profile = NoiseProfile::calibrate(
-        &cal,
-        &engine.model,
-        engine.source.describe(),
-        &["cpu", "cuda"],
-    )?;
+    // Made where the cache would make it, and stored there: later `compare`, `diff` and
+    // `sweep` runs on this model and prompt reaching no further reuse it.
+    let backends = ["cpu", "cuda"];
+    let max = engine.model.config.max_position_embeddings;
+    let slot = noise_cache::slot(&engine.source, &enc.ids, last, max, &backends, gpu);
+    let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
+    let cal = Calibration::new(&engine.model, &enc.ids, at);
+    let profile =
+        NoiseProfile::calibrate(&cal, &engine.model, engine.source.describe(), &backends)?;
+    let mut gpu_noise = None;
     if gpu {
         let gpu_model = kvdiff::cuda::to_cuda(&engine.model)?;
         let measured = profile.check_gpu(&cal, &gpu_model)?;
+        gpu_noise = Some(measured.clone());
         say!("kvdiff: the GPU's own error is within what bf16 rounding allows:");
         for (kind, e) in &measured.per_kind {
             let emulated = profile.backends["cuda"]
@@ -68,6 +74,15 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
             say!("  {kind:<11} {e:.2e} (emulated {emulated:.2e})");
         }
     }
+    if let Some(s) = &slot {
+        s.store(&profile, gpu_noise.as_ref());
+        if progress::verbosity() >= 1 {
+            eprintln!(
+                "kvdiff: stored in the cache for later runs on this model and prompt that reach position {} or less",
+                s.calibrate_at
+            );
+        }
+    }
     let json = serde_json::to_vec_pretty(&profile).map_err(|e| Error::Internal(e.to_string()))?;
     match &a.out {
         Some(out) => {
@@ -76,5 +91,6 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
         }
         None => println!("{}", String::from_utf8_lossy(&json)),
     }
+    print_timings(None);
     Ok(EXIT_OK)
 }

@@ -175,17 +175,18 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     if let Some(list) = &a.cuts {
         chunked = kvdiff::sweep::cases::rechunk(&chunked, &parse_cuts(list, chunked.ids.len())?);
     }
-    let cache_key = match policy == Policy::Auto && profile.is_none() {
-        true => noise_cache::key(
+    let slot = match policy == Policy::Auto && profile.is_none() {
+        true => noise_cache::slot(
             &engine.source,
             &chunked.ids,
             chunked.ids.len() + a.max_new_tokens.max(1) - 1,
+            engine.model.config.max_position_embeddings,
             &backend_names(&reference, &targets, backend),
             reference.on(backend) == Backend::Cuda,
         ),
         false => None,
     };
-    let cached = cache_key.as_deref().and_then(noise_cache::load);
+    let cached = slot.as_ref().and_then(|s| s.find());
     let calibrates = policy == Policy::Auto && profile.is_none() && cached.is_none();
     let gpu_owned = if gpu_only && calibrates {
         let _p = progress::Progress::spinner("loading the model on the CPU to calibrate");
@@ -220,7 +221,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         noise_cache: cached
             .as_ref()
             .map(NoiseCache::Hit)
-            .or(cache_key.as_deref().map(NoiseCache::Miss)),
+            .or(slot.as_ref().map(NoiseCache::Miss)),
         invariants: !a.no_invariants,
     }
     .run()?;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::compare::diff::Tolerance;
 use crate::compare::engine_diff::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
 use crate::compare::noise::{Calibration, NoiseProfile};
+use crate::compare::noise_cache;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
 use crate::compare::run::Policy;
 use crate::compare::target::Backend;
@@ -325,7 +326,7 @@ fn auto_tolerance(
     steps: usize,
     (ref_side, engine_side): (&str, &str),
 ) -> Result<(Tolerance, ToleranceInfo)> {
-    let (profile, source, cal) = match noise_profile {
+    let (profile, source, gpu) = match noise_profile {
         Some(f) => {
             let p = NoiseProfile::load(f)?;
             if let Some(e) = engine {
@@ -336,19 +337,53 @@ fn auto_tolerance(
         }
         None => {
             let e = engine.expect("auto without a profile loads the model");
-            let _p = progress::Progress::spinner("calibrating the noise model");
+            // The same cache as `compare`, `sweep` and `calibrate`.
             let last = prompt_ids.len() + steps.max(1) - 1;
-            let cal = Calibration::new(&e.model, prompt_ids, last);
-            let p = NoiseProfile::calibrate(&cal, &e.model, e.source.describe(), &["cpu", "cuda"])?;
-            let src = p.describe();
-            (p, src, Some(cal))
+            let max = e.model.config.max_position_embeddings;
+            let backends = ["cpu", "cuda"];
+            let slot = noise_cache::slot(
+                &e.source,
+                prompt_ids,
+                last,
+                max,
+                &backends,
+                gpu_model.is_some(),
+            );
+            match slot.as_ref().and_then(|s| s.find()) {
+                Some(hit) => {
+                    if progress::verbosity() >= 1 {
+                        eprintln!(
+                            "kvdiff: noise model {}",
+                            noise_cache::why_reused(&hit, last)
+                        );
+                    }
+                    let src = hit.profile.describe();
+                    (hit.profile, src, hit.gpu)
+                }
+                None => {
+                    if let (Some(s), true) = (&slot, progress::verbosity() >= 1) {
+                        eprintln!("kvdiff: noise model computed: {}", s.why_computed());
+                    }
+                    let _p = progress::Progress::spinner("calibrating the noise model");
+                    let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
+                    let cal = Calibration::new(&e.model, prompt_ids, at);
+                    let p =
+                        NoiseProfile::calibrate(&cal, &e.model, e.source.describe(), &backends)?;
+                    // A GPU reference is held to what bf16 allows; a pinned profile
+                    // (`kvdiff calibrate --backend cuda`) was checked on this GPU when it was
+                    // made.
+                    let gpu = match gpu_model {
+                        Some(g) => Some(p.check_gpu(&cal, g)?),
+                        None => None,
+                    };
+                    if let Some(s) = &slot {
+                        s.store(&p, gpu.as_ref());
+                    }
+                    let src = p.describe();
+                    (p, src, gpu)
+                }
+            }
         }
-    };
-    // A GPU reference is held to what bf16 allows; a pinned profile (`kvdiff calibrate
-    // --backend cuda`) was checked on this GPU when it was made.
-    let gpu = match (gpu_model, &cal) {
-        (Some(g), Some(cal)) => Some(profile.check_gpu(cal, g)?),
-        _ => None,
     };
     let t = profile.tolerance(ref_side, engine_side)?;
     let info = ToleranceInfo::learned(&t, &profile, source, gpu);

@@ -1,8 +1,13 @@
-//! Noise calibrations kept between runs. An auto-tolerance run's noise profile (and its check of
-//! the GPU reference) is stored in kvdiff's cache (`support/cache.rs`) under a key of
-//! everything it depends on: the kvdiff binary, the model's files, the calibration tokens and
-//! the positions they are rotated at, the backends, and the GPU when one takes part. A run repeated in CI, or a case re-run
-//! from a sweep, then skips the f64 recomputation, the costliest part of a short comparison.
+//! Noise calibrations kept between runs, one cache for `compare`, `diff`, `sweep` and
+//! `calibrate`. An auto-tolerance run's noise profile (and its check of the GPU reference) is
+//! stored in kvdiff's cache (`support/cache.rs`) under a key of everything it depends on: the
+//! kvdiff binary, the model's files, the calibration tokens, the backends, and the GPU when it
+//! is the reference; then by position bucket. A calibration is made at the top of its run's
+//! bucket of positions (quarter steps between powers of two: 64, 80, 96, 112, 128, 160, ...;
+//! RoPE's rounding grows with the angle, so more positions are the harder case), and serves
+//! every later run that reaches no further: another
+//! `--max-new-tokens`, a shorter continuation, a sweep case of the same conversation. Those
+//! runs skip the f64 recomputation, the costliest part of a short comparison.
 
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
@@ -19,6 +24,9 @@ pub struct CachedNoise {
     pub key: String,
     pub profile: NoiseProfile,
     pub gpu: Option<BackendNoise>,
+    /// The highest position the calibration rotated its tokens at: it serves runs up to it.
+    #[serde(default)]
+    pub last_position: usize,
     /// Where it was read from.
     #[serde(skip)]
     pub file: PathBuf,
@@ -28,21 +36,138 @@ pub struct CachedNoise {
 #[derive(Clone, Copy)]
 pub enum NoiseCache<'a> {
     Hit(&'a CachedNoise),
-    /// Calibrate, then store under this key.
-    Miss(&'a str),
+    /// Calibrate as the slot says, then store there.
+    Miss(&'a Slot),
 }
 
-/// The key of a calibration; `None` where the model has no files to identify it by (an
-/// in-memory model), the binary cannot be found, or the GPU cannot be named.
-pub fn key(
+/// The smallest bucket: short runs share one calibration.
+const MIN_BUCKET: usize = 64;
+
+/// Where a run's calibration is looked for and stored.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    /// The key of everything but positions and backends.
+    base: String,
+    /// The backends the run needs noise for, sorted.
+    backends: Vec<String>,
+    /// The highest position the run reaches.
+    pub needed: usize,
+    /// Where a calibration made for it rotates its tokens up to: the top of its bucket, within
+    /// the model's positions (or the run's own, beyond them).
+    pub calibrate_at: usize,
+}
+
+/// The bucket of a run reaching `last_position`: the smallest of 64, 80, 96, 112, 128, 160, ...
+/// (quarter steps between powers of two) above it, so a calibration covers at most a quarter
+/// more positions than its run: its tolerance stays close to what the run alone would get.
+fn bucket(last_position: usize) -> usize {
+    let mut b = MIN_BUCKET;
+    while b <= last_position {
+        b = next_bucket(b);
+    }
+    b
+}
+
+fn next_bucket(b: usize) -> usize {
+    let power = 1usize << (usize::BITS - 1 - b.leading_zeros());
+    b + (power / 4).max(1)
+}
+
+/// The cache slot of a run reaching `last_position` on a model of `max_positions`; `None` where
+/// the model has no files to identify it by (an in-memory model), the binary cannot be found,
+/// or the GPU reference's GPU cannot be named.
+pub fn slot(
     src: &ModelSource,
     prompt_ids: &[u32],
     last_position: usize,
+    max_positions: usize,
     backends: &[&str],
     gpu_reference: bool,
-) -> Option<String> {
+) -> Option<Slot> {
+    let top = bucket(last_position) - 1;
+    let calibrate_at = match top < max_positions {
+        true => top,
+        false => last_position.max(max_positions.saturating_sub(1)),
+    };
+    let mut backends: Vec<String> = backends.iter().map(|b| b.to_string()).collect();
+    backends.sort();
+    backends.dedup();
+    Some(Slot {
+        base: base_key(src, prompt_ids, gpu_reference)?,
+        backends,
+        needed: last_position,
+        calibrate_at,
+    })
+}
+
+impl Slot {
+    fn entry(&self, backends: &str, bucket: usize) -> String {
+        format!("noise/{}-{backends}-{bucket}.json", self.base)
+    }
+
+    /// The stored calibration with the fewest positions that still covers this run's: made for
+    /// the run's backends, or for both (what `calibrate` and `diff` measure).
+    pub fn find(&self) -> Option<CachedNoise> {
+        let mut sets = vec![self.backends.join("+"), "cpu+cuda".to_string()];
+        sets.dedup();
+        for set in sets {
+            let mut b = bucket(self.needed);
+            while b <= 1 << 40 {
+                if let Some(c) = load(&self.entry(&set, b)) {
+                    let covers = self
+                        .backends
+                        .iter()
+                        .all(|k| c.profile.backends.contains_key(k));
+                    if c.key == self.base && c.last_position >= self.needed && covers {
+                        // Reported exactly as a calibration of the run's own backends.
+                        let mut c = c;
+                        c.profile.backends.retain(|k, _| self.backends.contains(k));
+                        return Some(c);
+                    }
+                }
+                b = next_bucket(b);
+            }
+        }
+        None
+    }
+
+    /// Stores a calibration made at `calibrate_at` (best effort).
+    pub fn store(&self, profile: &NoiseProfile, gpu: Option<&BackendNoise>) {
+        let c = CachedNoise {
+            key: self.base.clone(),
+            profile: profile.clone(),
+            gpu: gpu.cloned(),
+            last_position: self.calibrate_at,
+            file: Default::default(),
+        };
+        if let Ok(bytes) = serde_json::to_vec_pretty(&c) {
+            let entry = self.entry(&self.backends.join("+"), bucket(self.calibrate_at));
+            crate::support::cache::write(&entry, &bytes);
+        }
+    }
+
+    /// Why a run calibrates, for `-v`.
+    pub fn why_computed(&self) -> String {
+        format!(
+            "no calibration in the cache covers this model, prompt start and backends up to position {}; calibrating up to position {} (stored for later runs that reach no further)",
+            self.needed, self.calibrate_at
+        )
+    }
+}
+
+/// What a cache hit says under `-v`.
+pub fn why_reused(c: &CachedNoise, needed: usize) -> String {
+    format!(
+        "reused from the cache: calibrated up to position {} on this model, prompt start and backends; this run reaches {needed} ({})",
+        c.last_position,
+        c.file.display()
+    )
+}
+
+/// The key of a calibration but for its positions and backends.
+fn base_key(src: &ModelSource, prompt_ids: &[u32], gpu_reference: bool) -> Option<String> {
     // A GPU reference's own noise is measured on the device: another GPU is another key.
-    let device = match backends.contains(&"cuda") {
+    let device = match gpu_reference {
         true => Some(crate::cuda::device_name()?),
         false => None,
     };
@@ -70,28 +195,39 @@ pub fn key(
     prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
     // The GPU's GEMMs may be cuBLAS's (the benchmark's peer): other sums, other noise.
     let gemm = device.as_ref().map(|_| crate::cuda::cublas_asked());
-    (last_position, backends, gpu_reference, device, gemm).hash(&mut h);
+    (gpu_reference, device, gemm).hash(&mut h);
     Some(format!("{:016x}", h.finish()))
 }
 
-fn entry(key: &str) -> String {
-    format!("noise/{key}.json")
-}
-
-/// The calibration stored under `key`, if any and readable.
-pub fn load(key: &str) -> Option<CachedNoise> {
-    let file = crate::support::cache::path(&entry(key))?;
+/// The calibration stored in cache entry `entry`, if any and readable.
+fn load(entry: &str) -> Option<CachedNoise> {
+    let file = crate::support::cache::path(entry)?;
     let text = std::fs::read_to_string(&file).ok()?;
     let mut c: CachedNoise = serde_json::from_str(&text).ok()?;
-    (c.key == key && c.profile.schema == PROFILE_SCHEMA).then(|| {
+    (c.profile.schema == PROFILE_SCHEMA).then(|| {
         c.file = file;
         c
     })
 }
 
-/// Stores a calibration (best effort).
-pub fn store(c: &CachedNoise) {
-    if let Ok(bytes) = serde_json::to_vec_pretty(c) {
-        crate::support::cache::write(&entry(&c.key), &bytes);
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_step_by_quarters_and_cover_their_run() {
+        let mut seq = vec![MIN_BUCKET];
+        while seq.len() < 10 {
+            seq.push(next_bucket(*seq.last().unwrap()));
+        }
+        assert_eq!(seq, [64, 80, 96, 112, 128, 160, 192, 224, 256, 320]);
+        for last in 0..5000 {
+            let b = bucket(last);
+            assert!(b > last, "{last} in {b}");
+            assert!(
+                b <= (last + 1).max(MIN_BUCKET) * 5 / 4 + 1,
+                "{last}: {b} overshoots"
+            );
+        }
     }
 }

@@ -6,7 +6,7 @@ use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
 use crate::compare::invariants::Invariant;
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
-use crate::compare::noise_cache::{CachedNoise, NoiseCache};
+use crate::compare::noise_cache::NoiseCache;
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
 use crate::cuda::MemoAct;
@@ -237,7 +237,9 @@ impl Request<'_> {
             // Reported exactly as a fresh calibration: the cache only saves time.
             Some(NoiseCache::Hit(c)) => {
                 if progress::verbosity() >= 1 {
-                    eprintln!("kvdiff: noise model from the cache: {}", c.file.display());
+                    let needed = self.last_position();
+                    let why = crate::compare::noise_cache::why_reused(c, needed);
+                    eprintln!("kvdiff: noise model {why}");
                 }
                 return Ok(Learned {
                     profile: c.profile.clone(),
@@ -245,24 +247,27 @@ impl Request<'_> {
                     gpu: c.gpu.clone(),
                 });
             }
-            Some(NoiseCache::Miss(key)) if self.noise_profile.is_none() => {
-                let learned = self.calibrate()?;
-                crate::compare::noise_cache::store(&CachedNoise {
-                    key: key.to_string(),
-                    profile: learned.profile.clone(),
-                    gpu: learned.gpu.clone(),
-                    file: Default::default(),
-                });
+            Some(NoiseCache::Miss(slot)) if self.noise_profile.is_none() => {
+                if progress::verbosity() >= 1 {
+                    eprintln!("kvdiff: noise model computed: {}", slot.why_computed());
+                }
+                let learned = self.calibrate_at(slot.calibrate_at)?;
+                slot.store(&learned.profile, learned.gpu.as_ref());
                 return Ok(learned);
             }
             _ => {}
         }
-        self.calibrate()
+        self.calibrate_at(self.last_position())
     }
 
-    fn calibrate(&self) -> Result<Learned> {
+    /// The highest position the comparison reaches.
+    fn last_position(&self) -> usize {
+        self.prompt.ids.len() + self.max_new_tokens.max(1) - 1
+    }
+
+    /// The noise model calibrated with its tokens rotated up to position `last`.
+    fn calibrate_at(&self, last: usize) -> Result<Learned> {
         let model = &self.engine.model;
-        let last = self.prompt.ids.len() + self.max_new_tokens.max(1) - 1;
         let calibrate = || Calibration::new(model, &self.prompt.ids, last);
         let (profile, cal, source) = match self.noise_profile {
             Some((p, file)) => {

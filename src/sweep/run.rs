@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
+use crate::compare::noise_cache;
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{Policy, Request};
 use crate::compare::target::{Backend, Target};
@@ -311,7 +312,6 @@ impl Sweep<'_> {
         let model = &self.engine.model;
         let made = self.profiles[c].get_or_init(|| {
             let last = ids.len() + self.max_new_tokens.max(1) - 1;
-            let cal = Calibration::new(model, ids, last);
             let mut backends = vec![Backend::Cpu];
             backends.extend(
                 std::iter::once(&self.reference)
@@ -321,8 +321,21 @@ impl Sweep<'_> {
             let mut names: Vec<&str> = backends.iter().map(|b| b.name()).collect();
             names.sort();
             names.dedup();
-            NoiseProfile::calibrate(&cal, model, self.engine.source.describe(), &names)
-                .map_err(|e| e.to_string())
+            // The same cache as `compare`: a conversation calibrated by an earlier sweep, or
+            // by a compare of the same prompt and backends, is not calibrated again.
+            let max = model.config.max_position_embeddings;
+            let slot = noise_cache::slot(&self.engine.source, ids, last, max, &names, false);
+            if let Some(hit) = slot.as_ref().and_then(|s| s.find()) {
+                return Ok(hit.profile);
+            }
+            let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
+            let cal = Calibration::new(model, ids, at);
+            let p = NoiseProfile::calibrate(&cal, model, self.engine.source.describe(), &names)
+                .map_err(|e| e.to_string())?;
+            if let Some(s) = &slot {
+                s.store(&p, None);
+            }
+            Ok(p)
         });
         made.as_ref().map_err(|e| Error::Calibration(e.clone()))
     }
