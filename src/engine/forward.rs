@@ -4,7 +4,7 @@
 //! `ops.rs` the element-wise arithmetic.
 
 use half::bf16;
-use ndarray::{s, Array2, ArrayView2, ArrayViewMut3, Axis, Dimension, Zip};
+use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut3, Axis, Dimension, Zip};
 
 use crate::engine::arch::Moe;
 use crate::engine::gemm::matmul_t;
@@ -28,7 +28,15 @@ fn flat<D: Dimension>(a: &ndarray::ArrayRef<f32, D>) -> &[f32] {
 }
 
 /// `[token, head·dim]` seen as `[token, head, dim]`.
-fn heads_of(a: &mut Array2<f32>, heads: usize) -> ArrayViewMut3<'_, f32> {
+fn heads_of(a: &Array2<f32>, heads: usize) -> ArrayView3<'_, f32> {
+    let (n, width) = a.dim();
+    a.view()
+        .into_shape_with_order((n, heads, width / heads))
+        .expect("a standard-layout array")
+}
+
+/// `heads_of`, to rotate in place.
+fn heads_of_mut(a: &mut Array2<f32>, heads: usize) -> ArrayViewMut3<'_, f32> {
     let (n, width) = a.dim();
     a.view_mut()
         .into_shape_with_order((n, heads, width / heads))
@@ -229,7 +237,7 @@ impl Model {
         tap.emit(LayerTap::AttnNorm, &xn);
         let q = self.linear(xn.view(), &w.q_proj, &w.q_bias);
         let k = self.linear(xn.view(), &w.k_proj, &w.k_bias);
-        let mut v = self.linear(xn.view(), &w.v_proj, &w.v_bias);
+        let v = self.linear(xn.view(), &w.v_proj, &w.v_bias);
 
         // 2. Per-head RMSNorm of q and k before RoPE, where the family has it (Qwen3): each
         // head's `dim` values are one row.
@@ -249,18 +257,23 @@ impl Model {
             true => (head_norm(q, &w.q_norm), head_norm(k, &w.k_norm)),
             false => (q, k),
         };
-        tap.emit(LayerTap::Q, &heads_of(&mut q, heads));
-        tap.emit(LayerTap::K, &heads_of(&mut k, kv_heads));
-        tap.emit(LayerTap::V, &heads_of(&mut v, kv_heads));
+        tap.emit(LayerTap::Q, &heads_of(&q, heads));
+        tap.emit(LayerTap::K, &heads_of(&k, kv_heads));
+        tap.emit(LayerTap::V, &heads_of(&v, kv_heads));
 
         // 3. RoPE.
         let table = c.rope_table();
         let scale = table.scale as f32;
         let at = batch.rope_positions;
-        rope(heads_of(&mut q, heads), at, &table.inv_freq_f32, scale);
-        rope(heads_of(&mut k, kv_heads), at, &table.inv_freq_f32, scale);
-        tap.emit(LayerTap::QRope, &heads_of(&mut q, heads));
-        tap.emit(LayerTap::KRope, &heads_of(&mut k, kv_heads));
+        rope(heads_of_mut(&mut q, heads), at, &table.inv_freq_f32, scale);
+        rope(
+            heads_of_mut(&mut k, kv_heads),
+            at,
+            &table.inv_freq_f32,
+            scale,
+        );
+        tap.emit(LayerTap::QRope, &heads_of(&q, heads));
+        tap.emit(LayerTap::KRope, &heads_of(&k, kv_heads));
 
         // 4. Append to the cache the path gave us.
         cache.push_host(l, flat(&k), flat(&v));
