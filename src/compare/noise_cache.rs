@@ -4,10 +4,11 @@
 //! kvdiff binary, the model's files, the calibration tokens, the backends, and the GPU when it
 //! is the reference; then by position bucket. A calibration is made at the top of its run's
 //! bucket of positions (quarter steps between powers of two: 64, 80, 96, 112, 128, 160, ...;
-//! RoPE's rounding grows with the angle, so more positions are the harder case), and serves
-//! every later run that reaches no further: another
-//! `--max-new-tokens`, a shorter continuation, a sweep case of the same conversation. Those
-//! runs skip the f64 recomputation, the costliest part of a short comparison.
+//! RoPE's rounding grows with the angle, so more positions are the harder case). It serves later
+//! runs whose bucket is its own or the one below: another `--max-new-tokens`, a shorter
+//! continuation, a sweep case of the same conversation. Those runs skip the f64 recomputation,
+//! the costliest part of a short comparison, and their tolerances stay within two quarter steps
+//! of positions of what their own calibration would give.
 
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
@@ -25,7 +26,6 @@ pub struct CachedNoise {
     pub profile: NoiseProfile,
     pub gpu: Option<BackendNoise>,
     /// The highest position the calibration rotated its tokens at: it serves runs up to it.
-    #[serde(default)]
     pub last_position: usize,
     /// Where it was read from.
     #[serde(skip)]
@@ -58,8 +58,9 @@ pub struct Slot {
 }
 
 /// The bucket of a run reaching `last_position`: the smallest of 64, 80, 96, 112, 128, 160, ...
-/// (quarter steps between powers of two) above it, so a calibration covers at most a quarter
-/// more positions than its run: its tolerance stays close to what the run alone would get.
+/// (quarter steps between powers of two) above it, so a calibration made for it covers at most
+/// a quarter more positions than the run: its tolerance stays close to what the run alone
+/// would get.
 fn bucket(last_position: usize) -> usize {
     let mut b = MIN_BUCKET;
     while b <= last_position {
@@ -105,27 +106,28 @@ impl Slot {
         format!("noise/{}-{backends}-{bucket}.json", self.base)
     }
 
-    /// The stored calibration with the fewest positions that still covers this run's: made for
-    /// the run's backends, or for both (what `calibrate` and `diff` measure).
+    /// A stored calibration that covers this run's positions from its own bucket or the one
+    /// above (so it covers at most two quarter steps more than the run reaches), made for the
+    /// run's backends or for both (what `calibrate` and `diff` measure); the fewest positions
+    /// first.
     pub fn find(&self) -> Option<CachedNoise> {
         let mut sets = vec![self.backends.join("+"), "cpu+cuda".to_string()];
         sets.dedup();
-        for set in sets {
-            let mut b = bucket(self.needed);
-            while b <= 1 << 40 {
-                if let Some(c) = load(&self.entry(&set, b)) {
-                    let covers = self
-                        .backends
-                        .iter()
-                        .all(|k| c.profile.backends.contains_key(k));
-                    if c.key == self.base && c.last_position >= self.needed && covers {
-                        // Reported exactly as a calibration of the run's own backends.
-                        let mut c = c;
-                        c.profile.backends.retain(|k, _| self.backends.contains(k));
-                        return Some(c);
-                    }
+        let own = bucket(self.needed);
+        for b in [own, next_bucket(own)] {
+            for set in &sets {
+                let Some(mut c) = load(&self.entry(set, b)) else {
+                    continue;
+                };
+                let covers = self
+                    .backends
+                    .iter()
+                    .all(|k| c.profile.backends.contains_key(k));
+                if c.key == self.base && c.last_position >= self.needed && covers {
+                    // Reported exactly as a calibration of the run's own backends.
+                    c.profile.backends.retain(|k, _| self.backends.contains(k));
+                    return Some(c);
                 }
-                b = next_bucket(b);
             }
         }
         None

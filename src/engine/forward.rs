@@ -443,6 +443,13 @@ pub fn attention(
     hd: usize,
     probs: Option<ProbsOut<'_>>,
 ) -> Vec<f32> {
+    // The AVX loops read keys and values unchecked: every entry a query can see must be there.
+    let entries = (base + n) * kv_heads * hd;
+    assert!(
+        q.len() >= n * heads * hd && keys.len() >= entries && values.len() >= entries,
+        "attention: {n} queries over {} cached entries need more keys or values",
+        base + n
+    );
     let inputs = Inputs {
         q,
         keys,
@@ -784,6 +791,9 @@ mod tests {
             (6, 10, 4, None, 4, 4, 8),
             (7, 9, 3, Some(5), 2, 2, 20),
             (1, 30, 0, Some(8), 4, 1, 16),
+            // Real head sizes: the value sums' 64-wide register blocks, and one with a tail.
+            (5, 6, 0, None, 4, 2, 128),
+            (4, 3, 2, None, 2, 1, 72),
         ];
         for (n, base, split, window, heads, kv_heads, hd) in cases {
             let q = rand(n * heads * hd);

@@ -1,16 +1,17 @@
 //! `y = x · wᵀ` for the CPU backend, with `w` in torch's Linear layout `[out, inp]`.
 //!
 //! Many rows (a prefill) go through matrixmultiply's packed SGEMM, as ndarray's
-//! `general_mat_mul` calls it. A few rows (a decode step) go through a GEMV that reads every
-//! weight once, which a packed GEMM cannot: it would copy the whole matrix into its panels for
-//! one row. The GEMV sums each output exactly as the SGEMM kernel does: a fused multiply-add
+//! `general_mat_mul` calls it. A few rows (a decode step) go through a GEMV that reads the
+//! weights straight from their rows, once per row of x, which a packed GEMM cannot: it would
+//! copy the whole matrix into its panels for one row. The GEMV sums each output exactly as the SGEMM kernel does: a fused multiply-add
 //! chain from zero over each 256-long block of the inputs, the blocks added in order. So a
 //! row's result never depends on how many rows it was computed with, and a path that prefills
 //! in pieces or decodes one token at a time gives the standard prefill's bits
 //! (`gemv_is_bitwise_the_sgemm` holds the two to it).
 //!
-//! Threads split the output features, never a sum, so results are bitwise the same for any
-//! thread count.
+//! Threads split the output features or the rows, never a sum, so results are bitwise the same
+//! for any thread count. The SGEMM kernel mirrored is matrixmultiply's AVX2 FMA one (its
+//! AVX-512 kernel is left off in Cargo.toml).
 
 use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array2, ArrayView2, ArrayViewMut2, Axis};
@@ -65,14 +66,15 @@ pub fn matmul_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
     y
 }
 
-/// One thread's share of `len`, in whole multiples of `unit` (the kernel's 8-wide tiles): one
-/// job per thread, so each packs its operands once.
+/// One thread's share of `len`, in whole multiples of `unit` (the AVX2 kernel's 8-wide tiles):
+/// one job per thread, so each packs its operands once.
 fn jobs_for(len: usize, unit: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     (len.div_ceil(threads).div_ceil(unit) * unit).max(unit)
 }
 
-/// `y`'s columns with the rows of `w` that make them, in jobs of at least `min` columns.
+/// `y`'s columns with the rows of `w` that make them, one job per thread of at least `min`
+/// columns (the last may be narrower).
 fn split<'y, 'w>(
     y: &'y mut Array2<f32>,
     w: ArrayView2<'w, f32>,
@@ -111,6 +113,10 @@ fn gemv(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>, y: &mut ArrayViewMut2<'_
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemv_fma(x: &[f32], w: &[f32], inp: usize, out: &mut [f32]) {
+    assert!(
+        x.len() == inp && w.len() >= out.len() * inp,
+        "gemv: shapes disagree"
+    );
     let rows = out.len();
     let mut j = 0;
     while j + 8 <= rows {
@@ -241,14 +247,20 @@ mod tests {
         ] {
             let (x, w) = (matrix(11, inp, inp as u64), matrix(out, inp, out as u64));
             let whole = sgemm(&x, &w);
-            assert_eq!(matmul_t(x.view(), w.view()), whole, "{inp}x{out}, 11 rows");
+            let bits = |a: ndarray::ArrayView2<'_, f32>| a.mapv(f32::to_bits);
+            let threaded = matmul_t(x.view(), w.view());
+            assert_eq!(
+                bits(threaded.view()),
+                bits(whole.view()),
+                "{inp}x{out}, 11 rows"
+            );
             for rows in 1..=GEMV_ROWS {
                 for at in [0, 11 - rows] {
                     let part = x.slice(ndarray::s![at..at + rows, ..]);
                     let y = matmul_t(part, w.view());
                     assert_eq!(
-                        y,
-                        whole.slice(ndarray::s![at..at + rows, ..]),
+                        bits(y.view()),
+                        bits(whole.slice(ndarray::s![at..at + rows, ..])),
                         "{inp}x{out}, rows {at}+{rows}"
                     );
                 }

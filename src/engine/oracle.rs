@@ -19,8 +19,8 @@ fn linear(x: &[f64], n: usize, w: &[f32], out: usize) -> Vec<f64> {
     let x = ArrayView2::from_shape((n, inp), x).expect("[n, inp] rows");
     let w = ArrayView2::from_shape((out, inp), w).expect("[out, inp] rows");
     let mut y = Array2::<f64>::zeros((n, out));
-    if n == 0 || out == 0 {
-        return y.into_raw_vec_and_offset().0;
+    if n == 0 {
+        return Vec::new();
     }
     let threads = rayon::current_num_threads().max(1);
     let block = (out.div_ceil(4 * threads).div_ceil(8) * 8).clamp(8, 512);

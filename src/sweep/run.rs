@@ -321,8 +321,9 @@ impl Sweep<'_> {
             let mut names: Vec<&str> = backends.iter().map(|b| b.name()).collect();
             names.sort();
             names.dedup();
-            // The same cache as `compare`: a conversation calibrated by an earlier sweep, or
-            // by a compare of the same prompt and backends, is not calibrated again.
+            // The same cache as `compare`: a conversation calibrated by an earlier sweep, or by
+            // a compare of the same prompt and backends with a CPU reference, is not
+            // calibrated again.
             let max = model.config.max_position_embeddings;
             let slot = noise_cache::slot(&self.engine.source, ids, last, max, &names, false);
             if let Some(hit) = slot.as_ref().and_then(|s| s.find()) {
