@@ -22,6 +22,8 @@ fn linear(x: &[f64], n: usize, w: &[f32], out: usize) -> Vec<f64> {
     if n == 0 {
         return Vec::new();
     }
+    // Not `gemm.rs`'s one job per thread: each job widens its weight block to f64, and an LM
+    // head's half would be hundreds of MB; 512 features at most keep that to a few MB.
     let threads = rayon::current_num_threads().max(1);
     let block = (out.div_ceil(4 * threads).div_ceil(8) * 8).clamp(8, 512);
     let jobs: Vec<(ArrayViewMut2<'_, f64>, ArrayView2<'_, f32>)> = y
