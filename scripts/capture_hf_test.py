@@ -53,7 +53,7 @@ def run(model, ids, out, cuts, bug=None, steps=16, prompt=None):
     bounds = [0] + cuts + [len(ids)]
     rotary = model.model.rotary_emb
     saved = rotary.inv_freq.clone()
-    if bug == "inv-freq":
+    if bug in ("inv-freq", "inv-freq-short"):
         rotary.inv_freq.copy_(saved.to(torch.bfloat16).to(saved.dtype))
     try:
         with torch.no_grad(), kc.capture(model, out, engine=f"hf-{model.dtype}".replace("torch.", ""), prompt=prompt):
@@ -148,6 +148,9 @@ def main():
                 ("restart", cuts, "restart", ("L0.q_rope", cuts[0])),
                 ("no-cache", cuts, "no-cache", ("L0.attn_probs", cuts[0])),
                 ("inv-freq", [], "inv-freq", ("L0.q_rope", None)),
+                # The same bug on the short prompt: in bf16 it stays inside the row test's
+                # tolerance, and only RoPE rerun on the engine's own q and k names it.
+                ("inv-freq-short", [], "inv-freq-short", ("L0.q_rope|L0.k_rope", None)),
                 ("template", [], "template", ("prompt", head)),
             ]:
                 if bug == "template" and head is None:
@@ -168,7 +171,7 @@ def main():
                 elif want is None:
                     ok = code == 0 and site is None
                 else:
-                    ok = code == 1 and site is not None and site[0] == 0 and site[1] == want[0] and \
+                    ok = code == 1 and site is not None and site[0] == 0 and site[1] in want[0].split("|") and \
                         (want[1] is None or site[2] == want[1])
                 failed += not ok
                 extra = ""

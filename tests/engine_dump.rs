@@ -800,3 +800,76 @@ fn rows_an_engine_took_from_its_prefix_cache_are_run_by_the_reference_alone() {
         assert_eq!(code, Some(if want.is_some() { 1 } else { 0 }), "{name}");
     }
 }
+
+/// A bf16 engine (the CPU's emulation of one: `dump --precision bf16`) with a planted bug whose
+/// error stays inside one bf16 row's tolerance. Each op rerun on the engine's own inputs (blame
+/// by replay) names it where it acts; the clean twin stays equivalent.
+#[test]
+fn replay_names_bf16_bugs_below_the_row_tolerance_where_they_act() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = common::fixture("prompts/two-contexts.txt");
+    // An engine without attention probabilities (as flash attention): the attention is blamed
+    // from its output alone.
+    let no_probs = "embed,L*.resid_in,L*.attn_norm,L*.q,L*.k,L*.v,L*.q_rope,L*.k_rope,\
+                    L*.attn_out,L*.o_proj,L*.resid_mid,L*.mlp_norm,L*.mlp_out,L*.resid_out,\
+                    final_norm,logits";
+    let json = tmp.path().join("r.json");
+    let mut prompt_len = 0;
+    // (fault, taps dumped, taps that may be named, step, the first decode position or any)
+    let cases: [(&str, &str, &[&str], u64, bool); 4] = [
+        ("", "*", &[], 0, false),
+        (
+            "fused-norm-without-residual",
+            "*",
+            &["L0.mlp_norm"],
+            1,
+            true,
+        ),
+        (
+            "rope-frequencies-bf16",
+            "*",
+            &["L0.q_rope", "L0.k_rope"],
+            0,
+            false,
+        ),
+        (
+            "decode-kv-slot-off-by-one",
+            no_probs,
+            &["L0.attn_out", "L1.attn_out"],
+            1,
+            true,
+        ),
+    ];
+    for (fault, taps, want, step, decode) in cases {
+        let out = tmp.path().join(format!("bf16-{fault}"));
+        let o = Command::new(common::kvdiff_bin())
+            .args(["dump", "-q", "--precision", "bf16", "--max-new-tokens", "4"])
+            .args(["--taps", taps, "--out", out.to_str().unwrap()])
+            .arg(&prompt)
+            .env("KVDIFF_FAULT", fault)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let (code, r) = diff(&[&out], &json);
+        if fault.is_empty() {
+            assert_eq!(code, Some(0), "the clean bf16 twin: {r}");
+            assert_eq!(first(&r), None);
+            prompt_len = r["prompt_tokens"].as_u64().unwrap();
+            continue;
+        }
+        assert_eq!(code, Some(1), "{fault}: {r}");
+        let (s, tap, pos) = first(&r).expect("diverged");
+        let d = &r["paths"][0]["first_divergence"];
+        assert!(
+            want.contains(&tap.as_str()) && s == step && (!decode || pos == prompt_len),
+            "{fault}: named at step {s}, {tap}, position {pos}"
+        );
+        assert_eq!(d["test"], "replay", "{fault}: {d}");
+        let b = &d["blame"];
+        assert!(
+            b["adds_rms"].as_f64().unwrap() > b["bound_rms"].as_f64().unwrap()
+                || b["adds_max"].as_f64().unwrap() > b["bound_max"].as_f64().unwrap(),
+            "{fault}: {b}"
+        );
+    }
+}

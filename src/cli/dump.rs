@@ -25,16 +25,38 @@ pub struct DumpArgs {
     /// Replace --out if it already exists.
     #[arg(long)]
     force: bool,
+    /// f32, or bf16: the CPU's emulation of a bf16 engine (weights and every matmul input
+    /// rounded to bf16), its taps stored as bf16 and meta.json's dtype `bfloat16`: a dump
+    /// `kvdiff diff` holds as a 16-bit engine.
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: Precision,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
 }
 
 pub fn run(a: DumpArgs) -> Result<i32> {
     let (run, out) = (&a.run, &a.out);
     check_output_parent(out, "--out")?;
-    let (engine, prompt) = setup(run)?;
+    let (mut engine, prompt) = setup(run)?;
+    let bf16 = a.precision == Precision::Bf16;
+    if bf16 {
+        if run.backend.backend() != kvdiff::compare::target::Backend::Cpu {
+            return Err(kvdiff::error::Error::usage(
+                "--precision",
+                "bf16 emulates a bf16 engine on the CPU; the cuda backend runs in bf16 already",
+                "drop --precision bf16, or use --backend cpu",
+            ));
+        }
+        engine.model = engine.model.bf16_emulation();
+    }
     let layers = engine.model.config.num_hidden_layers;
     let filter = tap_filter(&a.taps, layers)?;
     let enc = engine.encode(&prompt, &run.prompt, run.max_new_tokens)?;
-    let mut dumper = Dumper::new(out, &filter, layers, a.force)?;
+    let mut dumper = Dumper::new(out, &filter, layers, a.force)?.storing_bf16(bf16);
     let gen = engine.generate(&enc.ids, run.max_new_tokens, &mut dumper);
     let meta = serde_json::json!({
         "model": engine.source.describe(),
@@ -43,6 +65,7 @@ pub fn run(a: DumpArgs) -> Result<i32> {
         "generated_ids": gen.tokens,
         "generated_text": gen.text,
         "taps": a.taps,
+        "dtype": if bf16 { "bfloat16" } else { "float32" },
     });
     let files = dumper.finish(out, &meta)?;
     say!("kvdiff: wrote {files} step files to {}", out.display());

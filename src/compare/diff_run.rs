@@ -230,6 +230,9 @@ impl OpenedDiff<'_> {
             tolerance: &tolerance,
             tokenizer: engine.map(|e| &e.tokenizer),
             label,
+            replay: engine
+                .map(|e| &e.model)
+                .filter(|_| req.policy == Policy::Auto),
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {

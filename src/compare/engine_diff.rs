@@ -8,7 +8,7 @@ use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::TokenFlip;
-use crate::compare::report::{EngineInfo, PathReport, TokenDivergence};
+use crate::compare::report::{Blame, Divergence, EngineInfo, PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
@@ -164,6 +164,109 @@ impl ReferenceSource for ReferenceRun<'_> {
     }
 }
 
+impl DumpDiff<'_> {
+    /// The first divergence once replay has had its say: the row test's, moved back to the op
+    /// that added its error where replay finds one, or an op that adds more than its rounding
+    /// can on its own, whichever comes first.
+    fn with_replay(
+        &self,
+        rp: &crate::compare::replay::Replayer<'_>,
+        row: Option<Divergence>,
+        tokens: &[u32],
+    ) -> Option<Divergence> {
+        let row_order = row.as_ref().map(|d| d.order);
+        let row_tap = row.as_ref().map(|d| d.tap.clone());
+        let mut best = row.map(|mut d| {
+            let (s, id, p) = d.order;
+            match rp.blame(s, p, id) {
+                Some((op, r)) if op < id => self.replayed(rp, (s, op, p), r, tokens, Some(d.tap)),
+                _ => {
+                    d.blame = rp.row(s, p, id).map(|r| blame_of(rp, id, r, None));
+                    d
+                }
+            }
+        });
+        if let Some((o, r)) = rp.first_fired(row_order) {
+            if best.as_ref().is_none_or(|b| o < b.order) {
+                let later = row_order.filter(|&ro| ro > o).and(row_tap);
+                best = Some(self.replayed(rp, o, r, tokens, later));
+            }
+        }
+        best
+    }
+
+    /// A divergence where replay found an op adding error.
+    fn replayed(
+        &self,
+        rp: &crate::compare::replay::Replayer<'_>,
+        (step, id, pos): (usize, TapId, usize),
+        r: &crate::compare::replay::RowReplay,
+        tokens: &[u32],
+        row_test_at: Option<String>,
+    ) -> Divergence {
+        use crate::compare::replay::{op_name, BOUND_UNITS, RMS_UNITS};
+        use crate::tap::LayerTap as T;
+        let hd = self.replay.map_or(0, |m| m.config.head_dim).max(1);
+        let per_head = matches!(
+            id,
+            TapId::Layer(_, T::Q | T::K | T::V | T::QRope | T::KRope | T::AttnOut)
+        );
+        let token = tokens.get(pos).copied().unwrap_or(0);
+        let unit = rp.unit();
+        Divergence {
+            step,
+            layer: id.layer(),
+            tap: id.to_string(),
+            position: pos,
+            token,
+            token_text: self
+                .tokenizer
+                .map(|t| t.decode(&[token], false))
+                .unwrap_or_default(),
+            head: per_head.then_some(r.index / hd),
+            index: if per_head { r.index % hd } else { r.index },
+            kind: "value",
+            reference: r.replay,
+            value: r.engine,
+            max_abs: r.max_abs as f32,
+            rel_l2: r.rel_l2,
+            cosine: r.cosine,
+            tolerance: format!(
+                "{} rerun on the engine's own inputs may add {BOUND_UNITS}·u at one value (of the row's scale {:.3e}) and {RMS_UNITS}·u over the row (u = 2^{}, the engine's {})",
+                op_name(id),
+                r.scale,
+                unit.log2().round() as i32,
+                self.engine.meta.dtype
+            ),
+            policy: "replay",
+            attn_rows: None,
+            test: "replay",
+            blame: Some(blame_of(rp, id, r, row_test_at)),
+            order: (step, id, pos),
+        }
+    }
+}
+
+/// What replay says of the op whose output is `id`, in units of the engine's precision.
+fn blame_of(
+    rp: &crate::compare::replay::Replayer<'_>,
+    id: TapId,
+    r: &crate::compare::replay::RowReplay,
+    row_test_at: Option<String>,
+) -> Blame {
+    let u = rp.unit();
+    Blame {
+        op: crate::compare::replay::op_name(id).to_string(),
+        unit: u,
+        adds_max: r.added / u,
+        adds_rms: r.rel_l2 / u,
+        bound_max: rp.bound() / u,
+        bound_rms: rp.bound_rms() / u,
+        inherits_max: r.inherited.map(|i| i / u),
+        row_test_at,
+    }
+}
+
 fn span(p: &[usize]) -> String {
     match (p.first(), p.last()) {
         (Some(a), Some(b)) if a != b => format!("{a}..={b}"),
@@ -190,6 +293,9 @@ pub struct DumpDiff<'a> {
     pub tokenizer: Option<&'a ChatTokenizer>,
     /// How the engine is named in the report.
     pub label: String,
+    /// The model on the host, whose ops are rerun on the engine's own inputs (blame by
+    /// replay); None to compare taps only.
+    pub replay: Option<&'a Model>,
 }
 
 impl DumpDiff<'_> {
@@ -226,6 +332,9 @@ impl DumpDiff<'_> {
         let mut rope_ids: BTreeMap<usize, i64> = BTreeMap::new();
         let mut stopped = None;
         let mut pending = Some(step0);
+        let mut replayer = self
+            .replay
+            .map(|m| crate::compare::replay::Replayer::new(m, &self.engine.meta.dtype));
         let progress =
             crate::support::progress::Progress::start(steps.len() as u64, "diffing steps");
         for (i, &step) in steps.iter().enumerate() {
@@ -248,6 +357,9 @@ impl DumpDiff<'_> {
                     first_token = Some(self.token_divergence(step, pos, rt, et, None, None));
                 }
                 break;
+            }
+            if let Some(rp) = replayer.as_mut() {
+                rp.step(step, &e, Some(&r.taps));
             }
             ref_has.extend(r.taps.taps.keys().copied());
             let mut rec = ReferenceRecorder::new(self.taps, layers);
@@ -300,7 +412,29 @@ impl DumpDiff<'_> {
         }
         cmp.flush();
         let all_tokens = std::mem::take(&mut cmp.tokens);
-        let first_divergence = cmp.first.take();
+        let row_first = cmp.first.take();
+        if let Some(rp) = replayer.as_mut() {
+            let _span = crate::support::timing::span("diff: products replayed");
+            rp.finish();
+        }
+        if let (Some(rp), true) = (&replayer, crate::support::progress::verbosity() >= 1) {
+            let (n, per_op) = rp.summary();
+            eprintln!(
+                "kvdiff: replay: {n} rows of ops rerun on the engine's inputs; the most each op adds in u = 2^{} (bounds {}u at a value, {}u over a row):",
+                rp.unit().log2().round() as i32,
+                crate::compare::replay::BOUND_UNITS,
+                crate::compare::replay::RMS_UNITS
+            );
+            for (kind, a, b, at) in per_op {
+                eprintln!(
+                    "kvdiff:   {kind:<12} {a:>8.2} at a value, {b:>8.2} over a row (at {at})"
+                );
+            }
+        }
+        let first_divergence = match &replayer {
+            Some(rp) => self.with_replay(rp, row_first, &all_tokens),
+            None => row_first,
+        };
         for (layer, id) in &cmp.first_tap {
             if let Some(row) = cmp.layers.get_mut(layer) {
                 row.first_tap = Some(id.to_string());

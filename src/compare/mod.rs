@@ -19,6 +19,7 @@ pub mod html;
 pub mod invariants;
 pub mod noise;
 pub mod noise_cache;
+pub mod replay;
 pub mod report;
 pub mod run;
 pub mod target;

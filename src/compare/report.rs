@@ -63,8 +63,36 @@ pub struct Divergence {
     /// For `attn_probs` compared on the host: the diverged head's row over key positions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attn_rows: Option<AttnRows>,
+    /// Which test found it: `row` (the tap against the reference, over its tolerance) or
+    /// `replay` (the op, rerun on the engine's own inputs, adds more than its rounding can).
+    pub test: &'static str,
+    /// The error the op adds against the error it inherits, where it was replayed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blame: Option<Blame>,
     #[serde(skip)]
     pub(crate) order: (usize, TapId, usize),
+}
+
+/// An op rerun on the engine's own inputs (`compare/replay.rs`): what it adds, in units `u`
+/// of the engine's precision (bf16: 2^-8).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Blame {
+    /// The op, e.g. "the MLP RMSNorm".
+    pub op: String,
+    pub unit: f64,
+    /// max|engine − replay| over the op's natural scale, in u.
+    pub adds_max: f64,
+    /// ‖engine − replay‖ / ‖replay‖, in u.
+    pub adds_rms: f64,
+    /// What its own rounding may add (`replay::BOUND_UNITS`, `replay::RMS_UNITS`).
+    pub bound_max: f64,
+    pub bound_rms: f64,
+    /// max|replay − reference| over the same scale, in u: the error its inputs carry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inherits_max: Option<f64>,
+    /// Where the row test found the drift, when that is later than the op blamed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row_test_at: Option<String>,
 }
 
 /// One head's attention row, reference and path, over key positions.
@@ -671,6 +699,27 @@ fn divergence_text(s: &mut String, d: Option<&Divergence>, colour: bool) {
                 if d.kind == "non_finite" { "  NON-FINITE" } else { "" }
             );
             let _ = writeln!(s, "    tolerance: {}", d.tolerance);
+            if let Some(b) = &d.blame {
+                let inherits = b
+                    .inherits_max
+                    .map(|i| format!("; its inputs carry {i:.1}u"))
+                    .unwrap_or_default();
+                let later = b
+                    .row_test_at
+                    .as_ref()
+                    .map(|t| format!("; the row test saw the drift only at {t}"))
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    s,
+                    "    replay: {} adds {:.1}u over the row, {:.1}u at most (its rounding: {:.0}u, {:.0}u; u = 2^{}){inherits}{later}",
+                    b.op,
+                    b.adds_rms,
+                    b.adds_max,
+                    b.bound_rms,
+                    b.bound_max,
+                    b.unit.log2().round() as i32
+                );
+            }
         }
     }
 }

@@ -262,7 +262,14 @@ impl Model {
         tap.emit(LayerTap::V, &heads_of(&v, kv_heads));
 
         // 3. RoPE.
-        let table = c.rope_table();
+        let mut table = c.rope_table();
+        if fault::active(Fault::RopeFrequenciesBf16) {
+            table.inv_freq_f32 = table
+                .inv_freq_f32
+                .iter()
+                .map(|&f| half::bf16::from_f32(f).to_f32())
+                .collect();
+        }
         let scale = table.scale as f32;
         let at = batch.rope_positions;
         rope(heads_of_mut(&mut q, heads), at, &table.inv_freq_f32, scale);
@@ -277,6 +284,14 @@ impl Model {
 
         // 4. Append to the cache the path gave us.
         cache.push_host(l, flat(&k), flat(&v));
+        if base > 0 && batch.tokens.len() == 1 && fault::active(Fault::DecodeKvSlotOffByOne) {
+            let kv = &mut cache.layers_mut()[l];
+            let d = k.len();
+            for t in [&mut kv.keys, &mut kv.values] {
+                t.copy_within(base * d..(base + 1) * d, (base - 1) * d);
+                t[base * d..(base + 1) * d].fill(0.0);
+            }
+        }
 
         // 5. Causal GQA attention: token t sees cache entries 0..=base+t (the last `window`
         // of them in a sliding layer).
@@ -290,7 +305,11 @@ impl Model {
         tap.emit(LayerTap::ResidMid, &mid);
 
         // 7. MLP (dense SwiGLU, or routed experts) and residual.
-        let mn = rms_norm(mid.view(), &w.post_attention_layernorm, c.rms_norm_eps);
+        let normed = match base > 0 && fault::active(Fault::FusedNormWithoutResidual) {
+            true => &o,
+            false => &mid,
+        };
+        let mn = rms_norm(normed.view(), &w.post_attention_layernorm, c.rms_norm_eps);
         tap.emit(LayerTap::MlpNorm, &mn);
         let mlp = match (&w.mlp, c.arch.sparse(l)) {
             (Mlp::Sparse { router, experts }, Some(moe)) => {

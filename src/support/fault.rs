@@ -26,10 +26,19 @@ pub enum Fault {
     /// The GPU backend rotates keys at batch-local positions 0..n (the classic chunk-prefill
     /// wiring bug; every kernel is still right in isolation).
     LocalKeyPositions,
+    /// A fused add + RMSNorm right alone but wrong once a KV cache exists: the MLP norm
+    /// normalises the attention's output without the residual it should add first.
+    FusedNormWithoutResidual,
+    /// RoPE's inverse frequencies rounded to bf16 (a bug transformers has shipped): the angle
+    /// error grows with the position.
+    RopeFrequenciesBf16,
+    /// A decode step writes its K/V one slot early, over the previous token's, and attends to
+    /// an empty slot of its own.
+    DecodeKvSlotOffByOne,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 11] = [
         Fault::CachedMaskOffByOne,
         Fault::ChunkIgnoresCache,
         Fault::RerotateWrongSign,
@@ -38,6 +47,9 @@ impl Fault {
         Fault::BlendWrongSlot,
         Fault::DecodePositionOffByOne,
         Fault::LocalKeyPositions,
+        Fault::FusedNormWithoutResidual,
+        Fault::RopeFrequenciesBf16,
+        Fault::DecodeKvSlotOffByOne,
     ];
 
     pub fn name(self) -> &'static str {
@@ -50,6 +62,9 @@ impl Fault {
             Fault::BlendWrongSlot => "blend-wrong-slot",
             Fault::DecodePositionOffByOne => "decode-position-off-by-one",
             Fault::LocalKeyPositions => "local-key-positions",
+            Fault::FusedNormWithoutResidual => "fused-norm-without-residual",
+            Fault::RopeFrequenciesBf16 => "rope-frequencies-bf16",
+            Fault::DecodeKvSlotOffByOne => "decode-kv-slot-off-by-one",
         }
     }
 }

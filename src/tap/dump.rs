@@ -59,6 +59,7 @@ pub struct Dumper {
     positions: Vec<usize>,
     error: Option<Error>,
     pub files: usize,
+    bf16: bool,
 }
 
 impl Dumper {
@@ -74,7 +75,15 @@ impl Dumper {
             positions: Vec::new(),
             error: None,
             files: 0,
+            bf16: false,
         })
+    }
+
+    /// Stores the taps as bf16 (each value rounded to nearest even), as a bf16 engine's
+    /// capture would.
+    pub fn storing_bf16(mut self, on: bool) -> Self {
+        self.bf16 = on;
+        self
     }
 
     fn flush(&mut self) {
@@ -98,7 +107,16 @@ impl Dumper {
         ));
         for (name, g) in &self.taps {
             let (shape, bytes) = g.tensor();
-            tensors.push((name.clone(), Dtype::F32, shape, bytes));
+            if self.bf16 {
+                let half: Vec<u8> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect();
+                tensors.push((name.clone(), Dtype::BF16, shape, half));
+            } else {
+                tensors.push((name.clone(), Dtype::F32, shape, bytes));
+            }
             if g.positions != self.positions {
                 // This tap's rows come in another order (or fewer): say which positions they are.
                 let p: Vec<i64> = g.positions.iter().map(|&p| p as i64).collect();

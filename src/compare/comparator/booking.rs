@@ -189,6 +189,8 @@ impl Comparator<'_> {
             tolerance: self.tol.describe(kind),
             policy: self.tol.policy(),
             attn_rows: None,
+            test: "row",
+            blame: None,
             order,
         });
     }
