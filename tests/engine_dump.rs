@@ -835,7 +835,7 @@ fn replay_names_bf16_bugs_below_the_row_tolerance_where_they_act() {
         (
             "decode-kv-slot-off-by-one",
             no_probs,
-            &["L0.attn_out", "L1.attn_out"],
+            &["L0.attn_out", "L1.attn_out", "L2.attn_out", "L3.attn_out"],
             1,
             true,
         ),

@@ -61,6 +61,11 @@ pub struct DiffArgs {
     /// Fail on a near-tie token flip too.
     #[arg(long)]
     strict: bool,
+    /// Compare taps only: do not rerun each op on the engine's own inputs (blame by replay,
+    /// on by default with --tolerance auto; it names bugs that stay inside one row's
+    /// tolerance, and the op that adds a divergence's error).
+    #[arg(long)]
+    no_replay: bool,
     #[command(flatten)]
     files: ReportFiles,
     /// Worker threads of kvdiff's own reference.
@@ -108,6 +113,7 @@ pub fn run(a: DiffArgs) -> Result<i32> {
             reference_dump: reference_dump.map(PathBuf::as_path),
             seq,
             model: a.model.as_deref(),
+            replay: !a.no_replay,
             backend: a.backend.backend(),
             taps: &a.taps,
             policy,

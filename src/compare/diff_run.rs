@@ -44,6 +44,8 @@ pub struct DiffRequest<'a> {
     /// The conversation the engine was asked to answer (`--prompt`); without it, the one the
     /// dump's meta.json holds, if any. Its chat template's ids are held to the engine's.
     pub prompt: Option<&'a Path>,
+    /// Rerun each op on the engine's own inputs (blame by replay; with `auto` only).
+    pub replay: bool,
 }
 
 /// A conversation to check the engine's prompt against, and where it came from.
@@ -232,7 +234,7 @@ impl OpenedDiff<'_> {
             label,
             replay: engine
                 .map(|e| &e.model)
-                .filter(|_| req.policy == Policy::Auto),
+                .filter(|_| req.replay && req.policy == Policy::Auto),
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {

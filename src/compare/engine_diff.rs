@@ -8,7 +8,9 @@ use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::TokenFlip;
-use crate::compare::report::{Blame, Divergence, EngineInfo, PathReport, TokenDivergence};
+use crate::compare::report::{
+    Blame, Divergence, EngineInfo, OpReplay, PathReport, ReplayInfo, TokenDivergence,
+};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
@@ -359,6 +361,7 @@ impl DumpDiff<'_> {
                 break;
             }
             if let Some(rp) = replayer.as_mut() {
+                let _span = crate::support::timing::span("diff: a step's ops replayed");
                 rp.step(step, &e, Some(&r.taps));
             }
             ref_has.extend(r.taps.taps.keys().copied());
@@ -417,6 +420,19 @@ impl DumpDiff<'_> {
             let _span = crate::support::timing::span("diff: products replayed");
             rp.finish();
         }
+        let replay_info = replayer.as_ref().map(|rp| {
+            let (rows, per_op) = rp.summary();
+            ReplayInfo {
+                unit: rp.unit(),
+                bound_max: crate::compare::replay::BOUND_UNITS,
+                bound_rms: crate::compare::replay::RMS_UNITS,
+                rows,
+                per_op: per_op
+                    .into_iter()
+                    .map(|(op, max, rms, at)| OpReplay { op, max, rms, at })
+                    .collect(),
+            }
+        });
         if let (Some(rp), true) = (&replayer, crate::support::progress::verbosity() >= 1) {
             let (n, per_op) = rp.summary();
             eprintln!(
@@ -490,6 +506,7 @@ impl DumpDiff<'_> {
                 ignored: self.engine.ignored.iter().cloned().collect(),
                 rope_position_ids: rope_ids.into_iter().take(8).collect(),
                 stopped_at_step: stopped,
+                replay: replay_info,
             },
         })
     }

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 
 use ndarray::{Array2, ArrayView2};
+use rayon::prelude::*;
 
 use crate::engine::gemm::matmul_t;
 use crate::engine::model::{Mlp, Model};
@@ -131,6 +132,20 @@ pub struct Replayer<'m> {
     pending: BTreeMap<TapId, Vec<Pending>>,
 }
 
+/// What a row's added error is measured against: its largest value is held to `max` (at least
+/// the replayed row's own largest), its norm to `l2` (at least the replayed row's own norm).
+#[derive(Clone, Copy)]
+struct Scale {
+    max: f64,
+    l2: f64,
+}
+
+impl From<f64> for Scale {
+    fn from(max: f64) -> Self {
+        Scale { max, l2: 0.0 }
+    }
+}
+
 /// A product's row held for `finish`: its input, the engine's output and the reference's.
 struct Pending {
     step: usize,
@@ -235,13 +250,14 @@ impl<'m> Replayer<'m> {
         (step, id, pos): (usize, TapId, usize),
         engine: &[f32],
         replay: &[f32],
-        scale: f64,
+        scale: impl Into<Scale>,
         reference: Option<&[f32]>,
     ) {
         if engine.len() != replay.len() || engine.iter().any(|v| !v.is_finite()) {
             return; // a shape the model does not give, or a non-finite value: the row test's
         }
-        let scale = scale.max(max_abs(replay)).max(f64::MIN_POSITIVE);
+        let scale: Scale = scale.into();
+        let max_scale = scale.max.max(max_abs(replay)).max(f64::MIN_POSITIVE);
         let (mut worst, mut index) = (0f64, 0usize);
         let (mut dd, mut rr, mut ee, mut er) = (0f64, 0f64, 0f64, 0f64);
         for (i, (&e, &r)) in engine.iter().zip(replay).enumerate() {
@@ -259,20 +275,19 @@ impl<'m> Replayer<'m> {
             r.iter()
                 .zip(replay)
                 .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
-                / scale
+                / max_scale
         });
         let row = RowReplay {
-            added: worst / scale,
+            added: worst / max_scale,
             inherited,
-            scale,
+            scale: max_scale,
             max_abs: worst,
             index,
             engine: engine[index],
             replay: replay[index],
-            rel_l2: if rr > 0.0 {
-                (dd / rr).sqrt()
-            } else {
-                dd.sqrt()
+            rel_l2: match dd {
+                0.0 => 0.0,
+                _ => (dd / rr.max(scale.l2 * scale.l2).max(f64::MIN_POSITIVE)).sqrt(),
             },
             cosine: if ee > 0.0 && rr > 0.0 {
                 er / (ee * rr).sqrt()
@@ -591,17 +606,52 @@ impl<'m> Replayer<'m> {
             tap(id(LayerTap::AttnOut)),
             refs(id(LayerTap::AttnOut)),
         );
-        for (&p, qr) in &q {
-            let Some(yr) = y.get(&p) else { continue };
-            if qr.len() != heads * hd || yr.len() != heads * hd || !keep(p) {
-                continue;
-            }
-            let first = c.arch.window(l).map_or(0, |wn| (p + 1).saturating_sub(wn));
-            let hist = &self.history[l];
-            if (first..=p).any(|e| !hist.contains_key(&e)) {
-                continue; // keys the dump does not hold (a prefix-cache hit): nothing to replay
-            }
-            let (want, scale) = attend(qr, hist, first, p, (heads, kvh, hd));
+        // Each query row on a worker: a long prefill's rows over every key are the replay's
+        // largest cost.
+        let _span = crate::support::timing::span("replay: attention");
+        let hist = &self.history[l];
+        let rows: Vec<(usize, &[f32], &[f32])> = q
+            .iter()
+            .filter_map(|(&p, qr)| {
+                let yr = *y.get(&p)?;
+                let first = c.arch.window(l).map_or(0, |wn| (p + 1).saturating_sub(wn));
+                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
+                let whole = (first..=p).all(|e| hist.contains_key(&e));
+                (qr.len() == heads * hd && yr.len() == heads * hd && keep(p) && whole)
+                    .then_some((p, *qr, yr))
+            })
+            .collect();
+        let window = c.arch.window(l);
+        let keys: Vec<Vec<&(Vec<f32>, Vec<f32>)>> = rows
+            .iter()
+            .map(|&(p, _, _)| {
+                let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));
+                (first..=p).map(|e| &hist[&e]).collect()
+            })
+            .collect();
+        // Every (row, head) on a worker: a decode step has one row, but many heads.
+        let group = (heads / kvh).max(1);
+        let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * heads)
+            .into_par_iter()
+            .map(|i| {
+                let (row, head) = (i / heads, i % heads);
+                let q = &rows[row].1[head * hd..(head + 1) * hd];
+                attend_head(q, &keys[row], head / group, hd)
+            })
+            .collect();
+        let replayed: Vec<(Vec<f32>, f64, f64)> = per_head
+            .chunks(heads)
+            .map(|hs| {
+                let out = hs.iter().flat_map(|h| h.0.iter().copied()).collect();
+                let natural = hs.iter().fold(0f64, |m, h| m.max(h.1));
+                (out, natural, hs.iter().map(|h| h.2).sum::<f64>().sqrt())
+            })
+            .collect();
+        for ((p, _, yr), (want, scale, norm)) in rows.into_iter().zip(replayed) {
+            let scale = Scale {
+                max: scale,
+                l2: norm,
+            };
             self.book(
                 (step, id(LayerTap::AttnOut), p),
                 yr,
@@ -716,62 +766,58 @@ fn product_rows(e: &DumpStep) -> impl Fn(usize) -> bool {
     move |p| keep.contains(&p)
 }
 
-/// One query row over the keys and values at `first..=p`, in f64: the output `[heads · hd]`
-/// and its natural scale (the attended values' size, widened by how far rounded scores can
-/// move the weights).
-fn attend(
+/// One head of one query row over the keys and values `kv` (GQA group `g`), in f64: the head's
+/// output, its natural scale (the attended values' size, widened by how far rounded scores can
+/// move the weights), and Σ p_j·v_j² over its dimensions (what its squared norm would be had
+/// its terms not cancelled).
+fn attend_head(
     q: &[f32],
-    hist: &KvRows,
-    first: usize,
-    p: usize,
-    (heads, kvh, hd): (usize, usize, usize),
-) -> (Vec<f32>, f64) {
+    kv: &[&(Vec<f32>, Vec<f32>)],
+    g: usize,
+    hd: usize,
+) -> (Vec<f32>, f64, f64) {
     let scale = 1.0 / (hd as f64).sqrt();
-    let mut out = vec![0f32; heads * hd];
-    let mut natural = 0f64;
-    let rows: Vec<&(Vec<f32>, Vec<f32>)> = (first..=p).map(|e| &hist[&e]).collect();
-    let mut s = vec![0f64; rows.len()];
-    for head in 0..heads {
-        let g = head / (heads / kvh).max(1);
-        let qv = &q[head * hd..(head + 1) * hd];
-        for (j, (k, _)) in rows.iter().enumerate() {
-            let kv = &k[g * hd..(g + 1) * hd];
-            s[j] = qv
-                .iter()
-                .zip(kv)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum::<f64>()
-                * scale;
+    let q: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+    let s: Vec<f64> = kv
+        .iter()
+        .map(|(k, _)| dot_wide(&q, &k[g * hd..(g + 1) * hd]) * scale)
+        .collect();
+    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let smax = s.iter().fold(0f64, |a, &b| a.max(b.abs()));
+    let e: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    let mut acc = vec![0f64; hd];
+    let (mut vmax, mut p2, mut spread) = (0f64, 0f64, 0f64);
+    for ((_, v), &ej) in kv.iter().zip(&e) {
+        let pj = ej / sum;
+        p2 += pj * pj;
+        for (a, &x) in acc.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
+            let x = x as f64;
+            *a += pj * x;
+            vmax = vmax.max(x.abs());
+            spread += pj * x * x;
         }
-        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let smax = s.iter().fold(0f64, |a, &b| a.max(b.abs()));
-        let mut sum = 0f64;
-        let probs: Vec<f64> = s
-            .iter()
-            .map(|&x| {
-                let e = (x - m).exp();
-                sum += e;
-                e
-            })
-            .collect();
-        let mut acc = vec![0f64; hd];
-        let (mut vmax, mut p2) = (0f64, 0f64);
-        for ((_, v), &e) in rows.iter().zip(&probs) {
-            let pj = e / sum;
-            p2 += pj * pj;
-            let vv = &v[g * hd..(g + 1) * hd];
-            for (a, &x) in acc.iter_mut().zip(vv) {
-                *a += pj * x as f64;
-                vmax = vmax.max((x as f64).abs());
-            }
-        }
-        out[head * hd..(head + 1) * hd]
-            .iter_mut()
-            .zip(&acc)
-            .for_each(|(o, &a)| *o = a as f32);
-        natural = natural.max(vmax * (1.0 + smax * p2.sqrt()));
     }
-    (out, natural)
+    let out = acc.iter().map(|&a| a as f32).collect();
+    (out, vmax * (1.0 + smax * p2.sqrt()), spread)
+}
+
+/// Σ a·b in f64 over eight running sums (a sum in one chain would not vectorise).
+fn dot_wide(a: &[f64], b: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(&x, &y)| x * y as f64)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i] as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + tail
 }
 
 #[cfg(test)]

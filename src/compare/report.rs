@@ -226,6 +226,30 @@ pub struct EngineInfo {
     /// Steps not compared because the two sides were fed different tokens from there on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped_at_step: Option<usize>,
+    /// Blame by replay: what each op, rerun on the engine's own inputs, added at most.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<ReplayInfo>,
+}
+
+/// What replay measured over a whole dump, in units `u` of the engine's precision.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ReplayInfo {
+    pub unit: f64,
+    /// An op adds more than its rounding can past these (at one value; over a row).
+    pub bound_max: f64,
+    pub bound_rms: f64,
+    /// Rows replayed, over every op.
+    pub rows: usize,
+    /// Per op (tap kind): the most it added at one value and over a row, and where the latter.
+    pub per_op: Vec<OpReplay>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct OpReplay {
+    pub op: String,
+    pub max: f64,
+    pub rms: f64,
+    pub at: String,
 }
 
 #[derive(Serialize)]
