@@ -104,6 +104,10 @@ def check(drv, json_path, html_path, shot):
             fail(f"{p['path']}: click shows {tap} at {details.get_attribute('data-position')}")
         if abs(max_abs - d["max_abs"]) > 1e-3 * abs(d["max_abs"]) + 1e-12:
             fail(f"{p['path']}: click shows max|diff| {max_abs}, JSON {d['max_abs']}")
+        if d.get("test") and drv.find_element(By.ID, "d-test").text != d["test"]:
+            fail(f"{p['path']}: click shows test {drv.find_element(By.ID, 'd-test').text}, JSON {d['test']}")
+        if d.get("blame") and not drv.find_element(By.ID, "d-replay").text.startswith(d["blame"]["op"]):
+            fail(f"{p['path']}: click shows replay {drv.find_element(By.ID, 'd-replay').text!r}, JSON {d['blame']}")
         clicked += 1
     console_errors(drv, html_path + " after clicks")
     # The screenshot shows the first path that parts, its first divergence clicked.

@@ -84,6 +84,37 @@ fn html_reports_work_in_a_real_browser() {
         files.push(json);
         files.push(html);
     }
+    // `kvdiff diff` of a bf16 engine whose fused norm is wrong once a cache exists: the page
+    // shows the op blame by replay names, and what it adds.
+    let dump = tmp.path().join("bf16-dump");
+    let o = Command::new(common::kvdiff_bin())
+        .args([
+            "dump",
+            "-q",
+            "--precision",
+            "bf16",
+            "--max-new-tokens",
+            "3",
+            "--out",
+        ])
+        .arg(&dump)
+        .arg(fixture("prompts/two-contexts.txt"))
+        .env("KVDIFF_FAULT", "fused-norm-without-residual")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (json, html) = (tmp.path().join("diff.json"), tmp.path().join("diff.html"));
+    let code = kvdiff_ok(&[
+        "diff",
+        "--json",
+        json.to_str().unwrap(),
+        "--html",
+        html.to_str().unwrap(),
+        dump.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1);
+    files.push(json);
+    files.push(html);
     // `kvdiff report` renders a saved JSON report into the same page.
     let again = tmp.path().join("rendered.html");
     let code = kvdiff_ok(&[
@@ -159,7 +190,7 @@ fn html_reports_work_in_a_real_browser() {
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert_eq!(text.matches("ok: ").count(), 7, "{text}");
+    assert_eq!(text.matches("ok: ").count(), 8, "{text}");
     for name in ["equivalent", "diverged"] {
         assert!(shots.join(format!("{name}.png")).exists());
     }
