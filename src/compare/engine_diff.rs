@@ -422,31 +422,32 @@ impl DumpDiff<'_> {
         }
         let replay_info = replayer.as_ref().map(|rp| {
             let (rows, per_op) = rp.summary();
+            let per_op: Vec<OpReplay> = per_op
+                .into_iter()
+                .map(|(op, max, rms, at)| OpReplay { op, max, rms, at })
+                .collect();
+            if crate::support::progress::verbosity() >= 1 {
+                eprintln!(
+                    "kvdiff: replay: {rows} rows of ops rerun on the engine's inputs; the most each op adds in u = 2^{} (bounds {}u at a value, {}u over a row):",
+                    rp.unit().log2().round() as i32,
+                    crate::compare::replay::BOUND_UNITS,
+                    crate::compare::replay::RMS_UNITS
+                );
+                for o in &per_op {
+                    eprintln!(
+                        "kvdiff:   {:<12} {:>8.2} at a value, {:>8.2} over a row (at {})",
+                        o.op, o.max, o.rms, o.at
+                    );
+                }
+            }
             ReplayInfo {
                 unit: rp.unit(),
                 bound_max: crate::compare::replay::BOUND_UNITS,
                 bound_rms: crate::compare::replay::RMS_UNITS,
                 rows,
-                per_op: per_op
-                    .into_iter()
-                    .map(|(op, max, rms, at)| OpReplay { op, max, rms, at })
-                    .collect(),
+                per_op,
             }
         });
-        if let (Some(rp), true) = (&replayer, crate::support::progress::verbosity() >= 1) {
-            let (n, per_op) = rp.summary();
-            eprintln!(
-                "kvdiff: replay: {n} rows of ops rerun on the engine's inputs; the most each op adds in u = 2^{} (bounds {}u at a value, {}u over a row):",
-                rp.unit().log2().round() as i32,
-                crate::compare::replay::BOUND_UNITS,
-                crate::compare::replay::RMS_UNITS
-            );
-            for (kind, a, b, at) in per_op {
-                eprintln!(
-                    "kvdiff:   {kind:<12} {a:>8.2} at a value, {b:>8.2} over a row (at {at})"
-                );
-            }
-        }
         let first_divergence = match &replayer {
             Some(rp) => self.with_replay(rp, row_first, &all_tokens),
             None => row_first,

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 
 use crate::engine::gemm::matmul_t;
 use crate::engine::model::{Mlp, Model};
+use crate::engine::oracle;
 use crate::tap::read::DumpStep;
 use crate::tap::{LayerTap, Recorded, TapId};
 
@@ -169,19 +170,13 @@ fn max_abs(v: &[f32]) -> f64 {
     v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()))
 }
 
+/// RMSNorm of each `w.len()`-wide row, by the f64 oracle's own norm.
 fn rms_norm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
-    let dim = w.len();
-    let mut y = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(dim) {
-        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / dim as f64;
-        let inv = 1.0 / (ms + eps).sqrt();
-        y.extend(
-            row.iter()
-                .zip(w)
-                .map(|(&v, &g)| (v as f64 * inv * g as f64) as f32),
-        );
-    }
-    y
+    let wide: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    oracle::norm(&wide, w, eps)
+        .iter()
+        .map(|&v| v as f32)
+        .collect()
 }
 
 fn silu(g: f64) -> f64 {
@@ -570,19 +565,10 @@ impl<'m> Replayer<'m> {
                 if xr.len() != n * hd {
                     continue;
                 }
-                let half = hd / 2;
-                let mut want = xr.to_vec();
-                for i in 0..half {
-                    // The row's true position: an engine that fed RoPE another one is wrong here.
-                    let (s, co) = rope.angle(p as f64, i).sin_cos();
-                    let (s, co) = (s * rope.scale, co * rope.scale);
-                    for hh in 0..n {
-                        let at = hh * hd;
-                        let (a, b) = (xr[at + i] as f64, xr[at + i + half] as f64);
-                        want[at + i] = (a * co - b * s) as f32;
-                        want[at + i + half] = (b * co + a * s) as f32;
-                    }
-                }
+                // The row's true position: an engine that fed RoPE another one is wrong here.
+                let mut wide: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
+                oracle::rotate(&mut wide, &[p], n, hd, &rope);
+                let want: Vec<f32> = wide.iter().map(|&v| v as f32).collect();
                 self.book(
                     (step, id(to), p),
                     yr,

@@ -62,7 +62,7 @@ fn swiglu(f: &Ffn, x: &[f64], n: usize, h: usize) -> Vec<f64> {
 }
 
 /// RMSNorm of each `weight.len()`-wide row.
-fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
+pub(crate) fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
     let dim = weight.len();
     let mut y = Vec::with_capacity(x.len());
     for row in x.chunks_exact(dim) {
@@ -73,7 +73,13 @@ fn norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
 }
 
 /// Rotate-half RoPE of `[n, heads, hd]` at `positions`, angles exact in f64.
-fn rotate(x: &mut [f64], positions: &[usize], heads: usize, hd: usize, rope: &RopeTable) {
+pub(crate) fn rotate(
+    x: &mut [f64],
+    positions: &[usize],
+    heads: usize,
+    hd: usize,
+    rope: &RopeTable,
+) {
     let half = hd / 2;
     for (t, &p) in positions.iter().enumerate() {
         for i in 0..half {
