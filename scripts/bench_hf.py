@@ -1,9 +1,11 @@
 """Benchmark peer and fixture builder for scripts/bench_cuda.sh (runs on the GPU machine).
 
   bench_hf.py build TOKENIZER_DIR OUT_DIR PROMPT_FILE [SHAPE]
-                                                         random Qwen3-0.6B-shaped model (SHAPE 4b:
-                                                         Qwen3-4B's) + 512-token prompt
-  bench_hf.py time MODEL_DIR PROMPT_FILE NEW_TOKENS      HF transformers timings, JSON on stdout
+                                                         random Qwen3-0.6B-shaped model (SHAPE 4b,
+                                                         8b: Qwen3-4B's, Qwen3-8B's) + 512-token prompt
+  bench_hf.py time MODEL_DIR PROMPT_FILE NEW_TOKENS [sdpa]
+                                                         HF transformers timings, JSON on stdout
+                                                         (sdpa: that one only)
   bench_hf.py ceilings                                   measured bandwidth and bf16 GEMM rate, JSON
   bench_hf.py prompt MODEL_DIR TOKENS PROMPT_FILE        a system + two contexts + query prompt of
                                                          about TOKENS tokens (RAG-like), JSON on stdout
@@ -23,25 +25,32 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 PROMPT_TOKENS = 512
 
 
-# Model shapes `build` makes: Qwen3-0.6B's (the benchmark's) and Qwen3-4B's, where a decode
-# step streams 8 GB of weights and is bound by it.
+# Model shapes `build` makes: Qwen3-0.6B's (the benchmark's), Qwen3-4B's, where a decode step
+# streams 8 GB of weights and is bound by it, and Qwen3-8B's (16 GB, untied), the calibration
+# benchmark's large model.
 SHAPES = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16),
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                num_attention_heads=32),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, tie_word_embeddings=False),
 }
 
 
 def build(tok_dir, out_dir, prompt_file, shape="0.6b"):
     torch.manual_seed(0)
+    shape_args = {"tie_word_embeddings": True, **SHAPES[shape]}
     cfg = Qwen3Config(
         vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151645,
-        bos_token_id=151643, torch_dtype="bfloat16", **SHAPES[shape],
+        rms_norm_eps=1e-6, rope_theta=1000000.0, eos_token_id=151645,
+        bos_token_id=151643, torch_dtype="bfloat16", **shape_args,
     )
+    # Made in bf16 directly: an 8B model in f32 would take 32 GB of GPU memory on the way.
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    torch.set_default_dtype(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tok_dir}/{f}", f"{out_dir}/{f}")
@@ -127,7 +136,7 @@ def timed(fn, reps):
     return statistics.median(times)
 
 
-def time_hf(model_dir, prompt_file, new_tokens):
+def time_hf(model_dir, prompt_file, new_tokens, only=None):
     new_tokens = int(new_tokens)
     tok = AutoTokenizer.from_pretrained(model_dir)
     msgs = json.load(open(prompt_file))["messages"]
@@ -135,6 +144,8 @@ def time_hf(model_dir, prompt_file, new_tokens):
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].cuda()
     out = {"prompt_tokens": ids.shape[1]}
     for impl, hidden in (("sdpa", False), ("eager", True)):
+        if only is not None and impl != only:
+            continue
         model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=impl).cuda().eval()
         kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -166,7 +177,7 @@ if __name__ == "__main__":
     if cmd == "build":
         build(*sys.argv[2:6])
     elif cmd == "time":
-        time_hf(*sys.argv[2:5])
+        time_hf(*sys.argv[2:6])
     elif cmd == "prompt":
         rag_prompt(*sys.argv[2:5])
     elif cmd == "ceilings":

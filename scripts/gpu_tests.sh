@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|sweep|capture|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
+#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 set -euo pipefail
 stage=${1:-all}
@@ -31,6 +31,9 @@ if [ "$stage" = all ] || [ "$stage" = startup ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = long ]; then
   scripts/bench_long.sh .out/bin/kvdiff 2>&1 | tee "$out/long.log"
+fi
+if [ "$stage" = all ] || [ "$stage" = calibration ]; then
+  scripts/bench_calibration.sh .out/bin/kvdiff 2>&1 | tee "$out/calibration.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = sweep ]; then
   scripts/bench_sweep.sh .out/bin/kvdiff 2>&1 | tee "$out/sweep.log"

@@ -154,12 +154,17 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         None => None,
     };
     // Every side on the GPU: the model goes straight there, and a CPU copy is loaded only to
-    // calibrate the noise model (auto tolerance, with no calibration cached).
+    // calibrate the noise model (auto tolerance, with no calibration cached) where the GPU
+    // oracle cannot (weights rounded on their way to the GPU, experts, no cuBLAS).
     let gpu_only = uses_cuda
         && !targets
             .iter()
             .chain(std::iter::once(&reference))
             .any(|t| t.on(backend) == Backend::Cpu);
+    if gpu_only && policy == Policy::Auto && profile.is_none() {
+        // The noise model may be calibrated on the GPU oracle: cuBLAS loads meanwhile.
+        kvdiff::cuda::preload_cublas_in_background();
+    }
     let p = load_prompt(&a)?;
     let mut engine = load_engine(
         a.model.as_deref(),
@@ -188,7 +193,8 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     };
     let cached = slot.as_ref().and_then(|s| s.find());
     let calibrates = policy == Policy::Auto && profile.is_none() && cached.is_none();
-    let gpu_owned = if gpu_only && calibrates {
+    let gpu_calibrates = gpu_only && kvdiff::cuda::oracle_unavailable(&engine.model).is_none();
+    let gpu_owned = if gpu_only && calibrates && !gpu_calibrates {
         let _p = progress::Progress::spinner("loading the model on the CPU to calibrate");
         let cpu = Model::load(&engine.source)?;
         Some(std::mem::replace(&mut engine.model, cpu))

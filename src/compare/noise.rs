@@ -10,6 +10,10 @@
 //! same value differ by about the sum of their own errors, so a row of a pair of backends (A, B)
 //! diverges when `max|path − ref| > SAFETY · (noise_A + noise_B) · max|ref|`.
 //!
+//! Where every side runs on the GPU, the oracle and the emulation run there too
+//! (`cuda/oracle.rs`, its own kernels and cuBLAS's f64 and f32 products): the same two passes,
+//! in a fraction of a second where the CPU takes a minute on an 8B model.
+//!
 //! No path takes part: a bug in chunked prefill, cached attention or a path's cache handling
 //! cannot widen the thresholds. A bug in the code every pass shares would show as the
 //! reference's own error, which the gates refuse when it is beyond what the dtype allows.
@@ -107,36 +111,113 @@ impl TapSink for NoiseMeter<'_> {
     }
 }
 
+impl<'a> NoiseMeter<'a> {
+    fn new(oracle: &'a Recorder, layers: usize) -> Self {
+        NoiseMeter {
+            table: TapFilter::all().table(layers),
+            oracle: oracle.taps.iter().map(|t| (t.id, t)).collect(),
+            per_tap: BTreeMap::new(),
+            non_finite: None,
+        }
+    }
+
+    /// Per tap, the largest row error; fails on a non-finite value.
+    fn finish(self, what: &str) -> Result<BTreeMap<TapId, f32>> {
+        match self.non_finite {
+            Some((id, pos)) => Err(non_finite(what, id, pos)),
+            None => Ok(self.per_tap),
+        }
+    }
+}
+
+fn non_finite(what: &str, id: TapId, pos: usize) -> Error {
+    Error::Calibration(format!(
+        "{what} computes a non-finite value at {id}, position {pos} of the calibration prefill"
+    ))
+}
+
 /// The calibration prefill: the prompt's first tokens, tapped at 0..k and rotated at the top of
 /// the comparison's position range.
 pub struct Calibration<'m> {
-    /// The CPU model calibrated: whose weights a re-routed oracle runs on.
+    /// The model calibrated: the CPU model (whose weights a re-routed oracle runs on), or the
+    /// GPU model when the oracle ran there.
     model: &'m Model,
     tokens: Vec<u32>,
     positions: Vec<usize>,
     rope_positions: Vec<usize>,
     oracle: Recorder,
+    /// The oracle's taps kept on the GPU, where it ran there (`cuda/oracle.rs`): the emulation
+    /// of bf16 rounding then runs there too, and passes are measured there.
+    device: Option<crate::cuda::DeviceOracle>,
+    /// `device`'s taps copied to the host, when asked for (`oracle_taps`).
+    copied: std::sync::OnceLock<Recorder>,
 }
 
 impl<'m> Calibration<'m> {
     /// `last_position`: the highest position the comparison reaches (prompt + decode steps).
     pub fn new(model: &'m Model, prompt_ids: &[u32], last_position: usize) -> Self {
+        let mut cal = Self::empty(model, prompt_ids, last_position);
+        let _span = crate::support::timing::span("calibration: f64 oracle prefill");
+        crate::engine::oracle::prefill(
+            model,
+            &cal.tokens,
+            &cal.positions,
+            &cal.rope_positions,
+            &mut cal.oracle,
+        );
+        cal
+    }
+
+    /// The calibration on the GPU `gpu_model` runs on: the f64 oracle and the emulation of
+    /// bf16 rounding both computed there (`cuda/oracle.rs`), in a fraction of a second where
+    /// the CPU takes a minute on a large model. Says why not where it cannot stand for the
+    /// CPU's (see `cuda::oracle::unavailable`); only the `cuda` backend's noise can then be
+    /// measured (`NoiseProfile::calibrate`).
+    pub fn on_gpu(
+        gpu_model: &'m Model,
+        prompt_ids: &[u32],
+        last_position: usize,
+    ) -> std::result::Result<Self, String> {
+        if let Some(why) = crate::cuda::oracle_unavailable(gpu_model) {
+            return Err(why);
+        }
+        let mut cal = Self::empty(gpu_model, prompt_ids, last_position);
+        let _span = crate::support::timing::span("calibration: f64 oracle prefill (GPU)");
+        let kept =
+            crate::cuda::oracle_keep(gpu_model, &cal.tokens, &cal.positions, &cal.rope_positions)
+                .map_err(|e| e.to_string())?;
+        cal.device = Some(kept);
+        Ok(cal)
+    }
+
+    /// The calibration prefill's tokens and positions, before any oracle ran.
+    fn empty(model: &'m Model, prompt_ids: &[u32], last_position: usize) -> Self {
         let k = prompt_ids.len().clamp(1, CALIBRATION_TOKENS);
         let tokens = prompt_ids[..k.min(prompt_ids.len())].to_vec();
         let k = tokens.len();
         let first = (last_position + 1).saturating_sub(k);
-        let positions: Vec<usize> = (0..k).collect();
-        let rope_positions: Vec<usize> = (first..first + k).collect();
         let layers = model.config.num_hidden_layers;
-        let mut oracle = Recorder::new(&TapFilter::all(), layers);
-        let _span = crate::support::timing::span("calibration: f64 oracle prefill");
-        crate::engine::oracle::prefill(model, &tokens, &positions, &rope_positions, &mut oracle);
         Calibration {
             model,
             tokens,
-            positions,
-            rope_positions,
-            oracle,
+            positions: (0..k).collect(),
+            rope_positions: (first..first + k).collect(),
+            oracle: Recorder::new(&TapFilter::all(), layers),
+            device: None,
+            copied: Default::default(),
+        }
+    }
+
+    /// Whether the oracle ran on the GPU.
+    pub fn on_gpu_oracle(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// The oracle's taps (step 0), copied from the GPU where it ran there.
+    pub fn oracle_taps(&self) -> &Recorder {
+        match &self.device {
+            Some(d) => self.copied.get_or_init(|| d.recorder()),
+            None => &self.oracle,
         }
     }
 
@@ -148,6 +229,13 @@ impl<'m> Calibration<'m> {
             rope_positions: &self.rope_positions,
             ..Batch::new(&self.tokens, &self.positions)
         };
+        if let Some(d) = &self.device {
+            let mut meter = d.meter();
+            model.forward(batch, &mut model.new_cache(), 0, &mut meter);
+            return meter
+                .finish()
+                .map_err(|(id, pos)| non_finite(what, id, pos));
+        }
         // With experts, the oracle routes each token as `model` does, so that a near-tie
         // choice rounding flipped is not booked as rounding error downstream.
         let routed;
@@ -178,37 +266,46 @@ impl<'m> Calibration<'m> {
                 &routed
             }
         };
-        let mut meter = NoiseMeter {
-            table: TapFilter::all().table(layers),
-            oracle: oracle.taps.iter().map(|t| (t.id, t)).collect(),
-            per_tap: BTreeMap::new(),
-            non_finite: None,
-        };
+        let mut meter = NoiseMeter::new(oracle, layers);
         let mut cache = model.new_cache();
         model.forward(batch, &mut cache, 0, &mut meter);
-        if let Some((id, pos)) = meter.non_finite {
-            return Err(Error::Calibration(format!(
-                "{what} computes a non-finite value at {id}, position {pos} of the calibration prefill"
-            )));
-        }
-        Ok(meter.per_tap)
+        meter.finish(what)
     }
 
     /// One backend's noise per tap kind, after the gates.
     pub fn backend_noise(&self, model: &Model, what: &str, dtype: &str) -> Result<BackendNoise> {
         let per_tap = self.measure(model, what)?;
-        let plausible = if dtype == "f32" {
-            PLAUSIBLE_F32
-        } else {
-            PLAUSIBLE_BF16
+        gated(per_tap, what, dtype)
+    }
+
+    /// The noise of bf16 rounding: the CPU's emulation of it (`Model::bf16_emulation`), or the
+    /// GPU oracle's f32 pass with bf16-rounded matmul inputs where the oracle ran there.
+    pub fn emulated_noise(&self) -> Result<BackendNoise> {
+        if self.device.is_none() {
+            return self.backend_noise(
+                &self.model.bf16_emulation(),
+                "the CPU's emulation of bf16 rounding",
+                "bf16",
+            );
+        }
+        let what = "the GPU's emulation of bf16 rounding";
+        let _span = crate::support::timing::span("calibration: bf16 emulation (GPU)");
+        let Some(d) = &self.device else {
+            unreachable!("a calibration either runs on the GPU or on the CPU");
         };
-        check_plausible(&per_tap, what, plausible)?;
-        check_growth(&per_tap, what)?;
-        Ok(BackendNoise {
-            dtype: dtype.into(),
-            measured: what.into(),
-            per_kind: per_kind(&per_tap),
-        })
+        let mut meter = d.meter();
+        crate::cuda::oracle_prefill(
+            self.model,
+            &self.tokens,
+            &self.positions,
+            &self.rope_positions,
+            crate::cuda::OraclePrecision::Bf16Emulation,
+            &mut meter,
+        )?;
+        let per_tap = meter
+            .finish()
+            .map_err(|(id, pos)| non_finite(what, id, pos))?;
+        gated(per_tap, what, "bf16")
     }
 
     pub fn rope_range(&self) -> (usize, usize) {
@@ -219,6 +316,22 @@ impl<'m> Calibration<'m> {
     pub fn tokens(&self) -> usize {
         self.tokens.len()
     }
+}
+
+/// A backend's noise per tap kind, after the gates that refuse a fault posing as rounding.
+fn gated(per_tap: BTreeMap<TapId, f32>, what: &str, dtype: &str) -> Result<BackendNoise> {
+    let plausible = if dtype == "f32" {
+        PLAUSIBLE_F32
+    } else {
+        PLAUSIBLE_BF16
+    };
+    check_plausible(&per_tap, what, plausible)?;
+    check_growth(&per_tap, what)?;
+    Ok(BackendNoise {
+        dtype: dtype.into(),
+        measured: what.into(),
+        per_kind: per_kind(&per_tap),
+    })
 }
 
 /// `--tolerance auto` for a comparison on the CPU backend alone: calibrated on `prompt_ids`
@@ -290,12 +403,13 @@ impl NoiseProfile {
         let mut out = BTreeMap::new();
         for &b in backends {
             let noise = match b {
+                "cpu" if cal.on_gpu_oracle() => {
+                    return Err(Error::Internal(
+                        "the f32 CPU backend's noise needs the CPU oracle".into(),
+                    ))
+                }
                 "cpu" => cal.backend_noise(model, "the f32 CPU backend", "f32")?,
-                _ => cal.backend_noise(
-                    &model.bf16_emulation(),
-                    "the CPU's emulation of bf16 rounding",
-                    "bf16",
-                )?,
+                _ => cal.emulated_noise()?,
             };
             out.insert(b.to_string(), noise);
         }
@@ -324,8 +438,9 @@ impl NoiseProfile {
             let allowed = GPU_VS_EMULATION * emulated.per_kind.get(kind).copied().unwrap_or(0.0);
             if e > allowed.max(FLOOR) {
                 return Err(Error::Calibration(format!(
-                    "{what}'s own error at {kind} is {e:.2e}, above {GPU_VS_EMULATION}x the {:.2e} bf16 rounding gives (emulated on the CPU)",
-                    allowed / GPU_VS_EMULATION
+                    "{what}'s own error at {kind} is {e:.2e}, above {GPU_VS_EMULATION}x the {:.2e} bf16 rounding gives ({})",
+                    allowed / GPU_VS_EMULATION,
+                    emulated.measured
                 )));
             }
         }
@@ -399,7 +514,14 @@ impl NoiseProfile {
                 "recreate it with kvdiff calibrate",
             ));
         }
-        if self.fingerprint != fingerprint(model) {
+        // A model on the GPU alone has no weights on the host to sample: its config is held
+        // to the profile's, not its weights.
+        let (theirs, ours) = (self.fingerprint.as_str(), fingerprint(model));
+        let matches = match model.device() {
+            Some(_) => theirs.split('-').next() == ours.split('-').next(),
+            None => theirs == ours,
+        };
+        if !matches {
             return Err(Error::input(
                 file,
                 format!("noise profile is for another model ({})", self.model),
@@ -410,21 +532,21 @@ impl NoiseProfile {
     }
 }
 
-/// A hash of the config and every 997th weight of each tensor.
+/// A hash of the config, then one of every 997th weight of each tensor (`CONFIG-WEIGHTS`).
 pub fn fingerprint(model: &Model) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
+    let fnv = |h: &mut u64, bytes: &[u8]| {
         for &b in bytes {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            *h = (*h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
         }
     };
-    eat(format!("{:?}", model.config).as_bytes());
+    let (mut config, mut weights) = (0xcbf2_9ce4_8422_2325u64, 0xcbf2_9ce4_8422_2325u64);
+    fnv(&mut config, format!("{:?}", model.config).as_bytes());
     for t in model.weight_slices() {
         for x in t.iter().step_by(997) {
-            eat(&x.to_bits().to_le_bytes());
+            fnv(&mut weights, &x.to_bits().to_le_bytes());
         }
     }
-    format!("{h:016x}")
+    format!("{config:016x}-{weights:016x}")
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use crate::cuda::MemoAct;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::paths::ChunkStore;
 use crate::support::progress::{self, Progress};
 use crate::tap::{TapFilter, TapSink};
@@ -150,7 +150,7 @@ struct Learned {
     gpu: Option<BackendNoise>,
 }
 
-impl Request<'_> {
+impl<'a> Request<'a> {
     fn model_on(&self, b: Backend) -> &Model {
         match b {
             Backend::Cpu => &self.engine.model,
@@ -268,7 +268,7 @@ impl Request<'_> {
     /// The noise model calibrated with its tokens rotated up to position `last`.
     fn calibrate_at(&self, last: usize) -> Result<Learned> {
         let model = &self.engine.model;
-        let calibrate = || Calibration::new(model, &self.prompt.ids, last);
+        let calibrate = || self.calibration(last);
         let (profile, cal, source) = match self.noise_profile {
             Some((p, file)) => {
                 p.check_model(model, file)?;
@@ -276,7 +276,7 @@ impl Request<'_> {
                 (p.clone(), None, source)
             }
             None => {
-                let c = calibrate();
+                let c = calibrate()?;
                 let p = NoiseProfile::calibrate(
                     &c,
                     model,
@@ -293,7 +293,13 @@ impl Request<'_> {
         let gpu_reference = self.reference.on(self.backend) == Backend::Cuda;
         let gpu = match (self.gpu_model.filter(|_| gpu_reference), self.gpu_noise) {
             (Some(_), Some(checked)) => Some(checked.clone()),
-            (Some(g), None) => Some(profile.check_gpu(&cal.unwrap_or_else(calibrate), g)?),
+            (Some(g), None) => {
+                let cal = match cal {
+                    Some(c) => c,
+                    None => calibrate()?,
+                };
+                Some(profile.check_gpu(&cal, g)?)
+            }
             (None, _) => None,
         };
         Ok(Learned {
@@ -301,6 +307,33 @@ impl Request<'_> {
             source,
             gpu,
         })
+    }
+
+    /// The calibration prefill rotated up to position `last`: on the GPU where every side runs
+    /// there and the GPU oracle can stand for the CPU's, else on the CPU model.
+    fn calibration(&self, last: usize) -> Result<Calibration<'a>> {
+        let ids = &self.prompt.ids;
+        let on_device = self.engine.model.device().is_some();
+        if let (Some(g), ["cuda"]) = (self.gpu_model, &self.backends()[..]) {
+            match Calibration::on_gpu(g, ids, last) {
+                Ok(c) => return Ok(c),
+                Err(why) if on_device => {
+                    return Err(Error::Calibration(format!(
+                        "the noise model cannot be calibrated on the GPU ({why}) and no CPU copy of the model is loaded"
+                    )))
+                }
+                Err(why) if progress::verbosity() >= 1 => {
+                    eprintln!("kvdiff: noise model calibrated on the CPU: {why}");
+                }
+                Err(_) => {}
+            }
+        }
+        if on_device {
+            return Err(Error::Internal(
+                "calibrating on the CPU needs the model on the CPU".into(),
+            ));
+        }
+        Ok(Calibration::new(&self.engine.model, ids, last))
     }
 
     /// The tolerance for pairs on the reference's backend, and for pairs across backends

@@ -9,6 +9,8 @@
 //! - `forward/`: the forward pass (prefill and graph-replayed decode steps);
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
+//! - `oracle.rs`: the noise model's f64 oracle and bf16 emulation, on its own kernels;
+//!   `oracle_meter.rs`: its taps kept on the GPU, and passes measured against them there;
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
 //!   timeline (`KVDIFF_CUDA_TRACE`).
 
@@ -18,6 +20,8 @@ pub mod host_ops;
 mod kv;
 mod launch;
 mod memo;
+mod oracle;
+mod oracle_meter;
 mod stream_load;
 mod taps;
 mod together;
@@ -28,8 +32,8 @@ mod workspace;
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub(crate) use gpu::MAX_SIDES;
 pub use gpu::{
-    cublas_asked, device_name, driver_missing, open_in_background, ptr, unavailable_reason, Arg,
-    GemmTile, Gpu, LentPinned,
+    cublas_asked, device_name, driver_missing, open_in_background, preload_cublas_in_background,
+    ptr, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
 };
 pub use kv::CudaKv;
 pub(crate) use launch::{
@@ -44,6 +48,11 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 }
 pub use launch::PrefillAttention;
 pub use memo::MemoAct;
+pub use oracle::{
+    keep as oracle_keep, prefill as oracle_prefill, unavailable as oracle_unavailable,
+    Precision as OraclePrecision,
+};
+pub use oracle_meter::{DeviceMeter, DeviceOracle};
 pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };

@@ -55,6 +55,9 @@ pub struct CudaModel {
     pub(super) rope_scale: f32,
     /// Prefill attention recorded for a path's second run (`memo.rs`).
     pub(super) memo: std::sync::Mutex<Memo>,
+    /// Whether every weight is the checkpoint's own value (a bf16 checkpoint, or weights all
+    /// exact in bf16), not a rounding of it: the GPU oracle (`oracle.rs`) then reads them.
+    pub(super) exact_weights: bool,
 }
 
 /// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
@@ -95,7 +98,14 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
     refuse_unsupported(config)?;
     let named = model.named_tensors();
     let (gpu, buffers) = read_and_upload(config, &named)?;
-    let cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, &named)?, false);
+    let mut cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, &named)?, false);
+    cm.exact_weights = {
+        use rayon::prelude::*;
+        model
+            .weight_slices()
+            .par_iter()
+            .all(|t| t.iter().all(|x| x.to_bits() & 0xffff == 0))
+    };
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
 
@@ -146,13 +156,12 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                 (gpu, buffers, false)
             }
         };
-        Ok(CudaModel::assemble(
-            gpu,
-            config,
-            buffers,
-            read_biases(config, ckpt)?,
-            warmed,
-        ))
+        let mut cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, ckpt)?, warmed);
+        cm.exact_weights = config.expected_tensors().iter().all(|(n, _)| {
+            ckpt.segment(n)
+                .is_some_and(|s| s.3 == safetensors::Dtype::BF16)
+        });
+        Ok(cm)
     })?;
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
 }
@@ -401,6 +410,7 @@ impl CudaModel {
             device: gpu.clone(),
             gpu,
             memo: Default::default(),
+            exact_weights: false,
         };
         if !warmed && model.gpu.gemm_needs_warm_up() {
             let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");

@@ -35,6 +35,7 @@ const SOURCES: &[(&str, &str)] = &[
         "agreement.cu",
         include_str!("../../../kernels/agreement.cu"),
     ),
+    ("oracle.cu", include_str!("../../../kernels/oracle.cu")),
 ];
 
 const KERNELS: &[&str] = &[
@@ -80,6 +81,25 @@ const KERNELS: &[&str] = &[
     "attention_decode_128_sides",
     "attention_decode_128_rope_sides",
     "attention_decode_sides",
+    "oracle_widen_f64",
+    "oracle_embed_f64",
+    "oracle_rms_norm_f64",
+    "oracle_add_bias_f64",
+    "oracle_add_f64",
+    "oracle_swiglu_f64",
+    "oracle_rope_f64",
+    "oracle_attention_f64",
+    "oracle_widen_f32",
+    "oracle_embed_f32",
+    "oracle_rms_norm_f32",
+    "oracle_add_bias_f32",
+    "oracle_add_f32",
+    "oracle_swiglu_f32",
+    "oracle_rope_f32",
+    "oracle_attention_f32",
+    "oracle_round_bf16_f32",
+    "oracle_narrow_f64",
+    "oracle_meter_f32",
 ];
 
 /// Most caches one `_sides` launch takes (`MAX_SIDES` in kernels/common.cuh).
@@ -90,6 +110,8 @@ pub enum Arg {
     Ptr(u64),
     I32(i32),
     U32(u32),
+    /// A `long long` (element counts past 2^31).
+    I64(i64),
     F32(f32),
     /// One address per side of a `_sides` kernel (`Sides` in kernels/common.cuh), unused
     /// sides zero.
@@ -282,6 +304,7 @@ impl Gpu {
                     Arg::Ptr(p) => b.arg(p),
                     Arg::I32(v) => b.arg(v),
                     Arg::U32(v) => b.arg(v),
+                    Arg::I64(v) => b.arg(v),
                     Arg::F32(v) => b.arg(v),
                     Arg::Sides(v) => b.arg(v),
                     Arg::SideInts(v) => b.arg(v),
@@ -316,6 +339,7 @@ impl Gpu {
                 Arg::Ptr(p) => p as *const u64 as *mut _,
                 Arg::I32(v) => v as *const i32 as *mut _,
                 Arg::U32(v) => v as *const u32 as *mut _,
+                Arg::I64(v) => v as *const i64 as *mut _,
                 Arg::F32(v) => v as *const f32 as *mut _,
                 Arg::Sides(v) => v.as_ptr() as *mut _,
                 Arg::SideInts(v) => v.as_ptr() as *mut _,

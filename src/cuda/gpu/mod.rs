@@ -25,7 +25,10 @@ pub use gemm::GemmTile;
 pub use kernels::Arg;
 pub(crate) use kernels::MAX_SIDES;
 pub(super) use libraries::CUDA_FIX;
-pub use libraries::{cublas_asked, device_name, driver_missing, unavailable_reason};
+pub use libraries::{
+    cublas_asked, cublas_loadable, device_name, driver_missing, preload_cublas_in_background,
+    unavailable_reason,
+};
 pub use memory::{LentPinned, U32Read};
 pub use streams::Graph;
 
@@ -104,6 +107,8 @@ pub struct Gpu {
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
     tensor_core_shared: Option<usize>,
+    /// The GPU oracle's own cuBLAS handle (`cuda/oracle.rs`), made at its first use.
+    oracle_blas: std::sync::OnceLock<Option<cudarc::cublas::CudaBlas>>,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -262,6 +267,7 @@ impl Gpu {
             tensor_core_shared: (major >= 8
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
+            oracle_blas: Default::default(),
         });
         if !gpu.gemm_needs_warm_up() {
             return Ok(gpu);
@@ -347,6 +353,20 @@ impl Gpu {
     /// Whether lockstep decode steps may run as one pass (`CudaModel::decode_together`).
     pub fn together(&self) -> bool {
         self.together
+    }
+
+    /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's;
+    /// `None` where cuBLAS cannot be loaded or started.
+    pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
+        self.oracle_blas
+            .get_or_init(|| {
+                if !libraries::cublas_loadable() {
+                    return None;
+                }
+                let _span = crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
+                cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
+            })
+            .as_ref()
     }
 
     /// Whether a decode step's attention kernel (head size 128) does its q/k norm and RoPE.

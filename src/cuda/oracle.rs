@@ -1,0 +1,531 @@
+//! The noise model's oracle on the GPU: the standard prefill of a calibration prompt in f64
+//! (what `engine/oracle.rs` computes on the CPU), and the same pass in f32 with every matmul
+//! input rounded to bf16 (what `Model::bf16_emulation` computes on the CPU), both tapped like
+//! any pass. On a large model the CPU takes a minute for them; the GPU, well under a second.
+//!
+//! Independent of the engine it measures, as the CPU oracle is: its own kernels
+//! (`kernels/oracle.cu`: plain loops, one fixed order per sum, no tiling, no fusion, no tensor
+//! cores), cuBLAS's DGEMM and SGEMM (TF32 off) for the products instead of `kernels/gemm.cu`, no
+//! KV cache and no path. It shares only the weights the GPU holds, and only where they are the
+//! checkpoint's own values (`CudaModel::exact_weights`); elsewhere the CPU oracle runs.
+
+use crate::support::timing::span;
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{ptr, Arg, Gpu};
+use super::oracle_meter::{DeviceOracle, Keeper};
+use super::taps::offer_at;
+use super::upload::{cuda_model_of, CudaModel};
+use crate::engine::model::Model;
+use crate::error::{Error, Result};
+use crate::tap::{LayerTap, TapId, TapSink};
+
+/// What the pass computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Every value in f64: the oracle.
+    F64,
+    /// f32, with every matmul input rounded to bf16 (the weights are bf16 already): the
+    /// rounding a bf16 backend's products see, as `Model::bf16_emulation` has it.
+    Bf16Emulation,
+}
+
+impl Precision {
+    fn bytes(self) -> usize {
+        match self {
+            Precision::F64 => 8,
+            Precision::Bf16Emulation => 4,
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Precision::F64 => "f64",
+            Precision::Bf16Emulation => "f32",
+        }
+    }
+}
+
+/// Why the GPU oracle cannot stand for the CPU's on `model`, or `None` where it can: a GPU
+/// model whose weights are the checkpoint's own, dense, with cuBLAS installed, unless
+/// `KVDIFF_GPU_ORACLE=0` asks for the CPU's (the benchmark's peer).
+pub fn unavailable(model: &Model) -> Option<String> {
+    if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
+        return Some("KVDIFF_GPU_ORACLE=0 asks for the CPU oracle".into());
+    }
+    let Some(cm) = cuda_model_of(model) else {
+        return Some("the model is not on the GPU".into());
+    };
+    if !cm.exact_weights {
+        return Some(
+            "the GPU holds the weights rounded to bf16, not the checkpoint's own values".into(),
+        );
+    }
+    if cm.config.arch.moe.is_some() {
+        return Some("mixture-of-experts layers are calibrated on the CPU".into());
+    }
+    if !super::gpu::cublas_loadable() {
+        return Some("cuBLAS (libcublas.so) was not found".into());
+    }
+    None
+}
+
+/// A device buffer of `len` values of the pass's precision.
+struct Buf {
+    data: CudaSlice<u8>,
+    bytes: usize,
+}
+
+impl Buf {
+    fn at(&self, g: &Gpu, i: usize) -> u64 {
+        ptr(g, &self.data, i * self.bytes)
+    }
+}
+
+struct Pass<'a> {
+    cm: &'a CudaModel,
+    g: &'a Gpu,
+    blas: &'a CudaBlas,
+    p: Precision,
+    /// Widened weights: the largest matrix of a layer (the LM head goes through it in blocks).
+    wide: Buf,
+    wide_len: usize,
+    /// f32 copy of a tap for the download (f64 passes).
+    narrow: CudaSlice<f32>,
+}
+
+/// Grid of a grid-stride kernel over `n` values, 256 threads a block.
+fn blocks(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 8192) as u32
+}
+
+impl<'a> Pass<'a> {
+    fn buf(&self, len: usize) -> Buf {
+        Buf {
+            data: self.g.alloc::<u8>(len.max(1) * self.p.bytes()),
+            bytes: self.p.bytes(),
+        }
+    }
+
+    fn launch(&self, kernel: &str, grid: u32, block: u32, args: &[Arg]) {
+        let name = format!("oracle_{kernel}_{}", self.p.suffix());
+        self.g.launch(&name, grid, block, 0, args);
+    }
+
+    /// `wide[..len] = w[..len]`, widened from the bf16 bits at `w`.
+    fn widen(&self, w: u64, len: usize) {
+        assert!(
+            len <= self.wide_len,
+            "a weight larger than the widening buffer"
+        );
+        let args = [
+            Arg::Ptr(w),
+            Arg::Ptr(self.wide.at(self.g, 0)),
+            Arg::I64(len as i64),
+        ];
+        self.launch("widen", blocks(len), 256, &args);
+    }
+
+    /// A matmul input: rounded to bf16 under the emulation, as it is.
+    fn input<'b>(&self, x: &'b Buf, len: usize, scratch: &'b Buf) -> &'b Buf {
+        if self.p == Precision::F64 {
+            return x;
+        }
+        let args = [
+            Arg::Ptr(x.at(self.g, 0)),
+            Arg::Ptr(scratch.at(self.g, 0)),
+            Arg::I64(len as i64),
+        ];
+        self.g
+            .launch("oracle_round_bf16_f32", blocks(len), 256, 0, &args);
+        scratch
+    }
+
+    /// `y[t, j] (row stride ldy) = Σ_i x[t, i] · wide[j, i]` for `n` rows of `k` and `m`
+    /// outputs; the weight rows start `at` values into the widened buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, x: u64, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
+        let w = self.wide.at(self.g, at);
+        let (t, compute) = match self.p {
+            Precision::F64 => (
+                blas_sys::cudaDataType_t::CUDA_R_64F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            ),
+            Precision::Bf16Emulation => (
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+        };
+        let (a64, b64) = (1.0f64, 0.0f64);
+        let (a32, b32) = (1.0f32, 0.0f32);
+        let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = match self.p {
+            Precision::F64 => (&a64 as *const f64 as _, &b64 as *const f64 as _),
+            Precision::Bf16Emulation => (&a32 as *const f32 as _, &b32 as *const f32 as _),
+        };
+        // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ.
+        // Safety: the buffers hold the shapes given; alpha and beta outlive the call.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                alpha,
+                w as *const _,
+                t,
+                k as i32,
+                x as *const _,
+                t,
+                k as i32,
+                beta,
+                y as *mut _,
+                t,
+                ldy as i32,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("cuBLAS GemmEx (oracle)");
+    }
+
+    fn norm(&self, x: &Buf, w: &CudaSlice<u16>, out: &Buf, rows: usize, dim: usize) {
+        let eps = self.cm.config.rms_norm_eps;
+        let args = [
+            Arg::Ptr(x.at(self.g, 0)),
+            Arg::Ptr(ptr(self.g, w, 0)),
+            Arg::Ptr(out.at(self.g, 0)),
+            Arg::I32(rows as i32),
+            Arg::I32(dim as i32),
+            Arg::F32(eps),
+        ];
+        self.launch("rms_norm", rows as u32, 256, &args);
+    }
+
+    fn add(&self, a: &Buf, b: &Buf, out: &Buf, len: usize) {
+        let args = [
+            Arg::Ptr(a.at(self.g, 0)),
+            Arg::Ptr(b.at(self.g, 0)),
+            Arg::Ptr(out.at(self.g, 0)),
+            Arg::I64(len as i64),
+        ];
+        self.launch("add", blocks(len), 256, &args);
+    }
+
+    /// Offers `x` as tap `id`, when the sink wants it: kept or measured on the GPU where the
+    /// sink can (`oracle_meter.rs`), else copied to the host.
+    fn tap(
+        &self,
+        sink: &mut dyn TapSink,
+        id: TapId,
+        positions: &[usize],
+        shape: &[usize],
+        x: &Buf,
+    ) {
+        if !sink.table().wants(id) {
+            return;
+        }
+        let len: usize = shape.iter().product();
+        let at = match self.p {
+            Precision::F64 => {
+                let args = [
+                    Arg::Ptr(x.at(self.g, 0)),
+                    Arg::Ptr(ptr(self.g, &self.narrow, 0)),
+                    Arg::I64(len as i64),
+                ];
+                self.g
+                    .launch("oracle_narrow_f64", blocks(len), 256, 0, &args);
+                ptr(self.g, &self.narrow, 0)
+            }
+            Precision::Bf16Emulation => x.at(self.g, 0),
+        };
+        let _span = span("calibration: GPU oracle taps offered");
+        let (gpu, device) = (&self.cm.gpu, &self.cm.device);
+        offer_at(
+            sink,
+            0,
+            gpu,
+            device,
+            id,
+            positions,
+            shape,
+            at,
+            0,
+            (false, None),
+        );
+    }
+}
+
+/// The standard prefill of `tokens` on the GPU `model` holds, at `precision`: token `t` rotated
+/// at `rope_positions[t]` and tapped at `positions[t]` (which must be `0..n`), every tap offered
+/// to `sink` in f32 as step 0, as `engine::oracle::prefill` offers them. Fails where
+/// `unavailable` says why.
+pub fn prefill(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    rope_positions: &[usize],
+    precision: Precision,
+    sink: &mut dyn TapSink,
+) -> Result<()> {
+    if let Some(why) = unavailable(model) {
+        return Err(Error::Internal(format!("GPU oracle: {why}")));
+    }
+    let cm = cuda_model_of(model).expect("checked by unavailable");
+    let g: &Gpu = &cm.gpu;
+    let c = &cm.config;
+    let n = tokens.len();
+    debug_assert!(positions.iter().enumerate().all(|(i, &p)| i == p));
+    let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
+    let (qd, kvd) = (c.q_dim(), c.kv_dim());
+    let wide_len = [(qd + 2 * kvd) * h, h * qd, 2 * inter * h, h * inter]
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+    // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
+    // logits), and the widened weights; refused, not crashed, where the GPU lacks the room.
+    let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
+    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes();
+    let free = g.memory().0;
+    if need + (256 << 20) > free {
+        return Err(Error::Internal(format!(
+            "GPU oracle: needs {} MiB, {} MiB free",
+            need >> 20,
+            free >> 20
+        )));
+    }
+    let blas = g
+        .oracle_blas()
+        .ok_or_else(|| Error::Internal("GPU oracle: cuBLAS did not start".into()))?;
+    let bytes = precision.bytes();
+    let pass = Pass {
+        cm,
+        g,
+        blas,
+        p: precision,
+        wide: Buf {
+            data: g.alloc::<u8>(wide_len * bytes),
+            bytes,
+        },
+        wide_len,
+        narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
+    };
+    sink.begin_step(0, tokens, positions);
+    let ids = g.upload(tokens);
+    let mut x = pass.buf(n * h);
+    pass.launch(
+        "embed",
+        blocks(n * h),
+        256,
+        &[
+            Arg::Ptr(ptr(g, &cm.embed, 0)),
+            Arg::Ptr(ptr(g, &ids, 0)),
+            Arg::Ptr(x.at(g, 0)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+        ],
+    );
+    pass.tap(sink, TapId::Embed, positions, &[n, h], &x);
+    let (cos, sin) = rope_tables(&pass, rope_positions);
+    for l in 0..c.num_hidden_layers {
+        x = layer(&pass, l, x, positions, (&cos, &sin), sink);
+    }
+    let xn = pass.buf(n * h);
+    pass.norm(&x, &cm.norm, &xn, n, h);
+    pass.tap(sink, TapId::FinalNorm, positions, &[n, h], &xn);
+    if sink.table().wants(TapId::Logits) {
+        let v = c.vocab_size;
+        let logits = pass.buf(n * v);
+        let scratch = pass.buf(n * h);
+        let xin = pass.input(&xn, n * h, &scratch);
+        let head = cm.lm_head.as_ref().unwrap_or(&cm.embed);
+        // The head through the widening buffer a block of vocabulary rows at a time.
+        let rows = (wide_len / h).max(1);
+        for r0 in (0..v).step_by(rows) {
+            let r = rows.min(v - r0);
+            pass.widen(ptr(g, head, r0 * h), r * h);
+            pass.gemm(xin.at(g, 0), 0, logits.at(g, r0), n, h, r, v);
+        }
+        pass.tap(sink, TapId::Logits, positions, &[n, v], &logits);
+    }
+    g.sync();
+    Ok(())
+}
+
+/// The f64 oracle's standard prefill of `tokens` (see `prefill`), its taps kept on the GPU.
+pub fn keep(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    rope_positions: &[usize],
+) -> Result<DeviceOracle> {
+    let cm = cuda_model_of(model)
+        .ok_or_else(|| Error::Internal("GPU oracle: the model is not on the GPU".into()))?;
+    let mut keeper = Keeper::new(cm.gpu.clone(), cm.config.num_hidden_layers);
+    prefill(
+        model,
+        tokens,
+        positions,
+        rope_positions,
+        Precision::F64,
+        &mut keeper,
+    )?;
+    Ok(keeper.finish())
+}
+
+/// RoPE's cos and sin per token and frequency, `[n, hd/2]`, computed on the host as the pass the
+/// precision stands for computes them: exact angles in f64 for the oracle, `position · inv_freq`
+/// in f32 and f32 sin/cos for the emulation (as the CPU engine's `ops::rope`).
+fn rope_tables(pass: &Pass<'_>, rope_positions: &[usize]) -> (Buf, Buf) {
+    let c = &pass.cm.config;
+    let rope = c.rope_table();
+    let half = c.head_dim / 2;
+    let upload = |v: Vec<f64>| -> Buf {
+        let data: Vec<u8> = match pass.p {
+            Precision::F64 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Precision::Bf16Emulation => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+        };
+        Buf {
+            data: pass.g.upload(&data),
+            bytes: pass.p.bytes(),
+        }
+    };
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for &p in rope_positions {
+        for i in 0..half {
+            let (s, co) = match pass.p {
+                Precision::F64 => {
+                    let (s, co) = rope.angle(p as f64, i).sin_cos();
+                    (s * rope.scale, co * rope.scale)
+                }
+                Precision::Bf16Emulation => {
+                    let (s, co) = (p as f32 * rope.inv_freq_f32[i]).sin_cos();
+                    let scale = rope.scale as f32;
+                    ((s * scale) as f64, (co * scale) as f64)
+                }
+            };
+            cos.push(co);
+            sin.push(s);
+        }
+    }
+    (upload(cos), upload(sin))
+}
+
+fn layer(
+    pass: &Pass<'_>,
+    l: usize,
+    x: Buf,
+    positions: &[usize],
+    (cos, sin): (&Buf, &Buf),
+    sink: &mut dyn TapSink,
+) -> Buf {
+    let (g, cm) = (pass.g, pass.cm);
+    let c = &cm.config;
+    let w = &cm.layers[l];
+    let n = positions.len();
+    let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (heads, kvh) = (c.num_attention_heads, c.num_key_value_heads);
+    let (qd, kvd) = (c.q_dim(), c.kv_dim());
+    let tap = |sink: &mut dyn TapSink, t: LayerTap, shape: &[usize], b: &Buf| {
+        pass.tap(sink, TapId::Layer(l, t), positions, shape, b);
+    };
+    tap(sink, LayerTap::ResidIn, &[n, h], &x);
+    let xn = pass.buf(n * h);
+    pass.norm(&x, &w.input_norm, &xn, n, h);
+    tap(sink, LayerTap::AttnNorm, &[n, h], &xn);
+    let scratch = pass.buf(n * (2 * inter).max(qd).max(h));
+    let xin = pass.input(&xn, n * h, &scratch);
+    pass.widen(ptr(g, &w.qkv, 0), (qd + 2 * kvd) * h);
+    let (q, k, v) = (pass.buf(n * qd), pass.buf(n * kvd), pass.buf(n * kvd));
+    pass.gemm(xin.at(g, 0), 0, q.at(g, 0), n, h, qd, qd);
+    pass.gemm(xin.at(g, 0), qd * h, k.at(g, 0), n, h, kvd, kvd);
+    pass.gemm(xin.at(g, 0), (qd + kvd) * h, v.at(g, 0), n, h, kvd, kvd);
+    if let Some(bias) = &w.qkv_bias {
+        for (y, at, m) in [(&q, 0, qd), (&k, qd, kvd), (&v, qd + kvd, kvd)] {
+            let args = [
+                Arg::Ptr(y.at(g, 0)),
+                Arg::Ptr(ptr(g, bias, at)),
+                Arg::I32(n as i32),
+                Arg::I32(m as i32),
+            ];
+            pass.launch("add_bias", blocks(n * m), 256, &args);
+        }
+    }
+    let (q, k) = match (&w.q_norm, &w.k_norm) {
+        (Some(qn), Some(kn)) => {
+            let (q2, k2) = (pass.buf(n * qd), pass.buf(n * kvd));
+            pass.norm(&q, qn, &q2, n * heads, hd);
+            pass.norm(&k, kn, &k2, n * kvh, hd);
+            (q2, k2)
+        }
+        _ => (q, k),
+    };
+    tap(sink, LayerTap::Q, &[n, heads, hd], &q);
+    tap(sink, LayerTap::K, &[n, kvh, hd], &k);
+    tap(sink, LayerTap::V, &[n, kvh, hd], &v);
+    for (y, hs) in [(&q, heads), (&k, kvh)] {
+        let args = [
+            Arg::Ptr(y.at(g, 0)),
+            Arg::Ptr(cos.at(g, 0)),
+            Arg::Ptr(sin.at(g, 0)),
+            Arg::I32(n as i32),
+            Arg::I32(hs as i32),
+            Arg::I32(hd as i32),
+        ];
+        pass.launch("rope", blocks(n * hs * hd / 2), 256, &args);
+    }
+    tap(sink, LayerTap::QRope, &[n, heads, hd], &q);
+    tap(sink, LayerTap::KRope, &[n, kvh, hd], &k);
+    let (probs, attn) = (pass.buf(n * heads * n), pass.buf(n * qd));
+    let window = c.arch.window(l).map_or(0, |w| w as i32);
+    let args = [
+        Arg::Ptr(q.at(g, 0)),
+        Arg::Ptr(k.at(g, 0)),
+        Arg::Ptr(v.at(g, 0)),
+        Arg::Ptr(probs.at(g, 0)),
+        Arg::Ptr(attn.at(g, 0)),
+        Arg::I32(n as i32),
+        Arg::I32(heads as i32),
+        Arg::I32(kvh as i32),
+        Arg::I32(hd as i32),
+        Arg::I32(window),
+    ];
+    pass.launch("attention", (n * heads) as u32, 128, &args);
+    tap(sink, LayerTap::AttnProbs, &[n, heads, n], &probs);
+    tap(sink, LayerTap::AttnOut, &[n, qd], &attn);
+    let ain = pass.input(&attn, n * qd, &scratch);
+    pass.widen(ptr(g, &w.o, 0), h * qd);
+    let o = pass.buf(n * h);
+    pass.gemm(ain.at(g, 0), 0, o.at(g, 0), n, qd, h, h);
+    tap(sink, LayerTap::OProj, &[n, h], &o);
+    let mid = pass.buf(n * h);
+    pass.add(&x, &o, &mid, n * h);
+    tap(sink, LayerTap::ResidMid, &[n, h], &mid);
+    let mn = pass.buf(n * h);
+    pass.norm(&mid, &w.post_norm, &mn, n, h);
+    tap(sink, LayerTap::MlpNorm, &[n, h], &mn);
+    let min = pass.input(&mn, n * h, &scratch);
+    pass.widen(ptr(g, &w.gate_up, 0), 2 * inter * h);
+    let (gate, up) = (pass.buf(n * inter), pass.buf(n * inter));
+    pass.gemm(min.at(g, 0), 0, gate.at(g, 0), n, h, inter, inter);
+    pass.gemm(min.at(g, 0), inter * h, up.at(g, 0), n, h, inter, inter);
+    let act = pass.buf(n * inter);
+    let args = [
+        Arg::Ptr(gate.at(g, 0)),
+        Arg::Ptr(up.at(g, 0)),
+        Arg::Ptr(act.at(g, 0)),
+        Arg::I64((n * inter) as i64),
+    ];
+    pass.launch("swiglu", blocks(n * inter), 256, &args);
+    let ain = pass.input(&act, n * inter, &scratch);
+    pass.widen(ptr(g, &w.down, 0), h * inter);
+    let mlp = pass.buf(n * h);
+    pass.gemm(ain.at(g, 0), 0, mlp.at(g, 0), n, inter, h, h);
+    tap(sink, LayerTap::MlpOut, &[n, h], &mlp);
+    let out = pass.buf(n * h);
+    pass.add(&mid, &mlp, &out, n * h);
+    tap(sink, LayerTap::ResidOut, &[n, h], &out);
+    out
+}
