@@ -328,8 +328,11 @@ impl Model {
     /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
     /// rounded to bf16, everything else in f32.
     pub fn bf16_emulation(&self) -> Model {
-        let r =
-            |v: &Vec<f32>| -> Vec<f32> { v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect() };
+        // On every core: an 8B model is 8 billion roundings.
+        let r = |v: &Vec<f32>| -> Vec<f32> {
+            use rayon::prelude::*;
+            v.par_iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+        };
         Model {
             config: self.config.clone(),
             embed_tokens: r(&self.embed_tokens),
