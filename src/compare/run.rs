@@ -319,7 +319,7 @@ impl<'a> Request<'a> {
                 Ok(c) => return Ok(c),
                 Err(why) if on_device => {
                     return Err(Error::Calibration(format!(
-                        "the noise model cannot be calibrated on the GPU ({why}) and no CPU copy of the model is loaded"
+                        "the noise model cannot be calibrated on the GPU ({why}); rerun with KVDIFF_GPU_ORACLE=0 to calibrate on the CPU, or pin a profile (kvdiff calibrate)"
                     )))
                 }
                 Err(why) if progress::verbosity() >= 1 => {

@@ -285,9 +285,11 @@ pub fn prefill(
         .max()
         .unwrap_or(1);
     // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
-    // logits), and the widened weights; refused, not crashed, where the GPU lacks the room.
+    // logits), the widened weights, and every tap kept in f32 (the f64 pass's); refused, not
+    // crashed, where the GPU lacks the room.
     let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
-    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes();
+    let kept = n * c.num_hidden_layers * (8 * h + 3 * qd + 4 * kvd + heads * n) * 4;
+    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes() + kept;
     let free = g.memory().0;
     if need + (256 << 20) > free {
         return Err(Error::Internal(format!(
