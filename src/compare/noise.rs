@@ -281,18 +281,15 @@ impl<'m> Calibration<'m> {
     /// The noise of bf16 rounding: the CPU's emulation of it (`Model::bf16_emulation`), or the
     /// GPU oracle's f32 pass with bf16-rounded matmul inputs where the oracle ran there.
     pub fn emulated_noise(&self) -> Result<BackendNoise> {
-        if self.device.is_none() {
+        let Some(d) = &self.device else {
             return self.backend_noise(
                 &self.model.bf16_emulation(),
                 "the CPU's emulation of bf16 rounding",
                 "bf16",
             );
-        }
+        };
         let what = "the GPU's emulation of bf16 rounding";
         let _span = crate::support::timing::span("calibration: bf16 emulation (GPU)");
-        let Some(d) = &self.device else {
-            unreachable!("a calibration either runs on the GPU or on the CPU");
-        };
         let mut meter = d.meter();
         crate::cuda::oracle_prefill(
             self.model,

@@ -191,6 +191,14 @@ impl<'a> Pass<'a> {
         .expect("cuBLAS GemmEx (oracle)");
     }
 
+    /// `x[n, k] · wᵀ` for a weight `w` of `m` rows, widened first: a new `[n, m]` buffer.
+    fn project(&self, x: &Buf, w: &CudaSlice<u16>, n: usize, k: usize, m: usize) -> Buf {
+        self.widen(ptr(self.g, w, 0), m * k);
+        let y = self.buf(n * m);
+        self.gemm(x.at(self.g, 0), 0, y.at(self.g, 0), n, k, m, m);
+        y
+    }
+
     fn norm(&self, x: &Buf, w: &CudaSlice<u16>, out: &Buf, rows: usize, dim: usize) {
         let eps = self.cm.config.rms_norm_eps;
         let args = [
@@ -498,9 +506,7 @@ fn layer(
     tap(sink, LayerTap::AttnProbs, &[n, heads, n], &probs);
     tap(sink, LayerTap::AttnOut, &[n, qd], &attn);
     let ain = pass.input(&attn, n * qd, &scratch);
-    pass.widen(ptr(g, &w.o, 0), h * qd);
-    let o = pass.buf(n * h);
-    pass.gemm(ain.at(g, 0), 0, o.at(g, 0), n, qd, h, h);
+    let o = pass.project(ain, &w.o, n, qd, h);
     tap(sink, LayerTap::OProj, &[n, h], &o);
     let mid = pass.buf(n * h);
     pass.add(&x, &o, &mid, n * h);
@@ -522,9 +528,7 @@ fn layer(
     ];
     pass.launch("swiglu", blocks(n * inter), 256, &args);
     let ain = pass.input(&act, n * inter, &scratch);
-    pass.widen(ptr(g, &w.down, 0), h * inter);
-    let mlp = pass.buf(n * h);
-    pass.gemm(ain.at(g, 0), 0, mlp.at(g, 0), n, inter, h, h);
+    let mlp = pass.project(ain, &w.down, n, inter, h);
     tap(sink, LayerTap::MlpOut, &[n, h], &mlp);
     let out = pass.buf(n * h);
     pass.add(&mid, &mlp, &out, n * h);
