@@ -5,7 +5,8 @@
 // products go to cuBLAS (DGEMM, and SGEMM with TF32 off), not to kernels/gemm.cu.
 //
 // Every kernel has a double (`_f64`) and a float (`_f32`) instance. Weights arrive as the bf16
-// bits the GPU holds and are widened exactly. Each waits for the kernel before it (`pdl_wait`):
+// bits the GPU holds and are widened exactly, or (`_w32_` kernels) as the f32 values of a
+// checkpoint bf16 cannot hold exactly. Each waits for the kernel before it (`pdl_wait`):
 // they may be launched with programmatic dependent launch, like every kernel of the module.
 
 __device__ __forceinline__ float oracle_from_bf16(unsigned short b) {
@@ -20,30 +21,31 @@ __device__ __forceinline__ float oracle_to_bf16(float x) {
   return __uint_as_float(u & 0xffff0000u);
 }
 
+__device__ __forceinline__ float oracle_weight(unsigned short b) { return oracle_from_bf16(b); }
+__device__ __forceinline__ float oracle_weight(float w) { return w; }
+
 #define ORACLE_STRIDE(i, n)                                                            \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
        i += (long long)gridDim.x * blockDim.x)
 
-template <typename T>
-__device__ void oracle_widen(const unsigned short* w, T* out, long long n) {
+template <typename T, typename W>
+__device__ void oracle_widen(const W* w, T* out, long long n) {
   pdl_wait();
-  ORACLE_STRIDE(i, n) out[i] = (T)oracle_from_bf16(w[i]);
+  ORACLE_STRIDE(i, n) out[i] = (T)oracle_weight(w[i]);
 }
 
-template <typename T>
-__device__ void oracle_embed(const unsigned short* table, const unsigned int* tokens, T* out,
-                             int n, int h) {
+template <typename T, typename W>
+__device__ void oracle_embed(const W* table, const unsigned int* tokens, T* out, int n, int h) {
   pdl_wait();
   ORACLE_STRIDE(i, (long long)n * h) {
     long long t = i / h, j = i % h;
-    out[i] = (T)oracle_from_bf16(table[(long long)tokens[t] * h + j]);
+    out[i] = (T)oracle_weight(table[(long long)tokens[t] * h + j]);
   }
 }
 
 // One block per row; the sum of squares reduced over a fixed tree.
-template <typename T>
-__device__ void oracle_rms_norm(const T* x, const unsigned short* w, T* out, int rows, int dim,
-                                float eps) {
+template <typename T, typename W>
+__device__ void oracle_rms_norm(const T* x, const W* w, T* out, int rows, int dim, float eps) {
   pdl_wait();
   __shared__ T part[256];
   int r = blockIdx.x;
@@ -59,10 +61,10 @@ __device__ void oracle_rms_norm(const T* x, const unsigned short* w, T* out, int
   }
   T inv = (T)1 / sqrt(part[0] / (T)dim + (T)eps);
   for (int j = threadIdx.x; j < dim; j += blockDim.x)
-    out[(long long)r * dim + j] = row[j] * inv * (T)oracle_from_bf16(w[j]);
+    out[(long long)r * dim + j] = row[j] * inv * (T)oracle_weight(w[j]);
 }
 
-// `y[n, m] += bias` (bias in f32, the bf16-rounded values the GPU holds).
+// `y[n, m] += bias` (bias in f32: the bf16-rounded values the GPU holds, or the checkpoint's).
 template <typename T>
 __device__ void oracle_add_bias(T* y, const float* bias, int n, int m) {
   pdl_wait();
@@ -160,18 +162,25 @@ __device__ void oracle_attention(const T* q, const T* k, const T* v, T* probs, T
   }
 }
 
+#define ORACLE_WEIGHT_INSTANCES(T, S, W, WS)                                                  \
+  extern "C" __global__ void oracle_widen_##WS##S(const W* w, T* out, long long n) {            \
+    oracle_widen<T, W>(w, out, n);                                                              \
+  }                                                                                             \
+  extern "C" __global__ void oracle_embed_##WS##S(const W* table, const unsigned int* tokens,   \
+                                                  T* out, int n, int h) {                       \
+    oracle_embed<T, W>(table, tokens, out, n, h);                                               \
+  }                                                                                             \
+  extern "C" __global__ void oracle_rms_norm_##WS##S(const T* x, const W* w, T* out, int rows,  \
+                                                     int dim, float eps) {                      \
+    oracle_rms_norm<T, W>(x, w, out, rows, dim, eps);                                           \
+  }
+
+ORACLE_WEIGHT_INSTANCES(double, f64, unsigned short, )
+ORACLE_WEIGHT_INSTANCES(float, f32, unsigned short, )
+ORACLE_WEIGHT_INSTANCES(double, f64, float, w32_)
+ORACLE_WEIGHT_INSTANCES(float, f32, float, w32_)
+
 #define ORACLE_INSTANCES(T, S)                                                                 \
-  extern "C" __global__ void oracle_widen_##S(const unsigned short* w, T* out, long long n) {   \
-    oracle_widen<T>(w, out, n);                                                                 \
-  }                                                                                             \
-  extern "C" __global__ void oracle_embed_##S(const unsigned short* table,                     \
-                                              const unsigned int* tokens, T* out, int n, int h) { \
-    oracle_embed<T>(table, tokens, out, n, h);                                                  \
-  }                                                                                             \
-  extern "C" __global__ void oracle_rms_norm_##S(const T* x, const unsigned short* w, T* out,   \
-                                                 int rows, int dim, float eps) {               \
-    oracle_rms_norm<T>(x, w, out, rows, dim, eps);                                              \
-  }                                                                                             \
   extern "C" __global__ void oracle_add_bias_##S(T* y, const float* bias, int n, int m) {      \
     oracle_add_bias<T>(y, bias, n, m);                                                          \
   }                                                                                             \

@@ -12,6 +12,8 @@ float32 and in bfloat16 on CUDA, eager attention:
   inv-freq-short  the same on the ~60-token prompt                          -> L0.q_rope or k_rope
   template   message 2's first two template tokens left out, the conversation captured with
              the dump                                                       -> the prompt check
+Every float32 case but the template's is diffed a second time against the f32 GPU reference
+(`--backend cuda`), which must give the CPU reference's exit code and first divergence.
 Then the timing row: a model of Qwen3-0.6B's shape (random bf16 weights, scripts/bench_hf.py),
 512 prompt tokens + 64 decode steps, capture time vs `kvdiff diff --backend cuda` time.
 
@@ -89,8 +91,8 @@ def long_ids(tok, most):
         k += 1
 
 
-def kvdiff_diff(model_dir, dump, extra=(), dumps=None, env=None):
-    report = dump + ".json"
+def kvdiff_diff(model_dir, dump, extra=(), dumps=None, env=None, report=None):
+    report = report or dump + ".json"
     t0 = time.time()
     p = subprocess.run([KVDIFF, "diff", "--model", model_dir, "--json", report, *extra, *(dumps or [dump])],
                        capture_output=True, text=True, env=env)
@@ -187,6 +189,23 @@ def main():
                         (want[1] is None or site[2] == want[1])
                 if not ok and (name, dname, case) in known_limit():
                     ok = "known"
+                # An f32 engine held to the f32 GPU reference (`--backend cuda`, its default for
+                # f32 dumps) must come out as against the CPU's f32 reference: same exit, same
+                # step, tap and position. Experts have no f32 GPU reference.
+                gpu_ref = ""
+                if dtype == torch.float32 and bug != "template" and "moe" not in name:
+                    gcode, gsite, _, gr = kvdiff_diff(os.path.abspath(mdir), dump, ["--backend", "cuda"],
+                                                      report=dump + ".gpu-reference.json")
+                    ref = gr.get("reference") if isinstance(gr, dict) else gr
+                    same = (gcode, gsite) == (code, site) and ref == "kvdiff standard@cuda (f32)"
+                    gpu_ref = " f32 GPU reference: " + ("same" if same else f"exit {gcode} at {gsite} ({ref})")
+                    ok = ok if same else False
+                    # The bf16 GPU reference on the same dump, for the record: bf16's bounds.
+                    bcode, bsite, _, _ = kvdiff_diff(os.path.abspath(mdir), dump,
+                                                     ["--backend", "cuda", "--precision", "bf16"],
+                                                     report=dump + ".bf16-reference.json")
+                    gpu_ref += "; bf16 GPU reference: " + ("same" if (bcode, bsite) == (code, site)
+                                                           else f"exit {bcode} at {bsite}")
                 failed += not ok
                 extra = ""
                 if r is not None and isinstance(r, dict):
@@ -198,6 +217,7 @@ def main():
                         extra += f" token@step{tf['step']}{' near-tie' if tf['near_tie'] else ''}"
                 else:
                     extra = str(r)
+                extra += gpu_ref
                 rows.append((name, dname, case, code, site, want, ok, cap_s, wall, extra))
                 print(rows[-1], flush=True)
             del model

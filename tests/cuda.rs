@@ -1838,3 +1838,91 @@ fn rms_norm_rows(x: &[f32], w: &[f32]) -> Vec<f32> {
     let rows = ndarray::ArrayView2::from_shape((x.len() / w.len(), w.len()), x).unwrap();
     ops::rms_norm(rows, w, 1e-6).into_raw_vec_and_offset().0
 }
+
+/// An f32 engine (the CPU engine's own `kvdiff dump`) diffed with `--backend cuda` is held to
+/// the f32 GPU reference by default, and each planted fault is named where the CPU's f32
+/// reference names it: same verdict, step, tap and position; the clean dump stays equivalent.
+/// What the bf16 GPU reference makes of the same dumps is printed beside it.
+#[test]
+fn an_f32_engine_is_named_by_the_f32_gpu_reference_where_the_cpu_names_it() {
+    if gpu().is_none() {
+        return;
+    }
+    // The f32 pass's own rounding, against the CPU oracle, is the f32 CPU engine's, per tap
+    // kind within 2x: what holding the reference to the CPU backend's bounds rests on. The
+    // random model is an f16 checkpoint: the pass reads an f32 copy of the host's weights.
+    use kvdiff::compare::noise::Calibration;
+    let ids: Vec<u32> = (0..70u32).map(|i| (i * 37 + 11) % 852).collect();
+    for dir in ["default-model", "random-model"] {
+        let cpu = Engine::load(ModelSource::Dir(fixture(dir))).unwrap().model;
+        let cuda = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        kvdiff::cuda::attach_f32_weights(&cuda, &cpu).unwrap();
+        let c = Calibration::new(&cpu, &ids, 400);
+        let host = c.backend_noise(&cpu, "the CPU backend", "f32").unwrap();
+        let gpu = c.f32_gpu_noise(&cuda).unwrap();
+        for (kind, &e) in &host.per_kind {
+            let f = gpu.per_kind[kind];
+            eprintln!("{dir} f32 noise {kind:<11} CPU {e:.3e}  GPU reference {f:.3e}");
+            if e.max(f) > 1e-7 {
+                assert!(
+                    f <= 2.0 * e,
+                    "{dir} {kind}: CPU {e:e}, f32 GPU reference {f:e}"
+                );
+            }
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/two-contexts.txt");
+    let json = tmp.path().join("r.json");
+    let verdict = |dump: &str, extra: &[&str]| -> (Option<i32>, String, serde_json::Value) {
+        let mut args = vec!["diff", "-q", "--json", json.to_str().unwrap(), dump];
+        args.extend_from_slice(extra);
+        let o = kvdiff(&args, &[]);
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap())
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&o.stderr)));
+        let d = &r["paths"][0]["first_divergence"];
+        let at = match d.is_null() {
+            true => "none".to_string(),
+            false => format!("step {} {} @ {}", d["step"], d["tap"], d["position"]),
+        };
+        (o.status.code(), at, r)
+    };
+    let models = [("default", None), ("random", Some("random-model"))];
+    for (name, dir) in models {
+        for fault in [
+            "",
+            "rope-frequencies-bf16",
+            "fused-norm-without-residual",
+            "decode-kv-slot-off-by-one",
+            "cached-mask-off-by-one",
+        ] {
+            let out = tmp.path().join(format!("{name}-{fault}"));
+            let out_s = out.to_str().unwrap();
+            let mut args = vec!["dump", "-q", "--max-new-tokens", "4", "--out", out_s];
+            let model_dir = dir.map(|d| fixture(d).to_str().unwrap().to_string());
+            if let Some(m) = &model_dir {
+                args.extend(["--model", m.as_str()]);
+            }
+            args.push(prompt.to_str().unwrap());
+            let o = kvdiff(&args, &[("KVDIFF_FAULT", fault)]);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let (cc, cpu, _) = verdict(out_s, &["--backend", "cpu"]);
+            let (gc, gpu32, r) = verdict(out_s, &["--backend", "cuda"]);
+            let (bc, gpu16, _) = verdict(out_s, &["--backend", "cuda", "--precision", "bf16"]);
+            eprintln!(
+                "{name} {fault:<28} cpu f32: {cpu:<28} gpu f32: {gpu32:<28} gpu bf16 ({bc:?}): {gpu16}"
+            );
+            assert_eq!(
+                r["reference"], "kvdiff standard@cuda (f32)",
+                "{name} {fault}"
+            );
+            assert_eq!(cc, if fault.is_empty() { Some(0) } else { Some(1) });
+            assert_eq!((gc, gpu32), (cc, cpu), "{name} {fault}");
+        }
+    }
+    // Asked for where it cannot run (a reference dump given): a one-line usage error.
+    let clean = tmp.path().join("default-");
+    let c = clean.to_str().unwrap();
+    let o = kvdiff(&["diff", "--precision", "f32", c, c], &[]);
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -223,6 +223,20 @@ fn an_unchanged_dump_is_equivalent_and_one_perturbed_row_is_named() {
         assert_eq!(code2, Some(1));
         assert_eq!(first(&r2), first(&r));
     }
+
+    // `--precision` sets kvdiff's own reference, and bf16 is the GPU's arithmetic: elsewhere a
+    // usage error before anything runs.
+    let ds = d.to_str().unwrap();
+    for (args, says) in [
+        (vec!["diff", "--precision", "bf16", ds], "--backend cuda"),
+        (vec!["diff", "--precision", "f32", ds, ds], "reference dump"),
+    ] {
+        let o = kvdiff(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.starts_with("error: --precision: "), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use kvdiff::compare::diff_run::DiffRequest;
+use kvdiff::compare::diff_run::{DiffRequest, RefPrecision};
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::error::{Result, EXIT_OK};
 use kvdiff::support::progress;
@@ -44,6 +44,12 @@ pub struct DiffArgs {
     /// Where kvdiff's own reference runs (one-folder form).
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     backend: BackendArg,
+    /// The arithmetic of kvdiff's own reference on the GPU: f32 (plain f32 kernels and cuBLAS
+    /// SGEMM, TF32 off; the engine is held to f32's bounds) or bf16 (the CUDA engine). auto:
+    /// f32 for an f32 engine where it can run (weights exact in bf16, a dense model, cuBLAS,
+    /// host memory for the taps), else bf16. The CPU reference is always f32.
+    #[arg(long, value_enum, default_value = "auto")]
+    precision: PrecisionArg,
     /// Comma-separated globs over tap names to compare.
     #[arg(long, value_name = "GLOB", default_value = "*")]
     taps: String,
@@ -114,6 +120,7 @@ pub fn run(a: DiffArgs) -> Result<i32> {
             seq,
             model: a.model.as_deref(),
             replay: !a.no_replay,
+            precision: a.precision.into(),
             backend: a.backend.backend(),
             taps: &a.taps,
             policy,
@@ -159,6 +166,23 @@ pub fn run(a: DiffArgs) -> Result<i32> {
         }
     }
     Ok(code)
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PrecisionArg {
+    Auto,
+    Bf16,
+    F32,
+}
+
+impl From<PrecisionArg> for RefPrecision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Auto => RefPrecision::Auto,
+            PrecisionArg::Bf16 => RefPrecision::Bf16,
+            PrecisionArg::F32 => RefPrecision::F32,
+        }
+    }
 }
 
 /// A batched capture's reports, one file per sequence: `report.json` becomes

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::compare::diff::Tolerance;
 use crate::compare::engine_diff::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
+use crate::compare::f32_gpu_reference::F32GpuReference;
 use crate::compare::noise::{Calibration, NoiseProfile};
 use crate::compare::noise_cache;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
@@ -46,6 +47,19 @@ pub struct DiffRequest<'a> {
     pub prompt: Option<&'a Path>,
     /// Rerun each op on the engine's own inputs (blame by replay; with `auto` only).
     pub replay: bool,
+    /// The arithmetic of kvdiff's own reference on the GPU.
+    pub precision: RefPrecision,
+}
+
+/// The arithmetic of kvdiff's own reference where it runs on the GPU (`--precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefPrecision {
+    /// f32 for an f32 engine where the f32 GPU reference can run, else bf16.
+    Auto,
+    /// The CUDA engine: bf16 storage and products, as a bf16 engine computes.
+    Bf16,
+    /// The f32 GPU reference (`f32_gpu_reference.rs`): an f32 engine held to f32's bounds.
+    F32,
 }
 
 /// A conversation to check the engine's prompt against, and where it came from.
@@ -162,6 +176,7 @@ impl OpenedDiff<'_> {
         let engine_dump = &self.engine_dump;
         let engine = self.engine.as_ref();
         let cuda = self.on_cuda();
+        self.check_precision()?;
         let gpu_model = match (engine, cuda) {
             (Some(e), true) => Some(crate::cuda::to_cuda(&e.model)?),
             _ => None,
@@ -187,9 +202,13 @@ impl OpenedDiff<'_> {
             (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
             _ => None,
         };
+        let f32_gpu = match &gpu_model {
+            Some(g) => self.f32_gpu_reference(g, &taps)?,
+            None => None,
+        };
         let ref_side = match reference_dump {
             Some(r) => side(r.meta.half_precision()),
-            None => side(cuda),
+            None => side(cuda && f32_gpu.is_none()),
         };
         let engine_side = side(engine_dump.meta.half_precision());
         let (tolerance, mut info) = match req.policy {
@@ -205,7 +224,7 @@ impl OpenedDiff<'_> {
                 auto_tolerance(
                     req.noise_profile,
                     engine,
-                    gpu_model.as_ref(),
+                    gpu_model.as_ref().filter(|_| f32_gpu.is_none()),
                     &prompt_ids,
                     steps,
                     sides,
@@ -218,11 +237,14 @@ impl OpenedDiff<'_> {
                 _ => "16-bit floats, as kvdiff's bf16 rounding",
             };
             let src = info.source.take().unwrap_or_default();
+            let reference = match f32_gpu.is_some() {
+                true => "float32, as kvdiff's f32 CPU backend (the f32 GPU reference)",
+                false => held(ref_side),
+            };
             info.source = Some(format!(
-                "{src}; the engine ({}) is held as {}, the reference as {}",
+                "{src}; the engine ({}) is held as {}, the reference as {reference}",
                 engine_dump.meta.dtype,
                 held(engine_side),
-                held(ref_side)
             ));
         }
         let label = format!("engine:{}", engine_dump.meta.engine);
@@ -244,6 +266,10 @@ impl OpenedDiff<'_> {
                     d.run(&mut src as &mut dyn ReferenceSource)?,
                     format!("{} ({})", r.dir.display(), r.meta.engine),
                 )
+            }
+            None if f32_gpu.is_some() => {
+                let mut run = f32_gpu.expect("checked by the guard");
+                (d.run(&mut run)?, "kvdiff standard@cuda (f32)".to_string())
             }
             None => {
                 let e = engine.expect("loaded for the one-folder form");
@@ -267,6 +293,83 @@ impl OpenedDiff<'_> {
             gpu_model,
             engine: self.engine,
         })
+    }
+}
+
+impl OpenedDiff<'_> {
+    /// `--precision` where it means something: kvdiff's own reference, bf16 only on the GPU.
+    fn check_precision(&self) -> Result<()> {
+        let p = self.request.precision;
+        if p == RefPrecision::Auto {
+            return Ok(());
+        }
+        if self.reference_dump.is_some() {
+            return Err(Error::usage(
+                "--precision",
+                "it sets kvdiff's own reference, and this diff holds the engine to a reference dump",
+                "drop --precision, or give the engine's dump alone",
+            ));
+        }
+        if p == RefPrecision::Bf16 && !self.on_cuda() {
+            return Err(Error::usage(
+                "--precision",
+                "bf16 is the CUDA engine's arithmetic; the CPU reference computes in f32",
+                "add --backend cuda, or drop --precision",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The f32 GPU reference, run, where `--precision` asks for it or leaves it to the engine's
+    /// dtype (f32) and it can run; `None` for the CUDA engine's bf16.
+    fn f32_gpu_reference(
+        &self,
+        gpu_model: &Model,
+        taps: &TapFilter,
+    ) -> Result<Option<F32GpuReference>> {
+        use crate::compare::f32_gpu_reference::sequence;
+        let dump = &self.engine_dump;
+        let wanted = match self.request.precision {
+            RefPrecision::Bf16 => return Ok(None),
+            RefPrecision::F32 => true,
+            RefPrecision::Auto => !dump.meta.half_precision(),
+        };
+        if !wanted {
+            return Ok(None);
+        }
+        let tokens = sequence(dump)?;
+        // An f16 or f32 checkpoint: the pass reads an f32 copy of the host's weights.
+        let attached = match &self.engine {
+            Some(e) => crate::cuda::attach_f32_weights(gpu_model, &e.model)
+                .err()
+                .map(|e| match e {
+                    Error::Internal(m) => m,
+                    other => other.to_string(),
+                }),
+            None => Some("no host model to take f32 weights from".into()),
+        };
+        let why =
+            attached.or_else(|| F32GpuReference::unavailable(gpu_model, dump, taps, tokens.len()));
+        match why {
+            None => {
+                let _p = progress::Progress::spinner("running the f32 reference on the GPU");
+                F32GpuReference::run(gpu_model, dump, taps, tokens).map(Some)
+            }
+            Some(why) if self.request.precision == RefPrecision::F32 => Err(Error::usage(
+                "--precision",
+                format!("the f32 GPU reference cannot run: {why}"),
+                "use --backend cpu for an f32 reference, or --precision bf16",
+            )),
+            Some(why) => {
+                if progress::verbosity() >= 1 {
+                    eprintln!(
+                        "kvdiff: the {} engine is held to the bf16 GPU reference: the f32 one cannot run ({why})",
+                        dump.meta.dtype
+                    );
+                }
+                Ok(None)
+            }
+        }
     }
 }
 

@@ -13,6 +13,7 @@ pub mod diff_run;
 pub mod driver;
 pub mod engine_diff;
 pub mod eval;
+pub mod f32_gpu_reference;
 pub mod gpu;
 pub mod grid;
 pub mod html;

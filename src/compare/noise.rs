@@ -305,6 +305,31 @@ impl<'m> Calibration<'m> {
         gated(per_tap, what, "bf16")
     }
 
+    /// The noise of the f32 GPU reference (`compare/f32_gpu_reference.rs`): the GPU oracle's
+    /// plain f32 pass on `gpu_model`, against this calibration's oracle. What holding it to the
+    /// f32 CPU backend's bounds rests on.
+    pub fn f32_gpu_noise(&self, gpu_model: &Model) -> Result<BackendNoise> {
+        let what = "the f32 GPU reference";
+        let precision = crate::cuda::OraclePrecision::F32;
+        let (t, p, r) = (&self.tokens, &self.positions, &self.rope_positions);
+        let per_tap = match &self.device {
+            Some(d) => {
+                let mut meter = d.meter();
+                crate::cuda::oracle_prefill(gpu_model, t, p, r, precision, &mut meter)?;
+                meter
+                    .finish()
+                    .map_err(|(id, pos)| non_finite(what, id, pos))?
+            }
+            None => {
+                let layers = gpu_model.config.num_hidden_layers;
+                let mut meter = NoiseMeter::new(&self.oracle, layers);
+                crate::cuda::oracle_prefill(gpu_model, t, p, r, precision, &mut meter)?;
+                meter.finish(what)?
+            }
+        };
+        gated(per_tap, what, "f32")
+    }
+
     pub fn rope_range(&self) -> (usize, usize) {
         let first = self.rope_positions.first().copied().unwrap_or(0);
         (first, first + self.rope_positions.len())

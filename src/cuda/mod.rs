@@ -22,6 +22,7 @@ mod launch;
 mod memo;
 mod oracle;
 mod oracle_meter;
+mod oracle_weights;
 mod stream_load;
 mod taps;
 mod together;
@@ -53,6 +54,7 @@ pub use oracle::{
     Precision as OraclePrecision,
 };
 pub use oracle_meter::{DeviceMeter, DeviceOracle};
+pub use oracle_weights::attach_f32_weights;
 pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };

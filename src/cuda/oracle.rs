@@ -15,6 +15,7 @@ use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Arg, Gpu};
 use super::oracle_meter::{DeviceOracle, Keeper};
+use super::oracle_weights::{Weights, W};
 use super::taps::offer_at;
 use super::upload::{cuda_model_of, CudaModel};
 use crate::engine::model::Model;
@@ -29,20 +30,22 @@ pub enum Precision {
     /// f32, with every matmul input rounded to bf16 (the weights are bf16 already): the
     /// rounding a bf16 backend's products see, as `Model::bf16_emulation` has it.
     Bf16Emulation,
+    /// Plain f32 (TF32 off): the f32 reference an f32 engine is held to on the GPU.
+    F32,
 }
 
 impl Precision {
     fn bytes(self) -> usize {
         match self {
             Precision::F64 => 8,
-            Precision::Bf16Emulation => 4,
+            Precision::Bf16Emulation | Precision::F32 => 4,
         }
     }
 
     fn suffix(self) -> &'static str {
         match self {
             Precision::F64 => "f64",
-            Precision::Bf16Emulation => "f32",
+            Precision::Bf16Emulation | Precision::F32 => "f32",
         }
     }
 }
@@ -57,7 +60,7 @@ pub fn unavailable(model: &Model) -> Option<String> {
     let Some(cm) = cuda_model_of(model) else {
         return Some("the model is not on the GPU".into());
     };
-    if !cm.exact_weights {
+    if !cm.exact_weights && cm.f32_weights.get().is_none() {
         return Some(
             "the GPU holds the weights rounded to bf16, not the checkpoint's own values".into(),
         );
@@ -85,6 +88,7 @@ impl Buf {
 
 struct Pass<'a> {
     cm: &'a CudaModel,
+    w: Weights<'a>,
     g: &'a Gpu,
     blas: &'a CudaBlas,
     p: Precision,
@@ -109,27 +113,28 @@ impl<'a> Pass<'a> {
     }
 
     fn launch(&self, kernel: &str, grid: u32, block: u32, args: &[Arg]) {
-        let name = format!("oracle_{kernel}_{}", self.p.suffix());
+        let sep = if kernel.ends_with('_') { "" } else { "_" };
+        let name = format!("oracle_{kernel}{sep}{}", self.p.suffix());
         self.g.launch(&name, grid, block, 0, args);
     }
 
-    /// `wide[..len] = w[..len]`, widened from the bf16 bits at `w`.
-    fn widen(&self, w: u64, len: usize) {
+    /// `wide[..len] = w[at..at + len]`, widened from the weight's bf16 bits or f32 values.
+    fn widen(&self, w: W, at: usize, len: usize) {
         assert!(
             len <= self.wide_len,
             "a weight larger than the widening buffer"
         );
         let args = [
-            Arg::Ptr(w),
+            Arg::Ptr(w.at(at)),
             Arg::Ptr(self.wide.at(self.g, 0)),
             Arg::I64(len as i64),
         ];
-        self.launch("widen", blocks(len), 256, &args);
+        self.launch(&format!("widen_{}", w.infix()), blocks(len), 256, &args);
     }
 
     /// A matmul input: rounded to bf16 under the emulation, as it is.
     fn input<'b>(&self, x: &'b Buf, len: usize, scratch: &'b Buf) -> &'b Buf {
-        if self.p == Precision::F64 {
+        if self.p != Precision::Bf16Emulation {
             return x;
         }
         let args = [
@@ -152,7 +157,7 @@ impl<'a> Pass<'a> {
                 blas_sys::cudaDataType_t::CUDA_R_64F,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
             ),
-            Precision::Bf16Emulation => (
+            Precision::Bf16Emulation | Precision::F32 => (
                 blas_sys::cudaDataType_t::CUDA_R_32F,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
             ),
@@ -161,7 +166,9 @@ impl<'a> Pass<'a> {
         let (a32, b32) = (1.0f32, 0.0f32);
         let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = match self.p {
             Precision::F64 => (&a64 as *const f64 as _, &b64 as *const f64 as _),
-            Precision::Bf16Emulation => (&a32 as *const f32 as _, &b32 as *const f32 as _),
+            Precision::Bf16Emulation | Precision::F32 => {
+                (&a32 as *const f32 as _, &b32 as *const f32 as _)
+            }
         };
         // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ.
         // Safety: the buffers hold the shapes given; alpha and beta outlive the call.
@@ -192,24 +199,24 @@ impl<'a> Pass<'a> {
     }
 
     /// `x[n, k] · wᵀ` for a weight `w` of `m` rows, widened first: a new `[n, m]` buffer.
-    fn project(&self, x: &Buf, w: &CudaSlice<u16>, n: usize, k: usize, m: usize) -> Buf {
-        self.widen(ptr(self.g, w, 0), m * k);
+    fn project(&self, x: &Buf, w: W, n: usize, k: usize, m: usize) -> Buf {
+        self.widen(w, 0, m * k);
         let y = self.buf(n * m);
         self.gemm(x.at(self.g, 0), 0, y.at(self.g, 0), n, k, m, m);
         y
     }
 
-    fn norm(&self, x: &Buf, w: &CudaSlice<u16>, out: &Buf, rows: usize, dim: usize) {
+    fn norm(&self, x: &Buf, w: W, out: &Buf, rows: usize, dim: usize) {
         let eps = self.cm.config.rms_norm_eps;
         let args = [
             Arg::Ptr(x.at(self.g, 0)),
-            Arg::Ptr(ptr(self.g, w, 0)),
+            Arg::Ptr(w.ptr),
             Arg::Ptr(out.at(self.g, 0)),
             Arg::I32(rows as i32),
             Arg::I32(dim as i32),
             Arg::F32(eps),
         ];
-        self.launch("rms_norm", rows as u32, 256, &args);
+        self.launch(&format!("rms_norm_{}", w.infix()), rows as u32, 256, &args);
     }
 
     fn add(&self, a: &Buf, b: &Buf, out: &Buf, len: usize) {
@@ -247,7 +254,7 @@ impl<'a> Pass<'a> {
                     .launch("oracle_narrow_f64", blocks(len), 256, 0, &args);
                 ptr(self.g, &self.narrow, 0)
             }
-            Precision::Bf16Emulation => x.at(self.g, 0),
+            Precision::Bf16Emulation | Precision::F32 => x.at(self.g, 0),
         };
         let _span = span("calibration: GPU oracle taps offered");
         let (gpu, device) = (&self.cm.gpu, &self.cm.device);
@@ -312,6 +319,8 @@ pub fn prefill(
     let bytes = precision.bytes();
     let pass = Pass {
         cm,
+        // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
+        w: Weights::new(cm, precision != Precision::Bf16Emulation),
         g,
         blas,
         p: precision,
@@ -325,12 +334,13 @@ pub fn prefill(
     sink.begin_step(0, tokens, positions);
     let ids = g.upload(tokens);
     let mut x = pass.buf(n * h);
+    let embed = pass.w.embed();
     pass.launch(
-        "embed",
+        &format!("embed_{}", embed.infix()),
         blocks(n * h),
         256,
         &[
-            Arg::Ptr(ptr(g, &cm.embed, 0)),
+            Arg::Ptr(embed.ptr),
             Arg::Ptr(ptr(g, &ids, 0)),
             Arg::Ptr(x.at(g, 0)),
             Arg::I32(n as i32),
@@ -343,19 +353,19 @@ pub fn prefill(
         x = layer(&pass, l, x, positions, (&cos, &sin), sink);
     }
     let xn = pass.buf(n * h);
-    pass.norm(&x, &cm.norm, &xn, n, h);
+    pass.norm(&x, pass.w.norm(), &xn, n, h);
     pass.tap(sink, TapId::FinalNorm, positions, &[n, h], &xn);
     if sink.table().wants(TapId::Logits) {
         let v = c.vocab_size;
         let logits = pass.buf(n * v);
         let scratch = pass.buf(n * h);
         let xin = pass.input(&xn, n * h, &scratch);
-        let head = cm.lm_head.as_ref().unwrap_or(&cm.embed);
+        let head = pass.w.lm_head();
         // The head through the widening buffer a block of vocabulary rows at a time.
         let rows = (wide_len / h).max(1);
         for r0 in (0..v).step_by(rows) {
             let r = rows.min(v - r0);
-            pass.widen(ptr(g, head, r0 * h), r * h);
+            pass.widen(head, r0 * h, r * h);
             pass.gemm(xin.at(g, 0), 0, logits.at(g, r0), n, h, r, v);
         }
         pass.tap(sink, TapId::Logits, positions, &[n, v], &logits);
@@ -395,7 +405,9 @@ fn rope_tables(pass: &Pass<'_>, rope_positions: &[usize]) -> (Buf, Buf) {
     let upload = |v: Vec<f64>| -> Buf {
         let data: Vec<u8> = match pass.p {
             Precision::F64 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Precision::Bf16Emulation => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+            Precision::Bf16Emulation | Precision::F32 => {
+                v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()
+            }
         };
         Buf {
             data: pass.g.upload(&data),
@@ -410,7 +422,7 @@ fn rope_tables(pass: &Pass<'_>, rope_positions: &[usize]) -> (Buf, Buf) {
                     let (s, co) = rope.angle(p as f64, i).sin_cos();
                     (s * rope.scale, co * rope.scale)
                 }
-                Precision::Bf16Emulation => {
+                Precision::Bf16Emulation | Precision::F32 => {
                     let (s, co) = (p as f32 * rope.inv_freq_f32[i]).sin_cos();
                     let scale = rope.scale as f32;
                     ((s * scale) as f64, (co * scale) as f64)
@@ -433,7 +445,7 @@ fn layer(
 ) -> Buf {
     let (g, cm) = (pass.g, pass.cm);
     let c = &cm.config;
-    let w = &cm.layers[l];
+    let w = pass.w.layer(l);
     let n = positions.len();
     let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (heads, kvh) = (c.num_attention_heads, c.num_key_value_heads);
@@ -443,27 +455,27 @@ fn layer(
     };
     tap(sink, LayerTap::ResidIn, &[n, h], &x);
     let xn = pass.buf(n * h);
-    pass.norm(&x, &w.input_norm, &xn, n, h);
+    pass.norm(&x, w.input_norm, &xn, n, h);
     tap(sink, LayerTap::AttnNorm, &[n, h], &xn);
     let scratch = pass.buf(n * (2 * inter).max(qd).max(h));
     let xin = pass.input(&xn, n * h, &scratch);
-    pass.widen(ptr(g, &w.qkv, 0), (qd + 2 * kvd) * h);
+    pass.widen(w.qkv, 0, (qd + 2 * kvd) * h);
     let (q, k, v) = (pass.buf(n * qd), pass.buf(n * kvd), pass.buf(n * kvd));
     pass.gemm(xin.at(g, 0), 0, q.at(g, 0), n, h, qd, qd);
     pass.gemm(xin.at(g, 0), qd * h, k.at(g, 0), n, h, kvd, kvd);
     pass.gemm(xin.at(g, 0), (qd + kvd) * h, v.at(g, 0), n, h, kvd, kvd);
-    if let Some(bias) = &w.qkv_bias {
+    if let Some(bias) = w.qkv_bias {
         for (y, at, m) in [(&q, 0, qd), (&k, qd, kvd), (&v, qd + kvd, kvd)] {
             let args = [
                 Arg::Ptr(y.at(g, 0)),
-                Arg::Ptr(ptr(g, bias, at)),
+                Arg::Ptr(bias + 4 * at as u64),
                 Arg::I32(n as i32),
                 Arg::I32(m as i32),
             ];
             pass.launch("add_bias", blocks(n * m), 256, &args);
         }
     }
-    let (q, k) = match (&w.q_norm, &w.k_norm) {
+    let (q, k) = match (w.q_norm, w.k_norm) {
         (Some(qn), Some(kn)) => {
             let (q2, k2) = (pass.buf(n * qd), pass.buf(n * kvd));
             pass.norm(&q, qn, &q2, n * heads, hd);
@@ -506,16 +518,16 @@ fn layer(
     tap(sink, LayerTap::AttnProbs, &[n, heads, n], &probs);
     tap(sink, LayerTap::AttnOut, &[n, qd], &attn);
     let ain = pass.input(&attn, n * qd, &scratch);
-    let o = pass.project(ain, &w.o, n, qd, h);
+    let o = pass.project(ain, w.o, n, qd, h);
     tap(sink, LayerTap::OProj, &[n, h], &o);
     let mid = pass.buf(n * h);
     pass.add(&x, &o, &mid, n * h);
     tap(sink, LayerTap::ResidMid, &[n, h], &mid);
     let mn = pass.buf(n * h);
-    pass.norm(&mid, &w.post_norm, &mn, n, h);
+    pass.norm(&mid, w.post_norm, &mn, n, h);
     tap(sink, LayerTap::MlpNorm, &[n, h], &mn);
     let min = pass.input(&mn, n * h, &scratch);
-    pass.widen(ptr(g, &w.gate_up, 0), 2 * inter * h);
+    pass.widen(w.gate_up, 0, 2 * inter * h);
     let (gate, up) = (pass.buf(n * inter), pass.buf(n * inter));
     pass.gemm(min.at(g, 0), 0, gate.at(g, 0), n, h, inter, inter);
     pass.gemm(min.at(g, 0), inter * h, up.at(g, 0), n, h, inter, inter);
@@ -528,7 +540,7 @@ fn layer(
     ];
     pass.launch("swiglu", blocks(n * inter), 256, &args);
     let ain = pass.input(&act, n * inter, &scratch);
-    let mlp = pass.project(ain, &w.down, n, inter, h);
+    let mlp = pass.project(ain, w.down, n, inter, h);
     tap(sink, LayerTap::MlpOut, &[n, h], &mlp);
     let out = pass.buf(n * h);
     pass.add(&mid, &mlp, &out, n * h);

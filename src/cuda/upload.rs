@@ -58,6 +58,9 @@ pub struct CudaModel {
     /// Whether every weight is the checkpoint's own value (a bf16 checkpoint, or weights all
     /// exact in bf16), not a rounding of it: the GPU oracle (`oracle.rs`) then reads them.
     pub(super) exact_weights: bool,
+    /// An f32 copy of the checkpoint's weights for the oracle, where `exact_weights` is false
+    /// and a command attached one (`oracle_weights::attach_f32_weights`).
+    pub(super) f32_weights: std::sync::OnceLock<super::oracle_weights::F32Weights>,
 }
 
 /// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
@@ -411,6 +414,7 @@ impl CudaModel {
             gpu,
             memo: Default::default(),
             exact_weights: false,
+            f32_weights: Default::default(),
         };
         if !warmed && model.gpu.gemm_needs_warm_up() {
             let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");

@@ -147,6 +147,11 @@ impl Layer {
 pub struct NamedTensors<'a>(HashMap<String, &'a [f32]>);
 
 impl NamedTensors<'_> {
+    /// The tensor named `name`, as the host model holds it.
+    pub fn get(&self, name: &str) -> Option<&[f32]> {
+        self.0.get(name).copied()
+    }
+
     pub fn names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.0.keys().map(String::as_str).collect();
         v.sort();
