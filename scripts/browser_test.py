@@ -106,6 +106,8 @@ def check(drv, json_path, html_path, shot):
             fail(f"{p['path']}: click shows max|diff| {max_abs}, JSON {d['max_abs']}")
         if d.get("test") and drv.find_element(By.ID, "d-test").text != d["test"]:
             fail(f"{p['path']}: click shows test {drv.find_element(By.ID, 'd-test').text}, JSON {d['test']}")
+        if d.get("systematic") and not drv.find_element(By.ID, "d-systematic").text.startswith(d["systematic"]["op"]):
+            fail(f"{p['path']}: click shows systematic {drv.find_element(By.ID, 'd-systematic').text!r}, JSON {d['systematic']}")
         if d.get("blame") and not drv.find_element(By.ID, "d-replay").text.startswith(d["blame"]["op"]):
             fail(f"{p['path']}: click shows replay {drv.find_element(By.ID, 'd-replay').text!r}, JSON {d['blame']}")
         clicked += 1

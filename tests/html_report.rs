@@ -84,8 +84,8 @@ fn html_reports_work_in_a_real_browser() {
         files.push(json);
         files.push(html);
     }
-    // `kvdiff diff` of a bf16 engine whose fused norm is wrong once a cache exists: the page
-    // shows the op blame by replay names, and what it adds.
+    // `kvdiff diff` of a bf16 engine whose RoPE frequencies were rounded to bf16: the page shows
+    // what the aggregate test found, the op blame by replay names, and what it adds.
     let dump = tmp.path().join("bf16-dump");
     let o = Command::new(common::kvdiff_bin())
         .args([
@@ -99,7 +99,7 @@ fn html_reports_work_in_a_real_browser() {
         ])
         .arg(&dump)
         .arg(fixture("prompts/two-contexts.txt"))
-        .env("KVDIFF_FAULT", "fused-norm-without-residual")
+        .env("KVDIFF_FAULT", "rope-frequencies-bf16")
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

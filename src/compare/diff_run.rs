@@ -248,15 +248,20 @@ impl OpenedDiff<'_> {
             ));
         }
         let label = format!("engine:{}", engine_dump.meta.engine);
+        let replay_on = req.replay && req.policy == Policy::Auto;
+        let rounded = engine
+            .filter(|_| replay_on)
+            .and_then(|e| crate::compare::replay::weights_for(&e.model, &engine_dump.meta.dtype));
         let d = DumpDiff {
             engine: engine_dump,
             taps: &taps,
             tolerance: &tolerance,
             tokenizer: engine.map(|e| &e.tokenizer),
             label,
-            replay: engine
-                .map(|e| &e.model)
-                .filter(|_| req.replay && req.policy == Policy::Auto),
+            replay: rounded
+                .as_ref()
+                .or(engine.map(|e| &e.model))
+                .filter(|_| replay_on),
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {

@@ -9,7 +9,8 @@ use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::TokenFlip;
 use crate::compare::report::{
-    Blame, Divergence, EngineInfo, OpReplay, PathReport, ReplayInfo, TokenDivergence,
+    Blame, Divergence, EngineInfo, OpReplay, PathReport, ReplayInfo, SystematicInfo,
+    TokenDivergence,
 };
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
@@ -190,8 +191,38 @@ impl DumpDiff<'_> {
         });
         if let Some((o, r)) = rp.first_fired(row_order) {
             if best.as_ref().is_none_or(|b| o < b.order) {
-                let later = row_order.filter(|&ro| ro > o).and(row_tap);
+                let later = row_order.filter(|&ro| ro > o).and(row_tap.clone());
                 best = Some(self.replayed(rp, o, r, tokens, later));
+            }
+        }
+        // The aggregate test: an op adding error to the same values in every row.
+        let found = rp.systematic.finding();
+        if let Some(f) = found {
+            let o = (f.step, f.id, f.position);
+            if let (true, Some(r)) = (
+                best.as_ref().is_none_or(|b| o < b.order),
+                rp.row(f.step, f.position, f.id),
+            ) {
+                let later = row_order.filter(|&ro| ro > o).and(row_tap);
+                let mut d = self.replayed(rp, o, r, tokens, later);
+                d.test = "systematic";
+                d.tolerance = format!(
+                    "{}; and, pooled over the rows, {}u RMS at any one value (the aggregate test)",
+                    d.tolerance,
+                    crate::compare::systematic::UNITS
+                );
+                d.systematic = Some(SystematicInfo {
+                    op: crate::compare::replay::op_name(f.id).to_string(),
+                    over: crate::compare::systematic::runs(&f.columns),
+                    pooled_over_heads: f.pooled,
+                    head: f.head,
+                    rms: f.rms,
+                    bound: crate::compare::systematic::UNITS,
+                    samples: f.samples,
+                    from_position: f.from_position,
+                    grows_with_position: f.grows,
+                });
+                best = Some(d);
             }
         }
         best
@@ -244,6 +275,7 @@ impl DumpDiff<'_> {
             attn_rows: None,
             test: "replay",
             blame: Some(blame_of(rp, id, r, row_test_at)),
+            systematic: None,
             order: (step, id, pos),
         }
     }
@@ -336,7 +368,7 @@ impl DumpDiff<'_> {
         let mut pending = Some(step0);
         let mut replayer = self
             .replay
-            .map(|m| crate::compare::replay::Replayer::new(m, &self.engine.meta.dtype));
+            .map(|m| crate::compare::replay::Replayer::new(m, &self.engine.meta.dtype, total));
         let progress =
             crate::support::progress::Progress::start(steps.len() as u64, "diffing steps");
         for (i, &step) in steps.iter().enumerate() {
@@ -440,7 +472,16 @@ impl DumpDiff<'_> {
                     );
                 }
             }
+            let worst = rp.systematic.worst();
+            if let (Some((w, at)), true) = (worst, crate::support::progress::verbosity() >= 1) {
+                eprintln!(
+                    "kvdiff: replay's aggregate test: at most {w:.2}u RMS at one value over the rows (at {at}; bound {}u)",
+                    crate::compare::systematic::UNITS
+                );
+            }
             ReplayInfo {
+                systematic_worst: worst.map(|(w, at)| (w, at.to_string())),
+                systematic_bound: crate::compare::systematic::UNITS,
                 unit: rp.unit(),
                 bound_max: crate::compare::replay::BOUND_UNITS,
                 bound_rms: crate::compare::replay::RMS_UNITS,

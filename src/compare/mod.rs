@@ -23,4 +23,5 @@ pub mod noise_cache;
 pub mod replay;
 pub mod report;
 pub mod run;
+pub mod systematic;
 pub mod target;

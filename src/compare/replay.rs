@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
+use crate::compare::systematic::{Mag, Systematic};
 use crate::engine::gemm::matmul_t;
 use crate::engine::model::{Mlp, Model};
 use crate::engine::oracle;
@@ -61,6 +62,30 @@ pub fn unit_of(dtype: &str) -> f64 {
         2f64.powi(-3)
     } else {
         2f64.powi(-8)
+    }
+}
+
+/// The model replay reruns for an engine that stores `dtype`: `model`'s weights rounded as that
+/// engine holds them (an f32 or f16 checkpoint run in bf16 computes with bf16 weights, the same
+/// rounding in every row, which the aggregate test would take for a bug), or `None` where they
+/// are exact in it already.
+pub fn weights_for(model: &Model, dtype: &str) -> Option<Model> {
+    use rayon::prelude::*;
+    let unit = unit_of(dtype);
+    let exact = |keep: fn(f32) -> f32| {
+        model
+            .weight_slices()
+            .par_iter()
+            .all(|t| t.iter().all(|&x| keep(x) == x))
+    };
+    if unit == 2f64.powi(-8) {
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+        (!exact(bf16)).then(|| model.rounded_to_bf16())
+    } else if unit == 2f64.powi(-11) {
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        (!exact(f16)).then(|| model.rounded_to_f16())
+    } else {
+        None
     }
 }
 
@@ -131,6 +156,8 @@ pub struct Replayer<'m> {
     /// Product rows waiting for `finish`, by op: each weight matrix is then read once for
     /// every step's rows (a decode step alone would read it all for one row).
     pending: BTreeMap<TapId, Vec<Pending>>,
+    /// The aggregate test over every row (`systematic.rs`).
+    pub systematic: Systematic,
 }
 
 /// What a row's added error is measured against: its largest value is held to `max` (at least
@@ -184,10 +211,12 @@ fn silu(g: f64) -> f64 {
 }
 
 impl<'m> Replayer<'m> {
-    pub fn new(model: &'m Model, dtype: &str) -> Self {
+    /// `total`: the sequence's length, prompt and decode steps.
+    pub fn new(model: &'m Model, dtype: &str, total: usize) -> Self {
         Replayer {
             model,
             unit: unit_of(dtype),
+            systematic: Systematic::new(unit_of(dtype), total),
             history: vec![BTreeMap::new(); model.config.num_hidden_layers],
             rows: BTreeMap::new(),
             norms: BTreeMap::new(),
@@ -247,10 +276,14 @@ impl<'m> Replayer<'m> {
         replay: &[f32],
         scale: impl Into<Scale>,
         reference: Option<&[f32]>,
+        mag: Mag<'_>,
     ) {
         if engine.len() != replay.len() || engine.iter().any(|v| !v.is_finite()) {
             return; // a shape the model does not give, or a non-finite value: the row test's
         }
+        let hd = self.model.config.head_dim;
+        self.systematic
+            .add((step, id, pos), engine, replay, mag, hd);
         let scale: Scale = scale.into();
         let max_scale = scale.max.max(max_abs(replay)).max(f64::MIN_POSITIVE);
         let (mut worst, mut index) = (0f64, 0usize);
@@ -322,7 +355,8 @@ impl<'m> Replayer<'m> {
                 else {
                     continue;
                 };
-                self.book((step, TapId::Embed, p), row, want, 0.0, r.get(&p).copied());
+                let r = r.get(&p).copied();
+                self.book((step, TapId::Embed, p), row, want, 0.0, r, Mag::Own);
             }
         }
         for l in 0..c.num_hidden_layers {
@@ -339,6 +373,7 @@ impl<'m> Replayer<'m> {
                     &want,
                     0.0,
                     r.get(&p).copied(),
+                    Mag::Own,
                 );
             }
         }
@@ -425,9 +460,14 @@ impl<'m> Replayer<'m> {
                 let o = out.row(i);
                 let mut want = o.as_slice().expect("a standard-layout row").to_vec();
                 let mut scale = self.product_scale(&row.x, wt);
+                let mut mag = Mag::Row(scale);
                 if !norm.is_empty() && want.len() % norm.len() == 0 {
                     want = rms_norm(&want, norm, eps);
                     scale = 0.0; // a normalised row: its own size is the scale
+                    mag = Mag::Own;
+                }
+                if id == TapId::Logits {
+                    mag = Mag::Skip;
                 }
                 self.book(
                     (row.step, id, row.pos),
@@ -435,6 +475,7 @@ impl<'m> Replayer<'m> {
                     &want,
                     scale,
                     row.r.as_deref(),
+                    mag,
                 );
             }
         }
@@ -475,6 +516,7 @@ impl<'m> Replayer<'m> {
                 want,
                 scale,
                 row.r.as_deref(),
+                Mag::Skip,
             );
         }
     }
@@ -519,7 +561,8 @@ impl<'m> Replayer<'m> {
             for (&p, xr) in &x {
                 if let Some(yr) = y.get(&p) {
                     let want = rms_norm(xr, weight, eps);
-                    me.book((step, id(to), p), yr, &want, 0.0, r.get(&p).copied());
+                    let r = r.get(&p).copied();
+                    me.book((step, id(to), p), yr, &want, 0.0, r, Mag::Own);
                 }
             }
         };
@@ -531,8 +574,11 @@ impl<'m> Replayer<'m> {
                         continue;
                     }
                     let want: Vec<f32> = ar.iter().zip(*br).map(|(&u, &v)| u + v).collect();
+                    let terms: Vec<f32> =
+                        ar.iter().zip(*br).map(|(u, v)| u.abs() + v.abs()).collect();
                     let scale = max_abs(ar).max(max_abs(br));
-                    me.book((step, id(to), p), yr, &want, scale, r.get(&p).copied());
+                    let (r, m) = (r.get(&p).copied(), Mag::Given(&terms));
+                    me.book((step, id(to), p), yr, &want, scale, r, m);
                 }
             }
         };
@@ -575,6 +621,7 @@ impl<'m> Replayer<'m> {
                     &want,
                     max_abs(xr),
                     r.get(&p).copied(),
+                    Mag::Pairs(hd),
                 );
             }
         }
@@ -644,6 +691,7 @@ impl<'m> Replayer<'m> {
                 &want,
                 scale,
                 r.get(&p).copied(),
+                Mag::Skip,
             );
         }
         hold_op(self, LayerTap::AttnOut, LayerTap::OProj);

@@ -69,6 +69,9 @@ pub struct Divergence {
     /// The error the op adds against the error it inherits, where it was replayed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub blame: Option<Blame>,
+    /// What the aggregate test over every row found, where it named this divergence.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub systematic: Option<SystematicInfo>,
     #[serde(skip)]
     pub(crate) order: (usize, TapId, usize),
 }
@@ -93,6 +96,54 @@ pub struct Blame {
     /// Where the row test found the drift, when that is later than the op blamed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub row_test_at: Option<String>,
+}
+
+/// The aggregate test's finding (`compare/systematic.rs`): an op adding error to the same
+/// values row after row, each row inside its own bound.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct SystematicInfo {
+    pub op: String,
+    /// The values (`dims` pooled over heads, or `values` of the row) over the bound, as runs.
+    pub over: String,
+    pub pooled_over_heads: bool,
+    /// The head whose share of them adds the most.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<usize>,
+    /// RMS added at the worst of them, and the bound, in u; over how many samples.
+    pub rms: f64,
+    pub bound: f64,
+    pub samples: u32,
+    /// The rows tested: from this position on (the sequence's second half), or every row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_position: Option<usize>,
+    pub grows_with_position: bool,
+}
+
+impl SystematicInfo {
+    /// One line, as the text report and the HTML page say it.
+    pub fn line(&self) -> String {
+        let what = match self.pooled_over_heads {
+            true => format!("head dims {} (every head)", self.over),
+            false => format!("values {}", self.over),
+        };
+        let head = self
+            .head
+            .map(|h| format!(", most in head {h}"))
+            .unwrap_or_default();
+        let rows = match self.from_position {
+            Some(p) => format!("the rows from position {p} on"),
+            None => "every row".into(),
+        };
+        let grows = if self.grows_with_position {
+            "; grows with the position"
+        } else {
+            ""
+        };
+        format!(
+            "{} adds {:.1}u RMS at {what}{head}, over {} samples from {rows}, where rounding adds at most {}u{grows}",
+            self.op, self.rms, self.samples, self.bound
+        )
+    }
 }
 
 /// One head's attention row, reference and path, over key positions.
@@ -242,6 +293,11 @@ pub struct ReplayInfo {
     pub rows: usize,
     /// Per op (tap kind): the most it added at one value and over a row, and where the latter.
     pub per_op: Vec<OpReplay>,
+    /// The aggregate test: the largest RMS any tested value reached over the rows, in u, where
+    /// (a clean run's margin to `systematic_bound`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub systematic_worst: Option<(f64, String)>,
+    pub systematic_bound: f64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -733,6 +789,9 @@ fn divergence_text(s: &mut String, d: Option<&Divergence>, colour: bool) {
                     .as_ref()
                     .map(|t| format!("; the row test saw the drift only at {t}"))
                     .unwrap_or_default();
+                if let Some(sys) = &d.systematic {
+                    let _ = writeln!(s, "    systematic: {}", sys.line());
+                }
                 let _ = writeln!(
                     s,
                     "    replay: {} adds {:.1}u over the row, {:.1}u at most (its rounding: {:.0}u, {:.0}u; u = 2^{}){inherits}{later}",

@@ -330,6 +330,25 @@ impl Model {
         }
     }
 
+    /// A copy whose weights are rounded to f16 (an f16 engine's), computing in f32.
+    pub fn rounded_to_f16(&self) -> Model {
+        let r = |v: &Vec<f32>| -> Vec<f32> {
+            use rayon::prelude::*;
+            v.par_iter()
+                .map(|&x| half::f16::from_f32(x).to_f32())
+                .collect()
+        };
+        Model {
+            config: self.config.clone(),
+            embed_tokens: r(&self.embed_tokens),
+            norm: r(&self.norm),
+            lm_head: self.lm_head.as_ref().map(r),
+            layers: self.layers.iter().map(|l| l.map(r)).collect(),
+            device: None,
+            bf16_matmul_inputs: self.bf16_matmul_inputs,
+        }
+    }
+
     /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
     /// rounded to bf16, everything else in f32.
     pub fn bf16_emulation(&self) -> Model {

@@ -191,6 +191,7 @@ impl Comparator<'_> {
             attn_rows: None,
             test: "row",
             blame: None,
+            systematic: None,
             order,
         });
     }
