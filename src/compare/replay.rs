@@ -281,9 +281,6 @@ impl<'m> Replayer<'m> {
         if engine.len() != replay.len() || engine.iter().any(|v| !v.is_finite()) {
             return; // a shape the model does not give, or a non-finite value: the row test's
         }
-        let hd = self.model.config.head_dim;
-        self.systematic
-            .add((step, id, pos), engine, replay, mag, hd);
         let scale: Scale = scale.into();
         let max_scale = scale.max.max(max_abs(replay)).max(f64::MIN_POSITIVE);
         let (mut worst, mut index) = (0f64, 0usize);
@@ -323,6 +320,13 @@ impl<'m> Replayer<'m> {
                 1.0
             },
         };
+        // A row over its own bounds is replay's finding already: pooled, its large error
+        // would pose as structure in the rows before it.
+        if !self.exceeds(&row) {
+            let hd = self.model.config.head_dim;
+            self.systematic
+                .add((step, id, pos), engine, replay, mag, hd);
+        }
         self.rows.entry((step, pos)).or_default().push((id, row));
     }
 

@@ -14,7 +14,7 @@
 //! the rows, where `m` is the value's own scale (`Mag`): each sample clipped at `CLIP` so that
 //! a rare value rounded next to a cancellation cannot pose as a bug. Over every row and over
 //! the rows in the sequence's second half (an error growing with the position shows there
-//! first), a mean above `UNITS²` fires. Correct bf16 engines measure at most 0.44u
+//! first), a mean above `UNITS²` fires. Clean bf16 runs reach at most 0.64 of it
 //! (`docs/noise-model.md#the-aggregate-test`), on which the family-wise false-alarm rate rests.
 
 use std::collections::BTreeMap;
