@@ -112,13 +112,14 @@ def model_limit(mdir):
 
 
 def known_limit():
-    """(model, dtype, case) whose expectation kvdiff cannot meet, and why: on the families' tiny
+    """(model, dtype, case) whose expectation kvdiff may not meet, and why: on the families' tiny
     models (heads 16 or 32 wide, RoPE scaled by 2 to 8, at most 256 positions) bf16-rounded
-    inverse frequencies move RoPE by less than bf16's own rounding; replayed on the CPU's bf16
-    emulation the bug adds at most 2.2u over a row (qwen2), 1.0u (mistral), nothing above the
-    0.9u rounding adds (qwen3-moe, llama3), where 3u is an alarm."""
-    return {(f"arch/{a}", "bfloat16", c) for a in ("qwen3-moe", "qwen2", "llama3", "mistral")
-            for c in ("inv-freq", "inv-freq-short")}
+    inverse frequencies move RoPE by about bf16's own rounding; on the CPU's bf16 emulation the
+    aggregate test measures the bug at 1.6u RMS at two head dims (qwen2: named), 0.94u (mistral,
+    llama3) and nothing above clean runs (qwen3-moe), where 1.5u is an alarm; Mistral's is named
+    on the 200-token prompt only. A case listed here that is named anyway counts as expected."""
+    return {(f"arch/{a}", "bfloat16", c) for a in ("qwen3-moe", "llama3")
+            for c in ("inv-freq", "inv-freq-short")} | {("arch/mistral", "bfloat16", "inv-freq-short")}
 
 
 def print_rows(rows):

@@ -7,7 +7,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::gpu::ptr;
-use super::upload::{cuda_model_of, plan, CudaModel};
+use super::upload::{cuda_model_of, plan, CudaModel, F32Weights};
 use crate::engine::model::Model;
 use crate::error::{Error, Result};
 
@@ -32,13 +32,6 @@ impl W {
             ""
         }
     }
-}
-
-/// The host model's weights in f32 on the GPU, in the engine's buffer layout (`plan`).
-pub(super) struct F32Weights {
-    buffers: Vec<CudaSlice<f32>>,
-    /// Per layer, the q/k/v biases stacked, as the checkpoint has them.
-    biases: Vec<Option<CudaSlice<f32>>>,
 }
 
 /// A layer's weights as the oracle reads them.

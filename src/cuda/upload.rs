@@ -60,7 +60,15 @@ pub struct CudaModel {
     pub(super) exact_weights: bool,
     /// An f32 copy of the checkpoint's weights for the oracle, where `exact_weights` is false
     /// and a command attached one (`oracle_weights::attach_f32_weights`).
-    pub(super) f32_weights: std::sync::OnceLock<super::oracle_weights::F32Weights>,
+    pub(super) f32_weights: std::sync::OnceLock<F32Weights>,
+}
+
+/// The host model's weights in f32 on the GPU, in the engine's buffer layout (`plan`), for the
+/// oracle (`oracle_weights.rs`).
+pub(super) struct F32Weights {
+    pub(super) buffers: Vec<CudaSlice<f32>>,
+    /// Per layer, the q/k/v biases stacked, as the checkpoint has them.
+    pub(super) biases: Vec<Option<CudaSlice<f32>>>,
 }
 
 /// Why the CUDA kernels cannot run this configuration, if they cannot: it is refused rather
