@@ -1841,8 +1841,9 @@ fn rms_norm_rows(x: &[f32], w: &[f32]) -> Vec<f32> {
 
 /// An f32 engine (the CPU engine's own `kvdiff dump`) diffed with `--backend cuda` is held to
 /// the f32 GPU reference by default, and each planted fault is named where the CPU's f32
-/// reference names it: same verdict, step, tap and position; the clean dump stays equivalent.
-/// What the bf16 GPU reference makes of the same dumps is printed beside it.
+/// reference names it: same verdict, step, tap and position; the clean dump stays equivalent;
+/// the noise model is calibrated on the GPU. What the bf16 GPU reference makes of the same
+/// dumps is printed beside it.
 #[test]
 fn an_f32_engine_is_named_by_the_f32_gpu_reference_where_the_cpu_names_it() {
     if gpu().is_none() {
@@ -1874,10 +1875,21 @@ fn an_f32_engine_is_named_by_the_f32_gpu_reference_where_the_cpu_names_it() {
     let tmp = tempfile::tempdir().unwrap();
     let prompt = fixture("prompts/two-contexts.txt");
     let json = tmp.path().join("r.json");
+    let calls = std::cell::Cell::new(0);
     let verdict = |dump: &str, extra: &[&str]| -> (Option<i32>, String, serde_json::Value) {
-        let mut args = vec!["diff", "-q", "--json", json.to_str().unwrap(), dump];
+        let mut args = vec!["diff", "-v", "--json", json.to_str().unwrap(), dump];
         args.extend_from_slice(extra);
-        let o = kvdiff(&args, &[]);
+        // An empty noise cache each time: every diff calibrates, and says where.
+        calls.set(calls.get() + 1);
+        let cache = tmp.path().join(format!("cache-{}", calls.get()));
+        let o = kvdiff(&args, &[("KVDIFF_CACHE_DIR", cache.to_str().unwrap())]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        // With the model on the GPU (its weights the checkpoint's, or an f32 copy of them for
+        // the f32 reference), the noise model is calibrated on the GPU oracle.
+        if args.contains(&"cuda") && !args.contains(&"bf16") {
+            assert!(err.contains("noise model computed"), "{err}");
+            assert!(!err.contains("calibrated on the CPU"), "{err}");
+        }
         let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap())
             .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&o.stderr)));
         let d = &r["paths"][0]["first_divergence"];

@@ -224,7 +224,7 @@ impl OpenedDiff<'_> {
                 auto_tolerance(
                     req.noise_profile,
                     engine,
-                    gpu_model.as_ref().filter(|_| f32_gpu.is_none()),
+                    gpu_model.as_ref().map(|g| (g, f32_gpu.is_none())),
                     &prompt_ids,
                     steps,
                     sides,
@@ -431,10 +431,12 @@ fn side(half: bool) -> &'static str {
     }
 }
 
+/// `gpu`: the model on the GPU, and whether the bf16 CUDA engine is the reference (held to what
+/// bf16 allows); where the GPU oracle can run there, the calibration runs there too.
 fn auto_tolerance(
     noise_profile: Option<&Path>,
     engine: Option<&Engine>,
-    gpu_model: Option<&Model>,
+    gpu: Option<(&Model, bool)>,
     prompt_ids: &[u32],
     steps: usize,
     (ref_side, engine_side): (&str, &str),
@@ -454,6 +456,7 @@ fn auto_tolerance(
             let last = prompt_ids.len() + steps.max(1) - 1;
             let max = e.model.config.max_position_embeddings;
             let backends = ["cpu", "cuda"];
+            let gpu_model = gpu.filter(|g| g.1).map(|g| g.0);
             let slot = noise_cache::slot(
                 &e.source,
                 prompt_ids,
@@ -479,9 +482,17 @@ fn auto_tolerance(
                     }
                     let _p = progress::Progress::spinner("calibrating the noise model");
                     let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
-                    let cal = Calibration::new(&e.model, prompt_ids, at);
-                    let p =
-                        NoiseProfile::calibrate(&cal, &e.model, e.source.describe(), &backends)?;
+                    let on_gpu = gpu.map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
+                    let (cal, model) = match on_gpu {
+                        Some(Ok(c)) => (c, gpu.expect("on_gpu came from it").0),
+                        other => {
+                            if let (Some(Err(why)), true) = (other, progress::verbosity() >= 1) {
+                                eprintln!("kvdiff: noise model calibrated on the CPU: {why}");
+                            }
+                            (Calibration::new(&e.model, prompt_ids, at), &e.model)
+                        }
+                    };
+                    let p = NoiseProfile::calibrate(&cal, model, e.source.describe(), &backends)?;
                     // A GPU reference is held to what bf16 allows; a pinned profile
                     // (`kvdiff calibrate --backend cuda`) was checked on this GPU when it was
                     // made.
