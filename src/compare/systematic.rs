@@ -11,8 +11,9 @@
 //!
 //! Per op, per value (and, for the per-head taps, per head dimension pooled over every head,
 //! where RoPE and per-head norm bugs act alike), the mean of `e² = (added / (u · m))²` over
-//! the rows, where `m` is the value's own scale (`Mag`): each sample clipped at `CLIP` so that
-//! a rare value rounded next to a cancellation cannot pose as a bug. Over every row and over
+//! the rows, where `m` is the value's own scale (`Mag`; for a stored value, the top of its
+//! binade, which its rounding is relative to): each sample clipped at `CLIP` so that a rare
+//! value rounded next to a cancellation cannot pose as a bug. Over every row and over
 //! the rows in the sequence's second half (an error growing with the position shows there
 //! first), a mean above `UNITS²` fires. Clean bf16 runs reach at most 0.64 of it
 //! (`docs/noise-model.md#the-aggregate-test`), on which the family-wise false-alarm rate rests.
@@ -32,7 +33,7 @@ const FLOOR: f64 = 1.0 / 16.0;
 
 /// What each value's added error is measured against.
 pub enum Mag<'a> {
-    /// The value's own size.
+    /// The value's own size (the top of its binade).
     Own,
     /// RoPE's: the norm of the value's rotation pair (`hd` per head), which the rotation keeps.
     Pairs(usize),
@@ -122,6 +123,18 @@ fn per_head(id: TapId) -> bool {
     )
 }
 
+/// The top of `x`'s binade (`2^(⌊log2 |x|⌋ + 1)`): what a value's rounding is relative to. A
+/// value just above a power of two rounds by up to twice its share of a unit; held to its own
+/// size, a column whose values sit there in every row would pose as a bug.
+fn binade(x: f64) -> f64 {
+    let x = x.abs();
+    if x > 0.0 && x.is_finite() {
+        2f64.powi(x.log2().floor() as i32 + 1)
+    } else {
+        0.0
+    }
+}
+
 /// Each value's scale under `mag`, floored at `FLOOR` of the row's largest.
 fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
     let floored = |v: Vec<f64>| {
@@ -132,9 +145,9 @@ fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
     match mag {
         Mag::Skip => None,
         Mag::Row(s) => {
-            (*s > 0.0).then(|| replay.iter().map(|&x| (x as f64).abs().max(*s)).collect())
+            (*s > 0.0).then(|| replay.iter().map(|&x| binade(x as f64).max(*s)).collect())
         }
-        Mag::Own => Some(floored(replay.iter().map(|&x| (x as f64).abs()).collect())),
+        Mag::Own => Some(floored(replay.iter().map(|&x| binade(x as f64)).collect())),
         Mag::Given(g) => (g.len() == replay.len())
             .then(|| floored(g.iter().map(|&x| (x as f64).abs()).collect())),
         Mag::Pairs(hd) => {
