@@ -174,6 +174,25 @@ fn perturb(dir: &Path, step: usize, tap: &str, row: usize, delta: f32) {
     write(&path, &(t, meta));
 }
 
+/// `kvdiff dump --precision bf16` of `prompt` into `out`, with `fault` planted (none if empty).
+fn dump_bf16(out: &Path, prompt: &Path, fault: &str, args: &[&str]) {
+    let o = Command::new(common::kvdiff_bin())
+        .args([
+            "dump",
+            "-q",
+            "--precision",
+            "bf16",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .args(args)
+        .arg(prompt)
+        .env("KVDIFF_FAULT", fault)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// Multiplies each row of step 0's `tap` by `factor(row)`.
 fn scale_rows(dir: &Path, tap: &str, factor: impl Fn(usize) -> f32) {
     let path = step_file(dir, 0);
@@ -879,14 +898,12 @@ fn replay_names_bf16_bugs_below_the_row_tolerance_where_they_act() {
     ];
     for (fault, taps, want, step, decode) in cases {
         let out = tmp.path().join(format!("bf16-{fault}"));
-        let o = Command::new(common::kvdiff_bin())
-            .args(["dump", "-q", "--precision", "bf16", "--max-new-tokens", "4"])
-            .args(["--taps", taps, "--out", out.to_str().unwrap()])
-            .arg(&prompt)
-            .env("KVDIFF_FAULT", fault)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        dump_bf16(
+            &out,
+            &prompt,
+            fault,
+            &["--max-new-tokens", "4", "--taps", taps],
+        );
         let (code, r) = diff(&[&out], &json);
         if fault.is_empty() {
             assert_eq!(code, Some(0), "the clean bf16 twin: {r}");
@@ -944,15 +961,8 @@ fn replay_names_bf16_bugs_below_the_row_tolerance_where_they_act() {
     let qwen2 = common::fixture("arch/qwen2");
     for fault in ["", "rope-frequencies-bf16"] {
         let out = tmp.path().join(format!("qwen2-{fault}"));
-        let o = Command::new(common::kvdiff_bin())
-            .args(["dump", "-q", "--precision", "bf16", "--max-new-tokens", "8"])
-            .args(["--model", qwen2.to_str().unwrap()])
-            .args(["--out", out.to_str().unwrap()])
-            .arg(&prompt)
-            .env("KVDIFF_FAULT", fault)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let model = ["--max-new-tokens", "8", "--model", qwen2.to_str().unwrap()];
+        dump_bf16(&out, &prompt, fault, &model);
         let (code, r) = diff(&[&out], &json);
         let d = &r["paths"][0]["first_divergence"];
         if fault.is_empty() {

@@ -330,13 +330,12 @@ impl Model {
         }
     }
 
-    /// A copy whose weights are rounded to f16 (an f16 engine's), computing in f32.
-    pub fn rounded_to_f16(&self) -> Model {
+    /// A copy with every weight passed through `round` (on every core: an 8B model is 8
+    /// billion roundings), computing in f32, its matmul inputs rounded to bf16 or not.
+    fn with_weights_rounded(&self, round: fn(f32) -> f32, bf16_matmul_inputs: bool) -> Model {
         let r = |v: &Vec<f32>| -> Vec<f32> {
             use rayon::prelude::*;
-            v.par_iter()
-                .map(|&x| half::f16::from_f32(x).to_f32())
-                .collect()
+            v.par_iter().map(|&x| round(x)).collect()
         };
         Model {
             config: self.config.clone(),
@@ -345,27 +344,20 @@ impl Model {
             lm_head: self.lm_head.as_ref().map(r),
             layers: self.layers.iter().map(|l| l.map(r)).collect(),
             device: None,
-            bf16_matmul_inputs: self.bf16_matmul_inputs,
+            bf16_matmul_inputs,
         }
+    }
+
+    /// A copy whose weights are rounded to f16 (an f16 engine's), computing in f32.
+    pub fn rounded_to_f16(&self) -> Model {
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        self.with_weights_rounded(f16, self.bf16_matmul_inputs)
     }
 
     /// A CPU copy that computes as a bf16 GPU backend rounds: weights and every matmul input
     /// rounded to bf16, everything else in f32.
     pub fn bf16_emulation(&self) -> Model {
-        // On every core: an 8B model is 8 billion roundings.
-        let r = |v: &Vec<f32>| -> Vec<f32> {
-            use rayon::prelude::*;
-            v.par_iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
-        };
-        Model {
-            config: self.config.clone(),
-            embed_tokens: r(&self.embed_tokens),
-            norm: r(&self.norm),
-            lm_head: self.lm_head.as_ref().map(r),
-            layers: self.layers.iter().map(|l| l.map(r)).collect(),
-            device: None,
-            bf16_matmul_inputs: true,
-        }
+        self.with_weights_rounded(|x| bf16::from_f32(x).to_f32(), true)
     }
 
     /// A model with seeded random weights (norm weights near 1), for tests and benchmarks.
