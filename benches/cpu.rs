@@ -278,6 +278,7 @@ fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
         max_new_tokens: 16,
         dump: None,
         invariants: true,
+        replay: None,
         noise_profile: None,
         gpu_noise: None,
         noise_cache: None,

@@ -1671,6 +1671,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                     max_new_tokens: max_new,
                     eos: &[],
                     dump: None,
+                    replay: None,
                     memory_budget: usize::MAX,
                 };
                 let mut exact = vec![
@@ -1763,6 +1764,7 @@ fn planted_bugs_are_named_on_the_gpu() {
             max_new_tokens: max_new,
             eos: &[],
             dump: None,
+            replay: None,
             memory_budget: usize::MAX,
         };
         let chunks = &prompt.chunks;

@@ -223,6 +223,7 @@ fn driver_decode_failures(dir: &str) -> Vec<String> {
             max_new_tokens: want.len(),
             eos: &[],
             dump: Some(tmp.path()),
+            replay: None,
             memory_budget: usize::MAX,
         };
         let report = spec.run(PathSpec::Standard).unwrap();

@@ -49,6 +49,7 @@ fn spec<'a>(
         max_new_tokens,
         eos: &[],
         dump: None,
+        replay: None,
         memory_budget: usize::MAX,
     }
 }

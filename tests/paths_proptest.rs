@@ -190,6 +190,7 @@ fn compare(
         max_new_tokens: 3,
         eos: &[],
         dump: None,
+        replay: None,
         memory_budget: usize::MAX,
     };
     spec.run(path).unwrap()
@@ -328,6 +329,7 @@ fn planted_with(
         max_new_tokens: 8,
         eos: &engine.eos_ids(),
         dump: None,
+        replay: None,
         memory_budget: usize::MAX,
     };
     let r = spec
@@ -467,6 +469,7 @@ fn passes_under_a_small_memory_budget_give_the_same_report() {
         max_new_tokens: 6,
         eos: &eos,
         dump: None,
+        replay: None,
         memory_budget,
     };
     for path in PathSpec::all() {

@@ -54,6 +54,12 @@ pub struct CompareArgs {
     /// at every tap, blend:1 = standard, blend's recomputed K/V = the full prefill's).
     #[arg(long)]
     no_invariants: bool,
+    /// Also rerun each op of every exact path on the path's own inputs with the f64 oracle
+    /// (blame by replay) and pool what each op adds over every row (the aggregate test): finds
+    /// errors below one row's tolerance, and bugs the path shares with the reference. Auto
+    /// tolerance only; costs about one more CPU forward pass per path.
+    #[arg(long)]
+    replay: bool,
     /// Fail on a near-tie token flip of an exact path too (by default a warning: the
     /// reference's top-2 logits were within rounding of each other).
     #[arg(long)]
@@ -208,6 +214,9 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         Some(out) => Some(StagedDir::create(out, a.force, "--dump")?),
         None => None,
     };
+    let replay_models = a
+        .replay
+        .then(|| kvdiff::compare::path_replay::ReplayModels::new(&engine.model));
     let start = std::time::Instant::now();
     let waited = engine.tokenizer.parse_wait();
     let mut report = Request {
@@ -229,6 +238,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
             .map(NoiseCache::Hit)
             .or(slot.as_ref().map(NoiseCache::Miss)),
         invariants: !a.no_invariants,
+        replay: replay_models.as_ref(),
     }
     .run()?;
     if let (Some(folder), Some(out)) = (&staging, &a.dump) {
@@ -287,5 +297,13 @@ fn policy(a: &CompareArgs) -> Result<Policy> {
             "e.g. --budget 0.05",
         ));
     }
-    a.tol.policy()
+    let policy = a.tol.policy()?;
+    if a.replay && policy != Policy::Auto {
+        return Err(Error::usage(
+            "--replay",
+            "replay holds each op to its rounding in the path's own precision, which only the auto tolerance knows",
+            "drop --replay, or drop --tolerance/--atol/--rtol",
+        ));
+    }
+    Ok(policy)
 }

@@ -59,6 +59,11 @@ struct RunSweep {
     /// Skip the exact invariants of approximate paths.
     #[arg(long)]
     no_invariants: bool,
+    /// Also replay each exact path's ops on its own inputs and run the aggregate test over
+    /// its rows, as `compare --replay` does (each line then says which test fired, and the
+    /// margins of a clean case).
+    #[arg(long)]
+    replay: bool,
     /// Thresholds from a profile written by `kvdiff calibrate` for every case, instead of
     /// calibrating once per conversation (faster; the profile's positions should cover the
     /// set's longest prompt).
@@ -163,6 +168,9 @@ fn sweep(a: RunSweep) -> Result<i32> {
         true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
         false => None,
     };
+    let replay_models = a
+        .replay
+        .then(|| kvdiff::compare::path_replay::ReplayModels::new(&engine.model));
     let mut todo = cases::all(conversations.len(), random);
     if let Some(p) = partition {
         todo = cases::partition(todo, p);
@@ -188,6 +196,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
             .collect(),
         pinned,
         gpu_noise: Default::default(),
+        replay: replay_models.as_ref(),
     };
     let start = std::time::Instant::now();
     let outcome = s.run(&todo, &done, out)?;

@@ -6,6 +6,8 @@
 use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
+use crate::compare::path_replay::PathReplay;
+use crate::compare::replay_verdict::Verdict;
 use crate::compare::report::{PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
@@ -59,6 +61,9 @@ pub struct CompareSpec<'a> {
     pub memory_budget: usize,
     /// Where to dump each path's taps (a folder per path, `reference` for the reference).
     pub dump: Option<&'a std::path::Path>,
+    /// Blame by replay of the path's ops (`path_replay.rs`): the model as the path holds its
+    /// weights, and the path's dtype. Taken only where the run fits one pass (`replaying`).
+    pub replay: Option<(&'a Model, &'static str)>,
 }
 
 /// `KVDIFF_HOST_PROBS_ROWS=1`: a CPU reference keeps its attention probabilities as rows, as
@@ -154,7 +159,23 @@ impl CompareSpec<'_> {
             memory_budget: self.memory_budget / (others + 1),
             ..*self
         };
-        self.dump.is_none() && shared.passes().len() == 1
+        !self.host_copies() && shared.passes().len() == 1
+    }
+
+    /// Whether the path's taps go to the host whole, each step's held at once: to be dumped,
+    /// or replayed. The references then keep theirs on the host too.
+    fn host_copies(&self) -> bool {
+        self.dump.is_some() || self.replaying()
+    }
+
+    /// Whether the path's ops are replayed: asked for, and its taps and the reference's of
+    /// one step fit the host's budget in one pass (replay needs every layer's at once).
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+            && self
+                .groups(true, crate::compare::run::host_memory_budget() / 2)
+                .len()
+                == 1
     }
 
     /// Runs the path once against this spec's reference and, in the same lockstep, against
@@ -205,22 +226,33 @@ impl CompareSpec<'_> {
     /// Splits the selected taps into passes whose reference taps of one step fit
     /// `memory_budget`: each pass re-runs both paths but holds only its layers' taps.
     fn passes(&self) -> Vec<TapFilter> {
+        if self.host_copies() {
+            return vec![self.taps.clone()];
+        }
+        self.groups(false, self.memory_budget)
+    }
+
+    /// The layer groups whose reference taps of one step fit `budget` (`host`: a GPU
+    /// reference's taps copied to the host).
+    fn groups(&self, host: bool, budget: usize) -> Vec<TapFilter> {
         let c = &self.model.config;
         let n = self.prompt.ids.len() + self.max_new_tokens;
         // A GPU reference keeps attention as the parts that rebuild it (a key per position
         // and a few floats per row), a CPU one as its queries and keys: not a row per key.
         let probs = match self.model.device() {
-            Some(_) if crate::cuda::attention_by_parts(c) => c.kv_dim() + 4 * c.num_attention_heads,
+            Some(_) if !host && crate::cuda::attention_by_parts(c) => {
+                c.kv_dim() + 4 * c.num_attention_heads
+            }
             None if self.dump.is_none() && !host_probs_as_rows() => c.q_dim() + c.kv_dim(),
             _ => c.num_attention_heads * n,
         };
         let per_layer = 4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + probs);
         let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
         let outer = 4 * (n * 2 * c.hidden_size + logit_rows * c.vocab_size);
-        if self.dump.is_some() || outer + per_layer * c.num_hidden_layers <= self.memory_budget {
+        if outer + per_layer * c.num_hidden_layers <= budget {
             return vec![self.taps.clone()];
         }
-        let per_pass = (self.memory_budget.saturating_sub(outer) / per_layer.max(1)).max(1);
+        let per_pass = (budget.saturating_sub(outer) / per_layer.max(1)).max(1);
         let mut passes = Vec::new();
         let mut start = 0;
         while start <= c.num_hidden_layers {
@@ -252,7 +284,7 @@ impl CompareSpec<'_> {
         let specs: Vec<&CompareSpec<'_>> = std::iter::once(self)
             .chain(others.iter().map(|o| o.0))
             .collect();
-        let mut dumps = self.dumpers(taps, name)?;
+        let mut dumps = self.dumpers(taps, name, exact)?;
         let span = crate::support::timing::span("compare: reference prefill");
         let mut cmps = Vec::with_capacity(specs.len());
         let mut sides = Vec::with_capacity(specs.len());
@@ -300,6 +332,7 @@ impl CompareSpec<'_> {
             tokens: Vec::new(),
         };
         run.decode(&specs, taps, &mut cmps, &mut dumps, logits, ref_logits);
+        let mut replay = dumps.replay.take();
         dumps.finish(self, name, &cmps[0].tokens[n..])?;
         let names = std::iter::once((name, exact)).chain(others.iter().map(|o| (o.1, true)));
         let tokens = run.tokens;
@@ -310,7 +343,15 @@ impl CompareSpec<'_> {
             .zip(names)
             .map(|(((s, mut cmp), side), (name, exact))| {
                 cmp.flush();
-                s.path_report(name, exact, cmp, side, tokens.clone(), &store)
+                s.path_report(
+                    name,
+                    exact,
+                    cmp,
+                    side,
+                    tokens.clone(),
+                    &store,
+                    replay.take(),
+                )
             })
             .collect();
         Ok(reports)
@@ -323,7 +364,7 @@ impl CompareSpec<'_> {
     /// next pass, so it may keep them by address.
     fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
         let layers = self.model.config.num_hidden_layers;
-        if self.model.device().is_some() && self.dump.is_none() {
+        if self.model.device().is_some() && !self.host_copies() {
             let r = ReferenceRecorder::on_device(taps, layers);
             if decode {
                 r.borrowing()
@@ -356,9 +397,20 @@ impl CompareSpec<'_> {
 
     /// The dumpers of a `--dump` run: the path's, and the reference's unless an earlier
     /// path's run already wrote it.
-    fn dumpers(&self, taps: &TapFilter, name: &str) -> Result<Dumps> {
+    fn dumpers(&self, taps: &TapFilter, name: &str, exact: bool) -> Result<Dumps<'_>> {
+        // An approximate path's ops are its own design, not a bug: only exact paths replay.
+        let replay = self
+            .replay
+            .filter(|_| exact && self.replaying())
+            .map(|(m, dtype)| {
+                let total = self.prompt.ids.len() + self.max_new_tokens;
+                PathReplay::new(m, dtype, total)
+            });
         let Some(root) = self.dump else {
-            return Ok(Dumps::default());
+            return Ok(Dumps {
+                replay,
+                ..Default::default()
+            });
         };
         let layers = self.model.config.num_hidden_layers;
         let reference = root.join("reference");
@@ -374,6 +426,7 @@ impl CompareSpec<'_> {
                 layers,
                 true,
             )?),
+            replay,
         })
     }
 
@@ -385,6 +438,7 @@ impl CompareSpec<'_> {
         side: Side,
         tokens: Vec<u32>,
         store: &ChunkStore,
+        replay: Option<PathReplay<'_>>,
     ) -> PathReport {
         let n = self.prompt.ids.len();
         let agreement = side.agreement.finish();
@@ -393,6 +447,18 @@ impl CompareSpec<'_> {
         if let Some(d) = first_divergence.as_mut() {
             d.token_text = text(d.token);
         }
+        let replay = replay.map(|mut r| {
+            r.finish();
+            let v = Verdict {
+                replayer: &r.replayer,
+                head_dim: self.model.config.head_dim,
+                dtype: self.replay.map_or("", |(_, d)| d),
+                side: "path",
+                tokenizer: Some(self.tokenizer),
+            };
+            first_divergence = v.first_divergence(first_divergence.take(), &cmp.tokens);
+            v.info()
+        });
         for f in &mut cmp.expert_flips {
             f.token_text = text(cmp.tokens.get(f.position).copied().unwrap_or(0));
         }
@@ -428,26 +494,34 @@ impl CompareSpec<'_> {
             cells: Some(cmp.grid),
             grid: None,
             reference_tokens: cmp.tokens[n..].to_vec(),
+            replay,
         }
     }
 }
 
-/// The dumpers of a `--dump` run (none without it).
+/// What takes the path's and the reference's taps besides the comparators: the dumpers of a
+/// `--dump` run, and the path's replay.
 #[derive(Default)]
-struct Dumps {
+struct Dumps<'m> {
     path: Option<Dumper>,
     reference: Option<Dumper>,
+    replay: Option<PathReplay<'m>>,
 }
 
-impl Dumps {
-    /// Where the path's taps go: the comparators, and the path's dumper too if there is one.
+impl Dumps<'_> {
+    /// Where the path's taps go: the comparators, and the path's dumper and replay too if
+    /// there are.
     fn path_sink<'a>(&'a mut self, cmps: &'a mut dyn TapSink) -> Box<dyn TapSink + 'a> {
-        match &mut self.path {
+        let inner: Box<dyn TapSink + 'a> = match &mut self.path {
             Some(d) => Box::new(Tee {
                 first: cmps,
                 second: d,
             }),
             None => Box::new(Forward(cmps)),
+        };
+        match &mut self.replay {
+            Some(r) => Box::new(r.sink(inner)),
+            None => inner,
         }
     }
 
@@ -638,7 +712,7 @@ impl Lockstep {
         specs: &[&CompareSpec<'_>],
         taps: &TapFilter,
         cmps: &mut [Comparator<'_>],
-        dumps: &mut Dumps,
+        dumps: &mut Dumps<'_>,
         mut logits: StepLogits,
         mut ref_logits: Vec<StepLogits>,
     ) {
@@ -859,6 +933,7 @@ mod tests {
                 max_new_tokens: 2,
                 eos: &[],
                 dump: None,
+                replay: None,
                 memory_budget: usize::MAX,
             };
             spec.run(PathSpec::ChunkedPrefill(5)).unwrap()

@@ -8,10 +8,7 @@ use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::driver::TokenFlip;
-use crate::compare::report::{
-    Blame, Divergence, EngineInfo, OpReplay, PathReport, ReplayInfo, SystematicInfo,
-    TokenDivergence,
-};
+use crate::compare::report::{EngineInfo, PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
@@ -167,140 +164,6 @@ impl ReferenceSource for ReferenceRun<'_> {
     }
 }
 
-impl DumpDiff<'_> {
-    /// The first divergence once replay has had its say: the row test's, moved back to the op
-    /// that added its error where replay finds one, or an op that adds more than its rounding
-    /// can on its own, whichever comes first.
-    fn with_replay(
-        &self,
-        rp: &crate::compare::replay::Replayer<'_>,
-        row: Option<Divergence>,
-        tokens: &[u32],
-    ) -> Option<Divergence> {
-        let row_order = row.as_ref().map(|d| d.order);
-        let row_tap = row.as_ref().map(|d| d.tap.clone());
-        let mut best = row.map(|mut d| {
-            let (s, id, p) = d.order;
-            match rp.blame(s, p, id) {
-                Some((op, r)) if op < id => self.replayed(rp, (s, op, p), r, tokens, Some(d.tap)),
-                _ => {
-                    d.blame = rp.row(s, p, id).map(|r| blame_of(rp, id, r, None));
-                    d
-                }
-            }
-        });
-        if let Some((o, r)) = rp.first_fired(row_order) {
-            if best.as_ref().is_none_or(|b| o < b.order) {
-                let later = row_order.filter(|&ro| ro > o).and(row_tap.clone());
-                best = Some(self.replayed(rp, o, r, tokens, later));
-            }
-        }
-        // The aggregate test: an op adding error to the same values in every row.
-        let found = rp.systematic.finding();
-        if let Some(f) = found {
-            let o = (f.step, f.id, f.position);
-            if let (true, Some(r)) = (
-                best.as_ref().is_none_or(|b| o < b.order),
-                rp.row(f.step, f.position, f.id),
-            ) {
-                let later = row_order.filter(|&ro| ro > o).and(row_tap);
-                let mut d = self.replayed(rp, o, r, tokens, later);
-                d.test = "systematic";
-                d.tolerance = format!(
-                    "{}; and, pooled over the rows, {}u RMS at any one value (the aggregate test)",
-                    d.tolerance,
-                    crate::compare::systematic::UNITS
-                );
-                d.systematic = Some(SystematicInfo {
-                    op: crate::compare::replay::op_name(f.id).to_string(),
-                    over: crate::compare::systematic::runs(&f.columns),
-                    pooled_over_heads: f.pooled,
-                    head: f.head,
-                    rms: f.rms,
-                    bound: crate::compare::systematic::UNITS,
-                    samples: f.samples,
-                    from_position: f.from_position,
-                    grows_with_position: f.grows,
-                });
-                best = Some(d);
-            }
-        }
-        best
-    }
-
-    /// A divergence where replay found an op adding error.
-    fn replayed(
-        &self,
-        rp: &crate::compare::replay::Replayer<'_>,
-        (step, id, pos): (usize, TapId, usize),
-        r: &crate::compare::replay::RowReplay,
-        tokens: &[u32],
-        row_test_at: Option<String>,
-    ) -> Divergence {
-        use crate::compare::replay::{op_name, BOUND_UNITS, RMS_UNITS};
-        use crate::tap::LayerTap as T;
-        let hd = self.replay.map_or(0, |m| m.config.head_dim).max(1);
-        let per_head = matches!(
-            id,
-            TapId::Layer(_, T::Q | T::K | T::V | T::QRope | T::KRope | T::AttnOut)
-        );
-        let token = tokens.get(pos).copied().unwrap_or(0);
-        let unit = rp.unit();
-        Divergence {
-            step,
-            layer: id.layer(),
-            tap: id.to_string(),
-            position: pos,
-            token,
-            token_text: self
-                .tokenizer
-                .map(|t| t.decode(&[token], false))
-                .unwrap_or_default(),
-            head: per_head.then_some(r.index / hd),
-            index: if per_head { r.index % hd } else { r.index },
-            kind: "value",
-            reference: r.replay,
-            value: r.engine,
-            max_abs: r.max_abs as f32,
-            rel_l2: r.rel_l2,
-            cosine: r.cosine,
-            tolerance: format!(
-                "{} rerun on the engine's own inputs may add {BOUND_UNITS}·u at one value (of the row's scale {:.3e}) and {RMS_UNITS}·u over the row (u = 2^{}, the engine's {})",
-                op_name(id),
-                r.scale,
-                unit.log2().round() as i32,
-                self.engine.meta.dtype
-            ),
-            policy: "replay",
-            attn_rows: None,
-            test: "replay",
-            blame: Some(blame_of(rp, id, r, row_test_at)),
-            systematic: None,
-            order: (step, id, pos),
-        }
-    }
-}
-
-/// What replay says of the op whose output is `id`, in units of the engine's precision.
-fn blame_of(
-    rp: &crate::compare::replay::Replayer<'_>,
-    id: TapId,
-    r: &crate::compare::replay::RowReplay,
-    row_test_at: Option<String>,
-) -> Blame {
-    let u = rp.unit();
-    Blame {
-        op: crate::compare::replay::op_name(id).to_string(),
-        unit: u,
-        adds_max: r.added / u,
-        adds_rms: r.rel_l2 / u,
-        bound_max: rp.bound() / u,
-        bound_rms: rp.bound_rms() / u,
-        inherits_max: r.inherited.map(|i| i / u),
-        row_test_at,
-    }
-}
-
 fn span(p: &[usize]) -> String {
     match (p.first(), p.last()) {
         (Some(a), Some(b)) if a != b => format!("{a}..={b}"),
@@ -452,45 +315,18 @@ impl DumpDiff<'_> {
             let _span = crate::support::timing::span("diff: products replayed");
             rp.finish();
         }
-        let replay_info = replayer.as_ref().map(|rp| {
-            let (rows, per_op) = rp.summary();
-            let per_op: Vec<OpReplay> = per_op
-                .into_iter()
-                .map(|(op, max, rms, at)| OpReplay { op, max, rms, at })
-                .collect();
-            if crate::support::progress::verbosity() >= 1 {
-                eprintln!(
-                    "kvdiff: replay: {rows} rows of ops rerun on the engine's inputs; the most each op adds in u = 2^{} (bounds {}u at a value, {}u over a row):",
-                    rp.unit().log2().round() as i32,
-                    crate::compare::replay::BOUND_UNITS,
-                    crate::compare::replay::RMS_UNITS
-                );
-                for o in &per_op {
-                    eprintln!(
-                        "kvdiff:   {:<12} {:>8.2} at a value, {:>8.2} over a row (at {})",
-                        o.op, o.max, o.rms, o.at
-                    );
-                }
-            }
-            let worst = rp.systematic.worst();
-            if let (Some((w, at)), true) = (worst, crate::support::progress::verbosity() >= 1) {
-                eprintln!(
-                    "kvdiff: replay's aggregate test: at most {w:.2}u RMS at one value over the rows (at {at}; bound {}u)",
-                    crate::compare::systematic::UNITS
-                );
-            }
-            ReplayInfo {
-                systematic_worst: worst.map(|(w, at)| (w, at.to_string())),
-                systematic_bound: crate::compare::systematic::UNITS,
-                unit: rp.unit(),
-                bound_max: crate::compare::replay::BOUND_UNITS,
-                bound_rms: crate::compare::replay::RMS_UNITS,
-                rows,
-                per_op,
-            }
-        });
-        let first_divergence = match &replayer {
-            Some(rp) => self.with_replay(rp, row_first, &all_tokens),
+        let verdict = replayer
+            .as_ref()
+            .map(|rp| crate::compare::replay_verdict::Verdict {
+                replayer: rp,
+                head_dim: self.replay.map_or(0, |m| m.config.head_dim),
+                dtype: &self.engine.meta.dtype,
+                side: "engine",
+                tokenizer: self.tokenizer,
+            });
+        let replay_info = verdict.as_ref().map(|v| v.info());
+        let first_divergence = match &verdict {
+            Some(v) => v.first_divergence(row_first, &all_tokens),
             None => row_first,
         };
         for (layer, id) in &cmp.first_tap {
@@ -525,6 +361,7 @@ impl DumpDiff<'_> {
             cells: None,
             noise: cmp.noise,
             reference_tokens: all_tokens[prompt_ids.len()..].to_vec(),
+            replay: None,
         };
         piece_starts.retain(|&p| p > 0);
         let names = |s: &BTreeSet<TapId>| s.iter().map(TapId::to_string).collect::<Vec<_>>();

@@ -158,6 +158,9 @@ pub struct Replayer<'m> {
     pending: BTreeMap<TapId, Vec<Pending>>,
     /// The aggregate test over every row (`systematic.rs`).
     pub systematic: Systematic,
+    /// Every op judged on its own, not only those `fires` names: for kvdiff's own engine,
+    /// whose attention and MLP kernels are known to round within the bounds.
+    every_op: bool,
 }
 
 /// What a row's added error is measured against: its largest value is held to `max` (at least
@@ -221,7 +224,14 @@ impl<'m> Replayer<'m> {
             rows: BTreeMap::new(),
             norms: BTreeMap::new(),
             pending: BTreeMap::new(),
+            every_op: false,
         }
+    }
+
+    /// Judges every op on its own (see `every_op`).
+    pub fn judging_every_op(mut self) -> Self {
+        self.every_op = true;
+        self
     }
 
     /// The bound on `added`, in units of the row's scale.
@@ -736,7 +746,9 @@ impl<'m> Replayer<'m> {
         self.rows
             .iter()
             .flat_map(|(&(s, p), v)| v.iter().map(move |(id, r)| ((s, *id, p), r)))
-            .filter(|(o, r)| (fires(o.1) || before.is_some_and(|b| *o < b)) && self.exceeds(r))
+            .filter(|(o, r)| {
+                (self.every_op || fires(o.1) || before.is_some_and(|b| *o < b)) && self.exceeds(r)
+            })
             .min_by_key(|(o, _)| *o)
     }
 

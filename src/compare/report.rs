@@ -218,6 +218,9 @@ pub struct PathReport {
     /// The reference path's greedy tokens in this run.
     #[serde(skip)]
     pub reference_tokens: Vec<u32>,
+    /// Blame by replay of the path's own ops (`--replay`): what each added at most.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<ReplayInfo>,
 }
 
 pub const SCHEMA: u32 = 1;

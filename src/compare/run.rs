@@ -7,6 +7,7 @@ use crate::compare::driver::CompareSpec;
 use crate::compare::invariants::Invariant;
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::NoiseCache;
+use crate::compare::path_replay::ReplayModels;
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
 use crate::cuda::MemoAct;
@@ -132,6 +133,8 @@ pub struct Request<'a> {
     pub gpu_noise: Option<&'a BackendNoise>,
     /// An auto-tolerance calibration from an earlier run, or the key to store this run's under.
     pub noise_cache: Option<NoiseCache<'a>>,
+    /// Replay each exact path's ops on its own inputs (`path_replay.rs`; with `auto` only).
+    pub replay: Option<&'a ReplayModels<'a>>,
 }
 
 /// The thresholds of a run: on the reference's backend, across backends, what the report says
@@ -184,6 +187,7 @@ impl<'a> Request<'a> {
             max_new_tokens: self.max_new_tokens,
             eos: &eos,
             dump: self.dump,
+            replay: None,
             // A GPU reference holds its taps in GPU memory: what the rest leaves of it.
             memory_budget: crate::cuda::gpu_of(ref_model).map_or_else(host_memory_budget, |g| {
                 let tokens = self.prompt.ids.len() + self.max_new_tokens;
@@ -448,6 +452,10 @@ impl<'a> Request<'a> {
         let s = CompareSpec {
             path_model: self.model_on(backend),
             tolerance,
+            replay: self
+                .replay
+                .filter(|_| self.policy == Policy::Auto)
+                .map(|r| r.on(backend)),
             ..*spec
         };
         let label = t.label(self.backend, self.uses_gpu());

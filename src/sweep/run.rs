@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache;
+use crate::compare::path_replay::ReplayModels;
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{Policy, Request};
 use crate::compare::target::{Backend, Target};
@@ -47,6 +48,8 @@ pub struct Sweep<'a> {
     /// A GPU reference's own noise, held to what bf16 allows once per process, on the first
     /// case that needs it.
     pub gpu_noise: OnceLock<std::result::Result<BackendNoise, String>>,
+    /// Replay each exact path's ops (`compare/path_replay.rs`).
+    pub replay: Option<&'a ReplayModels<'a>>,
 }
 
 /// What a sweep run did.
@@ -77,6 +80,12 @@ pub struct Line {
     pub logits_rel_l2_max: f64,
     /// Wall time of the whole case (every path), milliseconds.
     pub case_ms: f64,
+    /// With `--replay`, a clean path's margins: the largest share of a per-row replay bound
+    /// any op reached, and of the aggregate test's bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_margin: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub systematic_margin: Option<f64>,
 }
 
 #[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
@@ -88,6 +97,13 @@ pub struct Site {
     pub kind: String,
     pub rel_l2: f64,
     pub max_abs: f32,
+    /// The test that found it: `row`, `replay` or `systematic`.
+    #[serde(default = "row_test")]
+    pub test: String,
+}
+
+fn row_test() -> String {
+    "row".into()
 }
 
 #[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
@@ -280,6 +296,7 @@ impl Sweep<'_> {
             gpu_noise,
             noise_cache: None,
             invariants: self.invariants,
+            replay: self.replay,
         }
         .run()?;
         report.judge(&self.judgement);
@@ -376,6 +393,7 @@ impl Sweep<'_> {
                     kind: d.kind.to_string(),
                     rel_l2: d.rel_l2,
                     max_abs: d.max_abs,
+                    test: d.test.to_string(),
                 }),
                 first_token_divergence: p.first_token_divergence.as_ref().map(|t| Flip {
                     step: t.step,
@@ -386,6 +404,15 @@ impl Sweep<'_> {
                 }),
                 logits_rel_l2_max: p.logits_rel_l2_max,
                 case_ms: ms,
+                replay_margin: p.replay.as_ref().map(|r| {
+                    r.per_op.iter().fold(0f64, |m, o| {
+                        m.max(o.max / r.bound_max).max(o.rms / r.bound_rms)
+                    })
+                }),
+                systematic_margin: p
+                    .replay
+                    .as_ref()
+                    .and_then(|r| Some(r.systematic_worst.as_ref()?.0 / r.systematic_bound)),
             })
             .collect()
     }
