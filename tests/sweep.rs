@@ -225,3 +225,50 @@ fn a_pinned_noise_profile_serves_every_case() {
     assert_eq!(refused.status.code(), Some(2));
     assert!(!o2.exists());
 }
+
+/// `--replay` in a sweep: every exact path's line carries replay's margins, clean cases stay within
+/// them, and a decode bug the reference shares (invisible to the row test) fails every exact
+/// line, found by replay.
+#[test]
+fn a_replayed_sweep_gives_margins_and_names_a_shared_bug() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompt_slice(tmp.path(), 2);
+    let prompts = prompts.to_str().unwrap();
+    let run = |name: &str, fault: &str| {
+        let out = tmp.path().join(name);
+        let o = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+            .args(sweep_args(prompts, out.to_str().unwrap(), &["--replay"]))
+            .env("KVDIFF_FAULT", fault)
+            .output()
+            .unwrap();
+        assert!(
+            matches!(o.status.code(), Some(0 | 1)),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::fs::read_to_string(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|l| l["path"] == "chunked-prefill:5")
+            .collect::<Vec<_>>()
+    };
+    let clean = run("clean.jsonl", "");
+    assert_eq!(clean.len(), 4);
+    for l in &clean {
+        assert_eq!(l["failed"], false, "{l}");
+        for m in ["replay_margin", "systematic_margin"] {
+            let v = l[m].as_f64().unwrap_or_else(|| panic!("{m} missing: {l}"));
+            assert!((0.0..1.0).contains(&v), "{m}: {l}");
+        }
+    }
+    for l in run("fault.jsonl", "decode-kv-slot-off-by-one") {
+        assert_eq!(l["failed"], true, "{l}");
+        let d = &l["first_divergence"];
+        assert_eq!(
+            (d["test"].as_str(), d["step"].as_u64()),
+            (Some("replay"), Some(1)),
+            "{l}"
+        );
+    }
+}
