@@ -1614,6 +1614,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
     let mut alarms = Vec::new();
     for (name, cpu) in sweep_models() {
         let cuda = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        let replayed = kvdiff::compare::path_replay::ReplayModels::new(&cpu);
         // The GPU oracle calibrates models whose weights the GPU holds exactly (bf16): these,
         // or their weights rounded to bf16 (a bf16 checkpoint of the same model).
         let exact = match kvdiff::cuda::oracle_unavailable(&cuda) {
@@ -1654,12 +1655,21 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                 ("cpu", &cpu, &cpu, "cpu", "cpu", &profile),
                 ("cuda", &cuda, &cuda, "cuda", "cuda", &profile),
                 ("cpu->cuda", &cpu, &cuda, "cpu", "cuda", &profile),
+                // `--replay`: each path's ops rerun on its own inputs, and the aggregate test.
+                ("cuda, replay", &cuda, &cuda, "cuda", "cuda", &profile),
             ];
             if let (Some(g), Some(p)) = (on_gpu, gpu_profile.as_ref()) {
                 modes.push(("cuda, GPU oracle", g, g, "cuda", "cuda", p));
             }
+            // `KVDIFF_GPU_NOISE_MODES=cuda, replay`: only the modes named (`;`-separated).
+            if let Ok(only) = std::env::var("KVDIFF_GPU_NOISE_MODES") {
+                modes.retain(|m| only.split(';').any(|o| o.trim() == m.0));
+            }
             for (mode, reference, path, a, b, profile) in modes {
                 let tol = profile.tolerance(a, b).unwrap();
+                let replay = mode
+                    .ends_with("replay")
+                    .then(|| replayed.on(kvdiff::compare::target::Backend::Cuda));
                 let spec = CompareSpec {
                     model: reference,
                     path_model: path,
@@ -1671,7 +1681,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                     max_new_tokens: max_new,
                     eos: &[],
                     dump: None,
-                    replay: None,
+                    replay,
                     memory_budget: usize::MAX,
                 };
                 let mut exact = vec![
@@ -1690,6 +1700,21 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                             r.first_divergence, r.first_token_divergence
                         ));
                     }
+                    if let Some(rep) = &r.replay {
+                        let row = rep.per_op.iter().fold(0f64, |m, o| {
+                            m.max(o.max / rep.bound_max).max(o.rms / rep.bound_rms)
+                        });
+                        let sys = rep
+                            .systematic_worst
+                            .as_ref()
+                            .map_or(0.0, |w| w.0 / rep.systematic_bound);
+                        for (k, v) in [("replay", row), ("systematic", sys)] {
+                            let w = worst.entry((mode, k.to_string())).or_insert(0.0);
+                            *w = w.max(v as f32);
+                        }
+                    } else if replay.is_some() {
+                        alarms.push(format!("{name} case {case} {mode} {p}: not replayed"));
+                    }
                     for (kind, &e) in &r.noise {
                         // Expert ids are compared exactly: no margin to report.
                         let Some((_, rtol)) = tol.bounds(kind) else {
@@ -1703,16 +1728,17 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
         }
         eprintln!("GPU noise sweep: {name}, {cases} cases done");
     }
-    eprintln!("largest observed error / threshold per tap kind (cpu | cuda | cpu->cuda | cuda, GPU oracle):");
+    eprintln!("largest observed error / threshold per tap kind (cpu | cuda | cpu->cuda | cuda, GPU oracle | cuda, replay):");
     let kinds: std::collections::BTreeSet<&String> = worst.keys().map(|(_, k)| k).collect();
     for k in kinds {
         let get = |m: &str| worst.get(&(m, k.clone())).copied().unwrap_or(0.0);
         eprintln!(
-            "  margin {k:<11} {:.3} | {:.3} | {:.3} | {:.3}",
+            "  margin {k:<11} {:.3} | {:.3} | {:.3} | {:.3} | {:.3}",
             get("cpu"),
             get("cuda"),
             get("cpu->cuda"),
-            get("cuda, GPU oracle")
+            get("cuda, GPU oracle"),
+            get("cuda, replay")
         );
     }
     assert!(alarms.is_empty(), "false alarms:\n{}", alarms.join("\n"));
@@ -1939,4 +1965,84 @@ fn an_f32_engine_is_named_by_the_f32_gpu_reference_where_the_cpu_names_it() {
     let c = clean.to_str().unwrap();
     let o = kvdiff(&["diff", "--precision", "f32", c, c], &[]);
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// `--replay` on the GPU: bugs of the GPU backend that the reference shares with the path (a
+/// decode step's key rotated at its batch-local position 0; a decode step's query missing its
+/// own key) pass the row test, path and reference being alike; replay names each at the op
+/// and the first decode step. A clean run stays equivalent with replay on.
+#[test]
+fn replay_names_on_the_gpu_a_bug_the_path_shares_with_the_reference() {
+    use kvdiff::compare::driver::CompareSpec;
+    use kvdiff::compare::noise::{Calibration, NoiseProfile};
+    use kvdiff::paths::PathSpec;
+    use kvdiff::support::fault::{self, Fault};
+    if gpu().is_none() {
+        return;
+    }
+    let e = Engine::load(ModelSource::Embedded).unwrap();
+    let cuda = kvdiff::cuda::to_cuda(&e.model).unwrap();
+    let replayed = kvdiff::compare::path_replay::ReplayModels::new(&e.model);
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("p.txt");
+    std::fs::write(&file, common::REPEATED_TURN_PROMPT).unwrap();
+    let max_new = 4;
+    let prompt = e
+        .chunked(
+            &kvdiff::io::prompt::Prompt::load(&file).unwrap(),
+            &file,
+            max_new,
+        )
+        .unwrap();
+    let n = prompt.ids.len();
+    let cal = Calibration::new(&e.model, &prompt.ids, n + max_new - 1);
+    let profile = NoiseProfile::calibrate(&cal, &e.model, "default".into(), &["cuda"]).unwrap();
+    let tol = profile.tolerance("cuda", "cuda").unwrap();
+    let taps = TapFilter::all();
+    let spec = |replay| CompareSpec {
+        model: &cuda,
+        path_model: &cuda,
+        tokenizer: &e.tokenizer,
+        prompt: &prompt,
+        reference: PathSpec::Standard,
+        taps: &taps,
+        tolerance: &tol,
+        max_new_tokens: max_new,
+        eos: &[],
+        dump: None,
+        replay,
+        memory_budget: usize::MAX,
+    };
+    let on = Some(replayed.on(kvdiff::compare::target::Backend::Cuda));
+    let clean = spec(on).run(PathSpec::Standard).unwrap();
+    assert!(!clean.diverged, "{:?}", clean.first_divergence);
+    let rep = clean.replay.as_ref().expect("replayed");
+    eprintln!(
+        "clean: replay's aggregate test at {:?} of {}u",
+        rep.systematic_worst, rep.systematic_bound
+    );
+    for (f, tap) in [
+        (Fault::LocalKeyPositions, "L0.k_rope"),
+        (Fault::CachedMaskOffByOne, "L0.attn_out"),
+    ] {
+        let _planted = fault::plant(f);
+        let alone = spec(None).run(PathSpec::Standard).unwrap();
+        assert!(
+            !alone.diverged,
+            "{f:?}: shared, so the row test is blind to it"
+        );
+        let r = spec(on).run(PathSpec::Standard).unwrap();
+        let d = r
+            .first_divergence
+            .unwrap_or_else(|| panic!("{f:?}: not named by replay"));
+        eprintln!(
+            "{f:?}: {} {} step {} position {}",
+            d.test, d.tap, d.step, d.position
+        );
+        assert_eq!(
+            (d.test, d.tap.as_str(), d.step, d.position),
+            ("replay", tap, 1, n),
+            "{f:?}"
+        );
+    }
 }

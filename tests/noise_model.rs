@@ -54,6 +54,23 @@ fn spec<'a>(
     }
 }
 
+/// Replay's margins (`--replay`): the most any op added over its per-row bound, and the
+/// aggregate test's largest RMS over its bound, as "replay" and "systematic".
+fn replay_margins(r: &PathReport, into: &mut BTreeMap<String, f32>) {
+    let Some(rep) = &r.replay else { return };
+    let row = rep.per_op.iter().fold(0f64, |m, o| {
+        m.max(o.max / rep.bound_max).max(o.rms / rep.bound_rms)
+    });
+    let sys = rep
+        .systematic_worst
+        .as_ref()
+        .map_or(0.0, |w| w.0 / rep.systematic_bound);
+    for (k, v) in [("replay", row), ("systematic", sys)] {
+        let w = into.entry(k.to_string()).or_insert(0.0);
+        *w = w.max(v as f32);
+    }
+}
+
 /// Per tap kind, the largest observed error over its threshold: below 1 is no alarm.
 fn margins(r: &PathReport, tol: &Tolerance, into: &mut BTreeMap<String, f32>) {
     for (kind, &e) in &r.noise {
@@ -117,8 +134,9 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 /// 1000 random prompts and chunkings, on the default model and on random small models: exact
-/// paths never diverge under the default tolerance. The largest margin seen per tap kind
-/// (observed error / threshold) is printed.
+/// paths never diverge under the default tolerance, with replay and its aggregate test on
+/// (`--replay`). The largest margin seen per tap kind (observed error / threshold), and
+/// replay's, are printed.
 #[test]
 fn exact_paths_raise_no_false_alarm() {
     let e = engine();
@@ -142,7 +160,10 @@ fn exact_paths_raise_no_false_alarm() {
             let prompt = ChunkedPrompt::from_boundaries(c.ids.clone(), &c.cuts, true);
             let max_new = 3;
             let tol = cpu_tolerance(m, &prompt.ids, max_new).unwrap();
-            let s = spec(&e, m, &prompt, &taps, &tol, max_new);
+            let s = CompareSpec {
+                replay: Some((m, "float32")),
+                ..spec(&e, m, &prompt, &taps, &tol, max_new)
+            };
             for path in [
                 PathSpec::ChunkedPrefill(c.piece),
                 PathSpec::PrefixCache,
@@ -155,7 +176,9 @@ fn exact_paths_raise_no_false_alarm() {
                     r.first_divergence,
                     r.first_token_divergence
                 );
+                prop_assert!(r.replay.is_some(), "{path} not replayed");
                 margins(&r, &tol, &mut worst.lock().unwrap());
+                replay_margins(&r, &mut worst.lock().unwrap());
             }
             for inv in [Invariant::RerotateIsGlobal, Invariant::BlendOneIsStandard] {
                 let r = inv.run(&s, &inv.label()).unwrap();
