@@ -31,7 +31,13 @@ impl<'m> PathReplay<'m> {
             // The path is kvdiff's own engine: its attention and MLP are judged on their own
             // too, so a bug it shares with the reference (a decode step's K/V in the wrong
             // slot) is found.
-            replayer: Replayer::new(model, dtype, total).judging_every_op(),
+            replayer: match dtype {
+                // kvdiff's CUDA backend: f32 activations, bf16 GEMM inputs.
+                "bfloat16" => Replayer::new(model, dtype, total)
+                    .judging_every_op()
+                    .rounding_product_inputs_to_bf16(),
+                _ => Replayer::new(model, dtype, total).judging_every_op(),
+            },
             gathering: None,
         }
     }

@@ -161,6 +161,12 @@ pub struct Replayer<'m> {
     /// Every op judged on its own, not only those `fires` names: for kvdiff's own engine,
     /// whose attention and MLP kernels are known to round within the bounds.
     every_op: bool,
+    /// The products' inputs rounded to bf16 before they are replayed, as an engine that keeps
+    /// f32 activations but feeds its bf16 GEMMs bf16 inputs does (kvdiff's CUDA backend: the
+    /// rounding happens inside the op, where its taps do not show it). A value nearly the same
+    /// in every row (a large activation) rounds the same way in every row, which the aggregate
+    /// test would otherwise take for a bug.
+    bf16_inputs: bool,
 }
 
 /// What a row's added error is measured against: its largest value is held to `max` (at least
@@ -225,7 +231,14 @@ impl<'m> Replayer<'m> {
             norms: BTreeMap::new(),
             pending: BTreeMap::new(),
             every_op: false,
+            bf16_inputs: false,
         }
+    }
+
+    /// Rounds the products' inputs to bf16 (see `bf16_inputs`).
+    pub fn rounding_product_inputs_to_bf16(mut self) -> Self {
+        self.bf16_inputs = true;
+        self
     }
 
     /// Judges every op on its own (see `every_op`).
@@ -544,7 +557,14 @@ impl<'m> Replayer<'m> {
         bias: &[f32],
     ) -> Array2<f32> {
         let inp = x[&ps[0]].len();
-        let flat: Vec<f32> = ps.iter().flat_map(|p| x[p].iter().copied()).collect();
+        let round = |v: f32| match self.bf16_inputs {
+            true => half::bf16::from_f32(v).to_f32(),
+            false => v,
+        };
+        let flat: Vec<f32> = ps
+            .iter()
+            .flat_map(|p| x[p].iter().map(|&v| round(v)))
+            .collect();
         let xs = ArrayView2::from_shape((ps.len(), inp), &flat).expect("rows of one width");
         let ws = ArrayView2::from_shape((w.len() / inp, inp), w).expect("[out, inp] weights");
         let mut y = matmul_t(xs, ws);
