@@ -1777,7 +1777,14 @@ fn planted_bugs_are_named_on_the_gpu() {
     let gpu_profile = NoiseProfile::calibrate(&on_gpu, &cuda, "default".into(), &["cuda"]).unwrap();
     gpu_profile.check_gpu(&on_gpu, &cuda).unwrap();
     let taps = TapFilter::all();
-    for (label, profile) in [("CPU oracle", &profile), ("GPU oracle", &gpu_profile)] {
+    // And with replay on (`--replay`): the same sites.
+    let replayed = kvdiff::compare::path_replay::ReplayModels::new(&e.model);
+    let on = Some(replayed.on(kvdiff::compare::target::Backend::Cuda));
+    for (label, profile, replay) in [
+        ("CPU oracle", &profile, None),
+        ("GPU oracle", &gpu_profile, None),
+        ("CPU oracle, replay", &profile, on),
+    ] {
         let tol = profile.tolerance("cuda", "cuda").unwrap();
         let s = &CompareSpec {
             model: &cuda,
@@ -1790,7 +1797,7 @@ fn planted_bugs_are_named_on_the_gpu() {
             max_new_tokens: max_new,
             eos: &[],
             dump: None,
-            replay: None,
+            replay,
             memory_budget: usize::MAX,
         };
         let chunks = &prompt.chunks;
@@ -2041,5 +2048,59 @@ fn replay_names_on_the_gpu_a_bug_the_path_shares_with_the_reference() {
             ("replay", tap, 1, n),
             "{f:?}"
         );
+    }
+}
+
+/// `kvdiff dump --backend cuda`, then `kvdiff diff` on the CPU reference: the dump says what
+/// the backend is (bf16 weights, bf16 matmul inputs, f32 taps), so a clean one is held as the
+/// bf16 engine it is and stays equivalent with replay on, while keys rotated at batch-local
+/// positions (planted when dumping) are named at the first decode step's `L0.k_rope`.
+#[test]
+fn a_cuda_dump_is_diffed_as_the_bf16_engine_it_is() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    for (name, fault) in [("clean", ""), ("local", "local-key-positions")] {
+        let out = tmp.path().join(name);
+        let json = tmp.path().join(format!("{name}.json"));
+        let (out_s, json_s) = (out.to_str().unwrap(), json.to_str().unwrap());
+        let args = [
+            "dump",
+            "-q",
+            "--backend",
+            "cuda",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            out_s,
+        ];
+        let mut args = args.to_vec();
+        args.push(prompt.to_str().unwrap());
+        let d = kvdiff(&args, &[("KVDIFF_CUDA_FAULT", fault)]);
+        assert_eq!(
+            d.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&d.stderr)
+        );
+        let o = kvdiff(&["diff", "-q", "--json", json_s, out_s], &[]);
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(r["engine"]["dtype"], "bfloat16");
+        let first = &r["paths"][0]["first_divergence"];
+        eprintln!("{name}: exit {:?}, {first}", o.status.code());
+        if fault.is_empty() {
+            assert_eq!(o.status.code(), Some(0), "{first}");
+            let rep = &r["engine"]["replay"];
+            let worst = rep["systematic_worst"][0].as_f64().unwrap();
+            assert!(worst < rep["systematic_bound"].as_f64().unwrap(), "{rep}");
+        } else {
+            assert_eq!(o.status.code(), Some(1));
+            assert_eq!(
+                (first["tap"].as_str(), first["step"].as_u64()),
+                (Some("L0.k_rope"), Some(1))
+            );
+        }
     }
 }

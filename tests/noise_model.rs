@@ -229,13 +229,22 @@ fn planted_bugs_are_named_where_they_act_at_default_settings() {
     };
     let path = |p: PathSpec| move || s.run(p).unwrap();
     let inv = |i: Invariant| move || i.run(s, &i.label()).unwrap();
+    // With replay on (`--replay`) the paths' bugs are named at the same sites.
+    let replayed = &CompareSpec {
+        replay: Some((&e.model, "float32")),
+        ..*s
+    };
+    let with_replay = |p: PathSpec| move || replayed.run(p).unwrap();
 
-    let r = with_fault(Fault::CachedMaskOffByOne, path(PathSpec::ChunkedPrefill(7)));
-    assert_eq!(site(&r), (0, "L0.attn_probs".into(), 7));
-    let r = with_fault(Fault::CachedMaskOffByOne, path(PathSpec::Cascade));
-    assert_eq!(site(&r), (0, "L0.attn_probs".into(), query));
-    let r = with_fault(Fault::ChunkIgnoresCache, path(PathSpec::ChunkedPrefill(7)));
-    assert_eq!(site(&r), (0, "L0.attn_probs".into(), 7));
+    for sp in [s, replayed] {
+        let path = |p: PathSpec| move || sp.run(p).unwrap();
+        let r = with_fault(Fault::CachedMaskOffByOne, path(PathSpec::ChunkedPrefill(7)));
+        assert_eq!(site(&r), (0, "L0.attn_probs".into(), 7));
+        let r = with_fault(Fault::CachedMaskOffByOne, path(PathSpec::Cascade));
+        assert_eq!(site(&r), (0, "L0.attn_probs".into(), query));
+        let r = with_fault(Fault::ChunkIgnoresCache, path(PathSpec::ChunkedPrefill(7)));
+        assert_eq!(site(&r), (0, "L0.attn_probs".into(), 7));
+    }
     let r = with_fault(Fault::RerotateWrongSign, inv(Invariant::RerotateIsGlobal));
     assert_eq!(site(&r), (0, "L0.k_rope".into(), chunks[1].start));
     let r = with_fault(
@@ -263,6 +272,8 @@ fn planted_bugs_are_named_where_they_act_at_default_settings() {
     for r in [
         path(PathSpec::ChunkedPrefill(7))(),
         path(PathSpec::Cascade)(),
+        with_replay(PathSpec::ChunkedPrefill(7))(),
+        with_replay(PathSpec::Cascade)(),
         inv(Invariant::RerotateIsGlobal)(),
         inv(Invariant::BlendRowsAreFull(0.25))(),
         inv(Invariant::BlendOneIsStandard)(),

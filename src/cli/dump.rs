@@ -43,6 +43,7 @@ pub fn run(a: DumpArgs) -> Result<i32> {
     check_output_parent(out, "--out")?;
     let (mut engine, prompt) = setup(run)?;
     let bf16 = a.precision == Precision::Bf16;
+    let cuda = run.backend.backend() == kvdiff::compare::target::Backend::Cuda;
     if bf16 {
         if run.backend.backend() != kvdiff::compare::target::Backend::Cpu {
             return Err(kvdiff::error::Error::usage(
@@ -65,8 +66,19 @@ pub fn run(a: DumpArgs) -> Result<i32> {
         "generated_ids": gen.tokens,
         "generated_text": gen.text,
         "taps": a.taps,
-        "dtype": if bf16 { "bfloat16" } else { "float32" },
+        "dtype": if bf16 || cuda { "bfloat16" } else { "float32" },
     });
+    // The CUDA backend keeps f32 activations (its taps are f32) but holds bf16 weights and
+    // feeds its GEMMs bf16 inputs: `kvdiff diff` holds it as a bf16 engine, and replays its
+    // products on inputs rounded so.
+    let meta = match cuda {
+        true => {
+            let mut m = meta;
+            m["matmul_inputs"] = "bfloat16".into();
+            m
+        }
+        false => meta,
+    };
     let files = dumper.finish(out, &meta)?;
     say!("kvdiff: wrote {files} step files to {}", out.display());
     kvdiff::support::exit::keep(engine);

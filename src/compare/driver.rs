@@ -399,6 +399,14 @@ impl CompareSpec<'_> {
     /// path's run already wrote it.
     fn dumpers(&self, taps: &TapFilter, name: &str, exact: bool) -> Result<Dumps<'_>> {
         // An approximate path's ops are its own design, not a bug: only exact paths replay.
+        if self.replay.is_some() && exact && !self.replaying() {
+            if !crate::support::progress::quiet() {
+                eprintln!(
+                    "kvdiff: {name}: not replayed: one step's taps of the path and the reference exceed half the host memory budget ({} MiB); --taps or a shorter prompt",
+                    crate::compare::run::host_memory_budget() >> 20
+                );
+            }
+        }
         let replay = self
             .replay
             .filter(|_| exact && self.replaying())

@@ -229,9 +229,14 @@ impl DumpDiff<'_> {
         let mut rope_ids: BTreeMap<usize, i64> = BTreeMap::new();
         let mut stopped = None;
         let mut pending = Some(step0);
-        let mut replayer = self
-            .replay
-            .map(|m| crate::compare::replay::Replayer::new(m, &self.engine.meta.dtype, total));
+        let mut replayer = self.replay.map(|m| {
+            let r = crate::compare::replay::Replayer::new(m, &self.engine.meta.dtype, total);
+            // An engine whose f32 taps hide the bf16 rounding of its matmuls' inputs.
+            match self.engine.meta.raw["matmul_inputs"].as_str() {
+                Some("bfloat16" | "bf16") => r.rounding_product_inputs_to_bf16(),
+                _ => r,
+            }
+        });
         let progress =
             crate::support::progress::Progress::start(steps.len() as u64, "diffing steps");
         for (i, &step) in steps.iter().enumerate() {

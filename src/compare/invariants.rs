@@ -86,9 +86,11 @@ impl Invariant {
         let mut report = match *self {
             Invariant::RerotateIsGlobal => {
                 let (reference, wide) = Self::rerotate_reference(spec.tolerance);
+                // Approximate paths are not replayed (`path_replay.rs`), here either.
                 let s = CompareSpec {
                     reference,
                     tolerance: &wide,
+                    replay: None,
                     ..*spec
                 };
                 let path = PathSpec::ChunkReuse(Reuse::Rerotate);
@@ -104,6 +106,7 @@ impl Invariant {
             Invariant::BlendOneIsStandard => {
                 let s = CompareSpec {
                     reference: PathSpec::Standard,
+                    replay: None,
                     ..*spec
                 };
                 s.run_with(label, true, 0, |m, pr, store, sink| {
@@ -118,6 +121,7 @@ impl Invariant {
                     reference: PathSpec::Standard,
                     taps: &taps,
                     max_new_tokens: 1,
+                    replay: None,
                     ..*spec
                 };
                 let mut report = s.run_with(label, true, 0, |m, pr, store, sink| {
