@@ -86,7 +86,8 @@ fn replay_names_a_bug_the_path_shares_with_the_reference() {
     // RoPE's frequencies rounded to bf16: position 0 turns by no angle, so the first row off
     // is position 1, in layer 0's rotation. A decode step writing its K/V one slot early:
     // the first decode step (step 1, at the prompt's length), in layer 0's attention.
-    let cases: [(&str, &[&str], fn(u64) -> (u64, u64)); 2] = [
+    type Site = fn(u64) -> (u64, u64);
+    let cases: [(&str, &[&str], Site); 2] = [
         ("rope-frequencies-bf16", &["L0.q_rope", "L0.k_rope"], |_| {
             (0, 1)
         }),

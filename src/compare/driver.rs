@@ -7,6 +7,7 @@ use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::path_replay::PathReplay;
+use crate::compare::path_sinks::{dump_dir_name, dump_recorded, Dumps, Fan};
 use crate::compare::replay_verdict::Verdict;
 use crate::compare::report::{PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
@@ -17,7 +18,7 @@ use crate::error::Result;
 use crate::paths::{ChunkStore, PathSpec};
 use crate::support::fault::{self, Fault};
 use crate::tap::dump::Dumper;
-use crate::tap::{Recorded, StepLayout, TapFilter, TapSink, TapValue, Tee};
+use crate::tap::{TapFilter, TapSink};
 
 /// With `-v`, the GPU memory in use (the allocator's pool of freed buffers included).
 fn note_gpu_memory(what: &str, model: &Model) {
@@ -41,6 +42,24 @@ pub trait Prefill:
 impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, StepLogits)>
     Prefill for F
 {
+}
+
+/// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
+/// are compared in layer groups.
+pub const HOST_MEMORY_BUDGET: usize = 1 << 30;
+
+/// The host budget: a quarter of the memory available now (`KVDIFF_MEMORY_LIMIT`, the
+/// kernel's `MemAvailable`, the cgroup's limit), so that a machine with room compares a long
+/// prompt in one pass instead of re-running every path per layer group; never below
+/// `HOST_MEMORY_BUDGET`.
+pub fn host_memory_budget() -> usize {
+    budget_of(crate::support::resources::available_memory().ok().flatten())
+}
+
+pub(crate) fn budget_of(available: Option<u64>) -> usize {
+    usize::try_from(available.unwrap_or(0) / 4)
+        .unwrap_or(usize::MAX)
+        .max(HOST_MEMORY_BUDGET)
 }
 
 /// What to compare and how.
@@ -70,41 +89,6 @@ pub struct CompareSpec<'a> {
 /// before it kept parts (to check the two report alike).
 fn host_probs_as_rows() -> bool {
     std::env::var("KVDIFF_HOST_PROBS_ROWS").as_deref() == Ok("1")
-}
-
-/// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
-pub fn dump_dir_name(path: &str) -> String {
-    path.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
-/// Writes recorded reference taps of one step into a dumper.
-fn dump_recorded(
-    d: &mut Dumper,
-    step: usize,
-    tokens: &[u32],
-    positions: &[usize],
-    taps: &[Recorded],
-) {
-    d.begin_step(step, tokens, positions);
-    for t in taps {
-        d.record(
-            step,
-            TapValue {
-                id: t.id,
-                positions: &t.positions,
-                shape: t.shape.clone(),
-                data: &t.data,
-            },
-        );
-    }
 }
 
 /// Folds one layer group's report into the run's.
@@ -171,11 +155,7 @@ impl CompareSpec<'_> {
     /// Whether the path's ops are replayed: asked for, and its taps and the reference's of
     /// one step fit the host's budget in one pass (replay needs every layer's at once).
     pub fn replaying(&self) -> bool {
-        self.replay.is_some()
-            && self
-                .groups(true, crate::compare::run::host_memory_budget() / 2)
-                .len()
-                == 1
+        self.replay.is_some() && self.groups(true, host_memory_budget() / 2).len() == 1
     }
 
     /// Runs the path once against this spec's reference and, in the same lockstep, against
@@ -333,7 +313,9 @@ impl CompareSpec<'_> {
         };
         run.decode(&specs, taps, &mut cmps, &mut dumps, logits, ref_logits);
         let mut replay = dumps.replay.take();
-        dumps.finish(self, name, &cmps[0].tokens[n..])?;
+        let reference = self.reference.to_string();
+        let ids = &self.prompt.ids;
+        dumps.finish(self.dump, (name, &reference), ids, &cmps[0].tokens[n..])?;
         let names = std::iter::once((name, exact)).chain(others.iter().map(|o| (o.1, true)));
         let tokens = run.tokens;
         let reports = specs
@@ -344,8 +326,7 @@ impl CompareSpec<'_> {
             .map(|(((s, mut cmp), side), (name, exact))| {
                 cmp.flush();
                 s.path_report(
-                    name,
-                    exact,
+                    (name, exact),
                     cmp,
                     side,
                     tokens.clone(),
@@ -399,13 +380,12 @@ impl CompareSpec<'_> {
     /// path's run already wrote it.
     fn dumpers(&self, taps: &TapFilter, name: &str, exact: bool) -> Result<Dumps<'_>> {
         // An approximate path's ops are its own design, not a bug: only exact paths replay.
-        if self.replay.is_some() && exact && !self.replaying() {
-            if !crate::support::progress::quiet() {
-                eprintln!(
-                    "kvdiff: {name}: not replayed: one step's taps of the path and the reference exceed half the host memory budget ({} MiB); --taps or a shorter prompt",
-                    crate::compare::run::host_memory_budget() >> 20
-                );
-            }
+        if self.replay.is_some() && exact && !self.replaying() && !crate::support::progress::quiet()
+        {
+            eprintln!(
+                "kvdiff: {name}: not replayed: one step's taps of the path and the reference exceed half the host memory budget ({} MiB); --taps or a shorter prompt",
+                host_memory_budget() >> 20
+            );
         }
         let replay = self
             .replay
@@ -440,8 +420,7 @@ impl CompareSpec<'_> {
 
     fn path_report(
         &self,
-        name: &str,
-        exact: bool,
+        (name, exact): (&str, bool),
         mut cmp: Comparator<'_>,
         side: Side,
         tokens: Vec<u32>,
@@ -503,157 +482,6 @@ impl CompareSpec<'_> {
             grid: None,
             reference_tokens: cmp.tokens[n..].to_vec(),
             replay,
-        }
-    }
-}
-
-/// What takes the path's and the reference's taps besides the comparators: the dumpers of a
-/// `--dump` run, and the path's replay.
-#[derive(Default)]
-struct Dumps<'m> {
-    path: Option<Dumper>,
-    reference: Option<Dumper>,
-    replay: Option<PathReplay<'m>>,
-}
-
-impl Dumps<'_> {
-    /// Where the path's taps go: the comparators, and the path's dumper and replay too if
-    /// there are.
-    fn path_sink<'a>(&'a mut self, cmps: &'a mut dyn TapSink) -> Box<dyn TapSink + 'a> {
-        let inner: Box<dyn TapSink + 'a> = match &mut self.path {
-            Some(d) => Box::new(Tee {
-                first: cmps,
-                second: d,
-            }),
-            None => Box::new(Forward(cmps)),
-        };
-        match &mut self.replay {
-            Some(r) => Box::new(r.sink(inner)),
-            None => inner,
-        }
-    }
-
-    fn finish(self, spec: &CompareSpec<'_>, name: &str, fed: &[u32]) -> Result<()> {
-        let Some(root) = spec.dump else {
-            return Ok(());
-        };
-        let ids = &spec.prompt.ids;
-        if let Some(d) = self.path {
-            let meta = serde_json::json!({"path": name, "prompt_ids": ids, "fed_tokens": fed});
-            d.finish(&root.join(dump_dir_name(name)), &meta)?;
-        }
-        if let Some(d) = self.reference {
-            let meta = serde_json::json!({"path": spec.reference.to_string(), "prompt_ids": ids, "fed_tokens": fed});
-            d.finish(&root.join("reference"), &meta)?;
-        }
-        Ok(())
-    }
-}
-
-/// A sink borrowed as a boxed sink.
-struct Forward<'a>(&'a mut dyn TapSink);
-
-impl TapSink for Forward<'_> {
-    fn table(&self) -> &crate::tap::TapTable {
-        self.0.table()
-    }
-    fn record(&mut self, step: usize, value: TapValue<'_>) {
-        self.0.record(step, value);
-    }
-    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
-        self.0.record_device(step, tap)
-    }
-    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
-        self.0.begin_step(step, tokens, positions);
-    }
-    fn end_pass(&mut self, step: usize) {
-        self.0.end_pass(step);
-    }
-    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
-        self.0.route_hints()
-    }
-    fn probs_by_parts(&self) -> bool {
-        self.0.probs_by_parts()
-    }
-    fn offering_step(&mut self, step: usize, layout: &StepLayout) {
-        self.0.offering_step(step, layout);
-    }
-    fn can_repeat(&self, layout: &StepLayout) -> bool {
-        self.0.can_repeat(layout)
-    }
-    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
-        self.0.repeat_step(step, positions, layout);
-    }
-}
-
-/// The path's taps to every reference's comparator (the first's selection and routing
-/// decide). A device tap some comparators declined comes back as a host copy (`record`),
-/// which goes to those only.
-struct Fan<'a, 'b> {
-    cmps: &'a mut [Comparator<'b>],
-    declined: Option<Vec<bool>>,
-}
-
-impl<'a, 'b> Fan<'a, 'b> {
-    fn new(cmps: &'a mut [Comparator<'b>]) -> Self {
-        Fan {
-            cmps,
-            declined: None,
-        }
-    }
-}
-
-impl TapSink for Fan<'_, '_> {
-    fn table(&self) -> &crate::tap::TapTable {
-        self.cmps[0].table()
-    }
-    fn record(&mut self, step: usize, value: TapValue<'_>) {
-        let declined = self.declined.take();
-        for (i, c) in self.cmps.iter_mut().enumerate() {
-            if declined.as_ref().is_none_or(|d| d[i]) {
-                c.record(step, value.clone());
-            }
-        }
-    }
-    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
-        let declined: Vec<bool> = self
-            .cmps
-            .iter_mut()
-            .map(|c| !c.record_device(step, tap))
-            .collect();
-        let all = declined.iter().all(|d| !d);
-        self.declined = (!all).then_some(declined);
-        all
-    }
-    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
-        for c in self.cmps.iter_mut() {
-            c.begin_step(step, tokens, positions);
-        }
-    }
-    fn end_pass(&mut self, step: usize) {
-        for c in self.cmps.iter_mut() {
-            c.end_pass(step);
-        }
-    }
-    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
-        self.cmps[0].route_hints()
-    }
-    fn probs_by_parts(&self) -> bool {
-        // A comparator whose reference wrote its rows rebuilds the path's from the parts.
-        self.cmps.iter().any(|c| c.probs_by_parts())
-    }
-    fn offering_step(&mut self, step: usize, layout: &StepLayout) {
-        for c in self.cmps.iter_mut() {
-            c.offering_step(step, layout);
-        }
-    }
-    /// A step is repeated by all comparators or offered to all.
-    fn can_repeat(&self, layout: &StepLayout) -> bool {
-        self.cmps.iter().all(|c| c.can_repeat(layout))
-    }
-    fn repeat_step(&mut self, step: usize, positions: &[usize], layout: &StepLayout) {
-        for c in self.cmps.iter_mut() {
-            c.repeat_step(step, positions, layout);
         }
     }
 }

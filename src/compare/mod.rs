@@ -21,6 +21,7 @@ pub mod invariants;
 pub mod noise;
 pub mod noise_cache;
 pub mod path_replay;
+mod path_sinks;
 pub mod replay;
 pub mod replay_verdict;
 pub mod report;

@@ -19,23 +19,7 @@ use crate::paths::ChunkStore;
 use crate::support::progress::{self, Progress};
 use crate::tap::{TapFilter, TapSink};
 
-/// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
-/// are compared in layer groups.
-pub const HOST_MEMORY_BUDGET: usize = 1 << 30;
-
-/// The host budget: a quarter of the memory available now (`KVDIFF_MEMORY_LIMIT`, the
-/// kernel's `MemAvailable`, the cgroup's limit), so that a machine with room compares a long
-/// prompt in one pass instead of re-running every path per layer group; never below
-/// `HOST_MEMORY_BUDGET`.
-pub fn host_memory_budget() -> usize {
-    budget_of(crate::support::resources::available_memory().ok().flatten())
-}
-
-fn budget_of(available: Option<u64>) -> usize {
-    usize::try_from(available.unwrap_or(0) / 4)
-        .unwrap_or(usize::MAX)
-        .max(HOST_MEMORY_BUDGET)
-}
+pub use crate::compare::driver::{host_memory_budget, HOST_MEMORY_BUDGET};
 
 /// The GPU memory a GPU reference may hold its taps in, for a run of `tokens` tokens (prompt
 /// and answer) on a model shaped `c` with `free` bytes free: half of it, or less where the rest
@@ -557,7 +541,8 @@ impl<'a> Request<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{budget_of, gpu_tap_budget, HOST_MEMORY_BUDGET};
+    use super::{gpu_tap_budget, HOST_MEMORY_BUDGET};
+    use crate::compare::driver::budget_of;
 
     /// Qwen3-0.6B's shape on an 80 GB GPU with 77 GB free: half the free memory up to 16k
     /// tokens (one pass there), less beyond, shrinking as the prompt grows; never below 1 GiB.

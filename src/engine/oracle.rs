@@ -299,6 +299,60 @@ fn causal_attention(
     (out, probs)
 }
 
+/// One head of one query row over the keys and values `kv` (GQA group `g`), in f64: the head's
+/// output, its natural scale (the attended values' size, widened by how far rounded scores can
+/// move the weights), and Σ p_j·v_j² over its dimensions (what its squared norm would be had
+/// its terms not cancelled).
+pub fn attend_head(
+    q: &[f32],
+    kv: &[&(Vec<f32>, Vec<f32>)],
+    g: usize,
+    hd: usize,
+) -> (Vec<f32>, f64, f64) {
+    let scale = 1.0 / (hd as f64).sqrt();
+    let q: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+    let s: Vec<f64> = kv
+        .iter()
+        .map(|(k, _)| dot_wide(&q, &k[g * hd..(g + 1) * hd]) * scale)
+        .collect();
+    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let smax = s.iter().fold(0f64, |a, &b| a.max(b.abs()));
+    let e: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    let mut acc = vec![0f64; hd];
+    let (mut vmax, mut p2, mut spread) = (0f64, 0f64, 0f64);
+    for ((_, v), &ej) in kv.iter().zip(&e) {
+        let pj = ej / sum;
+        p2 += pj * pj;
+        for (a, &x) in acc.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
+            let x = x as f64;
+            *a += pj * x;
+            vmax = vmax.max(x.abs());
+            spread += pj * x * x;
+        }
+    }
+    let out = acc.iter().map(|&a| a as f32).collect();
+    (out, vmax * (1.0 + smax * p2.sqrt()), spread)
+}
+
+/// Σ a·b in f64 over eight running sums (a sum in one chain would not vectorise).
+fn dot_wide(a: &[f64], b: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(&x, &y)| x * y as f64)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i] as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
