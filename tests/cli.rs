@@ -791,3 +791,46 @@ fn a_cpu_reference_keeping_attention_as_parts_reports_what_rows_report() {
         }
     }
 }
+
+/// A CPU reference's run kept for the next path held to it reports what running it anew for
+/// every path reports, byte for byte, clean and with bugs planted in the paths and in the
+/// engine itself.
+#[test]
+fn a_reference_run_kept_for_the_next_path_reports_what_a_fresh_one_reports() {
+    let tmp = tempfile::tempdir().unwrap();
+    for fault in [
+        "",
+        "cached-mask-off-by-one",
+        "decode-kv-slot-off-by-one",
+        "blend-wrong-slot",
+    ] {
+        let run = |memo: &str| {
+            let json = tmp.path().join(format!("{fault}-{memo}.json"));
+            let out = Command::new(env!("CARGO_BIN_EXE_kvdiff"))
+                .args(["compare", "--max-new-tokens", "6", "--json"])
+                .arg(&json)
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/prompts/task.json"))
+                .env("KVDIFF_CACHE_DIR", tmp.path().join("cache"))
+                .env("KVDIFF_REFERENCE_MEMO", memo)
+                .env("KVDIFF_FAULT", fault)
+                .env("KVDIFF_TIMING", "1")
+                .output()
+                .unwrap();
+            assert!(matches!(out.status.code(), Some(0 | 1)), "{}", stderr(&out));
+            // Each reference run at most once with the memo: the standard one, rerotate's
+            // global one, and blend's rows (other taps).
+            let prefills = stderr(&out)
+                .lines()
+                .find(|l| l.contains("compare: reference prefill run"))
+                .and_then(|l| l.split_whitespace().find_map(|w| w.parse::<usize>().ok()))
+                .unwrap();
+            (read_json(&json), prefills)
+        };
+        let ((kept, n_kept), (fresh, n_fresh)) = (run("1"), run("0"));
+        assert_eq!(kept, fresh, "{fault}");
+        assert!(
+            n_kept < n_fresh,
+            "{fault}: {n_kept} vs {n_fresh} reference prefills"
+        );
+    }
+}

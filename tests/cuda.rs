@@ -1682,6 +1682,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                     eos: &[],
                     dump: None,
                     replay,
+                    memo: None,
                     memory_budget: usize::MAX,
                 };
                 let mut exact = vec![
@@ -1798,6 +1799,7 @@ fn planted_bugs_are_named_on_the_gpu() {
             eos: &[],
             dump: None,
             replay,
+            memo: None,
             memory_budget: usize::MAX,
         };
         let chunks = &prompt.chunks;
@@ -2018,6 +2020,7 @@ fn replay_names_on_the_gpu_a_bug_the_path_shares_with_the_reference() {
         eos: &[],
         dump: None,
         replay,
+        memo: None,
         memory_budget: usize::MAX,
     };
     let on = Some(replayed.on(kvdiff::compare::target::Backend::Cuda));

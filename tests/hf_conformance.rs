@@ -224,6 +224,7 @@ fn driver_decode_failures(dir: &str) -> Vec<String> {
             eos: &[],
             dump: Some(tmp.path()),
             replay: None,
+            memo: None,
             memory_budget: usize::MAX,
         };
         let report = spec.run(PathSpec::Standard).unwrap();

@@ -50,6 +50,7 @@ fn spec<'a>(
         eos: &[],
         dump: None,
         replay: None,
+        memo: None,
         memory_budget: usize::MAX,
     }
 }

@@ -191,6 +191,7 @@ fn compare(
         eos: &[],
         dump: None,
         replay: None,
+        memo: None,
         memory_budget: usize::MAX,
     };
     spec.run(path).unwrap()
@@ -330,6 +331,7 @@ fn planted_with(
         eos: &engine.eos_ids(),
         dump: None,
         replay: None,
+        memo: None,
         memory_budget: usize::MAX,
     };
     let r = spec
@@ -470,6 +472,7 @@ fn passes_under_a_small_memory_budget_give_the_same_report() {
         eos: &eos,
         dump: None,
         replay: None,
+        memo: None,
         memory_budget,
     };
     for path in PathSpec::all() {

@@ -8,6 +8,7 @@ use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::path_replay::PathReplay;
 use crate::compare::path_sinks::{dump_dir_name, dump_recorded, Dumps, Fan};
+use crate::compare::reference_memo::{MemoUse, ReferenceMemo};
 use crate::compare::replay_verdict::Verdict;
 use crate::compare::report::{PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
@@ -83,12 +84,22 @@ pub struct CompareSpec<'a> {
     /// Blame by replay of the path's ops (`path_replay.rs`): the model as the path holds its
     /// weights, and the path's dtype. Taken only where the run fits one pass (`replaying`).
     pub replay: Option<(&'a Model, &'static str)>,
+    /// Where a CPU reference's run is kept for the next path held to it (`reference_memo.rs`).
+    pub memo: Option<&'a ReferenceMemo>,
 }
 
 /// `KVDIFF_HOST_PROBS_ROWS=1`: a CPU reference keeps its attention probabilities as rows, as
 /// before it kept parts (to check the two report alike).
 fn host_probs_as_rows() -> bool {
     std::env::var("KVDIFF_HOST_PROBS_ROWS").as_deref() == Ok("1")
+}
+
+/// A step's next-token logits, where they are on the host.
+fn host_logits(l: &StepLogits) -> Option<&[f32]> {
+    match l {
+        StepLogits::Host(v) => Some(v),
+        _ => None,
+    }
 }
 
 /// Folds one layer group's report into the run's.
@@ -144,6 +155,19 @@ impl CompareSpec<'_> {
             ..*self
         };
         !self.host_copies() && shared.passes().len() == 1
+    }
+
+    /// What selects a reference run for the memo: everything its steps depend on.
+    fn memo_key(&self, taps: &TapFilter) -> String {
+        format!(
+            "{}|{taps:?}|{}|{:p}|{:p}|{:?}|{}",
+            self.reference,
+            self.max_new_tokens,
+            self.model,
+            self.prompt,
+            self.eos,
+            self.dump.is_some() || host_probs_as_rows(),
+        )
     }
 
     /// Whether the path's taps go to the host whole, each step's held at once: to be dumped,
@@ -269,11 +293,33 @@ impl CompareSpec<'_> {
         let mut cmps = Vec::with_capacity(specs.len());
         let mut sides = Vec::with_capacity(specs.len());
         let mut ref_logits = Vec::with_capacity(specs.len());
+        // The reference's run kept from an earlier path, or kept for a later one.
+        let mut memo = match others.is_empty() && self.model.device().is_none() {
+            true => MemoUse::new(self.memo, self.memo_key(taps)),
+            false => MemoUse::Off,
+        };
         for (i, s) in specs.iter().enumerate() {
-            let mut rec = s.recorder(taps, false);
-            let (mut cache, logits) =
-                s.reference
-                    .prefill(s.model, self.prompt, &mut ChunkStore::default(), &mut rec);
+            let (rec, mut cache, logits) = match memo.replayed(0).filter(|_| i == 0) {
+                Some((rec, l)) => {
+                    let c = &s.model.config;
+                    let cache = KvCache::new(c.num_hidden_layers, c.kv_dim());
+                    (rec, cache, StepLogits::Host(l))
+                }
+                None => {
+                    let _run = crate::support::timing::span("compare: reference prefill run");
+                    let mut rec = s.recorder(taps, false);
+                    let (cache, logits) = s.reference.prefill(
+                        s.model,
+                        self.prompt,
+                        &mut ChunkStore::default(),
+                        &mut rec,
+                    );
+                    if i == 0 {
+                        memo.keep(&rec, host_logits(&logits));
+                    }
+                    (rec, cache, logits)
+                }
+            };
             if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
                 let positions: Vec<usize> = (0..n).collect();
                 dump_recorded(d, 0, &self.prompt.ids, &positions, &rec.host.taps);
@@ -311,7 +357,14 @@ impl CompareSpec<'_> {
             split,
             tokens: Vec::new(),
         };
-        run.decode(&specs, taps, &mut cmps, &mut dumps, logits, ref_logits);
+        run.decode(
+            &specs,
+            taps,
+            (&mut cmps, &mut dumps, &mut memo),
+            logits,
+            ref_logits,
+        );
+        memo.finish();
         let mut replay = dumps.replay.take();
         let reference = self.reference.to_string();
         let ids = &self.prompt.ids;
@@ -547,8 +600,7 @@ impl Lockstep {
         &mut self,
         specs: &[&CompareSpec<'_>],
         taps: &TapFilter,
-        cmps: &mut [Comparator<'_>],
-        dumps: &mut Dumps<'_>,
+        (cmps, dumps, memo): (&mut [Comparator<'_>], &mut Dumps<'_>, &mut MemoUse<'_>),
         mut logits: StepLogits,
         mut ref_logits: Vec<StepLogits>,
     ) {
@@ -603,10 +655,22 @@ impl Lockstep {
                 .zip(cmps.iter_mut())
                 .enumerate()
                 .map(|(i, ((s, side), cmp))| {
-                    let mut rec = s.recorder(taps, true).repeating(cmp.reference_layout());
-                    let l =
-                        s.model
-                            .forward_step(batch(side.split), &mut side.cache, step, &mut rec);
+                    let (rec, l) = match memo.replayed(step).filter(|_| i == 0) {
+                        Some((rec, l)) => (rec, StepLogits::Host(l)),
+                        None => {
+                            let mut rec = s.recorder(taps, true).repeating(cmp.reference_layout());
+                            let l = s.model.forward_step(
+                                batch(side.split),
+                                &mut side.cache,
+                                step,
+                                &mut rec,
+                            );
+                            if i == 0 {
+                                memo.keep(&rec, host_logits(&l));
+                            }
+                            (rec, l)
+                        }
+                    };
                     if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
                         dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
                     }
@@ -770,6 +834,7 @@ mod tests {
                 eos: &[],
                 dump: None,
                 replay: None,
+                memo: None,
                 memory_budget: usize::MAX,
             };
             spec.run(PathSpec::ChunkedPrefill(5)).unwrap()

@@ -22,6 +22,7 @@ pub mod noise;
 pub mod noise_cache;
 pub mod path_replay;
 mod path_sinks;
+pub mod reference_memo;
 pub mod replay;
 pub mod replay_verdict;
 pub mod report;

@@ -8,6 +8,7 @@ use crate::compare::invariants::Invariant;
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::NoiseCache;
 use crate::compare::path_replay::ReplayModels;
+use crate::compare::reference_memo::ReferenceMemo;
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
 use crate::compare::target::{Backend, Target};
 use crate::cuda::MemoAct;
@@ -58,6 +59,12 @@ fn attention_memo_allowed() -> bool {
 
 /// `KVDIFF_INVARIANT_BESIDE=0`: an invariant that could ride along its path's run runs on its
 /// own instead (as long prompts' do), so short prompts exercise that route too.
+/// `KVDIFF_REFERENCE_MEMO=0`: every path runs its reference anew (to check the two report
+/// alike).
+fn memo_allowed() -> bool {
+    std::env::var("KVDIFF_REFERENCE_MEMO").as_deref() != Ok("0")
+}
+
 fn beside_allowed() -> bool {
     std::env::var("KVDIFF_INVARIANT_BESIDE").as_deref() != Ok("0")
 }
@@ -160,6 +167,8 @@ impl<'a> Request<'a> {
             Policy::Fixed { atol, rtol } => Tolerance::Fixed { atol, rtol },
             Policy::Auto | Policy::Exact => Tolerance::Exact,
         };
+        // Every path held to the same CPU reference shares its run.
+        let memo = ReferenceMemo::new(host_memory_budget() / 4);
         let spec = CompareSpec {
             model: ref_model,
             path_model: ref_model,
@@ -172,6 +181,7 @@ impl<'a> Request<'a> {
             eos: &eos,
             dump: self.dump,
             replay: None,
+            memo: Some(&memo).filter(|_| memo_allowed()),
             // A GPU reference holds its taps in GPU memory: what the rest leaves of it.
             memory_budget: crate::cuda::gpu_of(ref_model).map_or_else(host_memory_budget, |g| {
                 let tokens = self.prompt.ids.len() + self.max_new_tokens;

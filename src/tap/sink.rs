@@ -304,6 +304,7 @@ pub fn route_hints_from<'a>(
 
 /// Keeps every selected tap in memory, in the order they arrive (a tap on a device is
 /// copied to the host).
+#[derive(Clone)]
 pub struct Recorder {
     table: TapTable,
     pub taps: Vec<Recorded>,

@@ -93,6 +93,32 @@ impl ReferenceRecorder {
         self
     }
 
+    /// A copy of a recorder that kept everything on the host (a CPU reference's step), for the
+    /// comparator of a later path run on the same reference; None for one that kept taps on
+    /// the GPU.
+    pub(crate) fn host_copy(&self) -> Option<Self> {
+        if self.device.is_some() || self.repeated.is_some() {
+            return None;
+        }
+        Some(ReferenceRecorder {
+            host: self.host.clone(),
+            parts: self.parts.clone(),
+            ..Self::new(&TapFilter::none(), 0)
+        })
+    }
+
+    /// Bytes of values it holds.
+    pub(crate) fn host_bytes(&self) -> usize {
+        let taps: usize = self.host.taps.iter().map(|t| t.data.len()).sum();
+        let parts: usize = self
+            .parts
+            .iter()
+            .flatten()
+            .map(|(_, p)| p.q.len() + p.keys.len())
+            .sum();
+        4 * (taps + parts)
+    }
+
     /// A recorder that keeps GPU taps on the GPU (host taps still go to `host`).
     pub(crate) fn on_device(filter: &TapFilter, layers: usize) -> Self {
         ReferenceRecorder {
