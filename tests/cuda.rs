@@ -2106,3 +2106,44 @@ fn a_cuda_dump_is_diffed_as_the_bf16_engine_it_is() {
         }
     }
 }
+
+/// `compare --backend cuda --replay`: every side on the GPU (the model loaded straight there),
+/// yet replay has the host weights it reruns ops with: each exact path is replayed, clean.
+#[test]
+fn a_gpu_only_compare_replays_its_exact_paths() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("r.json");
+    let prompt = fixture("prompts/task.json");
+    let o = kvdiff(
+        &[
+            "compare",
+            "-q",
+            "--backend",
+            "cuda",
+            "--replay",
+            "--json",
+            json.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    for p in r["paths"].as_array().unwrap() {
+        let replayed = p.get("replay").is_some();
+        assert_eq!(
+            replayed,
+            p["exact"] == true && p["invariant"] == false,
+            "{}",
+            p["path"]
+        );
+    }
+}

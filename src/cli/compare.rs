@@ -214,9 +214,19 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         Some(out) => Some(StagedDir::create(out, a.force, "--dump")?),
         None => None,
     };
-    let replay_models = a
-        .replay
-        .then(|| kvdiff::compare::path_replay::ReplayModels::new(&engine.model));
+    // Replay reruns ops on the host: a model loaded straight to the GPU has no weights there.
+    let replay_host = match a.replay && !engine.model.has_host_weights() {
+        true => {
+            let _p = progress::Progress::spinner("loading the model on the CPU to replay");
+            Some(Model::load(&engine.source)?)
+        }
+        false => None,
+    };
+    let replay_models = a.replay.then(|| {
+        kvdiff::compare::path_replay::ReplayModels::new(
+            replay_host.as_ref().unwrap_or(&engine.model),
+        )
+    });
     let start = std::time::Instant::now();
     let waited = engine.tokenizer.parse_wait();
     let mut report = Request {

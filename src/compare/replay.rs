@@ -358,6 +358,9 @@ impl<'m> Replayer<'m> {
     pub fn step(&mut self, step: usize, engine: &DumpStep, reference: Option<&DumpStep>) {
         let model = self.model;
         let c = &model.config;
+        if !model.has_host_weights() {
+            return; // no weights on the host (a model loaded straight to a GPU): nothing to rerun
+        }
         let eps = c.rms_norm_eps as f64;
         let h = c.hidden_size;
         let tap = |id: TapId| engine.taps.get(&id).map(rows_of).unwrap_or_default();

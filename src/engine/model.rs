@@ -279,6 +279,12 @@ impl Model {
         self.device.as_deref()
     }
 
+    /// Whether the layers' weights are on the host too (a model loaded straight to a GPU
+    /// keeps none there).
+    pub fn has_host_weights(&self) -> bool {
+        self.layers.len() == self.config.num_hidden_layers
+    }
+
     /// Every host weight tensor (empty on a device).
     pub fn weight_slices(&self) -> Vec<&[f32]> {
         let mut v: Vec<&[f32]> = vec![&self.embed_tokens, &self.norm];
