@@ -1702,13 +1702,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                         ));
                     }
                     if let Some(rep) = &r.replay {
-                        let row = rep.per_op.iter().fold(0f64, |m, o| {
-                            m.max(o.max / rep.bound_max).max(o.rms / rep.bound_rms)
-                        });
-                        let sys = rep
-                            .systematic_worst
-                            .as_ref()
-                            .map_or(0.0, |w| w.0 / rep.systematic_bound);
+                        let (row, sys) = rep.margins();
                         for (k, v) in [("replay", row), ("systematic", sys)] {
                             let w = worst.entry((mode, k.to_string())).or_insert(0.0);
                             *w = w.max(v as f32);

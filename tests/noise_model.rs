@@ -59,13 +59,7 @@ fn spec<'a>(
 /// aggregate test's largest RMS over its bound, as "replay" and "systematic".
 fn replay_margins(r: &PathReport, into: &mut BTreeMap<String, f32>) {
     let Some(rep) = &r.replay else { return };
-    let row = rep.per_op.iter().fold(0f64, |m, o| {
-        m.max(o.max / rep.bound_max).max(o.rms / rep.bound_rms)
-    });
-    let sys = rep
-        .systematic_worst
-        .as_ref()
-        .map_or(0.0, |w| w.0 / rep.systematic_bound);
+    let (row, sys) = rep.margins();
     for (k, v) in [("replay", row), ("systematic", sys)] {
         let w = into.entry(k.to_string()).or_insert(0.0);
         *w = w.max(v as f32);

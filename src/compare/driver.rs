@@ -179,7 +179,10 @@ impl CompareSpec<'_> {
     /// Whether the path's ops are replayed: asked for, and its taps and the reference's of
     /// one step fit the host's budget in one pass (replay needs every layer's at once).
     pub fn replaying(&self) -> bool {
-        self.replay.is_some() && self.groups(true, host_memory_budget() / 2).len() == 1
+        // The host budget read once: this is asked at every step.
+        static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let budget = || *BUDGET.get_or_init(host_memory_budget) / 2;
+        self.replay.is_some() && self.groups(true, budget()).len() == 1
     }
 
     /// Runs the path once against this spec's reference and, in the same lockstep, against

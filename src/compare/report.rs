@@ -303,6 +303,21 @@ pub struct ReplayInfo {
     pub systematic_bound: f64,
 }
 
+impl ReplayInfo {
+    /// A clean run's margins: the largest share of a per-row bound any op reached, and of the
+    /// aggregate test's bound (0 where nothing was tested).
+    pub fn margins(&self) -> (f64, f64) {
+        let row = self.per_op.iter().fold(0f64, |m, o| {
+            m.max(o.max / self.bound_max).max(o.rms / self.bound_rms)
+        });
+        let sys = self
+            .systematic_worst
+            .as_ref()
+            .map_or(0.0, |w| w.0 / self.systematic_bound);
+        (row, sys)
+    }
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct OpReplay {
     pub op: String,

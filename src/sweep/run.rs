@@ -404,15 +404,12 @@ impl Sweep<'_> {
                 }),
                 logits_rel_l2_max: p.logits_rel_l2_max,
                 case_ms: ms,
-                replay_margin: p.replay.as_ref().map(|r| {
-                    r.per_op.iter().fold(0f64, |m, o| {
-                        m.max(o.max / r.bound_max).max(o.rms / r.bound_rms)
-                    })
-                }),
+                replay_margin: p.replay.as_ref().map(|r| r.margins().0),
                 systematic_margin: p
                     .replay
                     .as_ref()
-                    .and_then(|r| Some(r.systematic_worst.as_ref()?.0 / r.systematic_bound)),
+                    .filter(|r| r.systematic_worst.is_some())
+                    .map(|r| r.margins().1),
             })
             .collect()
     }
