@@ -98,31 +98,68 @@ pub fn rel_l2_and_cosine(d2: f64, b2: f64, ab: f64, a2: f64) -> (f64, f64) {
     (rel_l2, cosine)
 }
 
+/// Lanes of the row sums: independent chains, so a row's four sums are not one addition's
+/// latency per value.
+const LANES: usize = 8;
+
+/// Adds a row's lanes in one fixed order.
+fn lanes_sum(l: [f64; LANES]) -> f64 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
 /// Compares a row of the path (`a`) with the reference's (`b`); a shorter row is read as
 /// zero-padded (attention rows over fewer keys).
 pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
     let n = a.len().max(b.len());
     let at = |v: &[f32], i: usize| v.get(i).copied().unwrap_or(0.0);
-    let (mut num, mut na, mut nb, mut dotp) = (0f64, 0f64, 0f64, 0f64);
-    let (mut index, mut max_abs, mut max_ref) = (0, 0f32, 0f32);
-    let mut non_finite = None;
-    for i in 0..n {
-        let (x, y) = (at(a, i), at(b, i));
-        if non_finite.is_none() && !(x.is_finite() && y.is_finite()) {
-            non_finite = Some(i);
-        }
+    let (mut num, mut na, mut nb, mut dotp) =
+        ([0f64; LANES], [0f64; LANES], [0f64; LANES], [0f64; LANES]);
+    let (mut top, mut top_at, mut max_ref) = ([0f32; LANES], [0usize; LANES], [0f32; LANES]);
+    let mut finite = true;
+    let mut add = |l: usize, i: usize, x: f32, y: f32| {
+        finite &= x.is_finite() & y.is_finite();
         let d = (x - y).abs();
-        if d > max_abs {
-            max_abs = d;
-            index = i;
+        let gt = d > top[l];
+        top[l] = if gt { d } else { top[l] };
+        top_at[l] = if gt { i } else { top_at[l] };
+        max_ref[l] = max_ref[l].max(y.abs());
+        let (xd, yd) = (x as f64, y as f64);
+        num[l] += (xd - yd) * (xd - yd);
+        na[l] += xd * xd;
+        nb[l] += yd * yd;
+        dotp[l] += xd * yd;
+    };
+    let m = a.len().min(b.len());
+    let whole = m / LANES * LANES;
+    for (c, (xa, yb)) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+        .enumerate()
+    {
+        for l in 0..LANES {
+            add(l, c * LANES + l, xa[l], yb[l]);
         }
-        max_ref = max_ref.max(y.abs());
-        num += (x as f64 - y as f64).powi(2);
-        na += (x as f64).powi(2);
-        nb += (y as f64).powi(2);
-        dotp += x as f64 * y as f64;
     }
-    let (rel_l2, cosine) = rel_l2_and_cosine(num, nb, dotp, na);
+    for i in whole..n {
+        add(i % LANES, i, at(a, i), at(b, i));
+    }
+    // The first largest difference: the largest lane, the first index among equals.
+    let (mut max_abs, mut index) = (0f32, 0usize);
+    for l in 0..LANES {
+        if top[l] > max_abs || (top[l] == max_abs && top[l] > 0.0 && top_at[l] < index) {
+            (max_abs, index) = (top[l], top_at[l]);
+        }
+    }
+    let non_finite = match finite {
+        true => None,
+        false => (0..n).find(|&i| !(at(a, i).is_finite() && at(b, i).is_finite())),
+    };
+    let (rel_l2, cosine) = rel_l2_and_cosine(
+        lanes_sum(num),
+        lanes_sum(nb),
+        lanes_sum(dotp),
+        lanes_sum(na),
+    );
     // The values shown are at the index a report names: the first non-finite one, if any.
     let shown = non_finite.unwrap_or(index);
     RowDiff {
@@ -130,10 +167,44 @@ pub fn row_diff(a: &[f32], b: &[f32]) -> RowDiff {
         reference: at(b, shown),
         value: at(a, shown),
         max_abs,
-        max_ref,
+        max_ref: max_ref.iter().fold(0f32, |m, &v| m.max(v)),
         rel_l2,
         cosine,
         non_finite,
+    }
+}
+
+/// `row_diff(b, b)`, for a path row bitwise equal to its reference: an exact path's rows
+/// mostly are, and one sum over the row gives what the four would.
+pub fn equal_row_diff(b: &[f32]) -> RowDiff {
+    if !b.iter().all(|v| v.is_finite()) {
+        return row_diff(b, b);
+    }
+    let (mut nb, mut max_ref) = ([0f64; LANES], [0f32; LANES]);
+    let whole = b.len() / LANES * LANES;
+    for c in b[..whole].chunks_exact(LANES) {
+        for l in 0..LANES {
+            max_ref[l] = max_ref[l].max(c[l].abs());
+            nb[l] += c[l] as f64 * c[l] as f64;
+        }
+    }
+    for (i, &y) in b.iter().enumerate().skip(whole) {
+        let l = i % LANES;
+        max_ref[l] = max_ref[l].max(y.abs());
+        nb[l] += y as f64 * y as f64;
+    }
+    let nb = lanes_sum(nb);
+    let (rel_l2, cosine) = rel_l2_and_cosine(0.0, nb, nb, nb);
+    let first = b.first().copied().unwrap_or(0.0);
+    RowDiff {
+        index: 0,
+        reference: first,
+        value: first,
+        max_abs: 0.0,
+        max_ref: max_ref.iter().fold(0f32, |m, &v| m.max(v)),
+        rel_l2,
+        cosine,
+        non_finite: None,
     }
 }
 
@@ -321,5 +392,69 @@ mod tests {
             },
             "q"
         ));
+    }
+
+    /// The shortcut for bitwise-equal rows reports what the full diff of the row with itself
+    /// does, field for field and bit for bit, non-finite rows included.
+    #[test]
+    fn an_equal_row_is_reported_as_the_full_diff_reports_it() {
+        let mut s = 0x2545_f491u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+        };
+        let mut rows: Vec<Vec<f32>> = vec![vec![], vec![0.0; 7], vec![-0.0, 0.0]];
+        for len in [1, 3, 64, 257, 1000] {
+            rows.push((0..len).map(|_| next()).collect());
+        }
+        let mut odd = rows[5].clone();
+        odd[9] = f32::NAN;
+        odd[20] = f32::INFINITY;
+        rows.push(odd);
+        for b in &rows {
+            let (fast, full) = (equal_row_diff(b), row_diff(b, b));
+            assert_eq!(
+                format!("{fast:?}"),
+                format!("{full:?}"),
+                "row of {}",
+                b.len()
+            );
+            assert_eq!(fast.cosine.to_bits(), full.cosine.to_bits());
+            assert_eq!(fast.rel_l2.to_bits(), full.rel_l2.to_bits());
+        }
+        // The full diff against a one-chain one: the same largest difference (the first of
+        // equals), the same first non-finite index, the same sums within f64 rounding.
+        for (i, b) in rows.iter().enumerate() {
+            for a in [
+                &rows[(i + 1) % rows.len()],
+                &b.iter().map(|v| (v * 4.0).round() / 4.0).collect(),
+            ] {
+                let d = row_diff(a, b);
+                let n = a.len().max(b.len());
+                let at = |v: &[f32], i: usize| v.get(i).copied().unwrap_or(0.0);
+                let (mut index, mut max_abs) = (0, 0f32);
+                let (mut d2, mut a2, mut b2, mut ab) = (0f64, 0f64, 0f64, 0f64);
+                for k in 0..n {
+                    let (x, y) = (at(a, k), at(b, k));
+                    if (x - y).abs() > max_abs {
+                        (max_abs, index) = ((x - y).abs(), k);
+                    }
+                    let (x, y) = (x as f64, y as f64);
+                    (d2, a2, b2, ab) = (d2 + (x - y) * (x - y), a2 + x * x, b2 + y * y, ab + x * y);
+                }
+                let non_finite = (0..n).find(|&k| !(at(a, k).is_finite() && at(b, k).is_finite()));
+                assert_eq!(
+                    (d.index, d.max_abs, d.non_finite),
+                    (index, max_abs, non_finite)
+                );
+                let (rel, cos) = rel_l2_and_cosine(d2, b2, ab, a2);
+                if non_finite.is_none() {
+                    approx::assert_relative_eq!(d.rel_l2, rel, max_relative = 1e-12);
+                    approx::assert_relative_eq!(d.cosine, cos, max_relative = 1e-12);
+                }
+            }
+        }
     }
 }

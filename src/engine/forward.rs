@@ -7,7 +7,7 @@ use half::bf16;
 use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut3, Axis, Dimension, Zip};
 
 use crate::engine::arch::Moe;
-use crate::engine::gemm::matmul_t;
+use crate::engine::gemm::{matmul_panels, matmul_t};
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Ffn, Layer, Mlp, Model};
 #[cfg(target_arch = "x86_64")]
@@ -46,12 +46,13 @@ fn heads_of_mut(a: &mut Array2<f32>, heads: usize) -> ArrayViewMut3<'_, f32> {
 impl Model {
     /// `x · wᵀ`, with x rounded to bf16 first under bf16 emulation.
     fn matmul(&self, x: ArrayView2<'_, f32>, w: &[f32]) -> Array2<f32> {
-        let w = weight(w, x.ncols());
-        if self.bf16_matmul_inputs {
-            let xr = x.mapv(|v| bf16::from_f32(v).to_f32());
-            matmul_t(xr.view(), w)
-        } else {
-            matmul_t(x, w)
+        let rounded = self
+            .bf16_matmul_inputs
+            .then(|| x.mapv(|v| bf16::from_f32(v).to_f32()));
+        let x = rounded.as_ref().map_or(x, |r| r.view());
+        match self.panels.get(w, x.ncols()) {
+            Some(p) => matmul_panels(x, &p).expect("panels are kept only where their kernel runs"),
+            None => matmul_t(x, weight(w, x.ncols())),
         }
     }
 

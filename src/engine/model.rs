@@ -10,6 +10,7 @@ use half::bf16;
 
 use crate::engine::config::Config;
 use crate::engine::device::DeviceModel;
+use crate::engine::gemm::PanelCache;
 use crate::engine::kv_cache::KvCache;
 pub use crate::engine::pass::{Batch, StepLogits};
 use crate::engine::weights::{TensorSource, Weights};
@@ -189,6 +190,8 @@ pub struct Model {
     /// Round every matmul input to bf16, as a bf16 GPU backend does: the CPU's estimate of
     /// that backend's rounding noise.
     pub(crate) bf16_matmul_inputs: bool,
+    /// The weights kept in the GEMM's panel layout, as they are first used.
+    pub(crate) panels: PanelCache,
 }
 
 impl Model {
@@ -266,6 +269,7 @@ impl Model {
             config,
             device: None,
             bf16_matmul_inputs: false,
+            panels: PanelCache::default(),
         })
     }
 
@@ -324,6 +328,7 @@ impl Model {
             lm_head: None,
             device: Some(device),
             bf16_matmul_inputs: false,
+            panels: PanelCache::default(),
         }
     }
 
@@ -351,6 +356,7 @@ impl Model {
             layers: self.layers.iter().map(|l| l.map(r)).collect(),
             device: None,
             bf16_matmul_inputs,
+            panels: PanelCache::default(),
         }
     }
 
@@ -468,6 +474,7 @@ impl Model {
             config,
             device: None,
             bf16_matmul_inputs: false,
+            panels: PanelCache::default(),
         }
     }
 

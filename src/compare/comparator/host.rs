@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::{merge_passes, pad_heads, Comparator};
-use crate::compare::diff::{row_diff, RowDiff};
+use crate::compare::diff::{equal_row_diff, row_diff, RowDiff};
 use crate::compare::gpu::DeviceRecorded;
 use crate::compare::report::{AttnRows, ExpertFlip, MAX_EXPERT_FLIPS};
 use crate::tap::{row_at, HostAttnParts, PositionIndex, Recorded, TapId, TapValue};
@@ -66,9 +66,12 @@ impl Comparator<'_> {
             } else {
                 a
             };
-            let d = row_diff(a, b);
             let bitwise_equal =
                 a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            let d = match bitwise_equal {
+                true => equal_row_diff(b),
+                false => row_diff(a, b),
+            };
             Some((pos, d, bitwise_equal, a.len().max(b.len())))
         };
         // A long prefill's tap (thousands of rows) is diffed on every core, booked in order.
