@@ -4,6 +4,8 @@
 //! `ops.rs` the element-wise arithmetic.
 
 use half::bf16;
+use std::ops::Range;
+
 use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut3, Axis, Dimension, Zip};
 
 use crate::engine::arch::Moe;
@@ -50,7 +52,7 @@ impl Model {
             .bf16_matmul_inputs
             .then(|| x.mapv(|v| bf16::from_f32(v).to_f32()));
         let x = rounded.as_ref().map_or(x, |r| r.view());
-        match self.panels.get(w, x.ncols()) {
+        match self.panels.get(w, x.ncols()).filter(|p| p.serve(x.nrows())) {
             Some(p) => matmul_panels(x, &p).expect("panels are kept only where their kernel runs"),
             None => matmul_t(x, weight(w, x.ncols())),
         }
@@ -482,52 +484,75 @@ pub fn attention(
         hd,
     };
     let mut out = vec![0f32; n * heads * hd];
-    let width = (heads * hd).max(1);
+    // One job per query, or per head of a query where the queries are too few to fill the
+    // cores (a decode step): heads never share a sum, so the bits are the same either way.
+    let per = match n >= 2 * rayon::current_num_threads() {
+        true => heads,
+        false => 1,
+    };
+    let job = |j: usize| (j * per / heads, (j * per % heads)..(j * per % heads + per));
     match probs {
         Some(p) => {
             let (span, positions) = (p.span, p.positions);
-            out.par_chunks_mut(width)
-                .zip(p.rows.par_chunks_mut((heads * span).max(1)))
+            out.par_chunks_mut((per * hd).max(1))
+                .zip(p.rows.par_chunks_mut((per * span).max(1)))
                 .enumerate()
-                .for_each(|(t, (o, rows))| {
+                .for_each(|(j, (o, rows))| {
                     let probs = ProbsOut {
                         rows,
                         span,
                         positions,
                     };
-                    query_dispatch(inputs, t, o, Some(probs))
+                    let (t, hs) = job(j);
+                    query_dispatch(inputs, t, hs, o, Some(probs))
                 });
         }
         None => out
-            .par_chunks_mut(width)
+            .par_chunks_mut((per * hd).max(1))
             .enumerate()
-            .for_each(|(t, o)| query_dispatch(inputs, t, o, None)),
+            .for_each(|(j, o)| {
+                let (t, hs) = job(j);
+                query_dispatch(inputs, t, hs, o, None)
+            }),
     }
     out
 }
 
-fn query_dispatch(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<ProbsOut<'_>>) {
+fn query_dispatch(
+    inputs: Inputs<'_>,
+    t: usize,
+    heads: Range<usize>,
+    out: &mut [f32],
+    probs: Option<ProbsOut<'_>>,
+) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // Same operations in the same order, on 256-bit registers: bitwise the same.
-        return unsafe { query_avx2(inputs, t, out, probs) };
+        return unsafe { query_avx2(inputs, t, heads, out, probs) };
     }
-    query::<false>(inputs, t, out, probs)
+    query::<false>(inputs, t, heads, out, probs)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn query_avx2(inputs: Inputs<'_>, t: usize, out: &mut [f32], probs: Option<ProbsOut<'_>>) {
-    query::<true>(inputs, t, out, probs)
+unsafe fn query_avx2(
+    inputs: Inputs<'_>,
+    t: usize,
+    heads: Range<usize>,
+    out: &mut [f32],
+    probs: Option<ProbsOut<'_>>,
+) {
+    query::<true>(inputs, t, heads, out, probs)
 }
 
-/// Query `t`'s output `[heads·hd]`, every head in turn, and its probability rows. `SIMD`: on
+/// Query `t`'s output `[heads·hd]` for the heads `hs`, each in turn, and their probability rows. `SIMD`: on
 /// AVX registers written out (only inside an AVX2 function), the same operations in the same
 /// order as the portable loops.
 #[inline(always)]
 fn query<const SIMD: bool>(
     inputs: Inputs<'_>,
     t: usize,
+    hs: Range<usize>,
     out: &mut [f32],
     mut probs: Option<ProbsOut<'_>>,
 ) {
@@ -544,7 +569,8 @@ fn query<const SIMD: bool>(
     let kv_dim = kv_heads * hd;
     let visible = inputs.base + t + 1;
     let mut row = Vec::with_capacity(visible);
-    for head in 0..heads {
+    let first = hs.start;
+    for head in hs {
         let kvh = head / group;
         let qv = &q[(t * heads + head) * hd..(t * heads + head + 1) * hd];
         let weights = softmax_row::<SIMD>(
@@ -557,7 +583,7 @@ fn query<const SIMD: bool>(
             inputs.split,
             inputs.window,
         );
-        let o = &mut out[head * hd..(head + 1) * hd];
+        let o = &mut out[(head - first) * hd..(head - first + 1) * hd];
         let head_values = &values[kvh * hd..];
         if let Some((split, wa, wb)) = weights {
             // Cascade: each segment's own softmax and output, merged by log-sum-exp.
@@ -574,7 +600,7 @@ fn query<const SIMD: bool>(
         }
         if let Some(p) = probs.as_mut() {
             scatter_by_position(
-                &mut p.rows[head * p.span..(head + 1) * p.span],
+                &mut p.rows[(head - first) * p.span..(head - first + 1) * p.span],
                 &row,
                 p.positions,
             );
@@ -823,24 +849,36 @@ mod tests {
             );
             let span = base + n;
             let positions: Vec<usize> = (0..span).collect();
-            let mut probs = vec![0f32; n * heads * span];
-            let out = attention(
-                &q,
-                &keys,
-                &values,
-                n,
-                base,
-                split,
-                window,
-                heads,
-                kv_heads,
-                hd,
-                Some(ProbsOut {
-                    rows: &mut probs,
-                    span,
-                    positions: &positions,
-                }),
-            );
+            // One job per query (one thread) and one per head of a query (many threads).
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a thread pool");
+                let mut probs = vec![0f32; n * heads * span];
+                let out = pool.install(|| {
+                    attention(
+                        &q,
+                        &keys,
+                        &values,
+                        n,
+                        base,
+                        split,
+                        window,
+                        heads,
+                        kv_heads,
+                        hd,
+                        Some(ProbsOut {
+                            rows: &mut probs,
+                            span,
+                            positions: &positions,
+                        }),
+                    )
+                });
+                (out, probs)
+            };
+            let (out, probs) = run(1);
+            assert_eq!(run(2 * n), (out.clone(), probs.clone()));
             let (want, want_probs) = one_by_one(
                 &q,
                 &keys,

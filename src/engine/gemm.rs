@@ -32,11 +32,30 @@ const KC: usize = 256;
 /// Rows up to which the unpacked kernel serves; above it the packed GEMM is faster.
 const UNPACKED_ROWS: usize = 16;
 
-/// Bytes of x's rows the panel kernel takes at a time.
-const TILE_BYTES: usize = 96 << 10;
+/// Rows above which a kept weight larger than `PANEL_SMALL` goes through the SGEMM instead: its
+/// blocking reads a large weight fewer times over many rows (the panels ran 8% slower on a
+/// 512-token prefill of Qwen3-0.6B's shape, 2 cores).
+pub(crate) const PANEL_ROWS: usize = 128;
 
-/// Most bytes of weights kept as `Panels` in the process, over every model.
-const PANEL_BUDGET: usize = 1 << 30;
+/// Bytes of panels under which the panel kernel serves any number of rows (it stays in L2).
+pub(crate) const PANEL_SMALL: usize = 1 << 20;
+
+/// Bytes of x's rows the panel kernel takes at a time.
+const TILE_BYTES: usize = 256 << 10;
+
+/// Most bytes of weights kept as `Panels` in the process, over every model: a sixth of the
+/// memory available when the first is made (`KVDIFF_MEMORY_LIMIT` counts), at most 8 GiB. A
+/// Qwen3-0.6B model in f32 (2.4 GB) fits on a 24 GB machine; what does not fit runs unkept.
+fn panel_budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let available = crate::support::resources::available_memory()
+            .ok()
+            .flatten()
+            .unwrap_or(4 << 30);
+        (available / 6).min(8 << 30) as usize
+    })
+}
 
 /// `x[n, inp] · w[out, inp]ᵀ` → `[n, out]`.
 pub fn matmul_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
@@ -241,32 +260,41 @@ unsafe fn block<const R: usize>(
 /// A weight `[out, inp]` stored as panels of eight outputs, `[out / 8][inp][8]` (the last
 /// panel padded with zeros): the layout the SGEMM packs a weight into on every call, kept. A
 /// row of x then meets eight outputs' weights in one load, with no transpose and no packing.
-pub(crate) struct Panels {
+pub struct Panels {
     data: Vec<f32>,
     out: usize,
     inp: usize,
 }
 
 impl Panels {
-    pub(crate) fn of(w: ArrayView2<'_, f32>) -> Panels {
+    /// Whether `rows` rows of x are best multiplied on these panels (else by the SGEMM).
+    pub(crate) fn serve(&self, rows: usize) -> bool {
+        rows <= PANEL_ROWS || self.data.len() * 4 <= PANEL_SMALL
+    }
+
+    pub fn of(w: ArrayView2<'_, f32>) -> Panels {
         let (out, inp) = w.dim();
         let mut data = vec![0f32; out.div_ceil(8) * 8 * inp];
-        for (p, panel) in data.chunks_mut(8 * inp).enumerate() {
-            for i in 0..8.min(out - 8 * p) {
-                for (k, &v) in w.row(8 * p + i).iter().enumerate() {
-                    panel[8 * k + i] = v;
-                }
-            }
+        if inp > 0 {
+            data.par_chunks_mut(8 * inp)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    for i in 0..8.min(out - 8 * p) {
+                        for (k, &v) in w.row(8 * p + i).iter().enumerate() {
+                            panel[8 * k + i] = v;
+                        }
+                    }
+                });
         }
         Panels { data, out, inp }
     }
 }
 
-/// Bytes held by every `PanelCache` of the process, against `PANEL_BUDGET`.
+/// Bytes held by every `PanelCache` of the process, against `panel_budget`.
 static PANEL_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// A model's weights kept as `Panels`, by the address and length of their flat data (a
-/// model's weights never change after it is built), while the process's `PANEL_BUDGET`
+/// model's weights never change after it is built), while the process's `panel_budget`
 /// allows. `KVDIFF_PANELS=0` keeps none. A clone starts empty: its weights are other memory.
 #[derive(Default)]
 pub(crate) struct PanelCache {
@@ -299,7 +327,7 @@ impl PanelCache {
         }
         let bytes = w.len().div_ceil(8 * inp) * 8 * inp * 4;
         let held = PANEL_BYTES.fetch_add(bytes, Ordering::Relaxed);
-        if held + bytes > PANEL_BUDGET {
+        if held + bytes > panel_budget() {
             PANEL_BYTES.fetch_sub(bytes, Ordering::Relaxed);
             return None;
         }
@@ -338,7 +366,7 @@ fn panel_kernel() -> bool {
 
 /// `x · wᵀ` with `w` as `Panels`, bitwise `matmul_t`'s; None where this machine lacks the
 /// kernel it mirrors (AVX2 with FMA).
-pub(crate) fn matmul_panels(x: ArrayView2<'_, f32>, w: &Panels) -> Option<Array2<f32>> {
+pub fn matmul_panels(x: ArrayView2<'_, f32>, w: &Panels) -> Option<Array2<f32>> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         assert_eq!(
@@ -396,7 +424,7 @@ unsafe fn panels_fma(
         "panels_fma: shapes disagree"
     );
     // Rows in tiles that stay in L2 while every panel group passes over them.
-    let tile = (TILE_BYTES / (4 * inp.max(1))).clamp(6, 96) / 6 * 6;
+    let tile = (TILE_BYTES / (4 * inp.max(1))).clamp(6, 256) / 6 * 6;
     for t0 in (0..n).step_by(tile) {
         let t1 = (t0 + tile).min(n);
         let mut q = 0;
