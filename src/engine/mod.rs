@@ -4,6 +4,7 @@
 //! device plugged in through `device.rs`; nothing here knows which device that is.
 
 pub mod arch;
+mod attention;
 pub mod chat_template;
 pub mod chunks;
 pub mod config;
@@ -21,5 +22,5 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use forward::{attention, probs_row, ProbsOut};
+pub use attention::{attention, probs_row, ProbsOut};
 pub use generate::{Encoded, Engine, Generation};
