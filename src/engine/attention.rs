@@ -39,8 +39,9 @@ struct Inputs<'a> {
 /// `0..=base + t`. With `split > 0`, entries `0..split` and `split..` are attended separately
 /// and merged by log-sum-exp (cascade). With a `window`, query `t` sees only the last `window`
 /// of its entries. Each full softmax row goes to `probs` when given.
-/// Returns `[n, heads·hd]`. Queries are spread over the cores; each is computed by one thread
-/// in a fixed order, so the result is bitwise the same for any thread count.
+/// Returns `[n, heads·hd]`. Queries (or, for a few queries, their heads) are spread over the
+/// cores; each head of a query is computed by one thread in a fixed order, so the result is
+/// bitwise the same for any thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
