@@ -35,10 +35,10 @@ const UNPACKED_ROWS: usize = 16;
 /// Rows above which a kept weight larger than `PANEL_SMALL` goes through the SGEMM instead: its
 /// blocking reads a large weight fewer times over many rows (the panels ran 8% slower on a
 /// 512-token prefill of Qwen3-0.6B's shape, 2 cores).
-pub(crate) const PANEL_ROWS: usize = 128;
+const PANEL_ROWS: usize = 128;
 
 /// Bytes of panels under which the panel kernel serves any number of rows (it stays in L2).
-pub(crate) const PANEL_SMALL: usize = 1 << 20;
+const PANEL_SMALL: usize = 1 << 20;
 
 /// Bytes of x's rows the panel kernel takes at a time.
 const TILE_BYTES: usize = 256 << 10;
@@ -605,8 +605,8 @@ mod tests {
         }
     }
 
-    /// A weight's panels are made once and found again by its data; a clone of the cache
-    /// starts empty, and what a dropped cache held goes back to the budget.
+    /// A weight's panels are made once and found again by its data, and multiply as the SGEMM
+    /// does; a clone of the cache starts empty and makes its own.
     #[test]
     fn a_panel_cache_keeps_each_weight_once() {
         if !panel_kernel() {
