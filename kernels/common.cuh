@@ -113,8 +113,8 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // Several caches' decode steps in one launch (the `_sides` kernels): each side has its own
 // buffers, so a kernel takes one address per side of every buffer it reads or writes, and the
-// weights once. Each side's arithmetic is the single kernel's, unchanged.
-#define MAX_SIDES 3
+// weights once. Each side's arithmetic is the single kernel's, unchanged. MAX_SIDES is
+// defined ahead of the sources by the host (`MAX_SIDES` in src/cuda/gpu/kernels.rs).
 struct Sides {
     unsigned long long p[MAX_SIDES];
 };
@@ -125,8 +125,60 @@ struct SideInts {
 // copied to local memory by every thread first.
 template <class T>
 __device__ __forceinline__ T* at_side(Sides s, int i) {
-    return (T*)(i == 0 ? s.p[0] : i == 1 ? s.p[1] : s.p[2]);
+    unsigned long long p = s.p[0];
+#pragma unroll
+    for (int k = 1; k < MAX_SIDES; k++)
+        if (i == k) p = s.p[k];
+    return (T*)p;
 }
 __device__ __forceinline__ int side_int(SideInts s, int i) {
-    return i == 0 ? s.v[0] : i == 1 ? s.v[1] : s.v[2];
+    int v = s.v[0];
+#pragma unroll
+    for (int k = 1; k < MAX_SIDES; k++)
+        if (i == k) v = s.v[k];
+    return v;
+}
+
+__host__ __device__ constexpr int capped_sides(int n) { return n < MAX_SIDES ? n : MAX_SIDES; }
+
+// Runs the statements `...` with `S` the smallest compiled side count >= sides: up to four
+// sides a group, MAX_SIDES alone; else 2, 4, 6, 9, 12, then MAX_SIDES. A launch for fewer
+// sides than S pads with side 0's input (`padded_side`), whose results are dropped. (A macro:
+// NVRTC takes no lambdas in device code. Loops inside unroll with _Pragma, as #pragma cannot
+// sit in one.)
+#if MAX_SIDES <= 4
+#define WITH_SIDES(sides, ...)             \
+    do {                                   \
+        constexpr int S = MAX_SIDES;       \
+        __VA_ARGS__                        \
+    } while (0)
+#else
+#define WITH_SIDES(sides, ...)                     \
+    do {                                           \
+        if ((sides) <= 2) {                        \
+            constexpr int S = capped_sides(2);     \
+            __VA_ARGS__                            \
+        } else if ((sides) <= 4) {                 \
+            constexpr int S = capped_sides(4);     \
+            __VA_ARGS__                            \
+        } else if ((sides) <= 6) {                 \
+            constexpr int S = capped_sides(6);     \
+            __VA_ARGS__                            \
+        } else if ((sides) <= 9) {                 \
+            constexpr int S = capped_sides(9);     \
+            __VA_ARGS__                            \
+        } else if ((sides) <= 12) {                \
+            constexpr int S = capped_sides(12);    \
+            __VA_ARGS__                            \
+        } else {                                   \
+            constexpr int S = MAX_SIDES;           \
+            __VA_ARGS__                            \
+        }                                          \
+    } while (0)
+#endif
+
+// Side s's input at `base` (a `Sides` argument), side 0's past the last side.
+template <class T>
+__device__ __forceinline__ T* padded_side(Sides base, int s, int sides) {
+    return at_side<T>(base, s < sides ? s : 0);
 }

@@ -244,16 +244,17 @@ extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
     if (row >= m) return;
-    // Always MAX_SIDES dots (a missing side repeats side 0's input), so that the sums unroll.
-    const bf16_t* xs[MAX_SIDES];
-    float acc[MAX_SIDES];
-#pragma unroll
-    for (int s = 0; s < MAX_SIDES; s++) xs[s] = at_side<const bf16_t>(x, s < sides ? s : 0);
-    r.dot_sides<MAX_SIDES>(xs, acc);
-    if ((threadIdx.x & 31) == 0)
-#pragma unroll
-        for (int s = 0; s < MAX_SIDES; s++)
-            if (s < sides) at_side<float>(y, s)[row] = acc[s];
+    WITH_SIDES(sides, {
+        const bf16_t* xs[S];
+        float acc[S];
+        _Pragma("unroll")
+        for (int s = 0; s < S; s++) xs[s] = padded_side<const bf16_t>(x, s, sides);
+        r.dot_sides<S>(xs, acc);
+        if ((threadIdx.x & 31) == 0)
+            _Pragma("unroll")
+            for (int s = 0; s < S; s++)
+                if (s < sides) at_side<float>(y, s)[row] = acc[s];
+    });
 }
 
 extern "C" __global__ void gemv_add_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y,

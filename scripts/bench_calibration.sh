@@ -9,6 +9,8 @@
 #   cold        empty kvdiff cache (kernels compiled, noise model calibrated on the GPU oracle)
 #   warm        the same command again (kernels and calibration from the cache)
 #   other-n     --max-new-tokens 32 after it: must reuse the calibration (-v says so)
+#   one-by-one  warm, each path in a lockstep of its own (KVDIFF_LANES=0: the references run
+#               again for every path, as before paths ran together; the peer of "warm")
 #   cold-cpu    empty cache, KVDIFF_GPU_ORACLE=0: the calibration on the CPU oracle (the peer)
 #   hf-sdpa     HF transformers bf16 generate of the same 512 + 64 tokens (sdpa), for scale
 # and the noise model's own share of the cold run (its KVDIFF_TIMING span). Prints a table last.
@@ -56,6 +58,8 @@ for row in "${shapes[@]}"; do
   cold=$(run cold -- --max-new-tokens 64)
   say "$row warm"
   warm=$(run warm -- --max-new-tokens 64)
+  say "$row one-by-one"
+  alone=$(run alone KVDIFF_LANES=0 -- --max-new-tokens 64)
   say "$row other-n"
   other=$(run other -- --max-new-tokens 32)
   grep -E "noise model" "$w/${row/\//-}-other.err" >&2
@@ -66,22 +70,22 @@ for row in "${shapes[@]}"; do
   say "$row HF"
   hf=$(python3 scripts/bench_hf.py time "$m" "$w/prompt-$shape.json" 64 sdpa 2> /dev/null |
     python3 -c 'import json,sys; print(round(json.load(sys.stdin)["hf_sdpa_s"] * 1000))')
-  for r in cold warm other cold-cpu; do
+  for r in cold warm alone other cold-cpu; do
     echo "--- $row $r: exit and timing" >&2
     grep -E "^kvdiff: (compared|noise)|calibration|cuBLAS|startup: (GPU|kernels|NVRTC|weights)|verdict|EQUIVALENT|DIVERGED" \
       "$w/${row/\//-}-$r.err" | head -24 >&2
   done
-  rows+=("$row ${cold% *} $(calib_ms cold) ${warm% *} ${other% *} $reused ${cpu% *} $(calib_ms cold-cpu) ${hf:-nan} ${cold#* }${warm#* }${other#* }${cpu#* }")
+  rows+=("$row ${cold% *} $(calib_ms cold) ${warm% *} ${alone% *} ${other% *} $reused ${cpu% *} $(calib_ms cold-cpu) ${hf:-nan} ${cold#* }${warm#* }${alone#* }${other#* }${cpu#* }")
 done
 printf '%s\n' "${rows[@]}" > "$w/rows"
 python3 - "$w/rows" <<'PY'
 import sys
 print("\ndefault compare --backend cuda, 512 + 64 tokens (wall ms; calib = the noise model's KVDIFF_TIMING span)")
-print(f"{'row':<13} {'cold':>7} {'calib':>6} {'share':>6} {'warm':>7} {'other-n':>8} {'reused':>6} "
+print(f"{'row':<13} {'cold':>7} {'calib':>6} {'share':>6} {'warm':>7} {'one-by-one':>10} {'other-n':>8} {'reused':>6} "
       f"{'cold CPU oracle':>16} {'its calib':>9} {'HF sdpa':>8} {'exits':>6}")
 for line in open(sys.argv[1]):
-    s, cold, cal, warm, other, reused, cpu, cpucal, hf, rcs = line.split()
+    s, cold, cal, warm, alone, other, reused, cpu, cpucal, hf, rcs = line.split()
     share = 100 * float(cal) / max(float(cold), 1)
-    print(f"{s:<13} {cold:>7} {cal:>6} {share:>5.1f}% {warm:>7} {other:>8} {reused:>6} {cpu:>16} "
+    print(f"{s:<13} {cold:>7} {cal:>6} {share:>5.1f}% {warm:>7} {alone:>10} {other:>8} {reused:>6} {cpu:>16} "
           f"{cpucal:>9} {hf:>8} {rcs:>6}")
 PY

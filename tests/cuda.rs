@@ -1099,6 +1099,77 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
     }
 }
 
+/// Every path in one lockstep (the default on the GPU: the references run once, the paths'
+/// decode steps as one pass in groups of `KVDIFF_CUDA_MAX_SIDES`) reports what each path run
+/// in a lockstep of its own reports, and what the steps run one by one report, in groups of
+/// two or all in one, clean and with planted bugs, on both head sizes.
+#[test]
+fn paths_run_together_report_what_each_run_alone_reports() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    for model in [None, Some(fixture("random-model"))] {
+        for fault in [
+            None,
+            Some("rerotate-wrong-sign"),
+            Some("cached-mask-off-by-one"),
+        ] {
+            let run = |name: &str, env: &[(&str, &str)]| -> (serde_json::Value, String) {
+                let json = tmp.path().join(format!("{name}.json"));
+                let mut args = vec![
+                    "-vv",
+                    "compare",
+                    "--backend",
+                    "cuda",
+                    "--max-new-tokens",
+                    "6",
+                    "--json",
+                    json.to_str().unwrap(),
+                    prompt.to_str().unwrap(),
+                ];
+                if let Some(m) = &model {
+                    args.extend(["--model", m.to_str().unwrap()]);
+                }
+                let mut env = env.to_vec();
+                env.extend(fault.map(|f| ("KVDIFF_FAULT", f)));
+                let out = kvdiff(&args, &env);
+                let err = String::from_utf8_lossy(&out.stderr).to_string();
+                let code = out.status.code();
+                assert!(matches!(code, Some(0 | 1)), "{name} {fault:?}: {err}");
+                if fault.is_some() {
+                    assert_eq!(code, Some(1), "{name}: {fault:?} unseen: {err}");
+                }
+                let report = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+                (report, err)
+            };
+            let (together, err) = run("together", &[]);
+            assert!(
+                err.contains("paths compared together"),
+                "{fault:?} {model:?}: {err}"
+            );
+            let (alone, err) = run("alone", &[("KVDIFF_LANES", "0")]);
+            assert!(!err.contains("paths compared together"), "{err}");
+            assert_eq!(
+                together, alone,
+                "one lockstep per path ({fault:?}, {model:?})"
+            );
+            let (apart, _) = run("apart", &[("KVDIFF_CUDA_TOGETHER", "0")]);
+            assert_eq!(together, apart, "steps one by one ({fault:?}, {model:?})");
+            let (eager, _) = run("eager", &[("KVDIFF_CUDA_GRAPHS", "0")]);
+            assert_eq!(together, eager, "no graphs ({fault:?}, {model:?})");
+            for most in ["2", "16"] {
+                let (grouped, _) = run("grouped", &[("KVDIFF_CUDA_MAX_SIDES", most)]);
+                assert_eq!(
+                    together, grouped,
+                    "{most} sides a group ({fault:?}, {model:?})"
+                );
+            }
+        }
+    }
+}
+
 /// `kvdiff FLAGS compare --backend cuda --paths chunk-reuse:rerotate` on the shipped task
 /// prompt for `new_tokens` tokens, with `extra` arguments, on `model` (else the default one):
 /// its JSON report (written to `json`) and its stderr. It must exit 0 or 1.

@@ -8,7 +8,8 @@ mod common;
 
 use common::*;
 use kvdiff::compare::diff::Tolerance;
-use kvdiff::compare::driver::CompareSpec;
+use kvdiff::compare::driver::{CompareSpec, Lane, Prefill};
+use kvdiff::compare::invariants::blend_one_prefill;
 use kvdiff::compare::report::PathReport;
 use kvdiff::engine::arch::{ArchSpec, Family, Moe};
 use kvdiff::engine::chunks::ChunkedPrompt;
@@ -17,7 +18,7 @@ use kvdiff::engine::model::{Batch, Model};
 use kvdiff::engine::rope::RopeScaling;
 use kvdiff::engine::tokenizer::ChatTokenizer;
 use kvdiff::io::model_source::ModelSource;
-use kvdiff::paths::{PathSpec, Reuse};
+use kvdiff::paths::{ChunkStore, PathSpec, Reuse};
 use kvdiff::tap::{TapFilter, TapSink};
 use proptest::prelude::*;
 
@@ -278,6 +279,99 @@ proptest! {
         prop_assert_eq!(devs[4], 0.0);
         let r = compare(&m, &tokenizer(), &prompt, &ROUNDING, PathSpec::Blend(1.0));
         prop_assert!(r.logits_rel_l2_max < 1e-4, "blend:1 logits off by {}", r.logits_rel_l2_max);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Paths run in one lockstep, sharing the references' runs (the rerotate path also held
+    /// to `chunk-reuse:global`, as its invariant rides along, and `blend:1 = standard`'s
+    /// path beside them), report exactly what each reports run on its own.
+    #[test]
+    fn paths_in_one_lockstep_report_as_each_alone(c in case()) {
+        let tok = tokenizer();
+        let m = model(&c);
+        let prompt = ChunkedPrompt::from_boundaries(c.ids.clone(), &c.cuts, true);
+        let taps = TapFilter::all();
+        let spec = CompareSpec {
+            model: &m,
+            path_model: &m,
+            tokenizer: &tok,
+            prompt: &prompt,
+            reference: PathSpec::Standard,
+            taps: &taps,
+            tolerance: &ROUNDING,
+            max_new_tokens: 3,
+            eos: &[],
+            dump: None,
+            replay: None,
+            memo: None,
+            memory_budget: usize::MAX,
+        };
+        let wide = Tolerance::Fixed { atol: 0.0, rtol: 2e-5 };
+        let global = CompareSpec {
+            reference: PathSpec::ChunkReuse(Reuse::Global),
+            tolerance: &wide,
+            ..spec
+        };
+        let paths = [
+            PathSpec::ChunkedPrefill(3),
+            PathSpec::Cascade,
+            PathSpec::ChunkReuse(Reuse::Local),
+            PathSpec::ChunkReuse(Reuse::Rerotate),
+            PathSpec::Blend(0.5),
+        ];
+        let prefills: Vec<_> = paths
+            .iter()
+            .map(|p| {
+                move |m: &Model, pr: &ChunkedPrompt, store: &mut ChunkStore, sink: &mut dyn TapSink| {
+                    p.prefill(m, pr, store, sink)
+                }
+            })
+            .collect();
+        let lanes: Vec<Lane<'_>> = paths
+            .iter()
+            .zip(&prefills)
+            .map(|(p, prefill)| {
+                let mut held_to = vec![(&spec, p.to_string(), p.exact())];
+                if *p == PathSpec::ChunkReuse(Reuse::Rerotate) {
+                    held_to.push((&global, "rerotate = global".to_string(), true));
+                }
+                Lane {
+                    name: p.to_string(),
+                    exact: p.exact(),
+                    split: p.decode_split(&prompt),
+                    prefill: prefill as &dyn Prefill,
+                    held_to,
+                }
+            })
+            .collect();
+        let mut lanes = lanes;
+        lanes.push(Lane {
+            name: "blend:1 = standard".to_string(),
+            exact: true,
+            split: 0,
+            prefill: &blend_one_prefill,
+            held_to: vec![(&spec, "blend:1 = standard".to_string(), true)],
+        });
+        let together = spec.run_lanes(&lanes).unwrap();
+        prop_assert_eq!(together.len(), lanes.len());
+        for (lane, reports) in lanes.iter().zip(&together) {
+            let others: Vec<(&CompareSpec<'_>, &str)> =
+                lane.held_to[1..].iter().map(|(s, n, _)| (*s, n.as_str())).collect();
+            let alone = spec
+                .run_beside(&others, &lane.name, lane.exact, lane.split, lane.prefill)
+                .unwrap();
+            prop_assert_eq!(reports.len(), lane.held_to.len());
+            for (t, a) in reports.iter().zip(&alone) {
+                prop_assert_eq!(
+                    serde_json::to_string(t).unwrap(),
+                    serde_json::to_string(a).unwrap(),
+                    "{}", lane.name
+                );
+            }
+        }
     }
 }
 

@@ -1,28 +1,28 @@
-//! The lockstep driver: runs a reference path and another path on the same prompt, prefill then
-//! one decode step at a time, and compares every selected tap as the second path produces it
-//! (`comparator/`). After the first token mismatch both paths are fed the reference's token
-//! (teacher forcing), so later steps stay comparable.
+//! The lockstep driver: runs a reference path and other paths on the same prompt, prefill then
+//! one decode step at a time, and compares every selected tap as each path produces it
+//! (`comparator/`). After the first token mismatch every path is fed the reference's token
+//! (teacher forcing), so later steps stay comparable. What a run compares is set here
+//! (`CompareSpec`, `Lane`); one pass of it runs in `lockstep.rs`.
 
 use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
 use crate::compare::path_replay::PathReplay;
-use crate::compare::path_sinks::{dump_dir_name, dump_recorded, Dumps, Fan};
-use crate::compare::reference_memo::{MemoUse, ReferenceMemo};
+use crate::compare::path_sinks::{dump_dir_name, Dumps};
+use crate::compare::reference_memo::ReferenceMemo;
 use crate::compare::replay_verdict::Verdict;
 use crate::compare::report::{PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
-use crate::engine::model::{Batch, Model, StepLogits};
+use crate::engine::model::{Model, StepLogits};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::error::Result;
 use crate::paths::{ChunkStore, PathSpec};
-use crate::support::fault::{self, Fault};
 use crate::tap::dump::Dumper;
 use crate::tap::{TapFilter, TapSink};
 
 /// With `-v`, the GPU memory in use (the allocator's pool of freed buffers included).
-fn note_gpu_memory(what: &str, model: &Model) {
+pub(super) fn note_gpu_memory(what: &str, model: &Model) {
     if let Some(g) = crate::cuda::gpu_of(model).filter(|_| crate::support::timing::on()) {
         let (free, total) = g.memory();
         eprintln!(
@@ -43,6 +43,18 @@ pub trait Prefill:
 impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCache, StepLogits)>
     Prefill for F
 {
+}
+
+/// One path of a lockstep run (`CompareSpec::run_lanes`): its prefill, its cascade split at
+/// decode, and the references it is held to, each as a spec (model, reference path,
+/// tolerance) with the name and exactness its report gets. The first spec's `path_model`
+/// runs the path.
+pub struct Lane<'l> {
+    pub name: String,
+    pub exact: bool,
+    pub split: usize,
+    pub prefill: &'l dyn Prefill,
+    pub held_to: Vec<(&'l CompareSpec<'l>, String, bool)>,
 }
 
 /// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
@@ -92,14 +104,6 @@ pub struct CompareSpec<'a> {
 /// before it kept parts (to check the two report alike).
 fn host_probs_as_rows() -> bool {
     std::env::var("KVDIFF_HOST_PROBS_ROWS").as_deref() == Ok("1")
-}
-
-/// A step's next-token logits, where they are on the host.
-fn host_logits(l: &StepLogits) -> Option<&[f32]> {
-    match l {
-        StepLogits::Host(v) => Some(v),
-        _ => None,
-    }
 }
 
 /// Folds one layer group's report into the run's.
@@ -158,7 +162,7 @@ impl CompareSpec<'_> {
     }
 
     /// What selects a reference run for the memo: everything its steps depend on.
-    fn memo_key(&self, taps: &TapFilter) -> String {
+    pub(super) fn memo_key(&self, taps: &TapFilter) -> String {
         format!(
             "{}|{taps:?}|{}|{:p}|{:p}|{:?}|{}",
             self.reference,
@@ -209,9 +213,19 @@ impl CompareSpec<'_> {
                 passes.len()
             );
         }
+        let held_to = std::iter::once((self, name.to_string(), exact))
+            .chain(others.iter().map(|(s, n)| (*s, n.to_string(), true)))
+            .collect();
+        let lane = [Lane {
+            name: name.to_string(),
+            exact,
+            split,
+            prefill: &prefill,
+            held_to,
+        }];
         let mut merged: Option<Vec<PathReport>> = None;
         for taps in &passes {
-            let r = self.run_pass(taps, others, name, exact, split, &prefill)?;
+            let r = self.run_lanes_pass(taps, &lane)?.remove(0);
             merged = Some(match merged {
                 None => r,
                 Some(mut all) => {
@@ -225,6 +239,30 @@ impl CompareSpec<'_> {
         let mut reports = merged.expect("at least one pass");
         let layers = self.model.config.num_hidden_layers;
         for r in &mut reports {
+            r.grid = r.cells.take().map(|c| c.encode(layers));
+        }
+        Ok(reports)
+    }
+
+    /// Runs several paths in one lockstep against this spec's reference (and any others their
+    /// lanes name), each reference run once for all, every path fed this reference's tokens:
+    /// one report per lane and reference it is held to, in order. Only for a run that fits
+    /// one pass with every reference's taps (`fits_beside`), with no dump or replay; else
+    /// each lane should run on its own (`run_beside`).
+    pub fn run_lanes(&self, lanes: &[Lane<'_>]) -> Result<Vec<Vec<PathReport>>> {
+        if lanes.len() == 1 {
+            let l = &lanes[0];
+            let others: Vec<(&CompareSpec<'_>, &str)> = l.held_to[1..]
+                .iter()
+                .map(|(s, n, _)| (*s, n.as_str()))
+                .collect();
+            return Ok(vec![
+                self.run_beside(&others, &l.name, l.exact, l.split, l.prefill)?
+            ]);
+        }
+        let mut reports = self.run_lanes_pass(self.taps, lanes)?;
+        let layers = self.model.config.num_hidden_layers;
+        for r in reports.iter_mut().flatten() {
             r.grid = r.cells.take().map(|c| c.encode(layers));
         }
         Ok(reports)
@@ -278,128 +316,12 @@ impl CompareSpec<'_> {
         passes
     }
 
-    fn run_pass(
-        &self,
-        taps: &TapFilter,
-        others: &[(&CompareSpec<'_>, &str)],
-        name: &str,
-        exact: bool,
-        split: usize,
-        prefill: &impl Prefill,
-    ) -> Result<Vec<PathReport>> {
-        let n = self.prompt.ids.len();
-        let specs: Vec<&CompareSpec<'_>> = std::iter::once(self)
-            .chain(others.iter().map(|o| o.0))
-            .collect();
-        let mut dumps = self.dumpers(taps, name, exact)?;
-        let span = crate::support::timing::span("compare: reference prefill");
-        let mut cmps = Vec::with_capacity(specs.len());
-        let mut sides = Vec::with_capacity(specs.len());
-        let mut ref_logits = Vec::with_capacity(specs.len());
-        // The reference's run kept from an earlier path, or kept for a later one.
-        let mut memo = match others.is_empty() && self.model.device().is_none() {
-            true => MemoUse::new(self.memo, self.memo_key(taps)),
-            false => MemoUse::Off,
-        };
-        for (i, s) in specs.iter().enumerate() {
-            let (rec, mut cache, logits) = match memo.replayed(0).filter(|_| i == 0) {
-                Some((rec, l)) => {
-                    let c = &s.model.config;
-                    let cache = KvCache::new(c.num_hidden_layers, c.kv_dim());
-                    (rec, cache, StepLogits::Host(l))
-                }
-                None => {
-                    let _run = crate::support::timing::span("compare: reference prefill run");
-                    let mut rec = s.recorder(taps, false);
-                    let (cache, logits) = s.reference.prefill(
-                        s.model,
-                        self.prompt,
-                        &mut ChunkStore::default(),
-                        &mut rec,
-                    );
-                    if i == 0 {
-                        memo.keep(&rec, host_logits(&logits));
-                    }
-                    (rec, cache, logits)
-                }
-            };
-            if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
-                let positions: Vec<usize> = (0..n).collect();
-                dump_recorded(d, 0, &self.prompt.ids, &positions, &rec.host.taps);
-            }
-            let mut cmp = s.comparator(taps);
-            cmp.set_reference(rec);
-            // The references' decode steps run beside the path's on the GPU.
-            s.model.decode_on_side_stream(&mut cache);
-            cmps.push(cmp);
-            ref_logits.push(logits);
-            sides.push(Side {
-                cache,
-                split: s.reference.decode_split(self.prompt),
-                first_token: None,
-                agreement: Agreement::new(self.max_new_tokens),
-            });
-        }
-        for cmp in cmps.iter_mut() {
-            cmp.size_readback();
-        }
-        drop(span);
-        note_gpu_memory("references prefilled", self.model);
-        let span = crate::support::timing::span("compare: path prefill");
-        let mut store = ChunkStore::default();
-        let (cache, logits) = {
-            let mut fan = Fan::new(&mut cmps);
-            let sink = &mut *dumps.path_sink(&mut fan);
-            prefill(self.path_model, self.prompt, &mut store, sink)
-        };
-        drop(span);
-        note_gpu_memory("path prefilled", self.model);
-        let mut run = Lockstep {
-            sides,
-            cache,
-            split,
-            tokens: Vec::new(),
-        };
-        run.decode(
-            &specs,
-            taps,
-            (&mut cmps, &mut dumps, &mut memo),
-            logits,
-            ref_logits,
-        );
-        memo.finish();
-        let mut replay = dumps.replay.take();
-        let reference = self.reference.to_string();
-        let ids = &self.prompt.ids;
-        dumps.finish(self.dump, (name, &reference), ids, &cmps[0].tokens[n..])?;
-        let names = std::iter::once((name, exact)).chain(others.iter().map(|o| (o.1, true)));
-        let tokens = run.tokens;
-        let reports = specs
-            .iter()
-            .zip(cmps)
-            .zip(run.sides)
-            .zip(names)
-            .map(|(((s, mut cmp), side), (name, exact))| {
-                cmp.flush();
-                s.path_report(
-                    (name, exact),
-                    cmp,
-                    side,
-                    tokens.clone(),
-                    &store,
-                    replay.take(),
-                )
-            })
-            .collect();
-        Ok(reports)
-    }
-
     /// The recorder of the reference's taps of one step. A GPU reference keeps its taps on
     /// the GPU unless they are to be dumped (a reference prefill of several passes keeps one
     /// record per pass, and a path tap is diffed against the pass that holds its rows); a
     /// decode step's recorder sees one pass whose taps the path uses before the reference's
     /// next pass, so it may keep them by address.
-    fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
+    pub(super) fn recorder(&self, taps: &TapFilter, decode: bool) -> ReferenceRecorder {
         let layers = self.model.config.num_hidden_layers;
         if self.model.device().is_some() && !self.host_copies() {
             let r = ReferenceRecorder::on_device(taps, layers);
@@ -415,7 +337,7 @@ impl CompareSpec<'_> {
         }
     }
 
-    fn comparator(&self, taps: &TapFilter) -> Comparator<'_> {
+    pub(super) fn comparator(&self, taps: &TapFilter) -> Comparator<'_> {
         let c = &self.model.config;
         Comparator::new(
             taps.table(c.num_hidden_layers),
@@ -434,7 +356,7 @@ impl CompareSpec<'_> {
 
     /// The dumpers of a `--dump` run: the path's, and the reference's unless an earlier
     /// path's run already wrote it.
-    fn dumpers(&self, taps: &TapFilter, name: &str, exact: bool) -> Result<Dumps<'_>> {
+    pub(super) fn dumpers(&self, taps: &TapFilter, name: &str, exact: bool) -> Result<Dumps<'_>> {
         // An approximate path's ops are its own design, not a bug: only exact paths replay.
         if self.replay.is_some() && exact && !self.replaying() && !crate::support::progress::quiet()
         {
@@ -474,17 +396,17 @@ impl CompareSpec<'_> {
         })
     }
 
-    fn path_report(
+    pub(super) fn path_report(
         &self,
         (name, exact): (&str, bool),
         mut cmp: Comparator<'_>,
-        side: Side,
+        (agreement, first_token): (Agreement, Option<TokenDivergence>),
         tokens: Vec<u32>,
         store: &ChunkStore,
         replay: Option<PathReplay<'_>>,
     ) -> PathReport {
         let n = self.prompt.ids.len();
-        let agreement = side.agreement.finish();
+        let agreement = agreement.finish();
         let text = |t: u32| self.tokenizer.decode(&[t], false);
         let mut first_divergence = cmp.first.take();
         if let Some(d) = first_divergence.as_mut() {
@@ -505,7 +427,7 @@ impl CompareSpec<'_> {
         for f in &mut cmp.expert_flips {
             f.token_text = text(cmp.tokens.get(f.position).copied().unwrap_or(0));
         }
-        let mut first_token = side.first_token;
+        let mut first_token = first_token;
         if let Some(t) = first_token.as_mut() {
             t.reference_text = text(t.reference_token);
             t.path_text = text(t.path_token);
@@ -542,229 +464,9 @@ impl CompareSpec<'_> {
     }
 }
 
-/// How close a token flip was: each side's margin between its top two logits, and whether the
-/// reference's is within what the logits tolerance lets two exact computations move apart.
-pub(crate) struct TokenFlip {
-    pub(crate) reference_margin: f32,
-    pub(crate) path_margin: f32,
-    pub(crate) bound: f32,
-    pub(crate) near_tie: bool,
-}
-
-impl TokenFlip {
-    pub(crate) fn of(reference: &[f32], path: &[f32], bounds: Option<(f32, f32)>) -> Self {
-        let margin = |v: &[f32]| {
-            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-            for &x in v {
-                if x > a {
-                    b = a;
-                    a = x;
-                } else if x > b {
-                    b = x;
-                }
-            }
-            a - b
-        };
-        let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-        // Each side may move by the tolerance: a flip within twice it can be rounding.
-        let bound = bounds.map_or(0.0, |(atol, rtol)| 2.0 * (atol + rtol * max_ref));
-        let reference_margin = margin(reference);
-        TokenFlip {
-            reference_margin,
-            path_margin: margin(path),
-            bound,
-            near_tie: reference_margin <= bound,
-        }
-    }
-}
-
-/// One reference's side of the decode loop.
-struct Side {
-    cache: KvCache,
-    split: usize,
-    first_token: Option<TokenDivergence>,
-    agreement: Agreement,
-}
-
-/// The state of the decode loop: the references' sides and the path's.
-struct Lockstep {
-    sides: Vec<Side>,
-    cache: KvCache,
-    split: usize,
-    /// The path's greedy choices, one per step.
-    tokens: Vec<u32>,
-}
-
-impl Lockstep {
-    /// Decodes the references and the path one token at a time, each step fed the first
-    /// reference's token, until EOS or `max_new_tokens`, comparing the path's taps of every
-    /// step with each reference's.
-    fn decode(
-        &mut self,
-        specs: &[&CompareSpec<'_>],
-        taps: &TapFilter,
-        (cmps, dumps, memo): (&mut [Comparator<'_>], &mut Dumps<'_>, &mut MemoUse<'_>),
-        mut logits: StepLogits,
-        mut ref_logits: Vec<StepLogits>,
-    ) {
-        let spec = specs[0];
-        let n = spec.prompt.ids.len();
-        let together = specs.iter().all(|s| std::ptr::eq(s.model, spec.path_model));
-        let mut step = 0;
-        while step < spec.max_new_tokens {
-            if together && step + 1 < spec.max_new_tokens {
-                // The steps' graph is captured while the GPU runs a step (the prefill's last
-                // work before the first), before the host waits for that step's tokens. Asked
-                // every step: a cache that grew has a new arena, and the graph is captured
-                // anew.
-                let pos = [n + step];
-                spec.path_model
-                    .prepare_decode_together(&mut self.steps(&[0], &pos));
-            }
-            let booked = crate::support::timing::span("compare: step booked (argmaxes, agreement)");
-            let rt = self.book_step(specs, step, logits, ref_logits);
-            drop(booked);
-            // Tokens by global position: the prompt, then the reference's choices.
-            for c in cmps.iter_mut() {
-                c.tokens.push(rt);
-            }
-            if spec.eos.contains(&rt) || step + 1 == spec.max_new_tokens {
-                break;
-            }
-            step += 1;
-            let at = match fault::active(Fault::DecodePositionOffByOne) {
-                true => n + step,
-                false => n + step - 1,
-            };
-            let (fed, pos) = ([rt], [at]);
-            crate::support::progress::note(|| {
-                format!("decode step {step}/{}", spec.max_new_tokens)
-            });
-            // One model under every side: the steps run as one pass where the device can,
-            // each weight read once for all; each side's forward_step below then only offers
-            // its taps.
-            if together {
-                spec.path_model.decode_together(&mut self.steps(&fed, &pos));
-            }
-            // Every side is fed the same token at the same position, under its own split.
-            let batch = |split| Batch {
-                cascade_split: split,
-                ..Batch::new(&fed, &pos)
-            };
-            let span = crate::support::timing::span("compare: reference decode step");
-            ref_logits = specs
-                .iter()
-                .zip(self.sides.iter_mut())
-                .zip(cmps.iter_mut())
-                .enumerate()
-                .map(|(i, ((s, side), cmp))| {
-                    let (rec, l) = match memo.replayed(step).filter(|_| i == 0) {
-                        Some((rec, l)) => (rec, StepLogits::Host(l)),
-                        None => {
-                            let mut rec = s.recorder(taps, true).repeating(cmp.reference_layout());
-                            let l = s.model.forward_step(
-                                batch(side.split),
-                                &mut side.cache,
-                                step,
-                                &mut rec,
-                            );
-                            if i == 0 {
-                                memo.keep(&rec, host_logits(&l));
-                            }
-                            (rec, l)
-                        }
-                    };
-                    if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
-                        dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
-                    }
-                    let _set = crate::support::timing::span("compare: reference step handed over");
-                    cmp.set_reference(rec);
-                    l
-                })
-                .collect();
-            drop(span);
-            let _span = crate::support::timing::span("compare: path decode step");
-            let mut fan = Fan::new(cmps);
-            let sink = &mut *dumps.path_sink(&mut fan);
-            logits = spec
-                .path_model
-                .forward_step(batch(self.split), &mut self.cache, step, sink);
-        }
-    }
-
-    /// Every side's step of `tokens` at `positions` (the references', then the path's), each
-    /// under its own cascade split, over its own cache.
-    fn steps<'s>(
-        &'s mut self,
-        tokens: &'s [u32],
-        positions: &'s [usize],
-    ) -> Vec<(Batch<'s>, &'s mut KvCache)> {
-        let batch = |split| Batch {
-            cascade_split: split,
-            ..Batch::new(tokens, positions)
-        };
-        self.sides
-            .iter_mut()
-            .map(|side| (batch(side.split), &mut side.cache))
-            .chain(std::iter::once((batch(self.split), &mut self.cache)))
-            .collect()
-    }
-
-    /// Books one step's next-token choices and agreement against every reference; returns
-    /// the first reference's token.
-    fn book_step(
-        &mut self,
-        specs: &[&CompareSpec<'_>],
-        step: usize,
-        logits: StepLogits,
-        ref_logits: Vec<StepLogits>,
-    ) -> u32 {
-        // The tokens' reads are queued first and the step's comparisons on the GPU launched
-        // after them (together): the GPU runs the comparisons while the host waits for the
-        // tokens alone and queues the next step.
-        logits.read_argmax_soon();
-        for r in &ref_logits {
-            r.read_argmax_soon();
-        }
-        let mut agreements = crate::compare::agreement::Deferred::default();
-        for (side, r) in self.sides.iter_mut().zip(&ref_logits) {
-            side.agreement.add_deferred(&logits, r, &mut agreements);
-        }
-        agreements.launch();
-        let wait = crate::support::timing::span("compare: step's tokens read (GPU wait)");
-        let pt = logits.argmax();
-        drop(wait);
-        let mut fed = None;
-        for ((side, spec), r) in self.sides.iter_mut().zip(specs).zip(&ref_logits) {
-            let rt = r.argmax();
-            fed.get_or_insert(rt);
-            if rt != pt && side.first_token.is_none() {
-                let _span = crate::support::timing::span("compare: first token flip read back");
-                let (rh, ph) = (r.to_host(), logits.to_host());
-                let flip = TokenFlip::of(&rh, &ph, spec.tolerance.bounds("logits"));
-                side.first_token = Some(TokenDivergence {
-                    step,
-                    position: spec.prompt.ids.len() + step,
-                    reference_token: rt,
-                    path_token: pt,
-                    // Decoded when the run is over (`path_report`).
-                    reference_text: String::new(),
-                    path_text: String::new(),
-                    reference_margin: flip.reference_margin,
-                    path_margin: flip.path_margin,
-                    margin_bound: flip.bound,
-                    near_tie: flip.near_tie,
-                });
-            }
-        }
-        self.tokens.push(pt);
-        fed.expect("at least one reference")
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::TokenFlip;
+    use crate::compare::lockstep::TokenFlip;
 
     #[test]
     fn a_flip_within_twice_the_logits_tolerance_is_a_near_tie() {

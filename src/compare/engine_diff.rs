@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::diff::Tolerance;
-use crate::compare::driver::TokenFlip;
+use crate::compare::lockstep::TokenFlip;
 use crate::compare::report::{EngineInfo, PathReport, TokenDivergence};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;

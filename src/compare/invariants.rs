@@ -15,10 +15,27 @@ use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
 use crate::compare::report::PathReport;
 use crate::cuda::MemoAct;
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Model, StepLogits};
 use crate::error::Result;
 use crate::paths::blend::blended_prefix;
+use crate::paths::ChunkStore;
 use crate::paths::{prefill_query, PathSpec, Reuse};
-use crate::tap::{NullSink, TapFilter};
+use crate::tap::{NullSink, TapFilter, TapSink};
+
+/// The path `BlendOneIsStandard` holds to `standard`: `chunk-reuse:blend:1`'s prefix, its
+/// taps unseen, then the query chunk offered.
+pub fn blend_one_prefill(
+    m: &Model,
+    pr: &ChunkedPrompt,
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+) -> (KvCache, StepLogits) {
+    let mut quiet = NullSink::new(m.config.num_hidden_layers);
+    let prefix = blended_prefix(m, pr, 1.0, store, &mut quiet, None);
+    prefill_query(m, pr, prefix, sink)
+}
 
 /// How much wider `rerotate = global` is judged than an exact pair (see `run`).
 pub const REROTATE_WIDENING: f32 = 2.0;
@@ -109,11 +126,7 @@ impl Invariant {
                     replay: None,
                     ..*spec
                 };
-                s.run_with(label, true, 0, |m, pr, store, sink| {
-                    let mut quiet = NullSink::new(layers);
-                    let prefix = blended_prefix(m, pr, 1.0, store, &mut quiet, None);
-                    prefill_query(m, pr, prefix, sink)
-                })?
+                s.run_with(label, true, 0, blend_one_prefill)?
             }
             Invariant::BlendRowsAreFull(r) => {
                 let taps = TapFilter::parse("L*.k_rope,L*.v", layers).expect("tap names");

@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod grid;
 pub mod html;
 pub mod invariants;
+mod lockstep;
 pub mod noise;
 pub mod noise_cache;
 pub mod path_replay;

@@ -3,8 +3,8 @@
 //! into a `Request` and prints what comes back.
 
 use crate::compare::diff::Tolerance;
-use crate::compare::driver::CompareSpec;
-use crate::compare::invariants::Invariant;
+use crate::compare::driver::{CompareSpec, Lane};
+use crate::compare::invariants::{blend_one_prefill, Invariant};
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::NoiseCache;
 use crate::compare::path_replay::ReplayModels;
@@ -16,7 +16,7 @@ use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::paths::ChunkStore;
+use crate::paths::{ChunkStore, PathSpec};
 use crate::support::progress::{self, Progress};
 use crate::tap::{TapFilter, TapSink};
 
@@ -67,6 +67,12 @@ fn memo_allowed() -> bool {
 
 fn beside_allowed() -> bool {
     std::env::var("KVDIFF_INVARIANT_BESIDE").as_deref() != Ok("0")
+}
+
+/// `KVDIFF_LANES=0`: every path runs its own lockstep with the reference, as before paths
+/// were run together (to check the two report alike, or to time each path).
+fn lanes_allowed() -> bool {
+    std::env::var("KVDIFF_LANES").as_deref() != Ok("0")
 }
 
 /// The backends a comparison runs on (sorted, once each), as a noise profile names them.
@@ -193,6 +199,17 @@ impl<'a> Request<'a> {
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
         let progress = Progress::start(self.targets.len() as u64, "comparing");
         let mut beside = Vec::new();
+        if let Some(paths) = self.run_together(&spec, same_tol, &mut beside)? {
+            for _ in self.targets {
+                progress.advance("");
+            }
+            let mut paths = paths;
+            if self.invariants {
+                progress.set_message("invariants");
+                paths.extend(self.run_invariants(&spec, &tols, beside)?);
+            }
+            return Ok(self.report(paths, tols.info));
+        }
         let mut paths = self
             .targets
             .iter()
@@ -430,6 +447,120 @@ impl<'a> Request<'a> {
             true => format!("{} @{}", inv.label(), backend.name()),
             false => inv.label(),
         }
+    }
+
+    /// Every target in one lockstep (`CompareSpec::run_lanes`): the reference runs once for
+    /// all, and on a GPU the paths' decode steps run as one pass. Where each invariant that
+    /// can ride along its path's run does, its report goes to `beside`. None, having run
+    /// nothing, where the targets run one by one instead: fewer than two, a reference on the
+    /// CPU (whose run every path shares through the memo already), a path on another backend,
+    /// experts, a dump or replay, or references' taps beyond one pass's memory.
+    fn run_together(
+        &self,
+        spec: &CompareSpec<'_>,
+        tolerance: &Tolerance,
+        beside: &mut Vec<((Invariant, Backend), PathReport)>,
+    ) -> Result<Option<Vec<PathReport>>> {
+        let backend = self.reference.on(self.backend);
+        let with_invariant =
+            |t: &Target| Invariant::beside(t.path).filter(|_| self.invariants && beside_allowed());
+        let references = 1 + usize::from(self.targets.iter().any(|t| with_invariant(t).is_some()));
+        let s = CompareSpec { tolerance, ..*spec };
+        if self.targets.len() < 2
+            || !lanes_allowed()
+            || spec.model.device().is_none()
+            || spec.model.config.arch.moe.is_some()
+            || self.replay.is_some()
+            || self.targets.iter().any(|t| t.on(self.backend) != backend)
+            || !s.fits_beside(references - 1)
+        {
+            return Ok(None);
+        }
+        let (reference, wide) = Invariant::rerotate_reference(tolerance);
+        let other = CompareSpec {
+            reference,
+            tolerance: &wide,
+            dump: None,
+            ..s
+        };
+        let standard = CompareSpec {
+            reference: PathSpec::Standard,
+            ..s
+        };
+        let prefills: Vec<_> = self
+            .targets
+            .iter()
+            .map(|t| {
+                move |m: &Model,
+                      pr: &ChunkedPrompt,
+                      store: &mut ChunkStore,
+                      sink: &mut dyn TapSink| { t.path.prefill(m, pr, store, sink) }
+            })
+            .collect();
+        let lanes: Vec<Lane<'_>> = self
+            .targets
+            .iter()
+            .zip(&prefills)
+            .map(|(t, prefill)| {
+                let label = t.label(self.backend, self.uses_gpu());
+                let mut held_to = vec![(&s, label.clone(), t.path.exact())];
+                if let Some(inv) = with_invariant(t) {
+                    held_to.push((&other, self.invariant_label(inv, backend), true));
+                }
+                Lane {
+                    name: label,
+                    exact: t.path.exact(),
+                    split: t.path.decode_split(self.prompt),
+                    prefill: prefill as &dyn crate::compare::driver::Prefill,
+                    held_to,
+                }
+            })
+            .collect();
+        let mut lanes = lanes;
+        // `chunk-reuse:blend:1 = standard` decodes as long as the paths: it rides along too.
+        let blend_one = self.invariants
+            && self
+                .targets
+                .iter()
+                .any(|t| Invariant::of(t.path).contains(&Invariant::BlendOneIsStandard));
+        if blend_one {
+            let label = self.invariant_label(Invariant::BlendOneIsStandard, backend);
+            lanes.push(Lane {
+                name: label.clone(),
+                exact: true,
+                split: 0,
+                prefill: &blend_one_prefill,
+                held_to: vec![(&standard, label, true)],
+            });
+        }
+        let started = std::time::Instant::now();
+        let mut reports = s.run_lanes(&lanes)?;
+        if blend_one {
+            let mut checked = reports
+                .pop()
+                .expect("the lane's")
+                .pop()
+                .expect("its report");
+            checked.invariant = true;
+            beside.push(((Invariant::BlendOneIsStandard, backend), checked));
+        }
+        if progress::verbosity() >= 2 {
+            eprintln!(
+                "kvdiff: {} paths compared together in {:.0} ms",
+                lanes.len(),
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        let mut paths = Vec::with_capacity(reports.len());
+        for (t, mut r) in self.targets.iter().zip(reports) {
+            if let Some(inv) = with_invariant(t) {
+                let mut checked = r.pop().expect("the invariant's report");
+                checked.invariant = true;
+                beside.push(((inv, backend), checked));
+            }
+            paths.push(r.pop().expect("the target's report"));
+        }
+        Ok(Some(paths))
     }
 
     /// Runs one target; where one of its invariants holds the same path to another reference

@@ -31,11 +31,11 @@ mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
-pub(crate) use gpu::MAX_SIDES;
 pub use gpu::{
     cublas_asked, device_name, driver_missing, open_in_background, preload_cublas_in_background,
     ptr, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
 };
+pub(crate) use gpu::{max_sides, SIDE_SLOTS};
 pub use kv::CudaKv;
 pub(crate) use launch::{
     attention_diff_applies, launch_attention_diff, launch_combine_diff_chunks,

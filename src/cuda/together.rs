@@ -6,14 +6,17 @@
 //! from DRAM once and from L2 for the other sides. Where a step is bound by its weight reads
 //! (Qwen3-4B's shape) that makes the decode steps of a compare 1.45× faster; a small model's
 //! steps are bound by kernel latency instead, and its sides' steps on streams of their own
-//! already fill the GPU (see docs/gpu-backend.md).
+//! already fill the GPU (see docs/gpu-backend.md). At Qwen3-8B's shape each side's blocks read
+//! the weights at DRAM rate (the gate/up GEMV 75 µs a side, 2.7 TB/s): a row is gone from L2
+//! before the next side's block reads it, and what together saves there is launches. Groups of more than three sides (`KVDIFF_CUDA_MAX_SIDES`) were slower at both
+//! shapes; a compare of more sides runs them in groups of three at most.
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic
 //! unchanged. `KVDIFF_CUDA_TOGETHER=0` runs the steps one by one instead.
 
 use super::forward::fused_shape;
-use super::gpu::{ptr, Arg, MAX_SIDES};
+use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
 use super::kv::CudaKv;
 use super::launch::{launch_argmax, DECODE_THREADS};
 use super::upload::CudaModel;
@@ -58,7 +61,7 @@ impl SidePlan {
 
 /// One address per side, unused sides zero.
 fn sides(plans: &[SidePlan], f: impl Fn(&SidePlan) -> u64) -> Arg {
-    let mut a = [0u64; MAX_SIDES];
+    let mut a = [0u64; SIDE_SLOTS];
     for (slot, p) in a.iter_mut().zip(plans) {
         *slot = f(p);
     }
@@ -66,27 +69,54 @@ fn sides(plans: &[SidePlan], f: impl Fn(&SidePlan) -> u64) -> Arg {
 }
 
 fn side_ints(plans: &[SidePlan], f: impl Fn(&SidePlan) -> usize) -> Arg {
-    let mut a = [0i32; MAX_SIDES];
+    let mut a = [0i32; SIDE_SLOTS];
     for (slot, p) in a.iter_mut().zip(plans) {
         *slot = f(p) as i32;
     }
     Arg::SideInts(a)
 }
 
+/// `steps` cut into the fewest groups of at most `max_sides()`, as even as can be (seven
+/// steps, three a group: 3, 2, 2; a group of one would run on its own).
+fn groups<'s, 'b, 'c>(
+    mut steps: &'s mut [(Batch<'b>, &'c mut KvCache)],
+) -> Vec<&'s mut [(Batch<'b>, &'c mut KvCache)]> {
+    let k = steps.len().div_ceil(max_sides()).max(1);
+    let (size, extra) = (steps.len() / k, steps.len() % k);
+    let mut out = Vec::with_capacity(k);
+    for i in 0..k {
+        let (group, rest) = std::mem::take(&mut steps).split_at_mut(size + usize::from(i < extra));
+        out.push(group);
+        steps = rest;
+    }
+    out
+}
+
 impl CudaModel {
-    /// Enqueues the one-token steps `steps` (each over its own cache) as one pass; each
-    /// step's `forward_step` then finds its kernels queued and only offers its taps. Returns
-    /// false, having launched none of the steps' kernels, where they cannot run together: turned off, fewer than
-    /// two or more than `MAX_SIDES` steps, a step of several tokens, a sparse model, sliding
-    /// windows, or rows the vector loads of a side's own step would not take.
+    /// Enqueues the one-token steps `steps` (each over its own cache) as one pass, or as
+    /// a few where there are more than `max_sides()` (groups as even as can be); each step's
+    /// `forward_step` then finds its kernels queued and only offers its taps. Returns false
+    /// where some steps could not run together, their kernels not launched: turned off, a
+    /// single step, a step of several tokens, a sparse model, sliding windows, or rows the
+    /// vector loads of a side's own step would not take.
     pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
-        self.together(steps, true)
+        let mut all = true;
+        for group in groups(steps) {
+            all &= self.together(group, true);
+        }
+        all
     }
 
     /// Makes ready what `decode_together` would need for `steps` (arenas, room for the token,
     /// the captured graph) without running anything, so that the set-up overlaps the GPU's
     /// work (until then steps run without a graph). The batches' tokens are not read.
     pub(crate) fn prepare_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
+        for group in groups(steps) {
+            self.prepare_group(group);
+        }
+    }
+
+    fn prepare_group(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
         // Nothing is prepared where a cache would grow or get a new arena: the last step's
         // logits and taps may still be read from the arena it has. Before the first step
         // there is no arena yet (a prefill's logits and taps live in buffers of their own),
@@ -109,7 +139,7 @@ impl CudaModel {
     fn together(&self, steps: &mut [(Batch<'_>, &mut KvCache)], launch: bool) -> bool {
         let c = &self.config;
         let shape_ok = self.gpu.together()
-            && (2..=MAX_SIDES).contains(&steps.len())
+            && (2..=max_sides()).contains(&steps.len())
             && steps.iter().all(|(b, _)| b.tokens.len() == 1)
             && c.arch.moe.is_none()
             && (0..c.num_hidden_layers).all(|l| c.arch.window(l).is_none())

@@ -137,8 +137,15 @@ impl Workspace {
     ) -> Workspace {
         let w = Self::layout(g, c, n, entries, per_layer, probs);
         let Shape { h, qd, inter, .. } = w.shape;
+        // A decode arena starts zeroed: an `attn_probs` column no step writes (the key a
+        // mask leaves out, as the planted `cached-mask-off-by-one` does) reads 0, as on the
+        // CPU, not whatever the memory held before.
+        let f = match n == 1 && probs {
+            true => g.zeros::<f32>(w.total),
+            false => g.alloc::<f32>(w.total),
+        };
         Workspace {
-            f: std::sync::Arc::new(g.alloc::<f32>(w.total)),
+            f: std::sync::Arc::new(f),
             bf: g.alloc::<u16>(w.rows * (h + qd + inter)),
             meta: g.alloc::<i32>(3 * n + 2),
             counters: g.zeros::<u32>(w.shape.heads + 1),

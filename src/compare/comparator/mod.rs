@@ -26,6 +26,7 @@ use crate::tap::{
 
 /// The reference's taps of one step, as the comparator holds them: copied to the host, or,
 /// with `on_device`, kept in GPU memory where the reference ran.
+#[derive(Clone)]
 pub(crate) struct ReferenceRecorder {
     pub(crate) host: Recorder,
     device: Option<Vec<DeviceRecorded>>,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use crate::compare::diff::LogitsAgreement;
-use crate::cuda::{ptr, Arg, Gpu, MAX_SIDES};
+use crate::cuda::{max_sides, ptr, Arg, Gpu, SIDE_SLOTS};
 
 /// Blocks of one comparison, and the f64 words of the kernel's `Agree` state.
 const BLOCKS: usize = 128;
@@ -93,9 +93,9 @@ pub struct AgreementJob {
 }
 
 /// Launches `jobs` (comparisons on one GPU, of one top-k and width) as few `logits_agreement`
-/// launches as `MAX_SIDES` allows, each comparison with its own blocks.
+/// launches as `max_sides()` allows, each comparison with its own blocks.
 pub fn launch_agreements(jobs: &[AgreementJob]) {
-    for group in jobs.chunks(MAX_SIDES) {
+    for group in jobs.chunks(max_sides()) {
         let first = &group[0];
         assert!(
             group
@@ -104,7 +104,7 @@ pub fn launch_agreements(jobs: &[AgreementJob]) {
             "comparisons launched together share their GPU, top-k and width"
         );
         let slot = |w: usize| {
-            let mut a = [0u64; MAX_SIDES];
+            let mut a = [0u64; SIDE_SLOTS];
             for (s, j) in a.iter_mut().zip(group) {
                 *s = j.ptrs[w];
             }

@@ -18,7 +18,9 @@ fn gpu_of(t: &DeviceTap<'_>) -> Arc<Gpu> {
 }
 
 /// A reference tap on the GPU: copied to contiguous memory, or, for a persistent tap, the
-/// address of the buffer that holds it until its cache's next pass.
+/// address of the buffer that holds it until its cache's next pass. A clone shares the
+/// buffers: several paths compared in one lockstep read one reference's taps.
+#[derive(Clone)]
 pub struct DeviceRecorded {
     pub step: usize,
     pub id: TapId,
@@ -35,7 +37,7 @@ pub struct DeviceRecorded {
     /// Attention kept as what rebuilds it (copies of the pass's queries, keys and statistics),
     /// rows rebuilt where a path's are compared.
     pub parts: Option<AttnParts>,
-    _copy: Vec<CudaSlice<f32>>,
+    _copy: Arc<Vec<CudaSlice<f32>>>,
     /// What keeps the buffer a tap held by address lives in (`DeviceTap::owner`).
     _owner: Option<crate::tap::Device>,
     gpu: Arc<Gpu>,
@@ -96,7 +98,7 @@ impl DeviceRecorded {
             ptr: ptr_,
             stride,
             parts,
-            _copy: copy,
+            _copy: Arc::new(copy),
             _owner: t.owner.filter(|_| hold).map(|(o, _)| o.clone()),
             gpu: g.clone(),
         }

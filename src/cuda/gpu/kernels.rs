@@ -108,8 +108,21 @@ const KERNELS: &[&str] = &[
     "oracle_meter_f32",
 ];
 
-/// Most caches one `_sides` launch takes (`MAX_SIDES` in kernels/common.cuh).
-pub(crate) const MAX_SIDES: usize = 3;
+/// Slots of the host's `Sides` arguments: the most `max_sides` may be. A kernel reads as
+/// many as it was compiled for (`MAX_SIDES` in kernels/common.cuh).
+pub(crate) const SIDE_SLOTS: usize = 16;
+
+/// Most caches one `_sides` launch takes: `KVDIFF_CUDA_MAX_SIDES` (2 to `SIDE_SLOTS`), else
+/// 3. The kernels are compiled for it.
+pub(crate) fn max_sides() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("KVDIFF_CUDA_MAX_SIDES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(3, |n: usize| n.clamp(2, SIDE_SLOTS))
+    })
+}
 
 /// A kernel argument.
 pub enum Arg {
@@ -121,9 +134,9 @@ pub enum Arg {
     F32(f32),
     /// One address per side of a `_sides` kernel (`Sides` in kernels/common.cuh), unused
     /// sides zero.
-    Sides([u64; MAX_SIDES]),
+    Sides([u64; SIDE_SLOTS]),
     /// One int per side (`SideInts`).
-    SideInts([i32; MAX_SIDES]),
+    SideInts([i32; SIDE_SLOTS]),
 }
 
 /// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached), and the dynamic
@@ -190,14 +203,21 @@ pub(super) fn load_kernels(
     Ok((kernels, shared))
 }
 
+/// Every kernel source in one translation unit, `MAX_SIDES` defined first (kernels/common.cuh
+/// sizes `Sides` by it).
+fn source() -> String {
+    let mut s = format!("#define MAX_SIDES {}\n", max_sides());
+    for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name}\n{src}\n"));
+    }
+    s
+}
+
 /// The kernels as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
 /// cached); an error where NVRTC cannot target the device.
 fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result, sys};
-    let source: String = SOURCES
-        .iter()
-        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
-        .collect();
+    let source = source();
     let arch = format!("sm_{major}{minor}");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (source.as_str(), arch.as_str()).hash(&mut h);
@@ -240,10 +260,7 @@ fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
 /// PTX for the device's architecture: from the on-disk cache when the sources and architecture
 /// match, else compiled by NVRTC and cached.
 fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
-    let source: String = SOURCES
-        .iter()
-        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
-        .collect();
+    let source = source();
     let arch = format!("compute_{major}{minor}");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (source.as_str(), arch.as_str()).hash(&mut h);

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 
 pub use gemm::GemmTile;
 pub use kernels::Arg;
-pub(crate) use kernels::MAX_SIDES;
+pub(crate) use kernels::{max_sides, SIDE_SLOTS};
 pub(super) use libraries::CUDA_FIX;
 pub use libraries::{
     cublas_asked, cublas_loadable, device_name, driver_missing, preload_cublas_in_background,

@@ -1,0 +1,469 @@
+//! One pass of a lockstep run: every reference prefills once, each path (a lane) prefills
+//! and is compared with the references it is held to, then all of them decode one token at
+//! a time, each step fed the first reference's token (teacher forcing), every path tap
+//! compared with each of its references' as it arrives. Several paths in one run share the
+//! references' runs, and on a GPU their decode steps run as one pass (`decode_together`),
+//! each weight read once for all instead of once per path.
+
+use crate::compare::agreement::{Agreement, Deferred};
+use crate::compare::comparator::{Comparator, ReferenceRecorder};
+use crate::compare::driver::{note_gpu_memory, CompareSpec, Lane};
+use crate::compare::path_sinks::{dump_recorded, Dumps, Fan};
+use crate::compare::reference_memo::MemoUse;
+use crate::compare::report::{PathReport, TokenDivergence};
+use crate::engine::kv_cache::KvCache;
+use crate::engine::model::{Batch, Model, StepLogits};
+use crate::error::Result;
+use crate::paths::ChunkStore;
+use crate::support::fault::{self, Fault};
+use crate::support::timing::span;
+use crate::tap::TapFilter;
+
+/// A step's next-token logits, where they are on the host.
+fn host_logits(l: &StepLogits) -> Option<&[f32]> {
+    match l {
+        StepLogits::Host(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// How close a token flip was: each side's margin between its top two logits, and whether the
+/// reference's is within what the logits tolerance lets two exact computations move apart.
+pub(crate) struct TokenFlip {
+    pub(crate) reference_margin: f32,
+    pub(crate) path_margin: f32,
+    pub(crate) bound: f32,
+    pub(crate) near_tie: bool,
+}
+
+impl TokenFlip {
+    pub(crate) fn of(reference: &[f32], path: &[f32], bounds: Option<(f32, f32)>) -> Self {
+        let margin = |v: &[f32]| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &x in v {
+                if x > a {
+                    b = a;
+                    a = x;
+                } else if x > b {
+                    b = x;
+                }
+            }
+            a - b
+        };
+        let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // Each side may move by the tolerance: a flip within twice it can be rounding.
+        let bound = bounds.map_or(0.0, |(atol, rtol)| 2.0 * (atol + rtol * max_ref));
+        let reference_margin = margin(reference);
+        TokenFlip {
+            reference_margin,
+            path_margin: margin(path),
+            bound,
+            near_tie: reference_margin <= bound,
+        }
+    }
+}
+
+/// A reference's run: its cache and the logits of its latest step.
+struct RefRun<'s> {
+    spec: &'s CompareSpec<'s>,
+    cache: KvCache,
+    split: usize,
+    logits: StepLogits,
+}
+
+/// A path held to one reference: which, and the next-token record of the pair.
+struct Pair {
+    reference: usize,
+    /// The pair's logits tolerance, for telling a near tie.
+    bounds: Option<(f32, f32)>,
+    agreement: Agreement,
+    first_token: Option<TokenDivergence>,
+}
+
+/// A path's run: its comparators (one per reference it is held to, as `pairs`), cache,
+/// latest logits and greedy choices.
+struct LaneRun<'s, 'c> {
+    model: &'s Model,
+    cmps: Vec<Comparator<'c>>,
+    pairs: Vec<Pair>,
+    cache: KvCache,
+    split: usize,
+    logits: StepLogits,
+    tokens: Vec<u32>,
+    store: ChunkStore,
+}
+
+/// The references of `lanes` (each run once, whoever holds paths to it): a reference path
+/// on a model, the first spec naming it standing for it.
+fn distinct_references<'s>(lanes: &[Lane<'s>]) -> (Vec<&'s CompareSpec<'s>>, Vec<Vec<usize>>) {
+    let mut refs: Vec<&CompareSpec<'_>> = Vec::new();
+    let which = lanes
+        .iter()
+        .map(|lane| {
+            lane.held_to
+                .iter()
+                .map(|(s, _, _)| {
+                    let same = |r: &&CompareSpec<'_>| {
+                        std::ptr::eq(r.model, s.model) && r.reference == s.reference
+                    };
+                    refs.iter().position(same).unwrap_or_else(|| {
+                        refs.push(s);
+                        refs.len() - 1
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    (refs, which)
+}
+
+impl CompareSpec<'_> {
+    /// One pass of `lanes` over the taps `taps`: one report per lane and reference it is
+    /// held to, in the lanes' order. A `--dump` or replay run has a single lane (this spec's
+    /// path), and a reference memo serves only a single pair.
+    pub(super) fn run_lanes_pass(
+        &self,
+        taps: &TapFilter,
+        lanes: &[Lane<'_>],
+    ) -> Result<Vec<Vec<PathReport>>> {
+        let n = self.prompt.ids.len();
+        let (refs, which) = distinct_references(lanes);
+        let single = lanes.len() == 1;
+        let (name, exact) = (lanes[0].name.as_str(), lanes[0].exact);
+        let mut dumps = match single {
+            true => self.dumpers(taps, name, exact)?,
+            false => Dumps::default(),
+        };
+        let prefill_span = span("compare: reference prefill");
+        // The reference's run kept from an earlier path, or kept for a later one.
+        let mut memo = match single && refs.len() == 1 && self.model.device().is_none() {
+            true => MemoUse::new(self.memo, self.memo_key(taps)),
+            false => MemoUse::Off,
+        };
+        let mut cmps: Vec<Vec<Comparator<'_>>> = lanes
+            .iter()
+            .map(|l| {
+                l.held_to
+                    .iter()
+                    .map(|(s, _, _)| s.comparator(taps))
+                    .collect()
+            })
+            .collect();
+        let mut ref_runs = Vec::with_capacity(refs.len());
+        for (i, s) in refs.iter().enumerate() {
+            let (rec, mut cache, logits) = match memo.replayed(0).filter(|_| i == 0) {
+                Some((rec, l)) => {
+                    let c = &s.model.config;
+                    let cache = KvCache::new(c.num_hidden_layers, c.kv_dim());
+                    (rec, cache, StepLogits::Host(l))
+                }
+                None => {
+                    let _run = span("compare: reference prefill run");
+                    let mut rec = s.recorder(taps, false);
+                    let (cache, logits) = s.reference.prefill(
+                        s.model,
+                        self.prompt,
+                        &mut ChunkStore::default(),
+                        &mut rec,
+                    );
+                    if i == 0 {
+                        memo.keep(&rec, host_logits(&logits));
+                    }
+                    (rec, cache, logits)
+                }
+            };
+            if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
+                let positions: Vec<usize> = (0..n).collect();
+                dump_recorded(d, 0, &self.prompt.ids, &positions, &rec.host.taps);
+            }
+            let held = cmps
+                .iter_mut()
+                .zip(&which)
+                .flat_map(|(c, w)| c.iter_mut().zip(w).filter(|(_, &r)| r == i))
+                .map(|(c, _)| c)
+                .collect();
+            hand_over(held, rec);
+            // The references' decode steps run beside the paths' on the GPU.
+            s.model.decode_on_side_stream(&mut cache);
+            ref_runs.push(RefRun {
+                spec: s,
+                cache,
+                split: s.reference.decode_split(self.prompt),
+                logits,
+            });
+        }
+        for cmp in cmps.iter_mut().flatten() {
+            cmp.size_readback();
+        }
+        drop(prefill_span);
+        note_gpu_memory("references prefilled", self.model);
+        let mut lane_runs = Vec::with_capacity(lanes.len());
+        for ((lane, mut lane_cmps), refs_of) in lanes.iter().zip(cmps).zip(&which) {
+            let _span = span("compare: path prefill");
+            let mut store = ChunkStore::default();
+            let path_model = lane.held_to[0].0.path_model;
+            let (cache, logits) = {
+                let mut fan = Fan::new(&mut lane_cmps);
+                let sink = &mut *dumps.path_sink(&mut fan);
+                (lane.prefill)(path_model, self.prompt, &mut store, sink)
+            };
+            lane_runs.push(LaneRun {
+                model: path_model,
+                cmps: lane_cmps,
+                pairs: refs_of
+                    .iter()
+                    .zip(&lane.held_to)
+                    .map(|(&reference, (s, _, _))| Pair {
+                        reference,
+                        bounds: s.tolerance.bounds("logits"),
+                        agreement: Agreement::new(self.max_new_tokens),
+                        first_token: None,
+                    })
+                    .collect(),
+                cache,
+                split: lane.split,
+                logits,
+                tokens: Vec::new(),
+                store,
+            });
+        }
+        note_gpu_memory("paths prefilled", self.model);
+        let mut run = Lockstep {
+            refs: ref_runs,
+            lanes: lane_runs,
+        };
+        run.decode(self, taps, &mut dumps, &mut memo);
+        memo.finish();
+        let mut replay = dumps.replay.take();
+        let reference = self.reference.to_string();
+        let fed = run.lanes[0].cmps[0].tokens[n..].to_vec();
+        dumps.finish(self.dump, (name, &reference), &self.prompt.ids, &fed)?;
+        let reports = lanes
+            .iter()
+            .zip(run.lanes)
+            .map(|(lane, l)| {
+                let tokens = l.tokens;
+                lane.held_to
+                    .iter()
+                    .zip(l.cmps)
+                    .zip(l.pairs)
+                    .map(|(((s, name, exact), mut cmp), pair)| {
+                        cmp.flush();
+                        s.path_report(
+                            (name, *exact),
+                            cmp,
+                            (pair.agreement, pair.first_token),
+                            tokens.clone(),
+                            &l.store,
+                            replay.take(),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(reports)
+    }
+}
+
+/// Gives a reference's taps of a step to every comparator held to it (shared: each gets the
+/// same buffers).
+fn hand_over(held: Vec<&mut Comparator<'_>>, rec: ReferenceRecorder) {
+    let _set = span("compare: reference step handed over");
+    let mut held = held;
+    let last = held.pop();
+    for c in held {
+        c.set_reference(rec.clone());
+    }
+    if let Some(c) = last {
+        c.set_reference(rec);
+    }
+}
+
+/// The decode loop's state: the references' runs and the paths'.
+struct Lockstep<'s, 'c> {
+    refs: Vec<RefRun<'s>>,
+    lanes: Vec<LaneRun<'s, 'c>>,
+}
+
+impl Lockstep<'_, '_> {
+    /// Decodes the references and the paths one token at a time, each step fed the first
+    /// reference's token, until EOS or `max_new_tokens`, comparing every path's taps of each
+    /// step with its references'.
+    fn decode(
+        &mut self,
+        spec: &CompareSpec<'_>,
+        taps: &TapFilter,
+        dumps: &mut Dumps<'_>,
+        memo: &mut MemoUse<'_>,
+    ) {
+        let n = spec.prompt.ids.len();
+        let model = spec.path_model;
+        let together = self.refs.iter().all(|r| std::ptr::eq(r.spec.model, model))
+            && self.lanes.iter().all(|l| std::ptr::eq(l.model, model));
+        let mut step = 0;
+        while step < spec.max_new_tokens {
+            if together && step + 1 < spec.max_new_tokens {
+                // The steps' graph is captured while the GPU runs a step (the prefill's last
+                // work before the first), before the host waits for that step's tokens. Asked
+                // every step: a cache that grew has a new arena, and the graph is captured
+                // anew.
+                let pos = [n + step];
+                model.prepare_decode_together(&mut self.steps(&[0], &pos));
+            }
+            let booked = span("compare: step booked (argmaxes, agreement)");
+            let rt = self.book_step(step);
+            drop(booked);
+            // Tokens by global position: the prompt, then the reference's choices.
+            for c in self.lanes.iter_mut().flat_map(|l| l.cmps.iter_mut()) {
+                c.tokens.push(rt);
+            }
+            if spec.eos.contains(&rt) || step + 1 == spec.max_new_tokens {
+                break;
+            }
+            step += 1;
+            let at = match fault::active(Fault::DecodePositionOffByOne) {
+                true => n + step,
+                false => n + step - 1,
+            };
+            let (fed, pos) = ([rt], [at]);
+            crate::support::progress::note(|| {
+                format!("decode step {step}/{}", spec.max_new_tokens)
+            });
+            // One model under every side: the steps run as one pass where the device can,
+            // each weight read once for all; each side's forward_step below then only offers
+            // its taps.
+            if together {
+                model.decode_together(&mut self.steps(&fed, &pos));
+            }
+            // Every side is fed the same token at the same position, under its own split.
+            let batch = |split| Batch {
+                cascade_split: split,
+                ..Batch::new(&fed, &pos)
+            };
+            let ref_span = span("compare: reference decode step");
+            let Lockstep { refs, lanes } = &mut *self;
+            for (i, r) in refs.iter_mut().enumerate() {
+                let rec = match memo.replayed(step).filter(|_| i == 0) {
+                    Some((rec, l)) => {
+                        r.logits = StepLogits::Host(l);
+                        rec
+                    }
+                    None => {
+                        // The comparators held to this reference hold its taps alike.
+                        let layout = lanes
+                            .iter()
+                            .find_map(|l| {
+                                let k = l.pairs.iter().position(|p| p.reference == i)?;
+                                Some(l.cmps[k].reference_layout())
+                            })
+                            .flatten();
+                        let mut rec = r.spec.recorder(taps, true).repeating(layout);
+                        r.logits =
+                            r.spec
+                                .model
+                                .forward_step(batch(r.split), &mut r.cache, step, &mut rec);
+                        if i == 0 {
+                            memo.keep(&rec, host_logits(&r.logits));
+                        }
+                        rec
+                    }
+                };
+                if let Some(d) = dumps.reference.as_mut().filter(|_| i == 0) {
+                    dump_recorded(d, step, &[rt], &pos, &rec.host.taps);
+                }
+                let held = lanes
+                    .iter_mut()
+                    .flat_map(|l| l.cmps.iter_mut().zip(&l.pairs))
+                    .filter(|(_, p)| p.reference == i)
+                    .map(|(c, _)| c)
+                    .collect();
+                hand_over(held, rec);
+            }
+            drop(ref_span);
+            let _span = span("compare: path decode step");
+            for lane in &mut self.lanes {
+                let mut fan = Fan::new(&mut lane.cmps);
+                let sink = &mut *dumps.path_sink(&mut fan);
+                let l = lane
+                    .model
+                    .forward_step(batch(lane.split), &mut lane.cache, step, sink);
+                lane.logits = l;
+            }
+        }
+    }
+
+    /// Every side's step of `tokens` at `positions` (the references', then the paths'), each
+    /// under its own cascade split, over its own cache.
+    fn steps<'a>(
+        &'a mut self,
+        tokens: &'a [u32],
+        positions: &'a [usize],
+    ) -> Vec<(Batch<'a>, &'a mut KvCache)> {
+        let batch = |split| Batch {
+            cascade_split: split,
+            ..Batch::new(tokens, positions)
+        };
+        self.refs
+            .iter_mut()
+            .map(|r| (batch(r.split), &mut r.cache))
+            .chain(
+                self.lanes
+                    .iter_mut()
+                    .map(|l| (batch(l.split), &mut l.cache)),
+            )
+            .collect()
+    }
+
+    /// Books one step's next-token choices and agreement of every path against each of its
+    /// references; returns the first reference's token.
+    fn book_step(&mut self, step: usize) -> u32 {
+        // The tokens' reads are queued first and the step's comparisons on the GPU launched
+        // after them (together): the GPU runs the comparisons while the host waits for the
+        // tokens alone and queues the next step.
+        for l in &self.lanes {
+            l.logits.read_argmax_soon();
+        }
+        for r in &self.refs {
+            r.logits.read_argmax_soon();
+        }
+        let mut agreements = Deferred::default();
+        for l in &mut self.lanes {
+            for p in &mut l.pairs {
+                let r = &self.refs[p.reference].logits;
+                p.agreement.add_deferred(&l.logits, r, &mut agreements);
+            }
+        }
+        agreements.launch();
+        let wait = span("compare: step's tokens read (GPU wait)");
+        let picks: Vec<u32> = self.lanes.iter().map(|l| l.logits.argmax()).collect();
+        let ref_picks: Vec<u32> = self.refs.iter().map(|r| r.logits.argmax()).collect();
+        drop(wait);
+        for (l, pt) in self.lanes.iter_mut().zip(picks) {
+            for p in &mut l.pairs {
+                let rt = ref_picks[p.reference];
+                if rt == pt || p.first_token.is_some() {
+                    continue;
+                }
+                let _span = span("compare: first token flip read back");
+                let r = &self.refs[p.reference];
+                let (rh, ph) = (r.logits.to_host(), l.logits.to_host());
+                let flip = TokenFlip::of(&rh, &ph, p.bounds);
+                p.first_token = Some(TokenDivergence {
+                    step,
+                    position: r.spec.prompt.ids.len() + step,
+                    reference_token: rt,
+                    path_token: pt,
+                    // Decoded when the run is over (`path_report`).
+                    reference_text: String::new(),
+                    path_text: String::new(),
+                    reference_margin: flip.reference_margin,
+                    path_margin: flip.path_margin,
+                    margin_bound: flip.bound,
+                    near_tie: flip.near_tie,
+                });
+            }
+            l.tokens.push(pt);
+        }
+        ref_picks[0]
+    }
+}
