@@ -464,7 +464,16 @@ impl<'a> Request<'a> {
         let backend = self.reference.on(self.backend);
         let with_invariant =
             |t: &Target| Invariant::beside(t.path).filter(|_| self.invariants && beside_allowed());
-        let references = 1 + usize::from(self.targets.iter().any(|t| with_invariant(t).is_some()));
+        // `chunk-reuse:blend:1 = standard` decodes as long as the paths: it rides along too,
+        // held to `standard` (another reference where `--reference` is not).
+        let blend_one = self.invariants
+            && self
+                .targets
+                .iter()
+                .any(|t| Invariant::of(t.path).contains(&Invariant::BlendOneIsStandard));
+        let references = 1
+            + usize::from(self.targets.iter().any(|t| with_invariant(t).is_some()))
+            + usize::from(blend_one && self.reference.path != PathSpec::Standard);
         let s = CompareSpec { tolerance, ..*spec };
         if self.targets.len() < 2
             || !lanes_allowed()
@@ -517,12 +526,6 @@ impl<'a> Request<'a> {
             })
             .collect();
         let mut lanes = lanes;
-        // `chunk-reuse:blend:1 = standard` decodes as long as the paths: it rides along too.
-        let blend_one = self.invariants
-            && self
-                .targets
-                .iter()
-                .any(|t| Invariant::of(t.path).contains(&Invariant::BlendOneIsStandard));
         if blend_one {
             let label = self.invariant_label(Invariant::BlendOneIsStandard, backend);
             lanes.push(Lane {
