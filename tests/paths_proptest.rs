@@ -330,7 +330,7 @@ proptest! {
                 }
             })
             .collect();
-        let lanes: Vec<Lane<'_>> = paths
+        let mut lanes: Vec<Lane<'_>> = paths
             .iter()
             .zip(&prefills)
             .map(|(p, prefill)| {
@@ -347,7 +347,6 @@ proptest! {
                 }
             })
             .collect();
-        let mut lanes = lanes;
         lanes.push(Lane {
             name: "blend:1 = standard".to_string(),
             exact: true,

@@ -267,9 +267,8 @@ impl CompareSpec<'_> {
 
 /// Gives a reference's taps of a step to every comparator held to it (shared: each gets the
 /// same buffers).
-fn hand_over(held: Vec<&mut Comparator<'_>>, rec: ReferenceRecorder) {
+fn hand_over(mut held: Vec<&mut Comparator<'_>>, rec: ReferenceRecorder) {
     let _set = span("compare: reference step handed over");
-    let mut held = held;
     let last = held.pop();
     for c in held {
         c.set_reference(rec.clone());

@@ -3,7 +3,7 @@
 //! into a `Request` and prints what comes back.
 
 use crate::compare::diff::Tolerance;
-use crate::compare::driver::{CompareSpec, Lane};
+use crate::compare::driver::{CompareSpec, Lane, Prefill};
 use crate::compare::invariants::{blend_one_prefill, Invariant};
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::NoiseCache;
@@ -199,40 +199,37 @@ impl<'a> Request<'a> {
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
         let progress = Progress::start(self.targets.len() as u64, "comparing");
         let mut beside = Vec::new();
-        if let Some(paths) = self.run_together(&spec, same_tol, &mut beside)? {
-            for _ in self.targets {
-                progress.advance("");
-            }
-            let mut paths = paths;
-            if self.invariants {
-                progress.set_message("invariants");
-                paths.extend(self.run_invariants(&spec, &tols, beside)?);
-            }
-            return Ok(self.report(paths, tols.info));
-        }
-        let mut paths = self
-            .targets
-            .iter()
-            .map(|t| {
-                let across = t.on(self.backend) != ref_backend;
-                let tolerance = match (cross_tol, across) {
-                    (Some(c), true) => c,
-                    _ => same_tol,
-                };
-                progress.set_message(&t.label(self.backend, self.uses_gpu()));
-                let started = std::time::Instant::now();
-                let r = self.run_target(&spec, t, tolerance, &mut beside);
-                progress.advance("");
-                if progress::verbosity() >= 2 {
-                    eprintln!(
-                        "kvdiff: {} compared in {:.0} ms",
-                        t.label(self.backend, self.uses_gpu()),
-                        started.elapsed().as_secs_f64() * 1e3
-                    );
+        let mut paths = match self.run_together(&spec, same_tol, &mut beside)? {
+            Some(paths) => {
+                for _ in self.targets {
+                    progress.advance("");
                 }
-                r
-            })
-            .collect::<Result<Vec<_>>>()?;
+                paths
+            }
+            None => self
+                .targets
+                .iter()
+                .map(|t| {
+                    let across = t.on(self.backend) != ref_backend;
+                    let tolerance = match (cross_tol, across) {
+                        (Some(c), true) => c,
+                        _ => same_tol,
+                    };
+                    progress.set_message(&t.label(self.backend, self.uses_gpu()));
+                    let started = std::time::Instant::now();
+                    let r = self.run_target(&spec, t, tolerance, &mut beside);
+                    progress.advance("");
+                    if progress::verbosity() >= 2 {
+                        eprintln!(
+                            "kvdiff: {} compared in {:.0} ms",
+                            t.label(self.backend, self.uses_gpu()),
+                            started.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
+                    r
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         if self.invariants {
             progress.set_message("invariants");
             paths.extend(self.run_invariants(&spec, &tols, beside)?);
@@ -506,7 +503,7 @@ impl<'a> Request<'a> {
                       sink: &mut dyn TapSink| { t.path.prefill(m, pr, store, sink) }
             })
             .collect();
-        let lanes: Vec<Lane<'_>> = self
+        let mut lanes: Vec<Lane<'_>> = self
             .targets
             .iter()
             .zip(&prefills)
@@ -520,12 +517,11 @@ impl<'a> Request<'a> {
                     name: label,
                     exact: t.path.exact(),
                     split: t.path.decode_split(self.prompt),
-                    prefill: prefill as &dyn crate::compare::driver::Prefill,
+                    prefill: prefill as &dyn Prefill,
                     held_to,
                 }
             })
             .collect();
-        let mut lanes = lanes;
         if blend_one {
             let label = self.invariant_label(Invariant::BlendOneIsStandard, backend);
             lanes.push(Lane {
