@@ -139,43 +139,17 @@ __device__ __forceinline__ int side_int(SideInts s, int i) {
     return v;
 }
 
-__host__ __device__ constexpr int capped_sides(int n) { return n < MAX_SIDES ? n : MAX_SIDES; }
-
-// Runs the statements `...` with `S` the smallest compiled side count >= sides: up to four
-// sides a group, MAX_SIDES alone; else 2, 4, 6, 9, 12, then MAX_SIDES. A launch for fewer
-// sides than S pads with side 0's input (`padded_side`), whose results are dropped. (A macro:
-// NVRTC takes no lambdas in device code. Loops inside unroll with _Pragma, as #pragma cannot
-// sit in one.)
-#if MAX_SIDES <= 4
-#define WITH_SIDES(sides, ...)             \
-    do {                                   \
-        constexpr int S = MAX_SIDES;       \
-        __VA_ARGS__                        \
+// Runs the statements `...` with `S` = MAX_SIDES, the one side count the kernels are compiled
+// for: a launch for fewer sides pads with side 0's input (`padded_side`), whose results are
+// dropped. One count only: compiled for several (2, 4, 6, 9, 12, 16) in one kernel, its
+// registers were the largest case's, and the LM head with one side took 566 against 308 µs
+// (scripts/bench_gemv_sides.cu). (A macro: NVRTC takes no lambdas in device code. Loops inside
+// unroll with _Pragma, as #pragma cannot sit in one.)
+#define WITH_SIDES(sides, ...)       \
+    do {                             \
+        constexpr int S = MAX_SIDES; \
+        __VA_ARGS__                  \
     } while (0)
-#else
-#define WITH_SIDES(sides, ...)                     \
-    do {                                           \
-        if ((sides) <= 2) {                        \
-            constexpr int S = capped_sides(2);     \
-            __VA_ARGS__                            \
-        } else if ((sides) <= 4) {                 \
-            constexpr int S = capped_sides(4);     \
-            __VA_ARGS__                            \
-        } else if ((sides) <= 6) {                 \
-            constexpr int S = capped_sides(6);     \
-            __VA_ARGS__                            \
-        } else if ((sides) <= 9) {                 \
-            constexpr int S = capped_sides(9);     \
-            __VA_ARGS__                            \
-        } else if ((sides) <= 12) {                \
-            constexpr int S = capped_sides(12);    \
-            __VA_ARGS__                            \
-        } else {                                   \
-            constexpr int S = MAX_SIDES;           \
-            __VA_ARGS__                            \
-        }                                          \
-    } while (0)
-#endif
 
 // Side s's input at `base` (a `Sides` argument), side 0's past the last side.
 template <class T>

@@ -14,6 +14,26 @@ __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     return acc;
 }
 
+// A weight vector, streamed past L1: each is read once, and in L1 it would only evict what is
+// read again there (the `_sides` kernels' inputs: with ten sides, keeping them there made the
+// LM head 2.3x faster, see scripts/bench_gemv_sides.cu).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// a[j & 3] += d with j known only at run time, by branches: indexing a register array with a
+// run-time value moves it to local memory.
+__device__ __forceinline__ void add_at(float* a, int j, float d) {
+    if ((j & 3) == 0) a[0] += d;
+    else if ((j & 3) == 1) a[1] += d;
+    else if ((j & 3) == 2) a[2] += d;
+    else a[3] += d;
+}
+
 // A warp's row of w, its first PRE * 32 16-byte vectors held in registers: loaded before
 // pdl_wait() (weights are never written), so the loads overlap the previous kernel's tail. The
 // rest of the row is asked into L2 at the same time. dot() then reads x and sums, lane l taking
@@ -30,7 +50,7 @@ struct Row {
         int lane = threadIdx.x & 31;
 #pragma unroll
         for (int j = 0; j < PRE; j++)
-            if (lane + 32 * j < vecs) w[j] = wr[lane + 32 * j];
+            if (lane + 32 * j < vecs) w[j] = ld_stream(wr + lane + 32 * j);
         for (int i = 32 * PRE + lane * 8; i < vecs; i += 256)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + i));
     }
@@ -45,13 +65,14 @@ struct Row {
             if (lane + 32 * j < vecs) a[j & 3] += dot8_bf16(w[j], xv[lane + 32 * j]);
         int i = lane + 32 * PRE;
         for (; i + 96 < vecs; i += 128) {
-            uint4 w0 = wr[i], w1 = wr[i + 32], w2 = wr[i + 64], w3 = wr[i + 96];
+            uint4 w0 = ld_stream(wr + i), w1 = ld_stream(wr + i + 32);
+            uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
             a[0] += dot8_bf16(w0, xv[i]);
             a[1] += dot8_bf16(w1, xv[i + 32]);
             a[2] += dot8_bf16(w2, xv[i + 64]);
             a[3] += dot8_bf16(w3, xv[i + 96]);
         }
-        for (int j = 0; i < vecs; i += 32, j++) a[j & 3] += dot8_bf16(wr[i], xv[i]);
+        for (int j = 0; i < vecs; i += 32, j++) add_at(a, j, dot8_bf16(ld_stream(wr + i), xv[i]));
         return warp_sum((a[0] + a[1]) + (a[2] + a[3]));
     }
 
@@ -76,7 +97,8 @@ struct Row {
                 for (int s = 0; s < S; s++) a[s][j & 3] += dot8_bf16(w[j], xv[s][lane + 32 * j]);
         int i = lane + 32 * PRE;
         for (; i + 96 < vecs; i += 128) {
-            uint4 w0 = wr[i], w1 = wr[i + 32], w2 = wr[i + 64], w3 = wr[i + 96];
+            uint4 w0 = ld_stream(wr + i), w1 = ld_stream(wr + i + 32);
+            uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
 #pragma unroll
             for (int s = 0; s < S; s++) {
                 a[s][0] += dot8_bf16(w0, xv[s][i]);
@@ -86,9 +108,9 @@ struct Row {
             }
         }
         for (int j = 0; i < vecs; i += 32, j++) {
-            uint4 wv = wr[i];
+            uint4 wv = ld_stream(wr + i);
 #pragma unroll
-            for (int s = 0; s < S; s++) a[s][j & 3] += dot8_bf16(wv, xv[s][i]);
+            for (int s = 0; s < S; s++) add_at(a[s], j, dot8_bf16(wv, xv[s][i]));
         }
 #pragma unroll
         for (int s = 0; s < S; s++) out[s] = (a[s][0] + a[s][1]) + (a[s][2] + a[s][3]);
@@ -228,14 +250,28 @@ extern "C" __global__ void gemv_add_bf16(const bf16_t* __restrict__ x,
 }
 
 // The same GEMVs for several decode steps at once (one per side, see `Sides`), in one launch:
-// block b runs block b / sides of the single kernel for side b % sides, so the sides' blocks
-// of a weight row start together and the row comes from DRAM once (the other sides find it
-// in L2), while each side has the single kernel's warps and arithmetic (and its bits).
-//
-// The LM head instead dots each row it holds with every side's input in turn (one warp per
-// row, as the single kernel, and its `dot` for each side): its 150k rows are enough warps to
-// fill the GPU, and interleaved blocks made it 2.4x the single kernel's time (L2 traffic and
-// three times the blocks), where this reads the weights once at the single kernel's pace.
+// a warp reads its weight row once and dots it with every side's input (Row::dot_sides, each
+// side in `dot`'s order, so with the single kernel's bits). The inputs stay in L1, the weights
+// stream past it. Interleaving one block of the single kernel per side instead read the
+// weights from DRAM once per side: a row was gone from L2 before the next side's block read it
+// (scripts/bench_gemv_sides.cu: Qwen3-8B's gate/up with ten sides 591 against 123 µs on an
+// H200). The fused RMSNorm of the single kernels runs before, in rms_norm_bf16_sides: each
+// block normalising every side's row again would read more than the weights.
+#define SIDES_PICK(T, arr, base, sides)                                                    \
+    const T* arr[S];                                                                       \
+    _Pragma("unroll") for (int s_ = 0; s_ < S; s_++) arr[s_] = padded_side<const T>(base, s_, sides)
+
+// RMSNorm of each side's residual row (block s: side s), as the fused GEMVs' prologue does it
+// (rms_norm_to_shared, 256 threads): the bf16 row the projection reads, and the f32 tap.
+extern "C" __global__ void rms_norm_bf16_sides(Sides resid, const bf16_t* weight, float eps,
+                                               Sides out_bf16, Sides norm_out, int k) {
+    __shared__ float scratch[32];
+    PDL_ENTER();
+    int s = blockIdx.x;
+    rms_norm_to_shared(at_side<const float>(resid, s), weight, k, eps, at_side<bf16_t>(out_bf16, s),
+                       at_side<float>(norm_out, s), scratch, true);
+}
+
 extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y, int k,
                                            int m, int sides) {
     pdl_trigger();
@@ -245,10 +281,8 @@ extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w
     pdl_wait();
     if (row >= m) return;
     WITH_SIDES(sides, {
-        const bf16_t* xs[S];
+        SIDES_PICK(bf16_t, xs, x, sides);
         float acc[S];
-        _Pragma("unroll")
-        for (int s = 0; s < S; s++) xs[s] = padded_side<const bf16_t>(x, s, sides);
         r.dot_sides<S>(xs, acc);
         if ((threadIdx.x & 31) == 0)
             _Pragma("unroll")
@@ -261,95 +295,92 @@ extern "C" __global__ void gemv_add_bf16_sides(Sides x, const bf16_t* __restrict
                                                int k, int m, Sides resid, Sides resid_out,
                                                int sides) {
     pdl_trigger();
-    int s = blockIdx.x % sides;
-    int row = blockIdx.x / sides * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     Row<8> r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
     if (row >= m) return;
-    float acc = r.dot(at_side<const bf16_t>(x, s));
-    if ((threadIdx.x & 31) == 0) {
-        at_side<float>(y, s)[row] = acc;
-        at_side<float>(resid_out, s)[row] = at_side<const float>(resid, s)[row] + acc;
-    }
+    WITH_SIDES(sides, {
+        SIDES_PICK(bf16_t, xs, x, sides);
+        float acc[S];
+        r.dot_sides<S>(xs, acc);
+        if ((threadIdx.x & 31) == 0)
+            _Pragma("unroll")
+            for (int s = 0; s < S; s++)
+                if (s < sides) {
+                    at_side<float>(y, s)[row] = acc[s];
+                    at_side<float>(resid_out, s)[row] = at_side<const float>(resid, s)[row] + acc[s];
+                }
+    });
 }
 
-extern "C" __global__ void gemv_norm_bf16_sides(Sides resid, const bf16_t* norm_weight, float eps,
-                                                const bf16_t* __restrict__ w, Sides y, int k,
-                                                int m, Sides norm_out, int sides) {
-    __shared__ float scratch[32];
-    extern __shared__ __align__(16) bf16_t xs[];
+// gemv_norm_swiglu_bf16's projection and SwiGLU for every side, x normalised before.
+extern "C" __global__ void gemv_swiglu_bf16_sides(Sides x, const bf16_t* __restrict__ w,
+                                                  Sides out, int k, int inter, int sides) {
     pdl_trigger();
-    int s = blockIdx.x % sides, block = blockIdx.x / sides;
-    int row = block * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> r;
-    if (row < m) r.load(w + (size_t)row * k, k);
-    pdl_wait();
-    rms_norm_to_shared(at_side<const float>(resid, s), norm_weight, k, eps, xs,
-                       at_side<float>(norm_out, s), scratch, block == 0);
-    if (row >= m) return;
-    float acc = r.dot(xs);
-    if ((threadIdx.x & 31) == 0) at_side<float>(y, s)[row] = acc;
-}
-
-extern "C" __global__ void gemv_norm_swiglu_bf16_sides(Sides resid, const bf16_t* norm_weight,
-                                                       float eps, const bf16_t* __restrict__ w,
-                                                       Sides out, int k, int inter,
-                                                       Sides norm_out, int sides) {
-    __shared__ float scratch[32];
-    extern __shared__ __align__(16) bf16_t xs[];
-    pdl_trigger();
-    int s = blockIdx.x % sides, block = blockIdx.x / sides;
-    int j = block * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     Row<4> gate, up;
     if (j < inter) {
         gate.load(w + (size_t)j * k, k);
         up.load(w + (size_t)(inter + j) * k, k);
     }
     pdl_wait();
-    rms_norm_to_shared(at_side<const float>(resid, s), norm_weight, k, eps, xs,
-                       at_side<float>(norm_out, s), scratch, block == 0);
     if (j >= inter) return;
-    float g = gate.dot(xs);
-    float u = up.dot(xs);
-    if ((threadIdx.x & 31) == 0) at_side<bf16_t>(out, s)[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    WITH_SIDES(sides, {
+        SIDES_PICK(bf16_t, xs, x, sides);
+        float g[S], u[S];
+        gate.dot_sides<S>(xs, g);
+        up.dot_sides<S>(xs, u);
+        if ((threadIdx.x & 31) == 0)
+            _Pragma("unroll")
+            for (int s = 0; s < S; s++)
+                if (s < sides) at_side<bf16_t>(out, s)[j] = f32_to_bf16(g[s] / (1.0f + expf(-g[s])) * u[s]);
+    });
 }
 
-// gemv_add_norm_bf16 for several sides: each side's blocks are counted at its own counter,
-// and the last of them normalises that side's row.
+// gemv_add_norm_bf16 for several sides: the last block to finish adds each side's residual and
+// normalises its row, in the single kernel's order.
 extern "C" __global__ void gemv_add_norm_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y,
                                                     int k, int m, Sides resid, Sides resid_out,
                                                     const bf16_t* norm_weight, Sides out,
-                                                    Sides out_bf16, float eps, Sides counter,
-                                                    int sides) {
+                                                    Sides out_bf16, float eps,
+                                                    unsigned int* counter, int sides) {
     __shared__ float scratch[32];
     pdl_trigger();
-    int s = blockIdx.x % sides;
-    int row = blockIdx.x / sides * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     Row<8> r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
-    float* ys = at_side<float>(y, s);
     if (row < m) {
-        float acc = r.dot(at_side<const bf16_t>(x, s));
-        if ((threadIdx.x & 31) == 0) ys[row] = acc;
+        WITH_SIDES(sides, {
+            SIDES_PICK(bf16_t, xs, x, sides);
+            float acc[S];
+            r.dot_sides<S>(xs, acc);
+            if ((threadIdx.x & 31) == 0)
+                _Pragma("unroll")
+                for (int s = 0; s < S; s++)
+                    if (s < sides) at_side<float>(y, s)[row] = acc[s];
+        });
     }
-    if (!last_block_done(at_side<unsigned int>(counter, s), gridDim.x / sides)) return;
-    const float* rs = at_side<const float>(resid, s);
-    float* ro = at_side<float>(resid_out, s);
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-        float v = rs[i] + __ldcg(ys + i);
-        ro[i] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / m + eps);
-    float* o = at_side<float>(out, s);
-    bf16_t* ob = at_side<bf16_t>(out_bf16, s);
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-        float v = bf16_to_f32(norm_weight[i]) * (ro[i] * inv);
-        o[i] = v;
-        ob[i] = f32_to_bf16(v);
+    if (!last_block_done(counter, gridDim.x)) return;
+    for (int s = 0; s < sides; s++) {
+        const float* rs = at_side<const float>(resid, s);
+        const float* ys = at_side<const float>(y, s);
+        float* ro = at_side<float>(resid_out, s);
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < m; i += blockDim.x) {
+            float v = rs[i] + __ldcg(ys + i);
+            ro[i] = v;
+            ss += v * v;
+        }
+        ss = block_sum(ss, scratch);
+        float inv = 1.0f / sqrtf(ss / m + eps);
+        float* o = at_side<float>(out, s);
+        bf16_t* ob = at_side<bf16_t>(out_bf16, s);
+        for (int i = threadIdx.x; i < m; i += blockDim.x) {
+            float v = bf16_to_f32(norm_weight[i]) * (ro[i] * inv);
+            o[i] = v;
+            ob[i] = f32_to_bf16(v);
+        }
     }
 }

@@ -11,7 +11,8 @@
 #   other-n     --max-new-tokens 32 after it: must reuse the calibration (-v says so)
 #   one-by-one  warm, each path in a lockstep of its own (KVDIFF_LANES=0: the references run
 #               again for every path, as before paths ran together; the peer of "warm")
-#   cold-cpu    empty cache, KVDIFF_GPU_ORACLE=0: the calibration on the CPU oracle (the peer)
+#   cold-cpu    empty cache, KVDIFF_GPU_ORACLE=0: the calibration on the CPU oracle (the peer;
+#               BENCH_CPU_ORACLE=0 leaves it out, a minute at the 8B shape)
 #   hf-sdpa     HF transformers bf16 generate of the same 512 + 64 tokens (sdpa), for scale
 # and the noise model's own share of the cold run (its KVDIFF_TIMING span). Prints a table last.
 #   scripts/bench_calibration.sh [KVDIFF_BINARY] [ROWS...]   (default rows: 0.6b 0.6b/rerotate 8b)
@@ -64,9 +65,12 @@ for row in "${shapes[@]}"; do
   other=$(run other -- --max-new-tokens 32)
   grep -E "noise model" "$w/${row/\//-}-other.err" >&2
   reused=$(grep -c "noise model reused" "$w/${row/\//-}-other.err")
-  rm -rf "$KVDIFF_CACHE_DIR"
-  say "$row cold, CPU oracle"
-  cpu=$(run cold-cpu KVDIFF_GPU_ORACLE=0 -- --max-new-tokens 64)
+  cpu="0 -"
+  if [ "${BENCH_CPU_ORACLE:-1}" != 0 ]; then
+    rm -rf "$KVDIFF_CACHE_DIR"
+    say "$row cold, CPU oracle"
+    cpu=$(run cold-cpu KVDIFF_GPU_ORACLE=0 -- --max-new-tokens 64)
+  fi
   say "$row HF"
   hf=$(python3 scripts/bench_hf.py time "$m" "$w/prompt-$shape.json" 64 sdpa 2> /dev/null |
     python3 -c 'import json,sys; print(round(json.load(sys.stdin)["hf_sdpa_s"] * 1000))')

@@ -1,15 +1,13 @@
 //! Decode steps of several caches through one model as one pass. A compare's references and
-//! its path decode the same token with the same weights each step; run one by one, every
-//! step reads all the weights again (1.2 GB a step for Qwen3-0.6B), and the GEMVs, which only
+//! its paths decode the same token with the same weights each step; run one by one, every
+//! step reads all the weights again (16 GB a step for Qwen3-8B), and the GEMVs, which only
 //! stream weights, are most of a step. Together, each kernel takes every side in one launch
-//! (the `_sides` kernels), the GEMVs' blocks interleaved by side so that a weight row comes
-//! from DRAM once and from L2 for the other sides. Where a step is bound by its weight reads
-//! (Qwen3-4B's shape) that makes the decode steps of a compare 1.45× faster; a small model's
-//! steps are bound by kernel latency instead, and its sides' steps on streams of their own
-//! already fill the GPU (see docs/gpu-backend.md). At Qwen3-8B's shape each side's blocks read
-//! the weights at DRAM rate (the gate/up GEMV 75 µs a side, 2.7 TB/s): a row is gone from L2
-//! before the next side's block reads it, and what together saves there is launches. Groups of more than three sides (`KVDIFF_CUDA_MAX_SIDES`) were slower at both
-//! shapes; a compare of more sides runs them in groups of three at most.
+//! (the `_sides` kernels): a GEMV warp reads its weight row once and dots it with every
+//! side's input, so a pass reads the weights once for all its sides (Qwen3-8B's gate/up GEMV
+//! for five sides 84 µs against 302 µs for five single launches, on an H200;
+//! scripts/bench_gemv_sides.cu). The decode attention is per side and grows with the sides
+//! (111 µs a layer for four at Qwen3-8B's shape, 565 µs for ten), so a compare of more sides
+//! runs them in passes of at most `KVDIFF_CUDA_MAX_SIDES` (5).
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic
@@ -277,8 +275,26 @@ impl CudaModel {
         let (qd, kvd, inter, vocab) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
         let eps = c.rms_norm_eps;
         let pb = |s: &cudarc::driver::CudaSlice<u16>| ptr(g, s, 0);
-        // Each side gets the single kernel's blocks (8 rows each), interleaved.
-        let rows = |m: usize| (m.div_ceil(8) * plans.len()) as u32;
+        // The single kernel's blocks (8 rows each), every side's input dotted with each row.
+        let rows = |m: usize| m.div_ceil(8) as u32;
+        // The fused GEMVs' RMSNorm, for every side before the projection (into its `xn_bf`,
+        // free until the last layer's norm writes the LM head's input there).
+        let norm_sides = |resid: Arg, weight: u64, tap: Arg| {
+            g.launch(
+                "rms_norm_bf16_sides",
+                plans.len() as u32,
+                256,
+                0,
+                &[
+                    resid,
+                    Arg::Ptr(weight),
+                    Arg::F32(eps),
+                    sides(plans, |p| p.xn_bf),
+                    tap,
+                    Arg::I32(h as i32),
+                ],
+            );
+        };
         for p in plans {
             g.launch(
                 "embed",
@@ -297,20 +313,18 @@ impl CudaModel {
         let attn_shared = (hd + hd.max(DECODE_THREADS as usize)).max(chunks + 2 * hd) * 4;
         for (l, w) in self.layers.iter().enumerate() {
             let io = |f: fn(&LayerIo) -> u64| sides(plans, |p| f(&p.io[l]));
+            norm_sides(io(|i| i.x_in), pb(&w.input_norm), io(|i| i.attn_norm));
             g.launch(
-                "gemv_norm_bf16_sides",
+                "gemv_bf16_sides",
                 rows(qd + 2 * kvd),
                 256,
-                (h * 2) as u32,
+                0,
                 &[
-                    io(|i| i.x_in),
-                    Arg::Ptr(pb(&w.input_norm)),
-                    Arg::F32(eps),
+                    sides(plans, |p| p.xn_bf),
                     Arg::Ptr(pb(&w.qkv)),
                     io(|i| i.qkv),
                     Arg::I32(h as i32),
                     Arg::I32((qd + 2 * kvd) as i32),
-                    io(|i| i.attn_norm),
                     Arg::I32(n),
                 ],
             );
@@ -420,20 +434,18 @@ impl CudaModel {
                     Arg::I32(n),
                 ],
             );
+            norm_sides(io(|i| i.mid), pb(&w.post_norm), io(|i| i.mlp_norm));
             g.launch(
-                "gemv_norm_swiglu_bf16_sides",
+                "gemv_swiglu_bf16_sides",
                 rows(inter),
                 256,
-                (h * 2) as u32,
+                0,
                 &[
-                    io(|i| i.mid),
-                    Arg::Ptr(pb(&w.post_norm)),
-                    Arg::F32(eps),
+                    sides(plans, |p| p.xn_bf),
                     Arg::Ptr(pb(&w.gate_up)),
                     sides(plans, |p| p.act_bf),
                     Arg::I32(h as i32),
                     Arg::I32(inter as i32),
-                    io(|i| i.mlp_norm),
                     Arg::I32(n),
                 ],
             );
@@ -452,14 +464,14 @@ impl CudaModel {
                 g.launch("gemv_add_bf16_sides", rows(h), 256, 0, &args);
             } else {
                 // The last down projection, its residual and the final norm, whose bf16 row
-                // is the LM head's input; each side's counter counts its blocks.
+                // is the LM head's input; side 0's counter counts the blocks.
                 let mut args = Vec::from(down);
                 args.extend([
                     Arg::Ptr(pb(&self.norm)),
                     io(|i| i.norm_out),
                     sides(plans, |p| p.xn_bf),
                     Arg::F32(eps),
-                    sides(plans, |p| p.counters + 4 * heads as u64),
+                    Arg::Ptr(plans[0].counters + 4 * heads as u64),
                     Arg::I32(n),
                 ]);
                 g.launch("gemv_add_norm_bf16_sides", rows(h), 256, 0, &args);

@@ -74,8 +74,8 @@ const KERNELS: &[&str] = &[
     "logits_agreement",
     "gemv_bf16_sides",
     "gemv_add_bf16_sides",
-    "gemv_norm_bf16_sides",
-    "gemv_norm_swiglu_bf16_sides",
+    "rms_norm_bf16_sides",
+    "gemv_swiglu_bf16_sides",
     "gemv_add_norm_bf16_sides",
     "qk_norm_rope_sides",
     "attention_decode_128_sides",
@@ -113,14 +113,15 @@ const KERNELS: &[&str] = &[
 pub(crate) const SIDE_SLOTS: usize = 16;
 
 /// Most caches one `_sides` launch takes: `KVDIFF_CUDA_MAX_SIDES` (2 to `SIDE_SLOTS`), else
-/// 3. The kernels are compiled for it.
+/// 5 (the fastest at Qwen3-0.6B's and Qwen3-8B's shapes, 3 to 10 measured; see
+/// docs/performance-history.md). The kernels are compiled for it.
 pub(crate) fn max_sides() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {
         std::env::var("KVDIFF_CUDA_MAX_SIDES")
             .ok()
             .and_then(|v| v.parse().ok())
-            .map_or(3, |n: usize| n.clamp(2, SIDE_SLOTS))
+            .map_or(5, |n: usize| n.clamp(2, SIDE_SLOTS))
     })
 }
 
