@@ -174,6 +174,36 @@ impl DeviceKv for CudaKv {
         true
     }
 
+    fn copy_entries_from(
+        &mut self,
+        other: &mut dyn DeviceKv,
+        runs: &[(usize, usize, usize)],
+        layers: std::ops::Range<usize>,
+    ) -> bool {
+        let Some(o) = other.as_any_mut().downcast_mut::<CudaKv>() else {
+            return false;
+        };
+        let d = self.kv_dim;
+        for l in layers {
+            for (dst, src) in [
+                (&mut self.keys[l], &o.keys[l]),
+                (&mut self.values[l], &o.values[l]),
+            ] {
+                for &(from, to, n) in runs {
+                    debug_assert!(from + n <= o.len && to + n <= self.len);
+                    self.gpu
+                        .stream()
+                        .memcpy_dtod(
+                            &src.slice(from * d..(from + n) * d),
+                            &mut dst.slice_mut(to * d..(to + n) * d),
+                        )
+                        .expect("CUDA copy");
+                }
+            }
+        }
+        true
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }

@@ -31,6 +31,17 @@ pub trait DeviceKv: Send {
     fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
     /// Makes room for `n` more entries now (growing later copies every entry again).
     fn reserve(&mut self, _n: usize) {}
+    /// Copies entries of `other` over this copy's, at `layers`: each run `(from, to, n)` puts
+    /// `other`'s entries `from..from + n` at `to..to + n`. False when `other` is of another
+    /// kind (nothing copied).
+    fn copy_entries_from(
+        &mut self,
+        _other: &mut dyn DeviceKv,
+        _runs: &[(usize, usize, usize)],
+        _layers: std::ops::Range<usize>,
+    ) -> bool {
+        false
+    }
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -148,6 +159,35 @@ impl KvCache {
     pub fn host_parts(&mut self) -> (&[LayerKv], &[usize]) {
         self.sync();
         (&self.layers, &self.positions)
+    }
+
+    /// Layer `layer`'s keys, read from the device copy where there is one (without bringing
+    /// the other layers to the host).
+    pub fn layer_keys(&mut self, layer: usize) -> Vec<f32> {
+        match &self.device {
+            Some(d) if self.host_len < d.len() => d.download(layer, 0, d.len()).0,
+            _ => self.layers[layer].keys[..self.host_len * self.kv_dim].to_vec(),
+        }
+    }
+
+    /// Copies `other`'s entries over this cache's at `layers`, on the device, where both
+    /// caches live there (runs as in `DeviceKv::copy_entries_from`); the host copy is then
+    /// stale and dropped. False, with nothing changed, where either is not on a device of
+    /// one kind.
+    pub fn copy_entries_on_device(
+        &mut self,
+        other: &mut KvCache,
+        runs: &[(usize, usize, usize)],
+        layers: std::ops::Range<usize>,
+    ) -> bool {
+        let (Some(d), Some(o)) = (&mut self.device, &mut other.device) else {
+            return false;
+        };
+        if !d.copy_entries_from(&mut **o, runs, layers) {
+            return false;
+        }
+        self.device_edited();
+        true
     }
 
     /// Every layer's entries for editing on the host; the device copy is dropped.

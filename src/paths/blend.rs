@@ -51,14 +51,12 @@ pub fn blended_prefix(
         &mut quiet,
     );
     let kv = cache.kv_dim();
-    let full = full.layers();
-    let reused = cache.layers();
+    // Only layer 1's keys are needed to choose: where both caches are on a device, the rest
+    // stays there.
+    let (reused1, full1) = (cache.layer_keys(1), full.layer_keys(1));
     let deviation: Vec<f32> = (0..n)
         .map(|t| {
-            let (a, b) = (
-                &reused[1].keys[t * kv..(t + 1) * kv],
-                &full[1].keys[t * kv..(t + 1) * kv],
-            );
+            let (a, b) = (&reused1[t * kv..(t + 1) * kv], &full1[t * kv..(t + 1) * kv]);
             a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
         })
         .collect();
@@ -68,24 +66,42 @@ pub fn blended_prefix(
     let take = ((r as f64 * n as f64).ceil() as usize).min(n);
     let mut chosen = order[..take].to_vec();
     chosen.sort_unstable();
-    let layers = cache.layers_mut();
-    for &t in &chosen {
-        for l in 1..model.config.num_hidden_layers {
-            let span = t * kv..(t + 1) * kv;
-            let slot =
-                if crate::support::fault::active(crate::support::fault::Fault::BlendWrongSlot) {
-                    (t + 1) % n * kv..((t + 1) % n + 1) * kv
-                } else {
-                    span.clone()
-                };
-            layers[l].keys[slot.clone()].copy_from_slice(&full[l].keys[span.clone()]);
-            layers[l].values[slot].copy_from_slice(&full[l].values[span]);
+    let slot = |t: usize| {
+        if crate::support::fault::active(crate::support::fault::Fault::BlendWrongSlot) {
+            (t + 1) % n
+        } else {
+            t
+        }
+    };
+    let layers = 1..model.config.num_hidden_layers;
+    if !cache.copy_entries_on_device(&mut full, &runs(&chosen, slot), layers.clone()) {
+        let full = full.layers();
+        let blended = cache.layers_mut();
+        for &t in &chosen {
+            let (span, to) = (t * kv..(t + 1) * kv, slot(t) * kv..(slot(t) + 1) * kv);
+            for l in layers.clone() {
+                blended[l].keys[to.clone()].copy_from_slice(&full[l].keys[span.clone()]);
+                blended[l].values[to.clone()].copy_from_slice(&full[l].values[span.clone()]);
+            }
         }
     }
     if let Some(out) = recomputed {
         offer_rows(model, &mut cache, &chosen, out);
     }
     cache
+}
+
+/// `rows` (ascending) copied to `slot(row)`, as runs `(from, to, n)` of consecutive rows
+/// landing on consecutive slots: one device copy per run and layer.
+fn runs(rows: &[usize], slot: impl Fn(usize) -> usize) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    for &t in rows {
+        match out.last_mut() {
+            Some((from, to, n)) if *from + *n == t && *to + *n == slot(t) => *n += 1,
+            _ => out.push((t, slot(t), 1)),
+        }
+    }
+    out
 }
 
 /// Offers the cache's K/V of tokens `rows` (positions = entries) at layers 1 on, as taps.
@@ -110,5 +126,21 @@ fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn
                 &picked,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn rows_become_runs_of_consecutive_rows_and_slots() {
+        assert_eq!(runs(&[], |t| t), vec![]);
+        assert_eq!(
+            runs(&[0, 1, 2, 5, 6, 9], |t| t),
+            [(0, 0, 3), (5, 5, 2), (9, 9, 1)]
+        );
+        // Shifted slots wrapping at n = 8: row 7 lands on 0, which breaks the run.
+        assert_eq!(runs(&[5, 6, 7], |t| (t + 1) % 8), [(5, 6, 2), (7, 0, 1)]);
     }
 }

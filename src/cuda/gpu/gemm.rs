@@ -42,6 +42,31 @@ impl GemmTile {
         GemmTile::Unaligned,
     ];
 
+    /// The aligned tile for `n` rows of `m` outputs on `sms` SMs. A few rows (chunked prefill's
+    /// chunks) take the smallest square that holds them in one row of tiles while every SM
+    /// still gets a block, else the small one: a large tile there is mostly padding (Qwen3-8B's
+    /// gate/up at 16 rows took 141 µs on the large tile, 84 on the small one; H100,
+    /// scripts/bench_gemm_tiles.cu). More rows take the largest tile that still gives every SM
+    /// a block (the medium one at half that), else the small one.
+    pub fn pick(n: usize, m: usize, sms: usize) -> GemmTile {
+        let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
+        if n <= 32 {
+            GemmTile::Small
+        } else if n <= 64 {
+            if tiles(64) >= sms {
+                GemmTile::Medium
+            } else {
+                GemmTile::Small
+            }
+        } else if tiles(128) >= sms {
+            GemmTile::Large
+        } else if 2 * tiles(64) >= sms {
+            GemmTile::Medium
+        } else {
+            GemmTile::Small
+        }
+    }
+
     /// Whether the tile can take operands at `x` and `w` with rows `k` long: all but
     /// `Unaligned` copy 16-byte pieces of rows.
     pub fn takes(self, k: usize, x: u64, w: u64) -> bool {
@@ -114,15 +139,10 @@ impl Gpu {
     pub(super) fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
         let blas = match &self.gemm {
             Gemm::Own => {
-                let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
-                let tile = if !GemmTile::Large.takes(k, x, w) {
-                    GemmTile::Unaligned
-                } else if tiles(128) >= self.sms {
-                    GemmTile::Large
-                } else if 2 * tiles(64) >= self.sms {
-                    GemmTile::Medium
+                let tile = if GemmTile::Large.takes(k, x, w) {
+                    GemmTile::pick(n, m, self.sms)
                 } else {
-                    GemmTile::Small
+                    GemmTile::Unaligned
                 };
                 return self.gemm_tiled(tile, x, w, y, n, k, m);
             }
@@ -160,9 +180,8 @@ impl Gpu {
     }
 
     /// `y = x · wᵀ` by `kernels/gemm.cu` with tile `tile`, which must take the operands
-    /// (`GemmTile::takes`). GEMMs pick the largest tile that still gives every SM a block (the
-    /// medium one at half that), else the small one; every tile sums each output in the same
-    /// order, so they all give the same bits.
+    /// (`GemmTile::takes`); GEMMs pick theirs by `GemmTile::pick`. Every tile sums each output
+    /// in the same order, so they all give the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_tiled(&self, tile: GemmTile, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
         assert!(self.tiled_gemm, "kernels/gemm.cu needs sm_80 or later");
@@ -200,5 +219,23 @@ impl Gpu {
     /// Whether `kernels/gemm.cu` runs on this GPU.
     pub fn has_tiled_gemm(&self) -> bool {
         self.tiled_gemm
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemmTile::{self, Large, Medium, Small};
+
+    #[test]
+    fn few_rows_take_a_tile_they_fill_and_many_rows_the_largest_that_fills_the_gpu() {
+        // Qwen3-8B's shapes on 132 SMs, each the fastest of the three tiles measured there.
+        let h100 = |n, m| GemmTile::pick(n, m, 132);
+        assert_eq!(h100(16, 24576), Small);
+        assert_eq!(h100(32, 6144), Small);
+        assert_eq!(h100(64, 24576), Medium);
+        assert_eq!(h100(64, 4096), Small);
+        assert_eq!(h100(176, 6144), Medium);
+        assert_eq!(h100(176, 24576), Large);
+        assert_eq!(h100(2048, 4096), Large);
     }
 }

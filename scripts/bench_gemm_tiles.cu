@@ -1,0 +1,130 @@
+// Prefill GEMM tiles (kernels/gemm.cu) at a model's shapes and the row counts a compare's paths
+// prefill (chunks of 16 and 32 tokens, query chunks, whole prompts): time per tile shape and
+// block order, weight GB/s, and whether each gives the large tile's bits (it must: every tile
+// sums an output in one order). Built and run by scripts/bench_gemm_tiles.sh (nvcc, one GPU).
+// L, M and S are the tiles kvdiff has; the wide ones are candidates. (Blocks ordered so that
+// consecutive ones share a slice of w, not of x, made no difference at these shapes.)
+#define MAX_SIDES 2
+#include "../kernels/common.cuh"
+#include "../kernels/gemm.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CHECK(x)                                                                      \
+    do {                                                                              \
+        cudaError_t e = (x);                                                          \
+        if (e != cudaSuccess) {                                                       \
+            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
+            exit(1);                                                                  \
+        }                                                                             \
+    } while (0)
+
+template <int BM, int BN, int WM, int WN>
+__global__ void __launch_bounds__(WM * WN * 32)
+    tile(const bf16_t* x, const bf16_t* w, float* y, int n, int k, int m) {
+#if __CUDA_ARCH__ >= 800
+    gemm_tile<BM, BN, WM, WN, true>(x, w, y, n, k, m);
+#endif
+}
+
+struct Variant {
+    const char* name;
+    void (*f)(const bf16_t*, const bf16_t*, float*, int, int, int);
+    int bm, bn, threads;
+};
+
+template <int BM, int BN, int WM, int WN>
+Variant variant(const char* name) {
+    return {name, tile<BM, BN, WM, WN>, BM, BN, WM * WN * 32};
+}
+
+int main(int argc, char** argv) {
+    int hidden = argc > 1 ? atoi(argv[1]) : 4096, inter = argc > 2 ? atoi(argv[2]) : 12288;
+    int qd = argc > 3 ? atoi(argv[3]) : 4096, kvd = argc > 4 ? atoi(argv[4]) : 1024;
+    int shapes[][2] = {{hidden, qd + 2 * kvd}, {qd, hidden}, {hidden, 2 * inter}, {inter, hidden}};
+    const char* names[] = {"qkv", "o_proj", "gate_up", "down"};
+    int ns[] = {16, 32, 64, 160, 176, 368, 512, 2048};
+    Variant vs[] = {
+        variant<128, 128, 2, 4>("L"),
+        variant<64, 64, 2, 2>("M"),
+        variant<32, 32, 2, 2>("S"),
+        variant<16, 128, 1, 4>("16x128"),
+        variant<32, 128, 1, 4>("32x128"),
+        variant<64, 128, 2, 4>("64x128"),
+    };
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    size_t wmax = 0;
+    for (auto& s : shapes) wmax = std::max(wmax, (size_t)s[0] * s[1]);
+    int copies = 4;
+    bf16_t *w, *x;
+    float *y, *yref;
+    CHECK(cudaMalloc(&w, wmax * 2 * copies));
+    CHECK(cudaMalloc(&x, (size_t)2048 * 12288 * 2));
+    CHECK(cudaMalloc(&y, (size_t)2048 * 24576 * 4));
+    CHECK(cudaMalloc(&yref, (size_t)2048 * 24576 * 4));
+    {
+        std::vector<bf16_t> h(wmax * copies);
+        unsigned st = 1;
+        for (auto& v : h) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | 0x3c00); }
+        CHECK(cudaMemcpy(w, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+        std::vector<bf16_t> hx((size_t)2048 * 12288);
+        for (auto& v : hx) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | 0x3f00); }
+        CHECK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    }
+    for (auto& v : vs) {
+        int sh = 3 * (v.bm + v.bn) * 64 * 2;
+        CHECK(cudaFuncSetAttribute(v.f, cudaFuncAttributeMaxDynamicSharedMemorySize, sh));
+    }
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    printf("%s, %d SMs\n%-8s %5s %-15s %9s %7s %s\n", prop.name, prop.multiProcessorCount, "shape", "n",
+           "tile", "us", "w GB/s", "bits");
+    for (int si = 0; si < 4; si++) {
+        int k = shapes[si][0], m = shapes[si][1];
+        for (int n : ns) {
+            std::vector<float> ref((size_t)n * m), got((size_t)n * m);
+            float best = 1e30f;
+            const char* best_name = "";
+            for (size_t vi = 0; vi < sizeof(vs) / sizeof(vs[0]); vi++) {
+                auto& v = vs[vi];
+                int blocks = ((n + v.bm - 1) / v.bm) * ((m + v.bn - 1) / v.bn);
+                int sh = 3 * (v.bm + v.bn) * 64 * 2;
+                auto launch = [&](const bf16_t* wp, float* out) {
+                    v.f<<<blocks, v.threads, sh>>>(x, wp, out, n, k, m);
+                };
+                launch(w, vi == 0 ? yref : y);
+                CHECK(cudaGetLastError());
+                CHECK(cudaDeviceSynchronize());
+                bool same = true;
+                if (vi > 0) {
+                    CHECK(cudaMemcpy(ref.data(), yref, ref.size() * 4, cudaMemcpyDeviceToHost));
+                    CHECK(cudaMemcpy(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost));
+                    same = ref == got;
+                }
+                std::vector<float> t;
+                for (int it = 0; it < 12; it++) {
+                    CHECK(cudaEventRecord(e0));
+                    launch(w + (size_t)(it % copies) * wmax, y);
+                    CHECK(cudaEventRecord(e1));
+                    CHECK(cudaEventSynchronize(e1));
+                    float ms;
+                    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+                    t.push_back(ms * 1000);
+                }
+                std::sort(t.begin(), t.end());
+                float us = t[t.size() / 2];
+                if (us < best) { best = us; best_name = v.name; }
+                printf("%-8s %5d %-15s %9.1f %7.0f %s\n", names[si], n, v.name, us,
+                       (double)k * m * 2 / us / 1e3, same ? "same" : "DIFFER");
+            }
+            printf("%-8s %5d best: %s\n", names[si], n, best_name);
+        }
+    }
+    return 0;
+}
