@@ -153,6 +153,10 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     let (reference, targets, uses_cuda) = a.which.targets()?;
     let policy = policy(&a)?;
     if uses_cuda {
+        // Every path in one lockstep: the paths, the reference, and chunk-reuse:global or
+        // blend:1 = standard where an invariant needs one (the kernels, compiled as the GPU
+        // opens, take passes of up to that many sides).
+        kvdiff::cuda::expect_sides(targets.len() + 2);
         require_cuda()?;
     }
     let profile = match &a.tol.noise_profile {

@@ -32,8 +32,8 @@ mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{
-    cublas_asked, device_name, driver_missing, open_in_background, preload_cublas_in_background,
-    ptr, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
+    cublas_asked, device_name, driver_missing, expect_sides, open_in_background,
+    preload_cublas_in_background, ptr, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
 };
 pub(crate) use gpu::{max_sides, SIDE_SLOTS};
 pub use kv::CudaKv;

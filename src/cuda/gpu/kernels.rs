@@ -112,17 +112,41 @@ const KERNELS: &[&str] = &[
 /// many as it was compiled for (`MAX_SIDES` in kernels/common.cuh).
 pub(crate) const SIDE_SLOTS: usize = 16;
 
-/// Most caches one `_sides` launch takes: `KVDIFF_CUDA_MAX_SIDES` (2 to `SIDE_SLOTS`), else
-/// 5 (the fastest at Qwen3-0.6B's and Qwen3-8B's shapes, 3 to 10 measured; see
-/// docs/performance-history.md). The kernels are compiled for it.
+/// Passes of at most this many sides unless a run needs fewer: the fastest at Qwen3-0.6B's
+/// and Qwen3-8B's shapes for a default compare's ten (3 to 10 measured; see
+/// docs/performance-history.md).
+const DEFAULT_MAX_SIDES: usize = 5;
+
+/// The most caches a run's lockstep holds, as its command said before the GPU opened (0: not
+/// said).
+static SIDES_NEEDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Says, before the GPU opens, how many caches a run's lockstep holds at most (references and
+/// paths), so that the kernels are compiled for no more sides than it has: a pass of three
+/// sides on kernels built for five pads two, and a 16k-token compare of one path took 4% longer.
+pub fn expect_sides(n: usize) {
+    SIDES_NEEDED.store(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Most caches one `_sides` launch takes: `KVDIFF_CUDA_MAX_SIDES` (2 to `SIDE_SLOTS`), else the
+/// sides the run said it needs (`expect_sides`) up to `DEFAULT_MAX_SIDES`. The kernels are
+/// compiled for it.
 pub(crate) fn max_sides() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {
-        std::env::var("KVDIFF_CUDA_MAX_SIDES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(5, |n: usize| n.clamp(2, SIDE_SLOTS))
+        sides_for(
+            std::env::var("KVDIFF_CUDA_MAX_SIDES").ok().as_deref(),
+            SIDES_NEEDED.load(std::sync::atomic::Ordering::Relaxed),
+        )
     })
+}
+
+fn sides_for(asked: Option<&str>, needed: usize) -> usize {
+    match asked.and_then(|v| v.parse::<usize>().ok()) {
+        Some(n) => n.clamp(2, SIDE_SLOTS),
+        None if needed == 0 => DEFAULT_MAX_SIDES,
+        None => needed.clamp(2, DEFAULT_MAX_SIDES),
+    }
 }
 
 /// A kernel argument.
@@ -391,5 +415,21 @@ impl Gpu {
             std::ptr::null_mut(),
         )
         .result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sides_for, DEFAULT_MAX_SIDES, SIDE_SLOTS};
+
+    #[test]
+    fn passes_take_what_was_asked_else_what_the_run_needs_up_to_the_default() {
+        assert_eq!(sides_for(None, 0), DEFAULT_MAX_SIDES);
+        assert_eq!(sides_for(None, 3), 3);
+        assert_eq!(sides_for(None, 1), 2);
+        assert_eq!(sides_for(None, 9), DEFAULT_MAX_SIDES);
+        assert_eq!(sides_for(Some("10"), 3), 10);
+        assert_eq!(sides_for(Some("99"), 3), SIDE_SLOTS);
+        assert_eq!(sides_for(Some("many"), 3), 3);
     }
 }

@@ -22,6 +22,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use crate::error::{Error, Result};
 
 pub use gemm::GemmTile;
+pub use kernels::expect_sides;
 pub use kernels::Arg;
 pub(crate) use kernels::{max_sides, SIDE_SLOTS};
 pub(super) use libraries::CUDA_FIX;
