@@ -346,23 +346,28 @@ struct StepRope {
 // 4l..4l+3 as float4s; warp w takes keys start + w + j * DECODE_WARPS, and every key and value
 // of the block is loaded before the first reduction, so the chunk costs one round trip instead
 // of one per loop turn. Same output layout, probabilities and merge as attention_decode.
-// ROPE: the query comes from the QKV row (`rope`), normalised and turned here while the keys
-// load (threads 0-127 the query, 128-255 the new key where this block needs it); the block
-// whose chunk holds the new key uses the key it turned, and block (first head of the KV
-// head, chunk 0) writes the cache entry and the key taps, chunk 0's blocks the query taps.
+// A block takes `per` query heads of one KV head (a GQA group, up to DECODE_GROUP; `block` /
+// chunks counts them) and scores each against the keys it loaded once: each head's arithmetic
+// is the one-head block's, in its order, so the bits do not depend on `per`.
+// ROPE: the queries come from the QKV row (`rope`), normalised and turned here while the keys
+// load (two vectors at a time, a half block each: the queries, then the new key where this
+// block needs it); the block whose chunk holds the new key uses the key it turned, and the
+// first block of the KV head's chunk 0 writes the cache entry and the key taps, chunk 0's
+// blocks the query taps.
+#define DECODE_GROUP 8
 template <bool ROPE>
 __device__ __forceinline__ void attention_decode_128_block(
     int block, const float* q, float* keys, float* values, float* probs, float* part,
     float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
-    int kv_heads, int stride, int chunks, float scale, const StepRope& rope) {
+    int kv_heads, int per, int stride, int chunks, float scale, const StepRope& rope) {
     static_assert(DECODE_CHUNK == 64 && DECODE_WARPS == 8, "two scores per lane, 8 keys per warp");
-    __shared__ float sc[DECODE_CHUNK];
+    __shared__ float sc[DECODE_GROUP][DECODE_CHUNK];
     __shared__ float4 red[DECODE_WARPS][32];
-    __shared__ float stat[2];
-    __shared__ float4 turned[3][32];  // ROPE: the query, the new key, its value
+    __shared__ float stat[DECODE_GROUP][2];
+    __shared__ float4 turned[DECODE_GROUP + 2][32];  // ROPE: the queries, the new key, its value
     extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
-    int h = block / chunks, c = block % chunks;
-    int group = heads / kv_heads, kvh = h / group, kv_dim = kv_heads * 128;
+    int h0 = block / chunks * per, c = block % chunks;
+    int group = heads / kv_heads, kvh = h0 / group, kv_dim = kv_heads * 128;
     int visible = meta[0] + 1;
     int cut = (split > 0 && split < visible) ? split : 0;
     int used = decode_chunks_used(visible, cut);
@@ -371,11 +376,10 @@ __device__ __forceinline__ void attention_decode_128_block(
     if (c >= used) return;
     int start, end;
     decode_chunk(c, visible, cut, &start, &end);
-    float* pm = part + ((size_t)h * chunks + c) * (128 + 2);
     int slot = ROPE ? rope.meta[2] : -1;
-    bool writer = ROPE && c == 0 && h % group == 0;
+    bool writer = ROPE && c == 0 && h0 % group == 0;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = end - start;
     {
-        int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = end - start;
         const float* kb = keys + (size_t)kvh * 128 + lane * 4;
         const float* vb = values + (size_t)kvh * 128 + lane * 4;
         float4 kk[DECODE_KEYS_PER_WARP], vv[DECODE_KEYS_PER_WARP];
@@ -387,135 +391,150 @@ __device__ __forceinline__ void attention_decode_128_block(
             if (e < end && e != slot) {
                 kk[j] = *(const float4*)(kb + (size_t)e * kv_dim);
                 // With ROPE the values load once the scores are taken (below), in the
-                // registers the keys held: four blocks an SM, the three sides in one wave.
+                // registers the keys held: four blocks an SM.
                 if (!ROPE) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
             }
         }
-        float4 qv;
+        bool has_new = ROPE && start <= slot && slot < end;
         if (ROPE) {
             __shared__ float normed[2][128];
             __shared__ float squares[DECODE_WARPS];
-            bool has_new = start <= slot && slot < end;
             int i = threadIdx.x & 127, is_k = threadIdx.x >> 7;
-            bool active = !is_k || has_new || writer;
-            int col = is_k ? (heads + kvh) * 128 : h * 128;
-            float v = active ? rope.qkv[col + i] : 0.0f;
-            // block_sum's order over each half's four warps: qk_norm_rope's bits.
-            float ss = warp_sum(v * v);
-            if (lane == 0) squares[warp] = ss;
-            __syncthreads();
-            ss = warp_sum(lane < 4 ? squares[4 * is_k + lane] : 0.0f);
-            float y = head_norm(v, ss, rope.q_weight ? (is_k ? rope.k_weight : rope.q_weight)
-                                                     : nullptr, i, 128, rope.eps);
-            normed[is_k][i] = y;
-            __syncthreads();
-            float r = rope_element(normed[is_k], i, 128, rope.meta[is_k], rope.inv_freq,
-                                   rope.scale);
-            ((float*)turned[is_k])[i] = r;
-            if (!is_k && c == 0) {
-                rope.q_normed[h * 128 + i] = y;
-                rope.q_rotated[h * 128 + i] = r;
-            }
-            if (is_k && active) {
-                float val = rope.qkv[(heads + kv_heads + kvh) * 128 + i];
-                ((float*)turned[2])[i] = val;
-                if (writer) {
-                    rope.k_normed[kvh * 128 + i] = y;
-                    rope.k_rotated[kvh * 128 + i] = r;
-                    keys[(size_t)slot * kv_dim + kvh * 128 + i] = r;
-                    values[(size_t)slot * kv_dim + kvh * 128 + i] = val;
+            // Item `per` is the new key; one round turns items 2r (threads 0-127) and 2r + 1.
+            for (int r = 0; 2 * r <= per; r++) {
+                int item = 2 * r + is_k;
+                bool key = item == per;
+                bool active = item < per || (key && (has_new || writer));
+                int col = key ? (heads + kvh) * 128 : (h0 + item) * 128;
+                float v = active ? rope.qkv[col + i] : 0.0f;
+                // block_sum's order over each half's four warps: qk_norm_rope's bits.
+                float ss = warp_sum(v * v);
+                if (lane == 0) squares[warp] = ss;
+                __syncthreads();
+                ss = warp_sum(lane < 4 ? squares[4 * is_k + lane] : 0.0f);
+                float y = head_norm(v, ss, rope.q_weight ? (key ? rope.k_weight : rope.q_weight)
+                                                         : nullptr, i, 128, rope.eps);
+                normed[is_k][i] = y;
+                __syncthreads();
+                float t = rope_element(normed[is_k], i, 128, rope.meta[key ? 1 : 0],
+                                       rope.inv_freq, rope.scale);
+                if (item <= per) ((float*)turned[item])[i] = t;
+                if (item < per && c == 0) {
+                    rope.q_normed[(h0 + item) * 128 + i] = y;
+                    rope.q_rotated[(h0 + item) * 128 + i] = t;
                 }
+                if (key && active) {
+                    float val = rope.qkv[(heads + kv_heads + kvh) * 128 + i];
+                    ((float*)turned[per + 1])[i] = val;
+                    if (writer) {
+                        rope.k_normed[kvh * 128 + i] = y;
+                        rope.k_rotated[kvh * 128 + i] = t;
+                        keys[(size_t)slot * kv_dim + kvh * 128 + i] = t;
+                        values[(size_t)slot * kv_dim + kvh * 128 + i] = val;
+                    }
+                }
+                // normed and squares are taken again next round.
+                __syncthreads();
             }
-            __syncthreads();
-            qv = turned[0][lane];
 #pragma unroll
             for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
                 // Only inside the chunk: past its end the key's value would still meet a
                 // zero probability, and 0 * NaN of unwritten shared memory is NaN.
-                if (has_new && start + warp + j * DECODE_WARPS == slot) kk[j] = turned[1][lane];
+                if (has_new && start + warp + j * DECODE_WARPS == slot) kk[j] = turned[per][lane];
             }
-        } else {
-            qv = ((const float4*)(q + (size_t)h * 128))[lane];
         }
-        float dots[DECODE_KEYS_PER_WARP];
+        for (int a = 0; a < per; a++) {
+            float4 qv = ROPE ? turned[a][lane] : ((const float4*)(q + (size_t)(h0 + a) * 128))[lane];
+            float dots[DECODE_KEYS_PER_WARP];
 #pragma unroll
-        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++)
-            dots[j] = (qv.x * kk[j].x + qv.y * kk[j].y) + (qv.z * kk[j].z + qv.w * kk[j].w);
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++)
+                dots[j] = (qv.x * kk[j].x + qv.y * kk[j].y) + (qv.z * kk[j].z + qv.w * kk[j].w);
+#pragma unroll
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                float s = warp_sum(dots[j]);
+                int i = warp + j * DECODE_WARPS;
+                if (lane == 0 && i < len) sc[a][i] = s * scale;
+            }
+        }
         if (ROPE) {
 #pragma unroll
             for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
                 int e = start + warp + j * DECODE_WARPS;
                 if (e < end && e != slot) vv[j] = *(const float4*)(vb + (size_t)e * kv_dim);
-                if (e < end && e == slot) vv[j] = turned[2][lane];
+                if (e < end && e == slot) vv[j] = turned[per + 1][lane];
             }
         }
-#pragma unroll
-        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
-            float s = warp_sum(dots[j]);
-            int i = warp + j * DECODE_WARPS;
-            if (lane == 0 && i < len) sc[i] = s * scale;
-        }
         __syncthreads();
-        if (warp == 0) {
-            // DECODE_CHUNK = 64: two scores per lane.
-            float a = lane < len ? sc[lane] : NEG_INF;
-            float b = lane + 32 < len ? sc[lane + 32] : NEG_INF;
-            float m = warp_max(fmaxf(a, b));
-            float pa = lane < len ? expf(a - m) : 0.0f;
-            float pb = lane + 32 < len ? expf(b - m) : 0.0f;
-            float sum = warp_sum(pa + pb);
-            float* row = probs + (size_t)h * stride + start;
+        // Warp a takes head a's softmax; DECODE_CHUNK = 64: two scores per lane.
+        for (int a = warp; a < per; a += DECODE_WARPS) {
+            float x = lane < len ? sc[a][lane] : NEG_INF;
+            float y = lane + 32 < len ? sc[a][lane + 32] : NEG_INF;
+            float m = warp_max(fmaxf(x, y));
+            float px = lane < len ? expf(x - m) : 0.0f;
+            float py = lane + 32 < len ? expf(y - m) : 0.0f;
+            float sum = warp_sum(px + py);
+            float* row = probs + (size_t)(h0 + a) * stride + start;
             if (lane < len) {
-                sc[lane] = pa;
-                row[lane] = pa;
+                sc[a][lane] = px;
+                row[lane] = px;
             }
             if (lane + 32 < len) {
-                sc[lane + 32] = pb;
-                row[lane + 32] = pb;
+                sc[a][lane + 32] = py;
+                row[lane + 32] = py;
             }
             if (lane == 0) {
-                stat[0] = m;
-                stat[1] = sum;
+                stat[a][0] = m;
+                stat[a][1] = sum;
             }
         }
         __syncthreads();
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int a = 0; a < per; a++) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
-            int i = warp + j * DECODE_WARPS;
-            float p = i < len ? sc[i] : 0.0f;
-            acc.x += p * vv[j].x;
-            acc.y += p * vv[j].y;
-            acc.z += p * vv[j].z;
-            acc.w += p * vv[j].w;
-        }
-        red[warp][lane] = acc;
-        __syncthreads();
-        if (threadIdx.x < 128) {
-            const float* r = (const float*)red;
-            float s = 0.0f;
+            for (int j = 0; j < DECODE_KEYS_PER_WARP; j++) {
+                int i = warp + j * DECODE_WARPS;
+                float p = i < len ? sc[a][i] : 0.0f;
+                acc.x += p * vv[j].x;
+                acc.y += p * vv[j].y;
+                acc.z += p * vv[j].z;
+                acc.w += p * vv[j].w;
+            }
+            if (a > 0) __syncthreads();  // head a - 1's sums are read
+            red[warp][lane] = acc;
+            __syncthreads();
+            float* pm = part + ((size_t)(h0 + a) * chunks + c) * (128 + 2);
+            if (threadIdx.x < 128) {
+                const float* r = (const float*)red;
+                float s = 0.0f;
 #pragma unroll
-            for (int w = 0; w < DECODE_WARPS; w++) s += r[w * 128 + threadIdx.x];
-            pm[2 + threadIdx.x] = s;
-        }
-        if (threadIdx.x == 0) {
-            pm[0] = stat[0];
-            pm[1] = stat[1];
+                for (int w = 0; w < DECODE_WARPS; w++) s += r[w * 128 + threadIdx.x];
+                pm[2 + threadIdx.x] = s;
+            }
+            if (threadIdx.x == 0) {
+                pm[0] = stat[a][0];
+                pm[1] = stat[a][1];
+            }
         }
     }
-    if (!last_block_done(&counters[h], used)) return;
-    merge_head(h, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
+    // Count this chunk in (one counter for the block's heads); the last one merges them.
+    if (!last_block_done(&counters[h0], used)) return;
+    for (int a = 0; a < per; a++) {
+        if (a > 0) __syncthreads();  // the head before's factors are read
+        merge_head(h0 + a, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
+    }
 }
 
+// `per`: query heads a block takes (a divisor of the GQA group, at most DECODE_GROUP); the grid
+// has heads / per * chunks blocks.
 extern "C" __global__ void attention_decode_128(const float* q, const float* keys,
                                                 const float* values, float* probs, float* part,
                                                 float* out, bf16_t* out_bf16,
                                                 unsigned int* counters, const int* meta,
-                                                int split, int heads, int kv_heads, int head_dim,
+                                                int split, int heads, int kv_heads, int per,
                                                 int stride, int chunks, float scale) {
     PDL_ENTER();
     attention_decode_128_block<false>(blockIdx.x, q, (float*)keys, (float*)values, probs, part,
-                                      out, out_bf16, counters, meta, split, heads, kv_heads,
+                                      out, out_bf16, counters, meta, split, heads, kv_heads, per,
                                       stride, chunks, scale, StepRope{});
 }
 
@@ -525,65 +544,68 @@ extern "C" __global__ void attention_decode_128_rope(
     const float* inv_freq, float* q_normed, float* q_rotated, float* k_normed, float* k_rotated,
     float eps, float rope_scale, float* keys, float* values, float* probs, float* part,
     float* out, bf16_t* out_bf16, unsigned int* counters, const int* meta, int split, int heads,
-    int kv_heads, int stride, int chunks, float scale) {
+    int kv_heads, int per, int stride, int chunks, float scale) {
     PDL_ENTER();
     StepRope rope{qkv,      q_weight,  k_weight, rope_meta, inv_freq,
                   q_normed, q_rotated, k_normed, k_rotated, eps,      rope_scale};
     attention_decode_128_block<true>(blockIdx.x, nullptr, keys, values, probs, part, out,
-                                     out_bf16, counters, meta, split, heads, kv_heads, stride,
-                                     chunks, scale, rope);
+                                     out_bf16, counters, meta, split, heads, kv_heads, per,
+                                     stride, chunks, scale, rope);
 }
 
 // Block b of side s of the `_sides` kernels below: that side's buffers picked.
 template <bool ROPE>
 __device__ __forceinline__ void attention_decode_128_side(
     int s, int b, const float* q, Sides keys, Sides values, Sides probs, Sides part, Sides out,
-    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads,
+    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads, int per,
     SideInts stride, SideInts chunks, float scale, const StepRope& rope) {
     attention_decode_128_block<ROPE>(b, q, at_side<float>(keys, s), at_side<float>(values, s),
                                      at_side<float>(probs, s), at_side<float>(part, s),
                                      at_side<float>(out, s), at_side<bf16_t>(out_bf16, s),
                                      at_side<unsigned int>(counters, s),
                                      at_side<const int>(meta, s), side_int(split, s), heads,
-                                     kv_heads, side_int(stride, s), side_int(chunks, s), scale,
-                                     rope);
+                                     kv_heads, per, side_int(stride, s), side_int(chunks, s),
+                                     scale, rope);
 }
 
-// attention_decode_sides for head_dim 128 (rows 16-byte aligned). Three blocks an SM, as the
-// single kernel gets: picking each side's buffers would otherwise hold registers enough to
-// leave two, and a grid of three sides then ran in three waves instead of two.
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode_128_sides(Sides q, Sides keys, Sides values,
-                                                      Sides probs, Sides part, Sides out,
-                                                      Sides out_bf16, Sides counters, Sides meta,
-                                                      SideInts split, int heads, int kv_heads,
-                                                      SideInts stride, SideInts chunks,
-                                                      int per_side, float scale) {
-    PDL_ENTER();
-    int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
-    if (b >= heads * side_int(chunks, s)) return;
-    attention_decode_128_side<false>(s, b, at_side<const float>(q, s), keys, values, probs, part,
-                                     out, out_bf16, counters, meta, split, heads, kv_heads,
-                                     stride, chunks, scale, StepRope{});
-}
-
-// attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope). Four blocks
-// an SM (the values load after the scores), so three sides' chunks fit one wave.
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode_128_rope_sides(
-    Sides qkv, const bf16_t* q_weight, const bf16_t* k_weight, Sides rope_meta,
-    const float* inv_freq, Sides q_normed, Sides q_rotated, Sides k_normed, Sides k_rotated,
-    float eps, float rope_scale, Sides keys, Sides values, Sides probs, Sides part, Sides out,
-    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads,
+// attention_decode_sides for head_dim 128 (rows 16-byte aligned), `per` query heads a block
+// as attention_decode_128. Three blocks an SM, as the single kernel gets: picking each side's
+// buffers would otherwise hold registers enough to leave two.
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode_128_sides(
+    Sides q, Sides keys, Sides values, Sides probs, Sides part, Sides out, Sides out_bf16,
+    Sides counters, Sides meta, SideInts split, int heads, int kv_heads, int per,
     SideInts stride, SideInts chunks, int per_side, float scale) {
     PDL_ENTER();
     int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
-    if (b >= heads * side_int(chunks, s)) return;
+    if (b >= heads / per * side_int(chunks, s)) return;
+    attention_decode_128_side<false>(s, b, at_side<const float>(q, s), keys, values, probs, part,
+                                     out, out_bf16, counters, meta, split, heads, kv_heads, per,
+                                     stride, chunks, scale, StepRope{});
+}
+
+// attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope), built for
+// DECODE_ROPE_SIDES_BLOCKS blocks an SM (the values load after the scores, in the keys'
+// registers). Two: with a GQA group a block, four spilled 156 bytes a thread and took 55
+// against 49 us for five sides at Qwen3-8B's shape (scripts/bench_decode_attention.sh).
+#ifndef DECODE_ROPE_SIDES_BLOCKS
+#define DECODE_ROPE_SIDES_BLOCKS 2
+#endif
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_ROPE_SIDES_BLOCKS) attention_decode_128_rope_sides(
+    Sides qkv, const bf16_t* q_weight, const bf16_t* k_weight, Sides rope_meta,
+    const float* inv_freq, Sides q_normed, Sides q_rotated, Sides k_normed, Sides k_rotated,
+    float eps, float rope_scale, Sides keys, Sides values, Sides probs, Sides part, Sides out,
+    Sides out_bf16, Sides counters, Sides meta, SideInts split, int heads, int kv_heads, int per,
+    SideInts stride, SideInts chunks, int per_side, float scale) {
+    PDL_ENTER();
+    int s = blockIdx.x / per_side, b = blockIdx.x % per_side;
+    if (b >= heads / per * side_int(chunks, s)) return;
     StepRope rope{at_side<const float>(qkv, s), q_weight,  k_weight,
                   at_side<const int>(rope_meta, s), inv_freq, at_side<float>(q_normed, s),
                   at_side<float>(q_rotated, s),     at_side<float>(k_normed, s),
                   at_side<float>(k_rotated, s),     eps,      rope_scale};
     attention_decode_128_side<true>(s, b, nullptr, keys, values, probs, part, out, out_bf16,
-                                    counters, meta, split, heads, kv_heads, stride, chunks, scale,
-                                    rope);
+                                    counters, meta, split, heads, kv_heads, per, stride, chunks,
+                                    scale, rope);
 }
 
 // Prefill attention in tiles (flash-attention's online softmax): block (head, query tile) takes

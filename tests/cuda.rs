@@ -1102,7 +1102,8 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
 /// Every path in one lockstep (the default on the GPU: the references run once, the paths'
 /// decode steps as one pass in groups of `KVDIFF_CUDA_MAX_SIDES`) reports what each path run
 /// in a lockstep of its own reports, and what the steps run one by one report, in groups of
-/// two or all in one, clean and with planted bugs, on both head sizes.
+/// two or all in one, with a decode-attention block per query head or per GQA group, clean and
+/// with planted bugs, on both head sizes.
 #[test]
 fn paths_run_together_report_what_each_run_alone_reports() {
     if gpu().is_none() {
@@ -1159,6 +1160,13 @@ fn paths_run_together_report_what_each_run_alone_reports() {
             assert_eq!(together, apart, "steps one by one ({fault:?}, {model:?})");
             let (eager, _) = run("eager", &[("KVDIFF_CUDA_GRAPHS", "0")]);
             assert_eq!(together, eager, "no graphs ({fault:?}, {model:?})");
+            // A decode-attention block per query head instead of per GQA group (the random
+            // model has eight query heads a KV head).
+            let (per_head, _) = run("per-head", &[("KVDIFF_CUDA_DECODE_HEADS", "1")]);
+            assert_eq!(
+                together, per_head,
+                "a block per head ({fault:?}, {model:?})"
+            );
             for most in ["2", "16"] {
                 let (grouped, _) = run("grouped", &[("KVDIFF_CUDA_MAX_SIDES", most)]);
                 assert_eq!(
@@ -1314,8 +1322,8 @@ fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() 
 }
 
 /// A decode step's q/k norm, RoPE and cache append folded into its attention kernel (head size
-/// 128) give what `qk_norm_rope` before it gives: every tap of a dump, byte for byte, over a
-/// prompt longer than one attention chunk (the new key in another block than the one that
+/// 128) give what `qk_norm_rope` before it gives, with a block per GQA group or per query head:
+/// every tap of a dump, byte for byte, over a prompt longer than one attention chunk (the new key in another block than the one that
 /// writes it); and compare's reports, its sides' steps as one pass and one by one, clean and
 /// with planted bugs that move the keys' positions and the cached mask.
 #[test]
@@ -1369,6 +1377,12 @@ fn rope_folded_into_decode_attention_gives_the_bits_of_the_separate_kernel() {
     assert_eq!(names(&folded), names(&apart));
     for ((name, a), (_, b)) in folded.iter().zip(&apart) {
         assert!(a == b, "{name} differs with the rope folded in");
+    }
+    // A block per GQA group (eight query heads a KV head) instead of one per query head.
+    let grouped = dump("grouped", &[("KVDIFF_CUDA_DECODE_HEADS", "8")]);
+    assert_eq!(names(&folded), names(&grouped));
+    for ((name, a), (_, b)) in folded.iter().zip(&grouped) {
+        assert!(a == b, "{name} differs with a decode block per GQA group");
     }
     for fault in [
         vec![],

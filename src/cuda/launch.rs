@@ -9,6 +9,37 @@ use super::gpu::{Arg, Gpu};
 pub(crate) const DECODE_CHUNK: usize = 64;
 pub(crate) const DECODE_THREADS: u32 = 256;
 
+/// Most query heads one block of the head-128 decode attention takes (`DECODE_GROUP`).
+const DECODE_GROUP: usize = 8;
+
+/// Query heads one block of the head-128 decode attention takes. In a joint pass of several
+/// sides (`sides`), its GQA group (else the group's largest divisor up to `DECODE_GROUP`), so
+/// that a KV head's keys and values are loaded once for all its query heads instead of once
+/// per head: at Qwen3-8B's shape, 576 keys and five sides, 56 against 112 µs a layer
+/// (scripts/bench_decode_attention.sh). One step alone keeps a block per head: its few blocks
+/// then fill more SMs (14 against 21 µs). Each head's arithmetic is the one-head block's, so
+/// the bits do not depend on it. `KVDIFF_CUDA_DECODE_HEADS=N` sets the most heads a block for
+/// both (1: a block per head).
+pub(crate) fn decode_heads_per_block(heads: usize, kv_heads: usize, sides: bool) -> usize {
+    static CAP: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let cap = CAP.get_or_init(|| {
+        std::env::var("KVDIFF_CUDA_DECODE_HEADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|n| n.clamp(1, DECODE_GROUP))
+    });
+    let default = if sides { DECODE_GROUP } else { 1 };
+    heads_per_block(heads, kv_heads, cap.unwrap_or(default))
+}
+
+fn heads_per_block(heads: usize, kv_heads: usize, cap: usize) -> usize {
+    let group = heads / kv_heads.max(1);
+    (1..=cap.min(group))
+        .rev()
+        .find(|d| group % d == 0)
+        .unwrap_or(1)
+}
+
 /// Words the argmax kernel's `out` buffer holds (zeroed): the index, a counter of finished
 /// blocks, and the 64-bit running best, which the last block resets.
 pub(crate) const ARGMAX_WORDS: usize = 4;
@@ -191,9 +222,15 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             Arg::I32(a.heads as i32),
             Arg::I32(a.kv_heads as i32),
         ]);
-        if a.rope.is_none() {
+        // The head-128 kernels take `per` query heads a block; the generic one the head size.
+        let per = if kernel == "attention_decode" {
             args.push(Arg::I32(a.head_dim as i32));
-        }
+            1
+        } else {
+            let per = decode_heads_per_block(a.heads, a.kv_heads, false);
+            args.push(Arg::I32(per as i32));
+            per
+        };
         args.extend([
             Arg::I32(a.stride as i32),
             Arg::I32(a.chunks as i32),
@@ -201,7 +238,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         ]);
         g.launch(
             kernel,
-            (a.heads * a.chunks) as u32,
+            (a.heads / per * a.chunks) as u32,
             DECODE_THREADS,
             shared as u32,
             &args,
@@ -531,6 +568,30 @@ pub(crate) fn launch_combine_diff_chunks(g: &Gpu, from: u64, to: u64, rows: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decode_block_takes_a_whole_gqa_group_where_it_fits() {
+        // Qwen3-0.6B, -8B, -14B, -32B and a 16-heads-per-KV-head shape.
+        assert_eq!(heads_per_block(16, 8, DECODE_GROUP), 2);
+        assert_eq!(heads_per_block(32, 8, DECODE_GROUP), 4);
+        assert_eq!(heads_per_block(40, 8, DECODE_GROUP), 5);
+        assert_eq!(heads_per_block(64, 8, DECODE_GROUP), 8);
+        assert_eq!(heads_per_block(64, 4, DECODE_GROUP), 8);
+        assert_eq!(heads_per_block(40, 2, DECODE_GROUP), 5);
+        // Multi-head attention, and a cap of one head.
+        assert_eq!(heads_per_block(16, 16, DECODE_GROUP), 1);
+        assert_eq!(heads_per_block(32, 8, 1), 1);
+        assert_eq!(heads_per_block(32, 8, 3), 2);
+        for (heads, kv) in [(16, 8), (32, 8), (40, 8), (56, 4), (96, 8), (12, 0)] {
+            let per = heads_per_block(heads, kv, DECODE_GROUP);
+            assert!((1..=DECODE_GROUP).contains(&per), "{heads}/{kv}");
+            assert_eq!(
+                heads % per,
+                0,
+                "a block's heads share one KV head: {heads}/{kv}"
+            );
+        }
+    }
 
     #[test]
     fn attention_diff_rows_are_whole_where_the_queries_fill_the_gpu() {

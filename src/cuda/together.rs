@@ -17,7 +17,7 @@
 use super::forward::fused_shape;
 use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
 use super::kv::CudaKv;
-use super::launch::{launch_argmax, DECODE_THREADS};
+use super::launch::{decode_heads_per_block, launch_argmax, DECODE_THREADS};
 use super::upload::CudaModel;
 use super::workspace::LayerIo;
 use crate::engine::kv_cache::KvCache;
@@ -312,6 +312,11 @@ impl CudaModel {
         }
         let chunks = plans.iter().map(|p| p.chunks).max().unwrap_or(0);
         let attn_shared = (hd + hd.max(DECODE_THREADS as usize)).max(chunks + 2 * hd) * 4;
+        let per = if hd == 128 {
+            decode_heads_per_block(heads, kvh, true)
+        } else {
+            1
+        };
         for (l, w) in self.layers.iter().enumerate() {
             let io = |f: fn(&LayerIo) -> u64| sides(plans, |p| f(&p.io[l]));
             norm_sides(io(|i| i.x_in), pb(&w.input_norm), io(|i| i.attn_norm));
@@ -399,13 +404,13 @@ impl CudaModel {
                 Arg::I32(heads as i32),
                 Arg::I32(kvh as i32),
             ]);
-            if hd != 128 {
-                attention.push(Arg::I32(hd as i32));
-            }
+            // The head-128 kernels take `per` query heads a block; the generic one the head
+            // size.
+            attention.push(Arg::I32(if hd == 128 { per } else { hd } as i32));
             attention.extend([
                 side_ints(plans, |p| p.stride),
                 side_ints(plans, |p| p.chunks),
-                Arg::I32((heads * chunks) as i32),
+                Arg::I32((heads / per * chunks) as i32),
                 Arg::F32(1.0 / (hd as f32).sqrt()),
             ]);
             g.launch(
@@ -414,7 +419,7 @@ impl CudaModel {
                     (128, false) => "attention_decode_128_sides",
                     _ => "attention_decode_sides",
                 },
-                (plans.len() * heads * chunks) as u32,
+                (plans.len() * heads / per * chunks) as u32,
                 DECODE_THREADS,
                 attn_shared as u32,
                 &attention,
