@@ -164,20 +164,26 @@ pub enum Arg {
     SideInts([i32; SIDE_SLOTS]),
 }
 
-/// Every kernel of kernels/*.cu, from PTX compiled for this device (or cached), and the dynamic
-/// shared memory the tensor-core kernels may hold per block (bytes; 0 before sm_80).
-pub(super) fn load_kernels(
-    ctx: &Arc<CudaContext>,
-    major: i32,
-    minor: i32,
-) -> Result<(Vec<CudaFunction>, usize)> {
+/// The kernels of kernels/*.cu compiled for `sm_{major}{minor}` (or read from the cache). Needs
+/// no CUDA context, so the GPU's opening runs it beside the context's creation.
+pub(super) fn kernel_image(major: i32, minor: i32) -> Result<Ptx> {
     let _span = crate::support::timing::span("startup: kernels (cubin cache or NVRTC)");
     // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
     // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
-    let image = match compiled_cubin(major, minor) {
-        Ok(cubin) => Ptx::from_binary(cubin),
-        Err(_) => compiled_ptx(major, minor)?,
-    };
+    match compiled_cubin(major, minor) {
+        Ok(cubin) => Ok(Ptx::from_binary(cubin)),
+        Err(_) => compiled_ptx(major, minor),
+    }
+}
+
+/// Every kernel of `image` (`kernel_image`) loaded into `ctx`, and the dynamic shared memory
+/// the tensor-core kernels may hold per block (bytes; 0 before sm_80).
+pub(super) fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    major: i32,
+    image: Ptx,
+) -> Result<(Vec<CudaFunction>, usize)> {
+    let _span = crate::support::timing::span("startup: kernels loaded");
     let module = ctx.load_module(image).map_err(internal("module load"))?;
     let kernels: Vec<CudaFunction> = KERNELS
         .iter()

@@ -34,7 +34,7 @@ pub use memory::{LentPinned, U32Read};
 pub use streams::Graph;
 
 use gemm::{cublas_with_workspace, Gemm};
-use kernels::load_kernels;
+use kernels::{kernel_image, load_kernels};
 use libraries::preload_libraries;
 use memory::{keep_freed_memory, PinnedPool, Staging, WordSlots, STAGING_DEPTH};
 
@@ -125,6 +125,21 @@ fn internal(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
 type Opening = std::thread::JoinHandle<Result<Arc<Gpu>>>;
 static EARLY: std::sync::Mutex<Option<Opening>> = std::sync::Mutex::new(None);
 
+/// Device `ordinal`'s compute capability, from the driver alone (no context); None where the
+/// driver cannot say.
+fn device_capability(ordinal: i32) -> Option<(i32, i32)> {
+    use cudarc::driver::{result, sys::CUdevice_attribute as A};
+    let dev = result::device::get(ordinal).ok()?;
+    // Safety: a device handle the driver just returned, and attributes every device has.
+    unsafe {
+        let major =
+            result::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+        let minor =
+            result::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+        Some((major.ok()?, minor.ok()?))
+    }
+}
+
 /// Starts opening the GPU (driver, context, cuBLAS, kernels) on another thread, so that it
 /// overlaps reading the model; `Gpu::open` then takes it. For a command that knows it will
 /// run on CUDA, right after checking that CUDA is there.
@@ -178,6 +193,12 @@ impl Gpu {
                 return Err(Error::usage("--backend cuda", why, CUDA_FIX));
             }
         }
+        // The kernels compile (or load from the cache) beside the context's creation: NVRTC
+        // needs only the device's architecture.
+        let image = device_capability(0).map(|(major, minor)| {
+            let image = std::thread::spawn(move || kernel_image(major, minor));
+            (major, minor, image)
+        });
         let ctx = CudaContext::new(0).map_err(|e| {
             Error::usage(
                 "--backend cuda",
@@ -225,7 +246,13 @@ impl Gpu {
                 _workspace: workspace,
             }
         };
-        let (kernels, shared_optin) = load_kernels(&ctx, major, minor)?;
+        let image = match image {
+            Some((ma, mi, image)) if (ma, mi) == (major, minor) => image
+                .join()
+                .map_err(|_| Error::Internal("compiling the kernels panicked".into()))??,
+            _ => kernel_image(major, minor)?,
+        };
+        let (kernels, shared_optin) = load_kernels(&ctx, major, image)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let trace = super::trace::Trace::from_env(&ctx);
         let gpu = Arc::new(Gpu {
