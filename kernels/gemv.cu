@@ -75,27 +75,33 @@ struct Row {
         for (int j = 0; i < vecs; i += 32, j++) add_at(a, j, dot8_bf16(ld_stream(wr + i), xv[i]));
         return warp_sum((a[0] + a[1]) + (a[2] + a[3]));
     }
+};
 
-    // `dot` with S inputs at once, out[s] for xs[s], each summed in `dot`'s order (so with its
-    // bits): the row's vectors are read once, and the inputs' loads and sums interleave
-    // instead of waiting one dot after another. `dot` stays a copy of this loop for one input:
-    // written as dot_sides<1> it gave the same bits but a 1-2% slower generate (78-79 against
-    // 77 ms, three rounds alternating).
+// A row of the `_sides` kernels, whose every vector is dotted with several inputs:
+// dot_sides(xs, out) gives out[s] for xs[s], each summed in Row::dot's order (so with the single
+// kernel's bits), the row read once and the inputs' loads and sums interleaved. The weights
+// stream from the first vector in the loop's groups of four, with no preload held in registers
+// and no L2 prefetch: at Qwen3-8B's shapes and five sides 12-22% faster than Row<4>'s preload
+// (scripts/bench_gemv_sides.cu, "streamed" against "row_preloaded"), and the warm default
+// compare at 8B 5.06-5.15 s against 5.34-5.42 s.
+struct Streamed {
+    const uint4* wr;
+    int vecs;
+
+    __device__ __forceinline__ void load(const bf16_t* row, int k) {
+        wr = (const uint4*)row;
+        vecs = k >> 3;
+    }
+
     template <int S>
     __device__ __forceinline__ void dot_sides(const bf16_t* const* xs, float* out) const {
         const uint4* xv[S];
 #pragma unroll
         for (int s = 0; s < S; s++) xv[s] = (const uint4*)xs[s];
-        int lane = threadIdx.x & 31;
         float a[S][4];
 #pragma unroll
         for (int s = 0; s < S; s++) a[s][0] = a[s][1] = a[s][2] = a[s][3] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PRE; j++)
-            if (lane + 32 * j < vecs)
-#pragma unroll
-                for (int s = 0; s < S; s++) a[s][j & 3] += dot8_bf16(w[j], xv[s][lane + 32 * j]);
-        int i = lane + 32 * PRE;
+        int i = threadIdx.x & 31;
         for (; i + 96 < vecs; i += 128) {
             uint4 w0 = ld_stream(wr + i), w1 = ld_stream(wr + i + 32);
             uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
@@ -114,7 +120,6 @@ struct Row {
         }
 #pragma unroll
         for (int s = 0; s < S; s++) out[s] = (a[s][0] + a[s][1]) + (a[s][2] + a[s][3]);
-        // warp_sum's butterfly, the sides' shuffles interleaved.
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
             for (int s = 0; s < S; s++) out[s] += __shfl_xor_sync(0xffffffffu, out[s], o);
@@ -250,7 +255,7 @@ extern "C" __global__ void gemv_add_bf16(const bf16_t* __restrict__ x,
 }
 
 // The same GEMVs for several decode steps at once (one per side, see `Sides`), in one launch:
-// a warp reads its weight row once and dots it with every side's input (Row::dot_sides, each
+// a warp reads its weight row once and dots it with every side's input (Streamed::dot_sides, each
 // side in `dot`'s order, so with the single kernel's bits). The inputs stay in L1, the weights
 // stream past it. Interleaving one block of the single kernel per side instead read the
 // weights from DRAM once per side: a row was gone from L2 before the next side's block read it
@@ -276,7 +281,7 @@ extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w
                                            int m, int sides) {
     pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> r;
+    Streamed r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
     if (row >= m) return;
@@ -296,7 +301,7 @@ extern "C" __global__ void gemv_add_bf16_sides(Sides x, const bf16_t* __restrict
                                                int sides) {
     pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<8> r;
+    Streamed r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
     if (row >= m) return;
@@ -319,7 +324,7 @@ extern "C" __global__ void gemv_swiglu_bf16_sides(Sides x, const bf16_t* __restr
                                                   Sides out, int k, int inter, int sides) {
     pdl_trigger();
     int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> gate, up;
+    Streamed gate, up;
     if (j < inter) {
         gate.load(w + (size_t)j * k, k);
         up.load(w + (size_t)(inter + j) * k, k);
@@ -348,7 +353,7 @@ extern "C" __global__ void gemv_add_norm_bf16_sides(Sides x, const bf16_t* __res
     __shared__ float scratch[32];
     pdl_trigger();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<8> r;
+    Streamed r;
     if (row < m) r.load(w + (size_t)row * k, k);
     pdl_wait();
     if (row < m) {
