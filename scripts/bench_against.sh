@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One kvdiff binary against another (a baseline commit's) on the default compare (every path,
+# every tap, auto tolerance, 512 + 64 tokens) on random bf16 models of Qwen3-8B's and
+# Qwen3-0.6B's shapes: a cold run each (empty kvdiff cache; KVDIFF_TIMING's table kept in
+# $BENCH_OUT), then ROUNDS warm rounds alternating the two. Prints wall and lockstep time per
+# run and whether the JSON reports are byte for byte alike, the table last.
+# On the GPU machine, binaries built elsewhere and carried (scripts/stage_gpu_binaries.sh):
+#   scripts/bench_against.sh NEW_BINARY BASELINE_BINARY [SHAPES...]   (default: 8b 0.6b)
+#   env: ROUNDS (3), BENCH_OUT (where the runs' stderr go; default /tmp/kvdiff-against)
+set -uo pipefail
+[ $# -ge 2 ] || { echo "usage: $0 NEW_BINARY BASELINE_BINARY [SHAPES...]" >&2; exit 2; }
+new=$1 base=$2
+shift 2
+shapes=("$@")
+[ ${#shapes[@]} -gt 0 ] || shapes=(8b 0.6b)
+w=/tmp/kvdiff-calibration out=${BENCH_OUT:-/tmp/kvdiff-against}
+mkdir -p "$w" "$out"
+table=()
+one() {  # label binary shape round: wall ms and lockstep ms of one run
+  local label=$1 b=$2 s=$3 r=$4 t0 t1 rc
+  t0=$(date +%s%N)
+  KVDIFF_TIMING=1 KVDIFF_CACHE_DIR="$w/against-cache-$label" "$b" -vv compare --backend cuda \
+    --model "$w/model-$s" --max-new-tokens 64 --json "$out/$label-$s.json" "$w/prompt-$s.json" \
+    > /dev/null 2> "$out/$label-$s-$r.err"
+  rc=$?
+  t1=$(date +%s%N)
+  echo "$(((t1 - t0) / 1000000)) $rc $(grep -o 'paths compared together in [0-9.]*' "$out/$label-$s-$r.err" |
+    grep -o '[0-9.]*$')"
+}
+for s in "${shapes[@]}"; do
+  [ -f "$w/model-$s/config.json" ] ||
+    python3 scripts/bench_hf.py build .cache/qwen3-tokenizer "$w/model-$s" "$w/prompt-$s.json" "$s" > /dev/null
+  cat "$w/model-$s"/*.safetensors > /dev/null
+  rm -rf "$w/against-cache-new" "$w/against-cache-base"
+  for label in base new; do
+    b=$base
+    [ "$label" = new ] && b=$new
+    read -r ms rc lock <<< "$(one "$label" "$b" "$s" cold)"
+    table+=("$s $label cold: wall $ms ms, lockstep ${lock:-?} ms, exit $rc")
+  done
+  for r in $(seq "${ROUNDS:-3}"); do
+    for label in base new; do
+      b=$base
+      [ "$label" = new ] && b=$new
+      read -r ms rc lock <<< "$(one "$label" "$b" "$s" "$r")"
+      table+=("$s $label warm $r: wall $ms ms, lockstep ${lock:-?} ms, exit $rc")
+    done
+  done
+  if cmp -s "$out/base-$s.json" "$out/new-$s.json"; then
+    table+=("$s: the reports are byte for byte alike")
+  else
+    table+=("$s: the reports DIFFER")
+  fi
+done
+printf '%s\n' "${table[@]}"
