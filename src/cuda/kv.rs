@@ -204,6 +204,41 @@ impl DeviceKv for CudaKv {
         true
     }
 
+    fn gather(
+        &self,
+        runs: &[(usize, usize)],
+        layers: std::ops::Range<usize>,
+    ) -> Option<Vec<(Vec<f32>, Vec<f32>)>> {
+        let d = self.kv_dim;
+        let per = runs.iter().map(|&(_, n)| n).sum::<usize>() * d;
+        if per == 0 {
+            return Some(vec![(Vec::new(), Vec::new()); layers.len()]);
+        }
+        let mut scratch = self.gpu.alloc::<f32>(2 * layers.len() * per);
+        let mut at = 0;
+        for l in layers.clone() {
+            for src in [&self.keys[l], &self.values[l]] {
+                for &(from, n) in runs {
+                    debug_assert!(from + n <= self.len);
+                    self.gpu
+                        .stream()
+                        .memcpy_dtod(
+                            &src.slice(from * d..(from + n) * d),
+                            &mut scratch.slice_mut(at..at + n * d),
+                        )
+                        .expect("CUDA copy");
+                    at += n * d;
+                }
+            }
+        }
+        let all = self.gpu.download_range(&scratch, 0, at);
+        Some(
+            all.chunks(2 * per)
+                .map(|c| (c[..per].to_vec(), c[per..].to_vec()))
+                .collect(),
+        )
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }

@@ -107,23 +107,18 @@ fn runs(rows: &[usize], slot: impl Fn(usize) -> usize) -> Vec<(usize, usize, usi
 /// Offers the cache's K/V of tokens `rows` (positions = entries) at layers 1 on, as taps.
 fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn TapSink) {
     let c = &model.config;
-    let (kvh, hd, kv) = (c.num_key_value_heads, c.head_dim, c.kv_dim());
-    let (layers, positions) = cache.host_parts();
-    let pos: Vec<usize> = rows.iter().map(|&t| positions[t]).collect();
-    for (l, layer) in layers.iter().enumerate().skip(1) {
-        for (tap, data) in [(LayerTap::KRope, &layer.keys), (LayerTap::V, &layer.values)] {
-            let picked: Vec<f32> = rows
-                .iter()
-                .flat_map(|&t| &data[t * kv..(t + 1) * kv])
-                .copied()
-                .collect();
+    let (kvh, hd) = (c.num_key_value_heads, c.head_dim);
+    let pos: Vec<usize> = rows.iter().map(|&t| cache.positions[t]).collect();
+    let picked = cache.rows(rows, 1..c.num_hidden_layers);
+    for (l, (keys, values)) in (1..).zip(&picked) {
+        for (tap, data) in [(LayerTap::KRope, keys), (LayerTap::V, values)] {
             emit(
                 sink,
                 0,
                 TapId::Layer(l, tap),
                 &pos,
                 &[rows.len(), kvh, hd],
-                &picked,
+                data,
             );
         }
     }
