@@ -58,6 +58,11 @@ fn preload(lib: &str) -> bool {
     })
 }
 
+/// Whether NVRTC loads (kept loaded): cudarc panics on its first NVRTC call where it does not.
+pub(super) fn nvrtc_loads() -> bool {
+    preload("nvrtc")
+}
+
 /// Loads NVRTC (and cuBLAS where asked for) on another thread, beside the driver starting;
 /// the thread says which one is missing.
 pub(super) fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {

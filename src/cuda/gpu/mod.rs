@@ -35,7 +35,7 @@ pub use streams::Graph;
 
 use gemm::{cublas_with_workspace, Gemm};
 use kernels::{kernel_image, load_kernels};
-use libraries::preload_libraries;
+use libraries::{nvrtc_loads, preload_libraries};
 use memory::{keep_freed_memory, PinnedPool, Staging, WordSlots, STAGING_DEPTH};
 
 /// Side streams, handed out round robin: a comparison's references (two with an invariant's
@@ -196,7 +196,13 @@ impl Gpu {
         // The kernels compile (or load from the cache) beside the context's creation: NVRTC
         // needs only the device's architecture.
         let image = device_capability(0).map(|(major, minor)| {
-            let image = std::thread::spawn(move || kernel_image(major, minor));
+            let image = std::thread::spawn(move || {
+                // Without NVRTC cudarc would panic here; `missing` below says what to install.
+                if !nvrtc_loads() {
+                    return Err(Error::Internal("NVRTC (libnvrtc.so) was not found".into()));
+                }
+                kernel_image(major, minor)
+            });
             (major, minor, image)
         });
         let ctx = CudaContext::new(0).map_err(|e| {
