@@ -55,13 +55,14 @@ pub trait DeviceKv: Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-/// `rows` as runs `(from, n)` of consecutive entries, in their order.
-fn row_runs(rows: &[usize]) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
+/// `rows` moved to `slot(row)`, as runs `(from, to, n)` of consecutive rows landing on
+/// consecutive slots, in the rows' order: one device copy per run and layer.
+pub fn entry_runs(rows: &[usize], slot: impl Fn(usize) -> usize) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
     for &t in rows {
         match out.last_mut() {
-            Some((from, n)) if *from + *n == t => *n += 1,
-            _ => out.push((t, 1)),
+            Some((from, to, n)) if *from + *n == t && *to + *n == slot(t) => *n += 1,
+            _ => out.push((t, slot(t), 1)),
         }
     }
     out
@@ -202,7 +203,11 @@ impl KvCache {
     ) -> Vec<(Vec<f32>, Vec<f32>)> {
         if let Some(d) = &self.device {
             if self.host_len < d.len() {
-                if let Some(out) = d.gather(&row_runs(rows), layers.clone()) {
+                let runs: Vec<(usize, usize)> = entry_runs(rows, |t| t)
+                    .into_iter()
+                    .map(|(from, _, n)| (from, n))
+                    .collect();
+                if let Some(out) = d.gather(&runs, layers.clone()) {
                     return out;
                 }
             }
@@ -318,12 +323,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn runs_of_rows_join_consecutive_entries_in_order() {
-        assert_eq!(row_runs(&[]), vec![]);
-        assert_eq!(row_runs(&[3]), vec![(3, 1)]);
-        assert_eq!(row_runs(&[0, 1, 2, 5, 6, 9]), vec![(0, 3), (5, 2), (9, 1)]);
+    fn rows_become_runs_of_consecutive_rows_and_slots() {
+        assert_eq!(entry_runs(&[], |t| t), vec![]);
+        assert_eq!(
+            entry_runs(&[0, 1, 2, 5, 6, 9], |t| t),
+            [(0, 0, 3), (5, 5, 2), (9, 9, 1)]
+        );
+        // Shifted slots wrapping at n = 8: row 7 lands on 0, which breaks the run.
+        assert_eq!(
+            entry_runs(&[5, 6, 7], |t| (t + 1) % 8),
+            [(5, 6, 2), (7, 0, 1)]
+        );
         // Out of order: a run only where the next row follows the last.
-        assert_eq!(row_runs(&[4, 2, 3, 3]), vec![(4, 1), (2, 2), (3, 1)]);
+        assert_eq!(
+            entry_runs(&[4, 2, 3, 3], |t| t),
+            [(4, 4, 1), (2, 2, 2), (3, 3, 1)]
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use super::chunk_reuse::{reused_prefix, Reuse};
 use super::ChunkStore;
 use crate::engine::chunks::ChunkedPrompt;
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{entry_runs, KvCache};
 use crate::engine::model::{Batch, Model};
 use crate::engine::pass::StepLogits;
 use crate::tap::{emit, LayerTap, NullSink, TapId, TapSink};
@@ -74,7 +74,7 @@ pub fn blended_prefix(
         }
     };
     let layers = 1..model.config.num_hidden_layers;
-    if !cache.copy_entries_on_device(&mut full, &runs(&chosen, slot), layers.clone()) {
+    if !cache.copy_entries_on_device(&mut full, &entry_runs(&chosen, slot), layers.clone()) {
         let full = full.layers();
         let blended = cache.layers_mut();
         for &t in &chosen {
@@ -89,19 +89,6 @@ pub fn blended_prefix(
         offer_rows(model, &mut cache, &chosen, out);
     }
     cache
-}
-
-/// `rows` (ascending) copied to `slot(row)`, as runs `(from, to, n)` of consecutive rows
-/// landing on consecutive slots: one device copy per run and layer.
-fn runs(rows: &[usize], slot: impl Fn(usize) -> usize) -> Vec<(usize, usize, usize)> {
-    let mut out: Vec<(usize, usize, usize)> = Vec::new();
-    for &t in rows {
-        match out.last_mut() {
-            Some((from, to, n)) if *from + *n == t && *to + *n == slot(t) => *n += 1,
-            _ => out.push((t, slot(t), 1)),
-        }
-    }
-    out
 }
 
 /// Offers the cache's K/V of tokens `rows` (positions = entries) at layers 1 on, as taps.
@@ -121,21 +108,5 @@ fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn
                 data,
             );
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::runs;
-
-    #[test]
-    fn rows_become_runs_of_consecutive_rows_and_slots() {
-        assert_eq!(runs(&[], |t| t), vec![]);
-        assert_eq!(
-            runs(&[0, 1, 2, 5, 6, 9], |t| t),
-            [(0, 0, 3), (5, 5, 2), (9, 9, 1)]
-        );
-        // Shifted slots wrapping at n = 8: row 7 lands on 0, which breaks the run.
-        assert_eq!(runs(&[5, 6, 7], |t| (t + 1) % 8), [(5, 6, 2), (7, 0, 1)]);
     }
 }
