@@ -230,6 +230,7 @@ impl<'m> Calibration<'m> {
             ..Batch::new(&self.tokens, &self.positions)
         };
         if let Some(d) = &self.device {
+            let _span = crate::support::timing::span("calibration: pass measured on the GPU");
             let mut meter = d.meter();
             model.forward(batch, &mut model.new_cache(), 0, &mut meter);
             return meter

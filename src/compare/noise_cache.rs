@@ -48,6 +48,8 @@ const MIN_BUCKET: usize = 64;
 pub struct Slot {
     /// The key of everything but positions and backends.
     base: String,
+    /// The entry marking the model calibrated (`model_calibrated_before`).
+    model: Option<String>,
     /// The backends the run needs noise for, sorted.
     backends: Vec<String>,
     /// The highest position the run reaches.
@@ -95,6 +97,7 @@ pub fn slot(
     backends.dedup();
     Some(Slot {
         base: base_key(src, prompt_ids, gpu_reference)?,
+        model: model_entry(src),
         backends,
         needed: last_position,
         calibrate_at,
@@ -146,6 +149,9 @@ impl Slot {
             let entry = self.entry(&self.backends.join("+"), bucket(self.calibrate_at));
             crate::support::cache::write(&entry, &bytes);
         }
+        if let Some(m) = &self.model {
+            crate::support::cache::write(m, b"");
+        }
     }
 
     /// Why a run calibrates, for `-v`.
@@ -173,6 +179,17 @@ fn base_key(src: &ModelSource, prompt_ids: &[u32], gpu_reference: bool) -> Optio
         true => Some(crate::cuda::device_name()?),
         false => None,
     };
+    let mut h = model_hasher(src)?;
+    prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
+    // The GPU's GEMMs may be cuBLAS's (the benchmark's peer): other sums, other noise.
+    let gemm = device.as_ref().map(|_| crate::cuda::cublas_asked());
+    (gpu_reference, device, gemm).hash(&mut h);
+    Some(format!("{:016x}", h.finish()))
+}
+
+/// A hasher fed what a calibration depends on before its prompt: the profile's schema, this
+/// kvdiff binary, the model's files.
+fn model_hasher(src: &ModelSource) -> Option<std::collections::hash_map::DefaultHasher> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     PROFILE_SCHEMA.hash(&mut h);
     // A rebuilt kvdiff may compute differently.
@@ -194,11 +211,20 @@ fn base_key(src: &ModelSource, prompt_ids: &[u32], gpu_reference: bool) -> Optio
             files.hash(&mut h);
         }
     }
-    prompt_ids[..prompt_ids.len().min(CALIBRATION_TOKENS)].hash(&mut h);
-    // The GPU's GEMMs may be cuBLAS's (the benchmark's peer): other sums, other noise.
-    let gemm = device.as_ref().map(|_| crate::cuda::cublas_asked());
-    (gpu_reference, device, gemm).hash(&mut h);
-    Some(format!("{:016x}", h.finish()))
+    Some(h)
+}
+
+/// The cache entry marking that this binary calibrated this model at least once.
+fn model_entry(src: &ModelSource) -> Option<String> {
+    Some(format!("noise-seen/{:016x}", model_hasher(src)?.finish()))
+}
+
+/// Whether this kvdiff binary stored a calibration of this model before, for any prompt: a run
+/// that finds none will likely calibrate, and can prepare for it before its prompt is tokenized.
+pub fn model_calibrated_before(src: &ModelSource) -> bool {
+    model_entry(src)
+        .and_then(|e| crate::support::cache::path(&e))
+        .is_some_and(|p| p.exists())
 }
 
 /// The calibration stored in cache entry `entry`, if any and readable.

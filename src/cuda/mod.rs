@@ -50,8 +50,8 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 pub use launch::PrefillAttention;
 pub use memo::MemoAct;
 pub use oracle::{
-    keep as oracle_keep, prefill as oracle_prefill, unavailable as oracle_unavailable,
-    Precision as OraclePrecision,
+    expect as expect_gpu_oracle, keep as oracle_keep, prefill as oracle_prefill,
+    unavailable as oracle_unavailable, Precision as OraclePrecision,
 };
 pub use oracle_meter::{DeviceMeter, DeviceOracle};
 pub use oracle_weights::attach_f32_weights;

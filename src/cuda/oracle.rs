@@ -9,6 +9,9 @@
 //! KV cache and no path. It shares only the weights the GPU holds, and only where they are the
 //! checkpoint's own values (`CudaModel::exact_weights`); elsewhere the CPU oracle runs.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use crate::support::timing::span;
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::CudaSlice;
@@ -18,6 +21,7 @@ use super::oracle_meter::{DeviceOracle, Keeper};
 use super::oracle_weights::{Weights, W};
 use super::taps::offer_at;
 use super::upload::{cuda_model_of, CudaModel};
+use crate::engine::config::Config;
 use crate::engine::model::Model;
 use crate::error::{Error, Result};
 use crate::tap::{LayerTap, TapId, TapSink};
@@ -151,51 +155,9 @@ impl<'a> Pass<'a> {
     /// outputs; the weight rows start `at` values into the widened buffer.
     #[allow(clippy::too_many_arguments)]
     fn gemm(&self, x: u64, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
+        let _span = span("calibration: GPU oracle's GEMM enqueued");
         let w = self.wide.at(self.g, at);
-        let (t, compute) = match self.p {
-            Precision::F64 => (
-                blas_sys::cudaDataType_t::CUDA_R_64F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-            ),
-            Precision::Bf16Emulation | Precision::F32 => (
-                blas_sys::cudaDataType_t::CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-            ),
-        };
-        let (a64, b64) = (1.0f64, 0.0f64);
-        let (a32, b32) = (1.0f32, 0.0f32);
-        let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = match self.p {
-            Precision::F64 => (&a64 as *const f64 as _, &b64 as *const f64 as _),
-            Precision::Bf16Emulation | Precision::F32 => {
-                (&a32 as *const f32 as _, &b32 as *const f32 as _)
-            }
-        };
-        // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ.
-        // Safety: the buffers hold the shapes given; alpha and beta outlive the call.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m as i32,
-                n as i32,
-                k as i32,
-                alpha,
-                w as *const _,
-                t,
-                k as i32,
-                x as *const _,
-                t,
-                k as i32,
-                beta,
-                y as *mut _,
-                t,
-                ldy as i32,
-                compute,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .expect("cuBLAS GemmEx (oracle)");
+        gemm_ex(self.blas, self.p, (w, x, y), (n, k, m), ldy);
     }
 
     /// `x[n, k] · wᵀ` for a weight `w` of `m` rows, widened first: a new `[n, m]` buffer.
@@ -273,6 +235,136 @@ impl<'a> Pass<'a> {
     }
 }
 
+/// `y[t, j] (row stride ldy) = Σ_i x[t, i] · w[j, i]` in `p`'s precision, on cuBLAS.
+fn gemm_ex(
+    blas: &CudaBlas,
+    p: Precision,
+    (w, x, y): (u64, u64, u64),
+    (n, k, m): (usize, usize, usize),
+    ldy: usize,
+) {
+    let (t, compute) = match p {
+        Precision::F64 => (
+            blas_sys::cudaDataType_t::CUDA_R_64F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+        Precision::Bf16Emulation | Precision::F32 => (
+            blas_sys::cudaDataType_t::CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        ),
+    };
+    let (a64, b64) = (1.0f64, 0.0f64);
+    let (a32, b32) = (1.0f32, 0.0f32);
+    let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = match p {
+        Precision::F64 => (&a64 as *const f64 as _, &b64 as *const f64 as _),
+        Precision::Bf16Emulation | Precision::F32 => {
+            (&a32 as *const f32 as _, &b32 as *const f32 as _)
+        }
+    };
+    // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ.
+    // Safety: the buffers hold the shapes given; alpha and beta outlive the call.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m as i32,
+            n as i32,
+            k as i32,
+            alpha,
+            w as *const _,
+            t,
+            k as i32,
+            x as *const _,
+            t,
+            k as i32,
+            beta,
+            y as *mut _,
+            t,
+            ldy as i32,
+            compute,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .expect("cuBLAS GemmEx (oracle)");
+}
+
+/// Values of the widening buffer: a layer's largest matrix (the LM head goes through it in
+/// blocks).
+fn widest(c: &Config) -> usize {
+    let (h, inter) = (c.hidden_size, c.intermediate_size);
+    let (qd, kvd) = (c.q_dim(), c.kv_dim());
+    [(qd + 2 * kvd) * h, h * qd, 2 * inter * h, h * inter]
+        .into_iter()
+        .max()
+        .unwrap_or(1)
+}
+
+/// The calibration prefill's rows a run expects to measure on the GPU oracle (0: none).
+static EXPECTED_ROWS: AtomicUsize = AtomicUsize::new(0);
+
+/// For a run that may calibrate its noise model on the GPU oracle: cuBLAS loads now; with
+/// `rows` (a run that likely will, with a prefill of that many tokens), the oracle's first
+/// GEMMs also run once the GPU is open, on a thread of their own (`warm_up_in_background`),
+/// while the weights stream in.
+pub fn expect(rows: Option<usize>) {
+    if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
+        return;
+    }
+    EXPECTED_ROWS.store(rows.unwrap_or(0), Ordering::Relaxed);
+    super::gpu::preload_cublas_in_background();
+}
+
+/// Where `expect` was called: one GEMM of every shape and precision the oracle's passes run,
+/// on a thread of its own. A process's first cuBLAS GEMM in f64, and again its first in f32,
+/// took 0.11–0.14 s of host time each (an H100, CUDA 13): that much of a cold run's
+/// calibration, paid here beside the weights' upload. `KVDIFF_ORACLE_WARM_UP=0` leaves it out.
+pub(super) fn warm_up_in_background(gpu: &Arc<Gpu>, c: &Config) {
+    let rows = EXPECTED_ROWS.load(Ordering::Relaxed);
+    let off = std::env::var("KVDIFF_ORACLE_WARM_UP").as_deref() == Ok("0");
+    if rows == 0 || off || c.arch.moe.is_some() {
+        return;
+    }
+    let (gpu, c) = (gpu.clone(), c.clone());
+    std::thread::spawn(move || {
+        let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
+        gpu.oracle_blas_warmed(|blas| warm_up(&gpu, blas, &c, rows));
+    });
+}
+
+fn warm_up(g: &Gpu, blas: &CudaBlas, c: &Config, n: usize) {
+    let (h, inter) = (c.hidden_size, c.intermediate_size);
+    let (qd, kvd, v) = (c.q_dim(), c.kv_dim(), c.vocab_size);
+    let head_rows = (widest(c) / h).clamp(1, v);
+    // (k, m) of `layer`'s products and of the LM head's blocks.
+    let mut shapes = vec![
+        (h, qd),
+        (h, kvd),
+        (qd, h),
+        (h, inter),
+        (inter, h),
+        (h, head_rows),
+    ];
+    if v % head_rows != 0 {
+        shapes.push((h, v % head_rows));
+    }
+    let most = |f: fn(&(usize, usize)) -> usize| shapes.iter().map(f).max().unwrap_or(1);
+    let (weights, ks, ms) = (most(|(k, m)| k * m), most(|s| s.0), most(|s| s.1));
+    for p in [Precision::F64, Precision::Bf16Emulation] {
+        // The products' values are never read: the buffers are left as allocated.
+        let bytes = p.bytes();
+        let (w, x, y) = (
+            g.alloc::<u8>(weights * bytes),
+            g.alloc::<u8>(n * ks * bytes),
+            g.alloc::<u8>(n * ms * bytes),
+        );
+        let at = |b: &CudaSlice<u8>| ptr(g, b, 0);
+        for &(k, m) in &shapes {
+            gemm_ex(blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
+        }
+    }
+}
+
 /// The standard prefill of `tokens` on the GPU `model` holds, at `precision`: token `t` rotated
 /// at `rope_positions[t]` and tapped at `positions[t]` (which must be `0..n`), every tap offered
 /// to `sink` in f32 as step 0, as `engine::oracle::prefill` offers them. Fails where
@@ -295,10 +387,7 @@ pub fn prefill(
     debug_assert!(positions.iter().enumerate().all(|(i, &p)| i == p));
     let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
     let (qd, kvd) = (c.q_dim(), c.kv_dim());
-    let wide_len = [(qd + 2 * kvd) * h, h * qd, 2 * inter * h, h * inter]
-        .into_iter()
-        .max()
-        .unwrap_or(1);
+    let wide_len = widest(c);
     // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
     // logits), the widened weights, and every tap kept in f32 (the f64 pass's); refused, not
     // crashed, where the GPU lacks the room.
@@ -370,6 +459,7 @@ pub fn prefill(
         }
         pass.tap(sink, TapId::Logits, positions, &[n, v], &logits);
     }
+    let _wait = span("calibration: GPU oracle pass run (GPU wait)");
     g.sync();
     Ok(())
 }

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Arg, Gpu};
-use crate::tap::{DeviceTap, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+use super::launch::launch_probs_from_stats;
+use crate::tap::{AttnParts, DeviceTap, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
 /// One oracle tap, rounded to f32: `[tokens, width]`, contiguous.
 struct Kept {
@@ -189,6 +190,33 @@ impl DeviceMeter<'_> {
         true
     }
 
+    /// Attention probabilities offered as what rebuilds them: rebuilt into a buffer on the GPU
+    /// and measured there. Copied to the host and back instead, each layer would wait for the
+    /// GPU twice.
+    fn measure_parts(&self, tap: &DeviceTap<'_>, parts: &AttnParts, first: usize) -> bool {
+        let fits = self.oracle.taps.get(&tap.id).is_some_and(|k| {
+            k.shape.last() == Some(&tap.width) && k.shape.len() == 3 && k.shape[1] == parts.heads
+        });
+        if !fits || tap.rows_per_token != parts.heads {
+            return false;
+        }
+        let g = &self.oracle.gpu;
+        let n = tap.positions.len();
+        let rows: Vec<i32> = (0..n as i32).collect();
+        let rows = g.upload(&rows);
+        let out = g.alloc::<f32>(tap.rows * tap.width);
+        let at = ptr(g, &out, 0);
+        launch_probs_from_stats(g, parts, ptr(g, &rows, 0), n, tap.width, at);
+        // Both buffers are freed in stream order, after the meter that reads them.
+        self.measure(
+            tap.id,
+            at,
+            n,
+            first,
+            (tap.rows_per_token, tap.width, tap.width),
+        )
+    }
+
     /// Where `positions` lie among the oracle's: the first token, when they are consecutive
     /// there.
     fn first_token(&self, positions: &[usize]) -> Option<usize> {
@@ -200,6 +228,7 @@ impl DeviceMeter<'_> {
 
     /// Per tap, the largest row error, or the first non-finite value as (tap, position).
     pub fn finish(self) -> Result<BTreeMap<TapId, f32>, (TapId, usize)> {
+        let _span = crate::support::timing::span("calibration: meter read back (GPU wait)");
         let g = &self.oracle.gpu;
         let n = self.slots.len().max(1);
         let errs = g.download(&self.errs, n);
@@ -230,7 +259,7 @@ impl TapSink for DeviceMeter<'_> {
     }
 
     fn record_device(&mut self, _step: usize, tap: &DeviceTap<'_>) -> bool {
-        if !same_gpu(tap.device, &self.oracle.gpu) || tap.ptr == 0 || tap.lead != 0 {
+        if !same_gpu(tap.device, &self.oracle.gpu) || tap.lead != 0 {
             return false;
         }
         let tokens = tap.positions.len();
@@ -241,7 +270,11 @@ impl TapSink for DeviceMeter<'_> {
             return false;
         };
         let shape = (tap.rows_per_token, tap.width, tap.stride);
-        let done = self.measure(tap.id, tap.ptr, tokens, first, shape);
+        let done = match (&tap.parts, tap.ptr) {
+            (Some(parts), 0) => self.measure_parts(tap, parts, first),
+            (None, 0) => false,
+            _ => self.measure(tap.id, tap.ptr, tokens, first, shape),
+        };
         if done {
             self.seen.insert(tap.id);
         }
@@ -266,6 +299,7 @@ impl TapSink for DeviceMeter<'_> {
         let Some(k) = self.oracle.taps.get(&v.id) else {
             return;
         };
+        let _span = crate::support::timing::span("calibration: tap measured on the host");
         let g = &self.oracle.gpu;
         let mut worst = 0f32;
         for (r, &pos) in v.positions.iter().enumerate() {

@@ -135,6 +135,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     let config = config.clone();
                     std::thread::spawn(move || -> Result<Arc<Gpu>> {
                         let gpu = Gpu::open()?;
+                        super::oracle::warm_up_in_background(&gpu, &config);
                         if gpu.gemm_needs_warm_up() {
                             let _span =
                                 crate::support::timing::span("startup: cuBLAS shape warm-up");
@@ -164,6 +165,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     &ckpt.first_file(),
                 )?;
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
+                super::oracle::warm_up_in_background(&gpu, config);
                 (gpu, buffers, false)
             }
         };

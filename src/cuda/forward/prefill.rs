@@ -11,7 +11,7 @@ use crate::cuda::kv::CudaKv;
 use crate::cuda::upload::CudaModel;
 use crate::cuda::workspace::Workspace;
 use crate::engine::pass::StepLogits;
-use crate::tap::{emit, LayerTap, TapId, TapSink};
+use crate::tap::{emit, DeviceTap, LayerTap, TapId, TapSink};
 
 impl CudaModel {
     /// A pass of `n` > 1 tokens. It works in buffers shared by all layers and offers each
@@ -118,9 +118,33 @@ impl CudaModel {
         }
         let m = rows.len();
         let logits = g.alloc::<f32>(m * vocab);
-        self.lm_head_rows(ws, rows.start, m, ptr(g, &logits, 0));
-        let all = g.download(&logits, m * vocab);
+        let at = ptr(g, &logits, 0);
+        self.lm_head_rows(ws, rows.start, m, at);
         let t = &pass.taps;
+        // Every position's logits (a calibration's 128 rows are 78 MB) are offered where they
+        // are: a sink on the GPU takes them there instead of through the host. The last row
+        // alone goes to the host as it did.
+        if m > 1 {
+            let tap = DeviceTap {
+                id: TapId::Logits,
+                positions: &t.pos[rows.clone()],
+                device: &self.device,
+                ptr: at,
+                rows: m,
+                width: vocab,
+                stride: vocab,
+                rows_per_token: 1,
+                lead: 0,
+                persistent: false,
+                shape: vec![m, vocab],
+                parts: None,
+                owner: None,
+            };
+            if sink.record_device(t.step, &tap) {
+                return StepLogits::Host(g.download_range(&logits, (m - 1) * vocab, m * vocab));
+            }
+        }
+        let all = g.download(&logits, m * vocab);
         emit(sink, t.step, TapId::Logits, &t.pos[rows], &[m, vocab], &all);
         StepLogits::Host(all[(m - 1) * vocab..].to_vec())
     }

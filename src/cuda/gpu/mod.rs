@@ -392,13 +392,29 @@ impl Gpu {
     /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's;
     /// `None` where cuBLAS cannot be loaded or started.
     pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
+        self.oracle_blas_warmed(|_| {})
+    }
+
+    /// `oracle_blas`, running `warm` on the handle when this call makes it: a caller on
+    /// another thread waits for both, so the handle is never used by two threads at once.
+    pub(crate) fn oracle_blas_warmed(
+        &self,
+        warm: impl FnOnce(&cudarc::cublas::CudaBlas),
+    ) -> Option<&cudarc::cublas::CudaBlas> {
         self.oracle_blas
             .get_or_init(|| {
                 if !libraries::cublas_loadable() {
                     return None;
                 }
-                let _span = crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
-                cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
+                let made = {
+                    let _span =
+                        crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
+                    cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
+                };
+                if let Some(blas) = &made {
+                    warm(blas);
+                }
+                made
             })
             .as_ref()
     }
