@@ -1125,6 +1125,7 @@ fn paths_run_together_report_what_each_run_alone_reports() {
             None,
             Some("rerotate-wrong-sign"),
             Some("cached-mask-off-by-one"),
+            Some("blend-wrong-slot"),
         ] {
             let run = |name: &str, env: &[(&str, &str)]| -> (serde_json::Value, String) {
                 let json = tmp.path().join(format!("{name}.json"));
@@ -1157,6 +1158,12 @@ fn paths_run_together_report_what_each_run_alone_reports() {
             let (together, err) = run("together", &[]);
             assert!(
                 err.contains("paths compared together"),
+                "{fault:?} {model:?}: {err}"
+            );
+            assert!(
+                err.contains(
+                    "recomputed K/V = standard's @cuda: checked on its path's own prefill"
+                ),
                 "{fault:?} {model:?}: {err}"
             );
             let (alone, err) = run("alone", &[("KVDIFF_LANES", "0")]);

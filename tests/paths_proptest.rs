@@ -8,8 +8,8 @@ mod common;
 
 use common::*;
 use kvdiff::compare::diff::Tolerance;
-use kvdiff::compare::driver::{CompareSpec, Lane, Prefill};
-use kvdiff::compare::invariants::blend_one_prefill;
+use kvdiff::compare::driver::{CompareSpec, Lane, Prefill, RowsCheck, RowsPrefill};
+use kvdiff::compare::invariants::{blend_one_prefill, Invariant};
 use kvdiff::compare::report::PathReport;
 use kvdiff::engine::arch::{ArchSpec, Family, Moe};
 use kvdiff::engine::chunks::ChunkedPrompt;
@@ -330,6 +330,17 @@ proptest! {
                 }
             })
             .collect();
+        // The blend's recomputed rows held to standard's on the blend path's own prefill.
+        let rows_taps = Invariant::blend_rows_taps(m.config.num_hidden_layers);
+        let rows_spec = Invariant::blend_rows_spec(&spec, &rows_taps);
+        let rows_inv = Invariant::BlendRowsAreFull(0.5);
+        let rows_prefill = |m: &Model,
+                            pr: &ChunkedPrompt,
+                            store: &mut ChunkStore,
+                            sink: &mut dyn TapSink,
+                            rows: &mut dyn TapSink| {
+            kvdiff::paths::blend::prefill_offering_rows(m, pr, 0.5, store, sink, Some(rows))
+        };
         let mut lanes: Vec<Lane<'_>> = paths
             .iter()
             .zip(&prefills)
@@ -338,12 +349,18 @@ proptest! {
                 if *p == PathSpec::ChunkReuse(Reuse::Rerotate) {
                     held_to.push((&global, "rerotate = global".to_string(), true));
                 }
+                let rows = (*p == PathSpec::Blend(0.5)).then(|| RowsCheck {
+                    prefill: &rows_prefill as &dyn RowsPrefill,
+                    spec: &rows_spec,
+                    name: rows_inv.label(),
+                });
                 Lane {
                     name: p.to_string(),
                     exact: p.exact(),
                     split: p.decode_split(&prompt),
                     prefill: prefill as &dyn Prefill,
                     held_to,
+                    rows,
                 }
             })
             .collect();
@@ -353,6 +370,7 @@ proptest! {
             split: 0,
             prefill: &blend_one_prefill,
             held_to: vec![(&spec, "blend:1 = standard".to_string(), true)],
+            rows: None,
         });
         let together = spec.run_lanes(&lanes).unwrap();
         prop_assert_eq!(together.len(), lanes.len());
@@ -362,6 +380,16 @@ proptest! {
             let alone = spec
                 .run_beside(&others, &lane.name, lane.exact, lane.split, lane.prefill)
                 .unwrap();
+            let mut reports = reports.clone();
+            if let Some(r) = &lane.rows {
+                let rows = Invariant::rows_verdict(reports.pop().unwrap());
+                let own = rows_inv.run(&spec, &r.name).unwrap();
+                prop_assert_eq!(
+                    serde_json::to_string(&rows).unwrap(),
+                    serde_json::to_string(&own).unwrap(),
+                    "the rows check on {}'s own prefill", lane.name
+                );
+            }
             prop_assert_eq!(reports.len(), lane.held_to.len());
             for (t, a) in reports.iter().zip(&alone) {
                 prop_assert_eq!(

@@ -45,6 +45,40 @@ impl<F: Fn(&Model, &ChunkedPrompt, &mut ChunkStore, &mut dyn TapSink) -> (KvCach
 {
 }
 
+/// A prefill that also offers some rows of its own to a second sink (`RowsCheck`).
+pub trait RowsPrefill:
+    Fn(
+    &Model,
+    &ChunkedPrompt,
+    &mut ChunkStore,
+    &mut dyn TapSink,
+    &mut dyn TapSink,
+) -> (KvCache, StepLogits)
+{
+}
+
+impl<
+        F: Fn(
+            &Model,
+            &ChunkedPrompt,
+            &mut ChunkStore,
+            &mut dyn TapSink,
+            &mut dyn TapSink,
+        ) -> (KvCache, StepLogits),
+    > RowsPrefill for F
+{
+}
+
+/// An exact check riding on a lane's prefill alone: the rows its `prefill` (which then runs
+/// in place of the lane's own, computing the same) offers apart, held to `spec`'s reference on
+/// `spec`'s taps, with the logits agreement of the first token only. Its report is the lane's
+/// last.
+pub struct RowsCheck<'l> {
+    pub prefill: &'l dyn RowsPrefill,
+    pub spec: &'l CompareSpec<'l>,
+    pub name: String,
+}
+
 /// One path of a lockstep run (`CompareSpec::run_lanes`): its prefill, its cascade split at
 /// decode, and the references it is held to, each as a spec (model, reference path,
 /// tolerance) with the name and exactness its report gets. The first spec's `path_model`
@@ -55,6 +89,7 @@ pub struct Lane<'l> {
     pub split: usize,
     pub prefill: &'l dyn Prefill,
     pub held_to: Vec<(&'l CompareSpec<'l>, String, bool)>,
+    pub rows: Option<RowsCheck<'l>>,
 }
 
 /// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
@@ -222,6 +257,7 @@ impl CompareSpec<'_> {
             split,
             prefill: &prefill,
             held_to,
+            rows: None,
         }];
         let mut merged: Option<Vec<PathReport>> = None;
         for taps in &passes {
@@ -250,7 +286,7 @@ impl CompareSpec<'_> {
     /// one pass with every reference's taps (`fits_beside`), with no dump or replay; else
     /// each lane should run on its own (`run_beside`).
     pub fn run_lanes(&self, lanes: &[Lane<'_>]) -> Result<Vec<Vec<PathReport>>> {
-        if lanes.len() == 1 {
+        if lanes.len() == 1 && lanes[0].rows.is_none() {
             let l = &lanes[0];
             let others: Vec<(&CompareSpec<'_>, &str)> = l.held_to[1..]
                 .iter()

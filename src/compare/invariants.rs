@@ -129,27 +129,44 @@ impl Invariant {
                 s.run_with(label, true, 0, blend_one_prefill)?
             }
             Invariant::BlendRowsAreFull(r) => {
-                let taps = TapFilter::parse("L*.k_rope,L*.v", layers).expect("tap names");
-                let s = CompareSpec {
-                    reference: PathSpec::Standard,
-                    taps: &taps,
-                    max_new_tokens: 1,
-                    replay: None,
-                    ..*spec
-                };
-                let mut report = s.run_with(label, true, 0, |m, pr, store, sink| {
+                let taps = Self::blend_rows_taps(layers);
+                let s = Self::blend_rows_spec(spec, &taps);
+                let report = s.run_with(label, true, 0, |m, pr, store, sink| {
                     let mut quiet = NullSink::new(layers);
                     let prefix = blended_prefix(m, pr, r, store, &mut quiet, Some(sink));
                     prefill_query(m, pr, prefix, &mut quiet)
                 })?;
-                // Only the recomputed rows are held to the full prefill; the answer is not.
-                report.first_token_divergence = None;
-                report.teacher_forced = false;
-                report.diverged = report.first_divergence.is_some();
-                report
+                Self::rows_verdict(report)
             }
         };
         report.invariant = true;
         Ok(report)
+    }
+
+    /// The taps `BlendRowsAreFull` compares: the recomputed K/V.
+    pub fn blend_rows_taps(layers: usize) -> TapFilter {
+        TapFilter::parse("L*.k_rope,L*.v", layers).expect("tap names")
+    }
+
+    /// What `BlendRowsAreFull` holds its rows to: `spec`'s model and tolerance, `standard`,
+    /// the first token only.
+    pub fn blend_rows_spec<'s>(spec: &CompareSpec<'s>, taps: &'s TapFilter) -> CompareSpec<'s> {
+        CompareSpec {
+            reference: PathSpec::Standard,
+            taps,
+            max_new_tokens: 1,
+            replay: None,
+            ..*spec
+        }
+    }
+
+    /// `BlendRowsAreFull`'s report: only the recomputed rows are held to the full prefill;
+    /// the answer is not.
+    pub fn rows_verdict(mut report: PathReport) -> PathReport {
+        report.first_token_divergence = None;
+        report.teacher_forced = false;
+        report.diverged = report.first_divergence.is_some();
+        report.invariant = true;
+        report
     }
 }

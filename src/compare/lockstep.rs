@@ -91,30 +91,38 @@ struct LaneRun<'s, 'c> {
     logits: StepLogits,
     tokens: Vec<u32>,
     store: ChunkStore,
+    /// The lane's `RowsCheck`: its comparator and pair, booked at the first step only.
+    rows: Option<(Comparator<'c>, Pair)>,
 }
 
 /// The references of `lanes` (each run once, whoever holds paths to it): a reference path
-/// on a model, the first spec naming it standing for it.
-fn distinct_references<'s>(lanes: &[Lane<'s>]) -> (Vec<&'s CompareSpec<'s>>, Vec<Vec<usize>>) {
+/// on a model, the first spec naming it standing for it. With, per lane, the reference of
+/// each spec it is held to, and of its `RowsCheck`.
+type References<'s> = (
+    Vec<&'s CompareSpec<'s>>,
+    Vec<Vec<usize>>,
+    Vec<Option<usize>>,
+);
+
+fn distinct_references<'s>(lanes: &[Lane<'s>]) -> References<'s> {
     let mut refs: Vec<&CompareSpec<'_>> = Vec::new();
+    let mut index = |s: &'s CompareSpec<'s>| {
+        let same =
+            |r: &&CompareSpec<'_>| std::ptr::eq(r.model, s.model) && r.reference == s.reference;
+        refs.iter().position(same).unwrap_or_else(|| {
+            refs.push(s);
+            refs.len() - 1
+        })
+    };
     let which = lanes
         .iter()
-        .map(|lane| {
-            lane.held_to
-                .iter()
-                .map(|(s, _, _)| {
-                    let same = |r: &&CompareSpec<'_>| {
-                        std::ptr::eq(r.model, s.model) && r.reference == s.reference
-                    };
-                    refs.iter().position(same).unwrap_or_else(|| {
-                        refs.push(s);
-                        refs.len() - 1
-                    })
-                })
-                .collect()
-        })
+        .map(|lane| lane.held_to.iter().map(|(s, _, _)| index(s)).collect())
         .collect();
-    (refs, which)
+    let rows = lanes
+        .iter()
+        .map(|lane| lane.rows.as_ref().map(|r| index(r.spec)))
+        .collect();
+    (refs, which, rows)
 }
 
 impl CompareSpec<'_> {
@@ -127,7 +135,7 @@ impl CompareSpec<'_> {
         lanes: &[Lane<'_>],
     ) -> Result<Vec<Vec<PathReport>>> {
         let n = self.prompt.ids.len();
-        let (refs, which) = distinct_references(lanes);
+        let (refs, which, rows_of) = distinct_references(lanes);
         let single = lanes.len() == 1;
         let (name, exact) = (lanes[0].name.as_str(), lanes[0].exact);
         let mut dumps = match single {
@@ -148,6 +156,10 @@ impl CompareSpec<'_> {
                     .map(|(s, _, _)| s.comparator(taps))
                     .collect()
             })
+            .collect();
+        let mut rows_cmps: Vec<Option<Comparator<'_>>> = lanes
+            .iter()
+            .map(|l| l.rows.as_ref().map(|r| r.spec.comparator(r.spec.taps)))
             .collect();
         let mut ref_runs = Vec::with_capacity(refs.len());
         for (i, s) in refs.iter().enumerate() {
@@ -176,11 +188,17 @@ impl CompareSpec<'_> {
                 let positions: Vec<usize> = (0..n).collect();
                 dump_recorded(d, 0, &self.prompt.ids, &positions, &rec.host.taps);
             }
+            let rows_held = rows_cmps
+                .iter_mut()
+                .zip(&rows_of)
+                .filter(|(_, r)| **r == Some(i))
+                .filter_map(|(c, _)| c.as_mut());
             let held = cmps
                 .iter_mut()
                 .zip(&which)
                 .flat_map(|(c, w)| c.iter_mut().zip(w).filter(|(_, &r)| r == i))
                 .map(|(c, _)| c)
+                .chain(rows_held)
                 .collect();
             hand_over(held, rec);
             // The references' decode steps run beside the paths' on the GPU.
@@ -192,21 +210,43 @@ impl CompareSpec<'_> {
                 logits,
             });
         }
-        for cmp in cmps.iter_mut().flatten() {
+        for cmp in cmps
+            .iter_mut()
+            .flatten()
+            .chain(rows_cmps.iter_mut().flatten())
+        {
             cmp.size_readback();
         }
         drop(prefill_span);
         note_gpu_memory("references prefilled", self.model);
         let mut lane_runs = Vec::with_capacity(lanes.len());
-        for ((lane, mut lane_cmps), refs_of) in lanes.iter().zip(cmps).zip(&which) {
+        let lanes_with = lanes.iter().zip(cmps).zip(&which);
+        for (((lane, mut lane_cmps), refs_of), (mut rows_cmp, rows_ref)) in
+            lanes_with.zip(rows_cmps.into_iter().zip(&rows_of))
+        {
             let _span = span("compare: path prefill");
             let mut store = ChunkStore::default();
             let path_model = lane.held_to[0].0.path_model;
             let (cache, logits) = {
                 let mut fan = Fan::new(&mut lane_cmps);
                 let sink = &mut *dumps.path_sink(&mut fan);
-                (lane.prefill)(path_model, self.prompt, &mut store, sink)
+                match (&lane.rows, rows_cmp.as_mut()) {
+                    (Some(r), Some(rows)) => {
+                        (r.prefill)(path_model, self.prompt, &mut store, sink, rows)
+                    }
+                    _ => (lane.prefill)(path_model, self.prompt, &mut store, sink),
+                }
             };
+            let rows = lane.rows.as_ref().zip(rows_cmp).zip(*rows_ref);
+            let rows = rows.map(|((r, cmp), reference)| {
+                let pair = Pair {
+                    reference,
+                    bounds: r.spec.tolerance.bounds("logits"),
+                    agreement: Agreement::new(r.spec.max_new_tokens),
+                    first_token: None,
+                };
+                (cmp, pair)
+            });
             lane_runs.push(LaneRun {
                 model: path_model,
                 cmps: lane_cmps,
@@ -225,6 +265,7 @@ impl CompareSpec<'_> {
                 logits,
                 tokens: Vec::new(),
                 store,
+                rows,
             });
         }
         note_gpu_memory("paths prefilled", self.model);
@@ -243,7 +284,8 @@ impl CompareSpec<'_> {
             .zip(run.lanes)
             .map(|(lane, l)| {
                 let tokens = l.tokens;
-                lane.held_to
+                let mut out: Vec<PathReport> = lane
+                    .held_to
                     .iter()
                     .zip(l.cmps)
                     .zip(l.pairs)
@@ -258,7 +300,18 @@ impl CompareSpec<'_> {
                             replay.take(),
                         )
                     })
-                    .collect()
+                    .collect();
+                if let (Some(r), Some((mut cmp, pair))) = (&lane.rows, l.rows) {
+                    cmp.flush();
+                    let first = tokens[..tokens.len().min(1)].to_vec();
+                    let agreement = (pair.agreement, None);
+                    let report = (r.name.as_str(), true);
+                    out.push(
+                        r.spec
+                            .path_report(report, cmp, agreement, first, &l.store, None),
+                    );
+                }
+                out
             })
             .collect();
         Ok(reports)
@@ -315,6 +368,14 @@ impl Lockstep<'_, '_> {
             // Tokens by global position: the prompt, then the reference's choices.
             for c in self.lanes.iter_mut().flat_map(|l| l.cmps.iter_mut()) {
                 c.tokens.push(rt);
+            }
+            // A rows check is done with its first token: the reference's prefill taps it held
+            // go with the other comparators'.
+            for (c, _) in self.lanes.iter_mut().filter_map(|l| l.rows.as_mut()) {
+                if step == 0 {
+                    c.tokens.push(rt);
+                    c.set_reference(ReferenceRecorder::new(&TapFilter::none(), 0));
+                }
             }
             if spec.eos.contains(&rt) || step + 1 == spec.max_new_tokens {
                 break;
@@ -427,7 +488,8 @@ impl Lockstep<'_, '_> {
         }
         let mut agreements = Deferred::default();
         for l in &mut self.lanes {
-            for p in &mut l.pairs {
+            let rows = l.rows.as_mut().map(|(_, p)| p).filter(|_| step == 0);
+            for p in l.pairs.iter_mut().chain(rows) {
                 let r = &self.refs[p.reference].logits;
                 p.agreement.add_deferred(&l.logits, r, &mut agreements);
             }

@@ -3,7 +3,7 @@
 //! into a `Request` and prints what comes back.
 
 use crate::compare::diff::Tolerance;
-use crate::compare::driver::{CompareSpec, Lane, Prefill};
+use crate::compare::driver::{CompareSpec, Lane, Prefill, RowsCheck, RowsPrefill};
 use crate::compare::invariants::{blend_one_prefill, Invariant};
 use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::noise_cache::NoiseCache;
@@ -18,7 +18,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::paths::{ChunkStore, PathSpec};
 use crate::support::progress::{self, Progress};
-use crate::tap::{TapFilter, TapSink};
+use crate::tap::{LayerTap, TapFilter, TapId, TapSink};
 
 pub use crate::compare::driver::{host_memory_budget, HOST_MEMORY_BUDGET};
 
@@ -503,22 +503,70 @@ impl<'a> Request<'a> {
                       sink: &mut dyn TapSink| { t.path.prefill(m, pr, store, sink) }
             })
             .collect();
+        // `chunk-reuse:blend:R recomputed K/V = standard's` rides on its path's own prefill
+        // (once per R) where the run compares those taps and `standard` is one of its
+        // references (blend_one's, or the run's own).
+        let layers = spec.model.config.num_hidden_layers;
+        let rows_taps = Invariant::blend_rows_taps(layers);
+        let rows_spec = Invariant::blend_rows_spec(&s, &rows_taps);
+        let table = s.taps.table(layers);
+        let compares_rows = (1..layers).all(|l| {
+            [LayerTap::KRope, LayerTap::V]
+                .iter()
+                .all(|&t| table.wants(TapId::Layer(l, t)))
+        });
+        let rows_ride = self.invariants
+            && beside_allowed()
+            && compares_rows
+            && (blend_one || self.reference.path == PathSpec::Standard);
+        let rides: Vec<Option<f32>> = self
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.path {
+                PathSpec::Blend(r) if rows_ride => {
+                    let earlier = self.targets[..i].iter().any(|e| e.path == t.path);
+                    (!earlier).then_some(r)
+                }
+                _ => None,
+            })
+            .collect();
+        let rows_prefills: Vec<_> = rides
+            .iter()
+            .map(|&r| {
+                let r = r.unwrap_or(1.0);
+                move |m: &Model,
+                      pr: &ChunkedPrompt,
+                      store: &mut ChunkStore,
+                      sink: &mut dyn TapSink,
+                      rows: &mut dyn TapSink| {
+                    crate::paths::blend::prefill_offering_rows(m, pr, r, store, sink, Some(rows))
+                }
+            })
+            .collect();
         let mut lanes: Vec<Lane<'_>> = self
             .targets
             .iter()
             .zip(&prefills)
-            .map(|(t, prefill)| {
+            .zip(rides.iter().zip(&rows_prefills))
+            .map(|((t, prefill), (ride, rows_prefill))| {
                 let label = t.label(self.backend, self.uses_gpu());
                 let mut held_to = vec![(&s, label.clone(), t.path.exact())];
                 if let Some(inv) = with_invariant(t) {
                     held_to.push((&other, self.invariant_label(inv, backend), true));
                 }
+                let rows = ride.map(|r| RowsCheck {
+                    prefill: rows_prefill as &dyn RowsPrefill,
+                    spec: &rows_spec,
+                    name: self.invariant_label(Invariant::BlendRowsAreFull(r), backend),
+                });
                 Lane {
                     name: label,
                     exact: t.path.exact(),
                     split: t.path.decode_split(self.prompt),
                     prefill: prefill as &dyn Prefill,
                     held_to,
+                    rows,
                 }
             })
             .collect();
@@ -530,6 +578,7 @@ impl<'a> Request<'a> {
                 split: 0,
                 prefill: &blend_one_prefill,
                 held_to: vec![(&standard, label, true)],
+                rows: None,
             });
         }
         let started = std::time::Instant::now();
@@ -551,7 +600,15 @@ impl<'a> Request<'a> {
             );
         }
         let mut paths = Vec::with_capacity(reports.len());
-        for (t, mut r) in self.targets.iter().zip(reports) {
+        for ((t, mut r), ride) in self.targets.iter().zip(reports).zip(rides) {
+            if let Some(blend) = ride {
+                let rows = r.pop().expect("the rows check's report");
+                if progress::verbosity() >= 2 {
+                    eprintln!("kvdiff: {}: checked on its path's own prefill", rows.path);
+                }
+                let key = (Invariant::BlendRowsAreFull(blend), backend);
+                beside.push((key, Invariant::rows_verdict(rows)));
+            }
             if let Some(inv) = with_invariant(t) {
                 let mut checked = r.pop().expect("the invariant's report");
                 checked.invariant = true;

@@ -20,7 +20,19 @@ pub fn prefill(
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> (KvCache, StepLogits) {
-    let prefix = blended_prefix(model, prompt, r, store, sink, None);
+    prefill_offering_rows(model, prompt, r, store, sink, None)
+}
+
+/// `prefill`, offering `recomputed` the K/V rows the blend recomputed (see `blended_prefix`).
+pub fn prefill_offering_rows(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    r: f32,
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+    recomputed: Option<&mut dyn TapSink>,
+) -> (KvCache, StepLogits) {
+    let prefix = blended_prefix(model, prompt, r, store, sink, recomputed);
     super::prefill_query(model, prompt, prefix, sink)
 }
 
