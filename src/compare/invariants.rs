@@ -131,10 +131,16 @@ impl Invariant {
             Invariant::BlendRowsAreFull(r) => {
                 let taps = Self::blend_rows_taps(layers);
                 let s = Self::blend_rows_spec(spec, &taps);
+                // The query's last logits read back, as the path's own run reads them for its
+                // comparators: the check's agreement is then computed as where it rides on
+                // that run (`RowsCheck`).
+                let mut last_logits = TapFilter::parse("logits", layers).expect("tap names");
+                last_logits.all_prompt_logits = false;
                 let report = s.run_with(label, true, 0, |m, pr, store, sink| {
                     let mut quiet = NullSink::new(layers);
                     let prefix = blended_prefix(m, pr, r, store, &mut quiet, Some(sink));
-                    prefill_query(m, pr, prefix, &mut quiet)
+                    let mut read = NullSink::wanting(last_logits.table(layers));
+                    prefill_query(m, pr, prefix, &mut read)
                 })?;
                 Self::rows_verdict(report)
             }

@@ -8,6 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Gpu};
 use crate::engine::kv_cache::{DeviceKv, KvCache};
+use crate::tap::{emit, Device, DeviceTap, LayerTap, TapId, TapSink};
 
 pub struct CudaKv {
     gpu: Arc<Gpu>,
@@ -237,6 +238,71 @@ impl DeviceKv for CudaKv {
                 .map(|c| (c[..per].to_vec(), c[per..].to_vec()))
                 .collect(),
         )
+    }
+
+    fn offer_gathered(
+        &self,
+        runs: &[(usize, usize)],
+        layers: std::ops::Range<usize>,
+        positions: &[usize],
+        (heads, head_dim): (usize, usize),
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        let d = self.kv_dim;
+        let n = runs.iter().map(|&(_, n)| n).sum::<usize>();
+        let per = n * d;
+        if per == 0 || positions.len() != n {
+            return per == 0;
+        }
+        let mut scratch = self.gpu.alloc::<f32>(2 * layers.len() * per);
+        let mut at = 0;
+        for l in layers.clone() {
+            for src in [&self.keys[l], &self.values[l]] {
+                for &(from, n) in runs {
+                    debug_assert!(from + n <= self.len);
+                    self.gpu
+                        .stream()
+                        .memcpy_dtod(
+                            &src.slice(from * d..(from + n) * d),
+                            &mut scratch.slice_mut(at..at + n * d),
+                        )
+                        .expect("CUDA copy");
+                    at += n * d;
+                }
+            }
+        }
+        let device: Device = self.gpu.clone();
+        let shape = [n, heads, head_dim];
+        for (i, l) in layers.enumerate() {
+            for (j, tap) in [LayerTap::KRope, LayerTap::V].into_iter().enumerate() {
+                let id = TapId::Layer(l, tap);
+                if !sink.table().wants(id) {
+                    continue;
+                }
+                let from = (2 * i + j) * per;
+                let t = DeviceTap {
+                    id,
+                    positions,
+                    device: &device,
+                    ptr: ptr(&self.gpu, &scratch, from),
+                    rows: n,
+                    width: d,
+                    stride: d,
+                    rows_per_token: 1,
+                    lead: 0,
+                    // Diffed or copied at once: the scratch goes, in stream order, on return.
+                    persistent: false,
+                    shape: shape.to_vec(),
+                    parts: None,
+                    owner: None,
+                };
+                if !sink.record_device(0, &t) {
+                    let rows = self.gpu.download_range(&scratch, from, from + per);
+                    emit(sink, 0, id, positions, &shape, &rows);
+                }
+            }
+        }
+        true
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {

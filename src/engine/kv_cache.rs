@@ -9,6 +9,8 @@
 
 use std::any::Any;
 
+use crate::tap::{emit, LayerTap, TapId, TapSink};
+
 /// One layer's cache: `keys`/`values` are `[entry, kv_head, head_dim]`, after RoPE for keys.
 #[derive(Clone, Debug, Default)]
 pub struct LayerKv {
@@ -51,6 +53,21 @@ pub trait DeviceKv: Send {
         _layers: std::ops::Range<usize>,
     ) -> Option<Vec<(Vec<f32>, Vec<f32>)>> {
         None
+    }
+    /// Offers the entries of `runs` (as in `gather`) at each of `layers` to `sink` as the
+    /// taps `L{l}.k_rope` and `L{l}.v` of step 0, one row per entry at `positions`, shaped
+    /// `[entries, shape.0, shape.1]`: where they are, to a sink that takes them there (no
+    /// copy to the host, no wait for the device); false where this copy cannot (the caller
+    /// offers host rows instead).
+    fn offer_gathered(
+        &self,
+        _runs: &[(usize, usize)],
+        _layers: std::ops::Range<usize>,
+        _positions: &[usize],
+        _shape: (usize, usize),
+        _sink: &mut dyn TapSink,
+    ) -> bool {
+        false
     }
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -223,6 +240,37 @@ impl KvCache {
         layers
             .map(|l| (pick(&self.layers[l].keys), pick(&self.layers[l].values)))
             .collect()
+    }
+
+    /// Offers entries `rows` at `layers` to `sink` as the taps `L{l}.k_rope` and `L{l}.v` of
+    /// step 0 at the entries' positions, shaped `[rows, shape.0, shape.1]`: on the device where
+    /// the entries are newer there (`DeviceKv::offer_gathered`), else as host rows.
+    pub fn offer_rows(
+        &mut self,
+        rows: &[usize],
+        layers: std::ops::Range<usize>,
+        shape: (usize, usize),
+        sink: &mut dyn TapSink,
+    ) {
+        let pos: Vec<usize> = rows.iter().map(|&t| self.positions[t]).collect();
+        if let Some(d) = &self.device {
+            if self.host_len < d.len() {
+                let runs: Vec<(usize, usize)> = entry_runs(rows, |t| t)
+                    .into_iter()
+                    .map(|(from, _, n)| (from, n))
+                    .collect();
+                if d.offer_gathered(&runs, layers.clone(), &pos, shape, sink) {
+                    return;
+                }
+            }
+        }
+        let picked = self.rows(rows, layers.clone());
+        for (l, (keys, values)) in layers.zip(&picked) {
+            for (tap, data) in [(LayerTap::KRope, keys), (LayerTap::V, values)] {
+                let id = TapId::Layer(l, tap);
+                emit(sink, 0, id, &pos, &[rows.len(), shape.0, shape.1], data);
+            }
+        }
     }
 
     /// Copies `other`'s entries over this cache's at `layers`, on the device, where both

@@ -11,7 +11,7 @@ use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::{entry_runs, KvCache};
 use crate::engine::model::{Batch, Model};
 use crate::engine::pass::StepLogits;
-use crate::tap::{emit, LayerTap, NullSink, TapId, TapSink};
+use crate::tap::{NullSink, TapSink};
 
 pub fn prefill(
     model: &Model,
@@ -106,19 +106,6 @@ pub fn blended_prefix(
 /// Offers the cache's K/V of tokens `rows` (positions = entries) at layers 1 on, as taps.
 fn offer_rows(model: &Model, cache: &mut KvCache, rows: &[usize], sink: &mut dyn TapSink) {
     let c = &model.config;
-    let (kvh, hd) = (c.num_key_value_heads, c.head_dim);
-    let pos: Vec<usize> = rows.iter().map(|&t| cache.positions[t]).collect();
-    let picked = cache.rows(rows, 1..c.num_hidden_layers);
-    for (l, (keys, values)) in (1..).zip(&picked) {
-        for (tap, data) in [(LayerTap::KRope, keys), (LayerTap::V, values)] {
-            emit(
-                sink,
-                0,
-                TapId::Layer(l, tap),
-                &pos,
-                &[rows.len(), kvh, hd],
-                data,
-            );
-        }
-    }
+    let shape = (c.num_key_value_heads, c.head_dim);
+    cache.offer_rows(rows, 1..c.num_hidden_layers, shape, sink);
 }
