@@ -32,6 +32,35 @@ pub struct CudaKv {
 }
 
 impl CudaKv {
+    /// Entries of `runs` at each of `layers` copied into one buffer on the device: per layer
+    /// the keys, then the values, `per` values each.
+    fn gathered(
+        &self,
+        runs: &[(usize, usize)],
+        layers: std::ops::Range<usize>,
+        per: usize,
+    ) -> CudaSlice<f32> {
+        let d = self.kv_dim;
+        let mut scratch = self.gpu.alloc::<f32>(2 * layers.len() * per);
+        let mut at = 0;
+        for l in layers {
+            for src in [&self.keys[l], &self.values[l]] {
+                for &(from, n) in runs {
+                    debug_assert!(from + n <= self.len);
+                    self.gpu
+                        .stream()
+                        .memcpy_dtod(
+                            &src.slice(from * d..(from + n) * d),
+                            &mut scratch.slice_mut(at..at + n * d),
+                        )
+                        .expect("CUDA copy");
+                    at += n * d;
+                }
+            }
+        }
+        scratch
+    }
+
     /// A device copy of `cache`'s host entries, with room for `extra` more.
     pub fn upload(gpu: &Arc<Gpu>, cache: &mut KvCache, extra: usize) -> CudaKv {
         let _span = crate::support::timing::span("kv cache: host to device");
@@ -215,24 +244,8 @@ impl DeviceKv for CudaKv {
         if per == 0 {
             return Some(vec![(Vec::new(), Vec::new()); layers.len()]);
         }
-        let mut scratch = self.gpu.alloc::<f32>(2 * layers.len() * per);
-        let mut at = 0;
-        for l in layers.clone() {
-            for src in [&self.keys[l], &self.values[l]] {
-                for &(from, n) in runs {
-                    debug_assert!(from + n <= self.len);
-                    self.gpu
-                        .stream()
-                        .memcpy_dtod(
-                            &src.slice(from * d..(from + n) * d),
-                            &mut scratch.slice_mut(at..at + n * d),
-                        )
-                        .expect("CUDA copy");
-                    at += n * d;
-                }
-            }
-        }
-        let all = self.gpu.download_range(&scratch, 0, at);
+        let scratch = self.gathered(runs, layers.clone(), per);
+        let all = self.gpu.download_range(&scratch, 0, 2 * layers.len() * per);
         Some(
             all.chunks(2 * per)
                 .map(|c| (c[..per].to_vec(), c[per..].to_vec()))
@@ -254,23 +267,7 @@ impl DeviceKv for CudaKv {
         if per == 0 || positions.len() != n {
             return per == 0;
         }
-        let mut scratch = self.gpu.alloc::<f32>(2 * layers.len() * per);
-        let mut at = 0;
-        for l in layers.clone() {
-            for src in [&self.keys[l], &self.values[l]] {
-                for &(from, n) in runs {
-                    debug_assert!(from + n <= self.len);
-                    self.gpu
-                        .stream()
-                        .memcpy_dtod(
-                            &src.slice(from * d..(from + n) * d),
-                            &mut scratch.slice_mut(at..at + n * d),
-                        )
-                        .expect("CUDA copy");
-                    at += n * d;
-                }
-            }
-        }
+        let scratch = self.gathered(runs, layers.clone(), per);
         let device: Device = self.gpu.clone();
         let shape = [n, heads, head_dim];
         for (i, l) in layers.enumerate() {

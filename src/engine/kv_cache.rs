@@ -72,6 +72,14 @@ pub trait DeviceKv: Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// `rows` as spans `(from, n)` of consecutive entries, in order.
+fn entry_spans(rows: &[usize]) -> Vec<(usize, usize)> {
+    entry_runs(rows, |t| t)
+        .into_iter()
+        .map(|(from, _, n)| (from, n))
+        .collect()
+}
+
 /// `rows` moved to `slot(row)`, as runs `(from, to, n)` of consecutive rows landing on
 /// consecutive slots, in the rows' order: one device copy per run and layer.
 pub fn entry_runs(rows: &[usize], slot: impl Fn(usize) -> usize) -> Vec<(usize, usize, usize)> {
@@ -220,10 +228,7 @@ impl KvCache {
     ) -> Vec<(Vec<f32>, Vec<f32>)> {
         if let Some(d) = &self.device {
             if self.host_len < d.len() {
-                let runs: Vec<(usize, usize)> = entry_runs(rows, |t| t)
-                    .into_iter()
-                    .map(|(from, _, n)| (from, n))
-                    .collect();
+                let runs = entry_spans(rows);
                 if let Some(out) = d.gather(&runs, layers.clone()) {
                     return out;
                 }
@@ -255,10 +260,7 @@ impl KvCache {
         let pos: Vec<usize> = rows.iter().map(|&t| self.positions[t]).collect();
         if let Some(d) = &self.device {
             if self.host_len < d.len() {
-                let runs: Vec<(usize, usize)> = entry_runs(rows, |t| t)
-                    .into_iter()
-                    .map(|(from, _, n)| (from, n))
-                    .collect();
+                let runs = entry_spans(rows);
                 if d.offer_gathered(&runs, layers.clone(), &pos, shape, sink) {
                     return;
                 }
