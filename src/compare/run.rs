@@ -515,10 +515,16 @@ impl<'a> Request<'a> {
                 .iter()
                 .all(|&t| table.wants(TapId::Layer(l, t)))
         });
+        // Its report as its own run's: the first token and its logits agreement read as that
+        // run reads them (the last prompt row's logits, on the host: a tap of the run), and
+        // `standard`'s first token the one it is fed.
         let rows_ride = self.invariants
             && beside_allowed()
             && compares_rows
-            && (blend_one || self.reference.path == PathSpec::Standard);
+            && table.wants(TapId::Logits)
+            && !s.taps.all_prompt_logits
+            && self.max_new_tokens > 0
+            && self.reference.path == PathSpec::Standard;
         let rides: Vec<Option<f32>> = self
             .targets
             .iter()

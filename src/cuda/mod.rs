@@ -11,6 +11,7 @@
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
 //! - `oracle.rs`: the noise model's f64 oracle and bf16 emulation, on its own kernels;
 //!   `oracle_meter.rs`: its taps kept on the GPU, and passes measured against them there;
+//!   `oracle_warm_up.rs`: its first cuBLAS GEMMs run ahead, beside the weights' upload;
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
 //!   timeline (`KVDIFF_CUDA_TRACE`).
 
@@ -22,6 +23,7 @@ mod launch;
 mod memo;
 mod oracle;
 mod oracle_meter;
+mod oracle_warm_up;
 mod oracle_weights;
 mod stream_load;
 mod taps;
@@ -50,10 +52,11 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 pub use launch::PrefillAttention;
 pub use memo::MemoAct;
 pub use oracle::{
-    expect as expect_gpu_oracle, keep as oracle_keep, prefill as oracle_prefill,
-    unavailable as oracle_unavailable, Precision as OraclePrecision,
+    keep as oracle_keep, prefill as oracle_prefill, unavailable as oracle_unavailable,
+    Precision as OraclePrecision,
 };
 pub use oracle_meter::{DeviceMeter, DeviceOracle};
+pub use oracle_warm_up::expect as expect_gpu_oracle;
 pub use oracle_weights::attach_f32_weights;
 pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,

@@ -9,9 +9,6 @@
 //! KV cache and no path. It shares only the weights the GPU holds, and only where they are the
 //! checkpoint's own values (`CudaModel::exact_weights`); elsewhere the CPU oracle runs.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-
 use crate::support::timing::span;
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::CudaSlice;
@@ -39,7 +36,7 @@ pub enum Precision {
 }
 
 impl Precision {
-    fn bytes(self) -> usize {
+    pub(super) fn bytes(self) -> usize {
         match self {
             Precision::F64 => 8,
             Precision::Bf16Emulation | Precision::F32 => 4,
@@ -236,7 +233,7 @@ impl<'a> Pass<'a> {
 }
 
 /// `y[t, j] (row stride ldy) = Σ_i x[t, i] · w[j, i]` in `p`'s precision, on cuBLAS.
-fn gemm_ex(
+pub(super) fn gemm_ex(
     blas: &CudaBlas,
     p: Precision,
     (w, x, y): (u64, u64, u64),
@@ -291,78 +288,13 @@ fn gemm_ex(
 
 /// Values of the widening buffer: a layer's largest matrix (the LM head goes through it in
 /// blocks).
-fn widest(c: &Config) -> usize {
+pub(super) fn widest(c: &Config) -> usize {
     let (h, inter) = (c.hidden_size, c.intermediate_size);
     let (qd, kvd) = (c.q_dim(), c.kv_dim());
     [(qd + 2 * kvd) * h, h * qd, 2 * inter * h, h * inter]
         .into_iter()
         .max()
         .unwrap_or(1)
-}
-
-/// The calibration prefill's rows a run expects to measure on the GPU oracle (0: none).
-static EXPECTED_ROWS: AtomicUsize = AtomicUsize::new(0);
-
-/// For a run that may calibrate its noise model on the GPU oracle: cuBLAS loads now; with
-/// `rows` (a run that likely will, with a prefill of that many tokens), the oracle's first
-/// GEMMs also run once the GPU is open, on a thread of their own (`warm_up_in_background`),
-/// while the weights stream in.
-pub fn expect(rows: Option<usize>) {
-    if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
-        return;
-    }
-    EXPECTED_ROWS.store(rows.unwrap_or(0), Ordering::Relaxed);
-    super::gpu::preload_cublas_in_background();
-}
-
-/// Where `expect` was called: one GEMM of every shape and precision the oracle's passes run,
-/// on a thread of its own. A process's first cuBLAS GEMM in f64, and again its first in f32,
-/// took 0.11–0.14 s of host time each (an H100, CUDA 13): that much of a cold run's
-/// calibration, paid here beside the weights' upload. `KVDIFF_ORACLE_WARM_UP=0` leaves it out.
-pub(super) fn warm_up_in_background(gpu: &Arc<Gpu>, c: &Config) {
-    let rows = EXPECTED_ROWS.load(Ordering::Relaxed);
-    let off = std::env::var("KVDIFF_ORACLE_WARM_UP").as_deref() == Ok("0");
-    if rows == 0 || off || c.arch.moe.is_some() {
-        return;
-    }
-    let (gpu, c) = (gpu.clone(), c.clone());
-    std::thread::spawn(move || {
-        let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-        gpu.oracle_blas_warmed(|blas| warm_up(&gpu, blas, &c, rows));
-    });
-}
-
-fn warm_up(g: &Gpu, blas: &CudaBlas, c: &Config, n: usize) {
-    let (h, inter) = (c.hidden_size, c.intermediate_size);
-    let (qd, kvd, v) = (c.q_dim(), c.kv_dim(), c.vocab_size);
-    let head_rows = (widest(c) / h).clamp(1, v);
-    // (k, m) of `layer`'s products and of the LM head's blocks.
-    let mut shapes = vec![
-        (h, qd),
-        (h, kvd),
-        (qd, h),
-        (h, inter),
-        (inter, h),
-        (h, head_rows),
-    ];
-    if v % head_rows != 0 {
-        shapes.push((h, v % head_rows));
-    }
-    let most = |f: fn(&(usize, usize)) -> usize| shapes.iter().map(f).max().unwrap_or(1);
-    let (weights, ks, ms) = (most(|(k, m)| k * m), most(|s| s.0), most(|s| s.1));
-    for p in [Precision::F64, Precision::Bf16Emulation] {
-        // The products' values are never read: the buffers are left as allocated.
-        let bytes = p.bytes();
-        let (w, x, y) = (
-            g.alloc::<u8>(weights * bytes),
-            g.alloc::<u8>(n * ks * bytes),
-            g.alloc::<u8>(n * ms * bytes),
-        );
-        let at = |b: &CudaSlice<u8>| ptr(g, b, 0);
-        for &(k, m) in &shapes {
-            gemm_ex(blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
-        }
-    }
 }
 
 /// The standard prefill of `tokens` on the GPU `model` holds, at `precision`: token `t` rotated

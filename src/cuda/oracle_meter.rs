@@ -11,8 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Arg, Gpu};
-use super::launch::launch_probs_from_stats;
-use crate::tap::{AttnParts, DeviceTap, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
+use crate::tap::{DeviceTap, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
 /// One oracle tap, rounded to f32: `[tokens, width]`, contiguous.
 struct Kept {
@@ -190,33 +189,6 @@ impl DeviceMeter<'_> {
         true
     }
 
-    /// Attention probabilities offered as what rebuilds them: rebuilt into a buffer on the GPU
-    /// and measured there. Copied to the host and back instead, each layer would wait for the
-    /// GPU twice.
-    fn measure_parts(&self, tap: &DeviceTap<'_>, parts: &AttnParts, first: usize) -> bool {
-        let fits = self.oracle.taps.get(&tap.id).is_some_and(|k| {
-            k.shape.last() == Some(&tap.width) && k.shape.len() == 3 && k.shape[1] == parts.heads
-        });
-        if !fits || tap.rows_per_token != parts.heads {
-            return false;
-        }
-        let g = &self.oracle.gpu;
-        let n = tap.positions.len();
-        let rows: Vec<i32> = (0..n as i32).collect();
-        let rows = g.upload(&rows);
-        let out = g.alloc::<f32>(tap.rows * tap.width);
-        let at = ptr(g, &out, 0);
-        launch_probs_from_stats(g, parts, ptr(g, &rows, 0), n, tap.width, at);
-        // Both buffers are freed in stream order, after the meter that reads them.
-        self.measure(
-            tap.id,
-            at,
-            n,
-            first,
-            (tap.rows_per_token, tap.width, tap.width),
-        )
-    }
-
     /// Where `positions` lie among the oracle's: the first token, when they are consecutive
     /// there.
     fn first_token(&self, positions: &[usize]) -> Option<usize> {
@@ -259,7 +231,7 @@ impl TapSink for DeviceMeter<'_> {
     }
 
     fn record_device(&mut self, _step: usize, tap: &DeviceTap<'_>) -> bool {
-        if !same_gpu(tap.device, &self.oracle.gpu) || tap.lead != 0 {
+        if !same_gpu(tap.device, &self.oracle.gpu) || tap.ptr == 0 || tap.lead != 0 {
             return false;
         }
         let tokens = tap.positions.len();
@@ -270,11 +242,7 @@ impl TapSink for DeviceMeter<'_> {
             return false;
         };
         let shape = (tap.rows_per_token, tap.width, tap.stride);
-        let done = match (&tap.parts, tap.ptr) {
-            (Some(parts), 0) => self.measure_parts(tap, parts, first),
-            (None, 0) => false,
-            _ => self.measure(tap.id, tap.ptr, tokens, first, shape),
-        };
+        let done = self.measure(tap.id, tap.ptr, tokens, first, shape);
         if done {
             self.seen.insert(tap.id);
         }

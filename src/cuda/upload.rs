@@ -135,7 +135,11 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     let config = config.clone();
                     std::thread::spawn(move || -> Result<Arc<Gpu>> {
                         let gpu = Gpu::open()?;
-                        super::oracle::warm_up_in_background(&gpu, &config);
+                        super::oracle_warm_up::warm_up_in_background(
+                            &gpu,
+                            &config,
+                            weight_bytes(&config),
+                        );
                         if gpu.gemm_needs_warm_up() {
                             let _span =
                                 crate::support::timing::span("startup: cuBLAS shape warm-up");
@@ -165,7 +169,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     &ckpt.first_file(),
                 )?;
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
-                super::oracle::warm_up_in_background(&gpu, config);
+                super::oracle_warm_up::warm_up_in_background(&gpu, config, weight_bytes(config));
                 (gpu, buffers, false)
             }
         };
