@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use super::gpu::{ptr, Gpu};
+use super::gpu::Gpu;
 use super::oracle::{gemm_ex, widest, Precision};
 use crate::engine::config::Config;
 use crate::support::timing::span;
@@ -51,9 +51,9 @@ pub(super) fn warm_up_in_background(gpu: &Arc<Gpu>, c: &Config, weight_bytes: u6
     }
     let gpu = gpu.clone();
     std::thread::spawn(move || {
-        gpu.oracle_blas_warmed(|blas| {
+        gpu.oracle_blas_warmed(|blas, stream| {
             let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-            warm_up(&gpu, blas, &shapes, rows);
+            warm_up(stream, blas, &shapes, rows);
         });
     });
 }
@@ -81,18 +81,24 @@ fn largest(shapes: &[(usize, usize)], f: fn(&(usize, usize)) -> usize) -> usize 
     shapes.iter().map(f).max().unwrap_or(1)
 }
 
-fn warm_up(g: &Gpu, blas: &CudaBlas, shapes: &[(usize, usize)], n: usize) {
+/// The products run on `stream`, the handle's while it warms up: not the main stream, which
+/// the main thread may be capturing meanwhile.
+fn warm_up(stream: &Arc<CudaStream>, blas: &CudaBlas, shapes: &[(usize, usize)], n: usize) {
     let weights = largest(shapes, |(k, m)| k * m);
     let (ks, ms) = (largest(shapes, |s| s.0), largest(shapes, |s| s.1));
     for p in [Precision::F64, Precision::Bf16Emulation] {
         // The products' values are never read: the buffers are left as allocated.
         let bytes = p.bytes();
-        let (w, x, y) = (
-            g.alloc::<u8>(weights * bytes),
-            g.alloc::<u8>(n * ks * bytes),
-            g.alloc::<u8>(n * ms * bytes),
-        );
-        let at = |b: &CudaSlice<u8>| ptr(g, b, 0);
+        // Safety: as above, nothing reads what the products write.
+        let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
+        let (Ok(w), Ok(x), Ok(y)) = (
+            alloc(weights * bytes),
+            alloc(n * ks * bytes),
+            alloc(n * ms * bytes),
+        ) else {
+            return;
+        };
+        let at = |b: &CudaSlice<u8>| b.device_ptr(stream).0;
         for &(k, m) in shapes {
             gemm_ex(blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
         }

@@ -127,6 +127,10 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
 pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
     refuse_unsupported(config)?;
     let cm = Checkpoint::with(src, config, |ckpt| {
+        let exact = config.expected_tensors().iter().all(|(n, _)| {
+            ckpt.segment(n)
+                .is_some_and(|s| s.3 == safetensors::Dtype::BF16)
+        });
         let (gpu, buffers, warmed) = match super::stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
@@ -169,15 +173,16 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     &ckpt.first_file(),
                 )?;
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
-                super::oracle_warm_up::warm_up_in_background(&gpu, config, weight_bytes(config));
+                // The oracle reads only a checkpoint's own values (`oracle::unavailable`).
+                if exact {
+                    let bytes = weight_bytes(config);
+                    super::oracle_warm_up::warm_up_in_background(&gpu, config, bytes);
+                }
                 (gpu, buffers, false)
             }
         };
         let mut cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, ckpt)?, warmed);
-        cm.exact_weights = config.expected_tensors().iter().all(|(n, _)| {
-            ckpt.segment(n)
-                .is_some_and(|s| s.3 == safetensors::Dtype::BF16)
-        });
+        cm.exact_weights = exact;
         Ok(cm)
     })?;
     Ok(Model::on_device(config.clone(), Arc::new(cm)))

@@ -20,6 +20,7 @@ pub mod pass;
 pub mod prompt_check;
 pub mod rope;
 pub mod tokenizer;
+mod tokenizer_load;
 pub mod weights;
 
 pub use attention::{attention, probs_row, ProbsOut};

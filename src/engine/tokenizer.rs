@@ -43,7 +43,7 @@ impl Background {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             h.write(&bytes);
             let _ = tx.send(h.finish());
-            tokenizers::Tokenizer::from_bytes(&*bytes).map_err(|e| e.to_string())
+            super::tokenizer_load::parse(&bytes)
         });
         Background {
             hash: Mutex::new(Some(rx)),

@@ -392,31 +392,44 @@ impl Gpu {
     /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's;
     /// `None` where cuBLAS cannot be loaded or started.
     pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
-        self.oracle_blas_warmed(|_| {})
+        self.oracle_blas
+            .get_or_init(|| self.new_oracle_blas())
+            .as_ref()
     }
 
-    /// `oracle_blas`, running `warm` on the handle when this call makes it: a caller on
-    /// another thread waits for both, so the handle is never used by two threads at once.
+    /// `oracle_blas`, running `warm` on the handle when this call makes it, with the handle
+    /// on a stream of its own (given to `warm`) meanwhile: this runs on another thread than
+    /// the main stream's work, which may be capturing a decode step's graph that work
+    /// enqueued on it from here would join. A caller of `oracle_blas` waits for both, so the
+    /// handle is never used by two threads at once.
     pub(crate) fn oracle_blas_warmed(
         &self,
-        warm: impl FnOnce(&cudarc::cublas::CudaBlas),
+        warm: impl FnOnce(&cudarc::cublas::CudaBlas, &Arc<CudaStream>),
     ) -> Option<&cudarc::cublas::CudaBlas> {
         self.oracle_blas
             .get_or_init(|| {
-                if !libraries::cublas_loadable() {
-                    return None;
-                }
-                let made = {
-                    let _span =
-                        crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
-                    cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
+                let mut blas = self.new_oracle_blas()?;
+                let Ok(own) = self.stream.context().new_stream() else {
+                    return Some(blas);
                 };
-                if let Some(blas) = &made {
-                    warm(blas);
+                // Safety: nothing else holds the handle before `get_or_init` returns.
+                if unsafe { blas.set_stream(own.clone()) }.is_ok() {
+                    warm(&blas, &own);
+                    let _ = own.synchronize();
                 }
-                made
+                unsafe { blas.set_stream(self.stream.clone()) }
+                    .ok()
+                    .map(|_| blas)
             })
             .as_ref()
+    }
+
+    fn new_oracle_blas(&self) -> Option<cudarc::cublas::CudaBlas> {
+        if !libraries::cublas_loadable() {
+            return None;
+        }
+        let _span = crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
+        cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
     }
 
     /// Whether a decode step's attention kernel (head size 128) does its q/k norm and RoPE.
