@@ -41,6 +41,13 @@ pub fn now(code: i32) -> ! {
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
         }
     }
+    if crate::support::timing::on() {
+        // What follows is the operating system's: the driver's teardown of the GPU context.
+        eprintln!(
+            "kvdiff timing: exiting {:.0} ms after main started",
+            crate::support::timing::offset_ms(std::time::Instant::now())
+        );
+    }
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // Safety: every file the command wrote is closed (written atomically and renamed); only
