@@ -56,8 +56,16 @@ pub use oracle::{
     Precision as OraclePrecision,
 };
 pub use oracle_meter::{DeviceMeter, DeviceOracle};
-pub use oracle_warm_up::expect as expect_gpu_oracle;
 pub use oracle_weights::attach_f32_weights;
 pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };
+
+/// For a run that may calibrate its noise model on the GPU oracle: cuBLAS loads beside the
+/// model's upload; with `rows` (a run that likely will, with a prefill of that many tokens),
+/// the oracle's first GEMMs also run ahead (`oracle_warm_up`).
+pub fn expect_gpu_oracle(rows: Option<usize>) {
+    if oracle_warm_up::expect(rows) {
+        gpu::preload_cublas_in_background();
+    }
+}

@@ -1,15 +1,17 @@
 //! The GPU oracle's first cuBLAS GEMMs, run ahead: a process's first GEMM in f64, and again its
 //! first in f32, cost cuBLAS 0.11–0.14 s of host time each (an H100, CUDA 13). A run likely to
-//! calibrate on the GPU oracle (`expect`) pays them on a thread of its own while the weights
-//! upload (`warm_up_in_background`), not in the calibration.
+//! calibrate on the GPU oracle (`expect`) pays them on threads of their own from the moment the
+//! GPU's context exists and the model's shapes are known (`context_ready`, `plan`), while the
+//! kernels load and the weights upload, not in the calibration. The oracle's first use waits
+//! for them (`wait`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 
-use super::gpu::Gpu;
 use super::oracle::{gemm_ex, widest, Precision};
 use crate::engine::config::Config;
 use crate::support::timing::span;
@@ -17,26 +19,56 @@ use crate::support::timing::span;
 /// The calibration prefill's rows a run expects to measure on the GPU oracle (0: none).
 static EXPECTED_ROWS: AtomicUsize = AtomicUsize::new(0);
 
-/// For a run that may calibrate its noise model on the GPU oracle: cuBLAS loads now; with
-/// `rows` (a run that likely will, with a prefill of that many tokens), the oracle's first
-/// GEMMs also run once the GPU is open, on a thread of their own (`warm_up_in_background`),
-/// while the weights stream in.
-pub fn expect(rows: Option<usize>) {
-    if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
-        return;
-    }
-    EXPECTED_ROWS.store(rows.unwrap_or(0), Ordering::Relaxed);
-    super::gpu::preload_cublas_in_background();
+/// What a warm-up needs: the context, and the products' shapes with the memory they leave.
+#[derive(Default)]
+struct Pending {
+    ctx: Option<Arc<CudaContext>>,
+    plan: Option<Plan>,
 }
 
-/// Where `expect` was called: one GEMM of every shape and precision the oracle's passes run,
-/// on a thread of its own. A process's first cuBLAS GEMM in f64, and again its first in f32,
-/// took 0.11–0.14 s of host time each (an H100, CUDA 13): that much of a cold run's
-/// calibration, paid here beside the weights' upload. `KVDIFF_ORACLE_WARM_UP=0` leaves it out.
-pub(super) fn warm_up_in_background(gpu: &Arc<Gpu>, c: &Config, weight_bytes: u64) {
-    let rows = EXPECTED_ROWS.load(Ordering::Relaxed);
+struct Plan {
+    shapes: Vec<(usize, usize)>,
+    rows: usize,
+    /// Free GPU memory below which it is left out: the weights still to come, its own
+    /// buffers, and 4 GiB to spare.
+    room: usize,
+}
+
+static PENDING: Mutex<Pending> = Mutex::new(Pending {
+    ctx: None,
+    plan: None,
+});
+static RUNNING: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
+
+/// For a run that may calibrate its noise model on the GPU oracle: with `rows` (a run that
+/// likely will, with a prefill of that many tokens), the oracle's first GEMMs run ahead.
+/// `KVDIFF_ORACLE_WARM_UP=0` leaves them out. False where `KVDIFF_GPU_ORACLE=0` asks for the
+/// CPU's oracle.
+pub(super) fn expect(rows: Option<usize>) -> bool {
+    if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
+        return false;
+    }
     let off = std::env::var("KVDIFF_ORACLE_WARM_UP").as_deref() == Ok("0");
-    if rows == 0 || off || c.arch.moe.is_some() {
+    EXPECTED_ROWS.store(rows.filter(|_| !off).unwrap_or(0), Ordering::Relaxed);
+    true
+}
+
+/// The GPU's context exists (`Gpu::open`): the warm-up starts here if the model's shapes are
+/// known already.
+pub(super) fn context_ready(ctx: &Arc<CudaContext>) {
+    if EXPECTED_ROWS.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut p = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    p.ctx = Some(ctx.clone());
+    start_if_ready(&mut p);
+}
+
+/// The model's shapes are known (its upload begins, with `weight_bytes` to come): the
+/// warm-up starts here if the context exists already.
+pub(super) fn plan(c: &Config, weight_bytes: u64) {
+    let rows = EXPECTED_ROWS.load(Ordering::Relaxed);
+    if rows == 0 || c.arch.moe.is_some() {
         return;
     }
     let shapes = warm_up_shapes(c);
@@ -45,17 +77,44 @@ pub(super) fn warm_up_in_background(gpu: &Arc<Gpu>, c: &Config, weight_bytes: u6
     let need = 8
         * (largest(&shapes, |(k, m)| k * m)
             + rows * (largest(&shapes, |s| s.0) + largest(&shapes, |s| s.1)));
-    let room = weight_bytes as usize + need + (4 << 30);
-    if gpu.memory().0 < room {
+    let room = weight_bytes as usize + 2 * need + (4 << 30);
+    let mut p = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    p.plan = Some(Plan { shapes, rows, room });
+    start_if_ready(&mut p);
+}
+
+/// Waits for a warm-up started, if any: the oracle's handle is made after it.
+pub(super) fn wait() {
+    let running = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(h) = running {
+        let _span = span("calibration: waited for the GPU oracle's warm-up");
+        let _ = h.join();
+    }
+}
+
+fn start_if_ready(p: &mut Pending) {
+    let Some(ctx) = p.ctx.clone() else {
+        return;
+    };
+    let Some(plan) = p.plan.take() else {
+        return;
+    };
+    if ctx.mem_get_info().is_ok_and(|(free, _)| free < plan.room) {
         return;
     }
-    let gpu = gpu.clone();
-    std::thread::spawn(move || {
-        gpu.oracle_blas_warmed(|blas, stream| {
-            let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-            warm_up(stream, blas, &shapes, rows);
+    let job = std::thread::spawn(move || {
+        let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
+        // Each precision's first GEMM on a thread, handle and stream of its own: the main
+        // stream may be capturing a decode step's graph on the main thread meanwhile, which
+        // work enqueued on it from here would join.
+        std::thread::scope(|s| {
+            for p in [Precision::F64, Precision::Bf16Emulation] {
+                let (ctx, plan) = (&ctx, &plan);
+                s.spawn(move || warm_up(ctx, p, &plan.shapes, plan.rows));
+            }
         });
     });
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
 }
 
 /// `(k, m)` of the oracle's products: `layer`'s, and the LM head's blocks.
@@ -81,26 +140,30 @@ fn largest(shapes: &[(usize, usize)], f: fn(&(usize, usize)) -> usize) -> usize 
     shapes.iter().map(f).max().unwrap_or(1)
 }
 
-/// The products run on `stream`, the handle's while it warms up: not the main stream, which
-/// the main thread may be capturing meanwhile.
-fn warm_up(stream: &Arc<CudaStream>, blas: &CudaBlas, shapes: &[(usize, usize)], n: usize) {
+fn warm_up(ctx: &Arc<CudaContext>, p: Precision, shapes: &[(usize, usize)], n: usize) {
+    let Ok(stream) = ctx.new_stream() else {
+        return;
+    };
+    let Ok(blas) = CudaBlas::new(stream.clone()) else {
+        return;
+    };
     let weights = largest(shapes, |(k, m)| k * m);
     let (ks, ms) = (largest(shapes, |s| s.0), largest(shapes, |s| s.1));
-    for p in [Precision::F64, Precision::Bf16Emulation] {
-        // The products' values are never read: the buffers are left as allocated.
-        let bytes = p.bytes();
-        // Safety: as above, nothing reads what the products write.
-        let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
-        let (Ok(w), Ok(x), Ok(y)) = (
-            alloc(weights * bytes),
-            alloc(n * ks * bytes),
-            alloc(n * ms * bytes),
-        ) else {
-            return;
-        };
-        let at = |b: &CudaSlice<u8>| b.device_ptr(stream).0;
-        for &(k, m) in shapes {
-            gemm_ex(blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
-        }
+    // The products' values are never read: the buffers are left as allocated.
+    let bytes = p.bytes();
+    // Safety: as above, nothing reads what the products write.
+    let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
+    let (Ok(w), Ok(x), Ok(y)) = (
+        alloc(weights * bytes),
+        alloc(n * ks * bytes),
+        alloc(n * ms * bytes),
+    ) else {
+        return;
+    };
+    let at = |b: &CudaSlice<u8>| b.device_ptr(&stream).0;
+    for &(k, m) in shapes {
+        gemm_ex(&blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
     }
+    drop((w, x, y));
+    let _ = stream.synchronize();
 }

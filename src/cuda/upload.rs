@@ -134,16 +134,12 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
         let (gpu, buffers, warmed) = match super::stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
+                super::oracle_warm_up::plan(config, weight_bytes(config));
                 // cuBLAS meets every GEMM shape on the opened GPU while the weights stream in.
                 let warm = {
                     let config = config.clone();
                     std::thread::spawn(move || -> Result<Arc<Gpu>> {
                         let gpu = Gpu::open()?;
-                        super::oracle_warm_up::warm_up_in_background(
-                            &gpu,
-                            &config,
-                            weight_bytes(&config),
-                        );
                         if gpu.gemm_needs_warm_up() {
                             let _span =
                                 crate::support::timing::span("startup: cuBLAS shape warm-up");
@@ -175,8 +171,7 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
                 // The oracle reads only a checkpoint's own values (`oracle::unavailable`).
                 if exact {
-                    let bytes = weight_bytes(config);
-                    super::oracle_warm_up::warm_up_in_background(&gpu, config, bytes);
+                    super::oracle_warm_up::plan(config, weight_bytes(config));
                 }
                 (gpu, buffers, false)
             }

@@ -229,6 +229,18 @@ impl HostBuf {
     }
 }
 
+/// Runs `job` on the one thread that pins read-back buffers, after the jobs sent before it.
+fn pin_in_order(job: Box<dyn FnOnce() + Send>) {
+    type Jobs = std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>;
+    static PINNER: std::sync::OnceLock<std::sync::Mutex<Jobs>> = std::sync::OnceLock::new();
+    let jobs = PINNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        std::thread::spawn(move || rx.into_iter().for_each(|job| job()));
+        std::sync::Mutex::new(tx)
+    });
+    let _ = jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job);
+}
+
 /// Diff jobs (one per row: path row, reference row, widths, leads) gathered on the host, run by one
 /// `diff_rows` launch each time `launch` is called, their summaries read back in one copy.
 #[derive(Default)]
@@ -242,6 +254,8 @@ pub struct DeviceDiffs {
     jobs: Vec<u64>,
     /// Pinned host memory for read-back, the rows being copied, and the copy's event.
     host: Option<HostBuf>,
+    /// Pinned host memory being taken on another thread (`reserve_host`), for `host`.
+    pending: Option<std::sync::mpsc::Receiver<HostBuf>>,
     copied: usize,
     copy_done: Option<cudarc::driver::CudaEvent>,
 }
@@ -351,15 +365,37 @@ impl DeviceDiffs {
         self.jobs.clear();
     }
 
-    /// Takes a host buffer for the summaries of `rows` rows now, unless one that large is
-    /// already there (see `Comparator::size_readback`).
+    /// Asks for a host buffer for the summaries of `rows` rows, unless one that large is
+    /// already there or asked for (see `Comparator::size_readback`). Pinning it takes milliseconds per 10 MB (7 ms a buffer, one a path, at 512 tokens),
+    /// so it is taken on a thread of its own, one buffer after another in the order asked for,
+    /// while the reference's and the first paths' passes run; the first read-back waits for it.
     pub fn reserve_host(&mut self, g: &Arc<Gpu>, rows: usize) {
         let len = rows * 12;
-        if len == 0 || self.host.as_ref().is_some_and(|h| h.len() >= len) {
+        if len == 0 || self.pending.is_some() || self.host.as_ref().is_some_and(|h| h.len() >= len)
+        {
             return;
         }
-        let _span = crate::support::timing::span("compare: read-back buffer sized ahead");
-        self.host = Some(HostBuf::new(g, len));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let g = g.clone();
+        pin_in_order(Box::new(move || {
+            let _span = crate::support::timing::span("compare: read-back buffer sized ahead");
+            let _ = tx.send(HostBuf::new(&g, len));
+        }));
+        self.pending = Some(rx);
+    }
+
+    /// Takes the buffer `reserve_host` asked for, once it is there.
+    fn settle(&mut self) {
+        let Some(rx) = self.pending.take() else {
+            return;
+        };
+        let _wait = crate::support::timing::span("compare: read-back buffer waited for");
+        // A thread that failed sends nothing: `start_readback` then pins one itself.
+        if let Ok(h) = rx.recv() {
+            if self.host.as_ref().is_none_or(|c| c.len() < h.len()) {
+                self.host = Some(h);
+            }
+        }
     }
 
     /// Runs the queued jobs and starts copying every row's summaries to the host without
@@ -371,6 +407,7 @@ impl DeviceDiffs {
             "finish the previous read-back first"
         );
         self.launch();
+        self.settle();
         let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
             return;
         };

@@ -226,6 +226,7 @@ impl Gpu {
             .collect::<Result<Vec<_>>>()?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
         drop(context_span);
+        super::oracle_warm_up::context_ready(&ctx);
         missing(libraries)?;
         let (major, minor) = ctx
             .compute_capability()
@@ -390,36 +391,13 @@ impl Gpu {
     }
 
     /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's;
-    /// `None` where cuBLAS cannot be loaded or started.
+    /// `None` where cuBLAS cannot be loaded or started. Made once the oracle's warm-up, if
+    /// one runs, is done (`oracle_warm_up`).
     pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
         self.oracle_blas
-            .get_or_init(|| self.new_oracle_blas())
-            .as_ref()
-    }
-
-    /// `oracle_blas`, running `warm` on the handle when this call makes it, with the handle
-    /// on a stream of its own (given to `warm`) meanwhile: this runs on another thread than
-    /// the main stream's work, which may be capturing a decode step's graph that work
-    /// enqueued on it from here would join. A caller of `oracle_blas` waits for both, so the
-    /// handle is never used by two threads at once.
-    pub(crate) fn oracle_blas_warmed(
-        &self,
-        warm: impl FnOnce(&cudarc::cublas::CudaBlas, &Arc<CudaStream>),
-    ) -> Option<&cudarc::cublas::CudaBlas> {
-        self.oracle_blas
             .get_or_init(|| {
-                let mut blas = self.new_oracle_blas()?;
-                let Ok(own) = self.stream.context().new_stream() else {
-                    return Some(blas);
-                };
-                // Safety: nothing else holds the handle before `get_or_init` returns.
-                if unsafe { blas.set_stream(own.clone()) }.is_ok() {
-                    warm(&blas, &own);
-                    let _ = own.synchronize();
-                }
-                unsafe { blas.set_stream(self.stream.clone()) }
-                    .ok()
-                    .map(|_| blas)
+                super::oracle_warm_up::wait();
+                self.new_oracle_blas()
             })
             .as_ref()
     }
