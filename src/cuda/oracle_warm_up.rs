@@ -77,7 +77,7 @@ pub(super) fn plan(c: &Config, weight_bytes: u64) {
     let need = 8
         * (largest(&shapes, |(k, m)| k * m)
             + rows * (largest(&shapes, |s| s.0) + largest(&shapes, |s| s.1)));
-    let room = weight_bytes as usize + 2 * need + (4 << 30);
+    let room = weight_bytes as usize + need + (4 << 30);
     let mut p = PENDING.lock().unwrap_or_else(|e| e.into_inner());
     p.plan = Some(Plan { shapes, rows, room });
     start_if_ready(&mut p);
@@ -104,15 +104,7 @@ fn start_if_ready(p: &mut Pending) {
     }
     let job = std::thread::spawn(move || {
         let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-        // Each precision's first GEMM on a thread, handle and stream of its own: the main
-        // stream may be capturing a decode step's graph on the main thread meanwhile, which
-        // work enqueued on it from here would join.
-        std::thread::scope(|s| {
-            for p in [Precision::F64, Precision::Bf16Emulation] {
-                let (ctx, plan) = (&ctx, &plan);
-                s.spawn(move || warm_up(ctx, p, &plan.shapes, plan.rows));
-            }
-        });
+        warm_up(&ctx, &plan.shapes, plan.rows);
     });
     *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
 }
@@ -140,7 +132,13 @@ fn largest(shapes: &[(usize, usize)], f: fn(&(usize, usize)) -> usize) -> usize 
     shapes.iter().map(f).max().unwrap_or(1)
 }
 
-fn warm_up(ctx: &Arc<CudaContext>, p: Precision, shapes: &[(usize, usize)], n: usize) {
+/// On a handle and stream of its own: the main stream may be capturing a decode step's graph
+/// on the main thread meanwhile, which work enqueued on it from here would join. What is
+/// warmed is the process's (the kernels cuBLAS loads at its first GEMM of a precision), not
+/// the handle's: the oracle's own handle, made after, ran its first f64 pass in 14 ms where
+/// it took 0.1 s unwarmed. The precisions one after another: on two threads they took no
+/// less (140 ms, against 126 ms on one in a run on another machine).
+fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize) {
     let Ok(stream) = ctx.new_stream() else {
         return;
     };
@@ -149,21 +147,26 @@ fn warm_up(ctx: &Arc<CudaContext>, p: Precision, shapes: &[(usize, usize)], n: u
     };
     let weights = largest(shapes, |(k, m)| k * m);
     let (ks, ms) = (largest(shapes, |s| s.0), largest(shapes, |s| s.1));
-    // The products' values are never read: the buffers are left as allocated.
-    let bytes = p.bytes();
-    // Safety: as above, nothing reads what the products write.
-    let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
-    let (Ok(w), Ok(x), Ok(y)) = (
-        alloc(weights * bytes),
-        alloc(n * ks * bytes),
-        alloc(n * ms * bytes),
-    ) else {
-        return;
-    };
-    let at = |b: &CudaSlice<u8>| b.device_ptr(&stream).0;
-    for &(k, m) in shapes {
-        gemm_ex(&blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
+    for p in [Precision::F64, Precision::Bf16Emulation] {
+        let _span = span(match p {
+            Precision::F64 => "startup: GPU oracle's first f64 GEMMs (background)",
+            _ => "startup: GPU oracle's first f32 GEMMs (background)",
+        });
+        // The products' values are never read: the buffers are left as allocated.
+        let bytes = p.bytes();
+        // Safety: as above, nothing reads what the products write.
+        let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
+        let (Ok(w), Ok(x), Ok(y)) = (
+            alloc(weights * bytes),
+            alloc(n * ks * bytes),
+            alloc(n * ms * bytes),
+        ) else {
+            return;
+        };
+        let at = |b: &CudaSlice<u8>| b.device_ptr(&stream).0;
+        for &(k, m) in shapes {
+            gemm_ex(&blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
+        }
+        let _ = stream.synchronize();
     }
-    drop((w, x, y));
-    let _ = stream.synchronize();
 }

@@ -229,18 +229,6 @@ impl HostBuf {
     }
 }
 
-/// Runs `job` on the one thread that pins read-back buffers, after the jobs sent before it.
-fn pin_in_order(job: Box<dyn FnOnce() + Send>) {
-    type Jobs = std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>;
-    static PINNER: std::sync::OnceLock<std::sync::Mutex<Jobs>> = std::sync::OnceLock::new();
-    let jobs = PINNER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
-        std::thread::spawn(move || rx.into_iter().for_each(|job| job()));
-        std::sync::Mutex::new(tx)
-    });
-    let _ = jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job);
-}
-
 /// Diff jobs (one per row: path row, reference row, widths, leads) gathered on the host, run by one
 /// `diff_rows` launch each time `launch` is called, their summaries read back in one copy.
 #[derive(Default)]
@@ -254,8 +242,6 @@ pub struct DeviceDiffs {
     jobs: Vec<u64>,
     /// Pinned host memory for read-back, the rows being copied, and the copy's event.
     host: Option<HostBuf>,
-    /// Pinned host memory being taken on another thread (`reserve_host`), for `host`.
-    pending: Option<std::sync::mpsc::Receiver<HostBuf>>,
     copied: usize,
     copy_done: Option<cudarc::driver::CudaEvent>,
 }
@@ -365,37 +351,19 @@ impl DeviceDiffs {
         self.jobs.clear();
     }
 
-    /// Asks for a host buffer for the summaries of `rows` rows, unless one that large is
-    /// already there or asked for (see `Comparator::size_readback`). Pinning it takes milliseconds per 10 MB (7 ms a buffer, one a path, at 512 tokens),
-    /// so it is taken on a thread of its own, one buffer after another in the order asked for,
-    /// while the reference's and the first paths' passes run; the first read-back waits for it.
+    /// Makes sure a host buffer for the summaries of `rows` rows is there before the first
+    /// read-back (see `Comparator::size_readback`): this one's, or a spare one. A run's paths
+    /// prefill one after another, so one buffer of the reference's largest pass serves them
+    /// all: pinning one for each path took 7–10 ms a path at 512 tokens (and pinning on
+    /// another thread held up the main thread's launches as long).
     pub fn reserve_host(&mut self, g: &Arc<Gpu>, rows: usize) {
         let len = rows * 12;
-        if len == 0 || self.pending.is_some() || self.host.as_ref().is_some_and(|h| h.len() >= len)
-        {
+        let spare = || lock_spare().iter().any(|h| h.len() >= len);
+        if len == 0 || self.host.as_ref().is_some_and(|h| h.len() >= len) || spare() {
             return;
         }
-        let (tx, rx) = std::sync::mpsc::channel();
-        let g = g.clone();
-        pin_in_order(Box::new(move || {
-            let _span = crate::support::timing::span("compare: read-back buffer sized ahead");
-            let _ = tx.send(HostBuf::new(&g, len));
-        }));
-        self.pending = Some(rx);
-    }
-
-    /// Takes the buffer `reserve_host` asked for, once it is there.
-    fn settle(&mut self) {
-        let Some(rx) = self.pending.take() else {
-            return;
-        };
-        let _wait = crate::support::timing::span("compare: read-back buffer waited for");
-        // A thread that failed sends nothing: `start_readback` then pins one itself.
-        if let Ok(h) = rx.recv() {
-            if self.host.as_ref().is_none_or(|c| c.len() < h.len()) {
-                self.host = Some(h);
-            }
-        }
+        let _span = crate::support::timing::span("compare: read-back buffer sized ahead");
+        lock_spare().push(HostBuf::new(g, len));
     }
 
     /// Runs the queued jobs and starts copying every row's summaries to the host without
@@ -407,7 +375,6 @@ impl DeviceDiffs {
             "finish the previous read-back first"
         );
         self.launch();
-        self.settle();
         let (Some(out), Some(g)) = (&self.out, &self.gpu) else {
             return;
         };
@@ -416,6 +383,19 @@ impl DeviceDiffs {
         self.used = 0;
         if len == 0 {
             return;
+        }
+        if self.host.as_ref().is_none_or(|h| h.len() < len) {
+            let mut spare = lock_spare();
+            // The smallest spare that fits, this one's own given back if too small.
+            let fits = (0..spare.len())
+                .filter(|&i| spare[i].len() >= len)
+                .min_by_key(|&i| spare[i].len());
+            if let Some(i) = fits {
+                let taken = spare.swap_remove(i);
+                if let Some(own) = self.host.replace(taken) {
+                    spare.push(own);
+                }
+            }
         }
         if self.host.as_ref().is_none_or(|h| h.len() < len) {
             let _span = crate::support::timing::span("compare: pinned read-back buffer allocated");
@@ -465,12 +445,29 @@ impl DeviceDiffs {
         }
     }
 
-    /// Takes back the buffer `finish_readback` lent, for the next read-back.
+    /// Takes back the buffer `finish_readback` lent, as a spare for the next read-back, this
+    /// one's or another's.
     pub fn return_readback(&mut self, r: Readback) {
-        if self.host.is_none() {
-            self.host = r.host;
-        }
+        lock_spare().extend(r.host);
     }
+}
+
+impl Drop for DeviceDiffs {
+    fn drop(&mut self) {
+        // Kept for the next run's read-backs (freeing pinned memory takes milliseconds too),
+        // once no copy into it is in flight.
+        if let Some(done) = self.copy_done.take() {
+            let _ = done.synchronize();
+        }
+        lock_spare().extend(self.host.take());
+    }
+}
+
+/// Pinned read-back buffers no `DeviceDiffs` holds, for the next read-back that fits.
+static SPARE: std::sync::Mutex<Vec<HostBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn lock_spare() -> std::sync::MutexGuard<'static, Vec<HostBuf>> {
+    SPARE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Read-back summaries (`DeviceDiffs::finish_readback`), 12 words a row.
