@@ -236,8 +236,6 @@ pub struct DeviceDiffs {
     out: Option<CudaSlice<f32>>,
     gpu: Option<Arc<Gpu>>,
     cap: usize,
-    /// The host buffer's size asked for up front (`reserve_host`), in f32s.
-    reserved: usize,
     /// Rows whose summaries are in `out` or queued.
     used: usize,
     /// Queued jobs, four words each, for rows `used - jobs.len() / 4..used`.
@@ -360,7 +358,6 @@ impl DeviceDiffs {
     /// another thread held up the main thread's launches as long).
     pub fn reserve_host(&mut self, g: &Arc<Gpu>, rows: usize) {
         let len = rows * 12;
-        self.reserved = self.reserved.max(len);
         let spare = || lock_spare().iter().any(|h| h.len() >= len);
         if len == 0 || self.host.as_ref().is_some_and(|h| h.len() >= len) || spare() {
             return;
@@ -404,14 +401,9 @@ impl DeviceDiffs {
             let _span = crate::support::timing::span("compare: pinned read-back buffer allocated");
             // Grown in powers of two: pinning memory costs about a millisecond per 10 MB, and
             // a run's passes read back ever more rows (a 512-token compare grew it each pass).
-            // A prefill pass's while another comparator holds the one asked for up front (two
-            // compare one path) is taken at that size: spares of every size in between were
-            // pinned one after another otherwise, 4–8 ms each. A decode step's stay small.
-            let prefill_sized = len > self.reserved / 8;
             let size = len
                 .max(1 << 16)
                 .next_power_of_two()
-                .max(if prefill_sized { self.reserved } else { 0 })
                 .min(self.cap.max(1) * 12)
                 .max(len);
             self.host = Some(HostBuf::new(g, size));
