@@ -7,12 +7,6 @@ use clap::Parser;
 
 use kvdiff::error::EXIT_INTERNAL;
 
-// The tokenizer's parse and the lockstep's booking allocate by the hundred thousand:
-// `tokenizer.json`'s parse (Qwen3's) took 0.15–0.17 s with mimalloc against 0.21–0.24 s with
-// the system allocator on a 2-core x86 machine.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() {
     let started = std::time::Instant::now();
     kvdiff::support::timing::mark_start(started);
