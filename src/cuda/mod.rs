@@ -69,3 +69,10 @@ pub fn expect_gpu_oracle(rows: Option<usize>) {
         gpu::preload_cublas_in_background();
     }
 }
+
+/// Waits, where the oracle's first GEMMs in `precision` are being run ahead, for them to end:
+/// the calibration's pass in that precision runs after (its f64 pass may start while the f32
+/// part still runs).
+pub fn wait_for_oracle_warm_up(precision: OraclePrecision) {
+    oracle_warm_up::wait(precision);
+}

@@ -2,12 +2,11 @@
 //! first in f32, cost cuBLAS 0.11–0.14 s of host time each (an H100, CUDA 13). A run likely to
 //! calibrate on the GPU oracle (`expect`) pays them on threads of their own from the moment the
 //! GPU's context exists and the model's shapes are known (`context_ready`, `plan`), while the
-//! kernels load and the weights upload, not in the calibration. The oracle's first use waits
-//! for them (`wait`).
+//! kernels load and the weights upload, not in the calibration. The oracle's pass in each
+//! precision waits for that precision's (`wait`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
@@ -38,7 +37,34 @@ static PENDING: Mutex<Pending> = Mutex::new(Pending {
     ctx: None,
     plan: None,
 });
-static RUNNING: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
+/// Per precision (f64, then f32), whether its first GEMMs are being run ahead now.
+static RUNNING: Mutex<[bool; 2]> = Mutex::new([false; 2]);
+static FINISHED: Condvar = Condvar::new();
+
+fn slot(p: Precision) -> usize {
+    match p {
+        Precision::F64 => 0,
+        Precision::Bf16Emulation | Precision::F32 => 1,
+    }
+}
+
+/// Marks a precision's warm-up over, and on drop every one still running (a warm-up that
+/// stops early or panics leaves no waiter behind).
+struct Finishing;
+
+impl Finishing {
+    fn one(&self, p: Precision) {
+        RUNNING.lock().unwrap_or_else(|e| e.into_inner())[slot(p)] = false;
+        FINISHED.notify_all();
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = [false; 2];
+        FINISHED.notify_all();
+    }
+}
 
 /// For a run that may calibrate its noise model on the GPU oracle: with `rows` (a run that
 /// likely will, with a prefill of that many tokens), the oracle's first GEMMs run ahead.
@@ -83,12 +109,16 @@ pub(super) fn plan(c: &Config, weight_bytes: u64) {
     start_if_ready(&mut p);
 }
 
-/// Waits for a warm-up started, if any: the oracle's handle is made after it.
-pub(super) fn wait() {
-    let running = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(h) = running {
-        let _span = span("calibration: waited for the GPU oracle's warm-up");
-        let _ = h.join();
+/// Waits for precision `p`'s warm-up if it is still running: the oracle's pass in `p` runs
+/// after it (its f64 pass may start while the f32 part still runs).
+pub(super) fn wait(p: Precision) {
+    let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    if !running[slot(p)] {
+        return;
+    }
+    let _span = span("calibration: waited for the GPU oracle's warm-up");
+    while running[slot(p)] {
+        running = FINISHED.wait(running).unwrap_or_else(|e| e.into_inner());
     }
 }
 
@@ -102,11 +132,12 @@ fn start_if_ready(p: &mut Pending) {
     if ctx.mem_get_info().is_ok_and(|(free, _)| free < plan.room) {
         return;
     }
-    let job = std::thread::spawn(move || {
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = [true; 2];
+    std::thread::spawn(move || {
+        let finishing = Finishing;
         let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-        warm_up(&ctx, &plan.shapes, plan.rows);
+        warm_up(&ctx, &plan.shapes, plan.rows, &finishing);
     });
-    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
 }
 
 /// `(k, m)` of the oracle's products: `layer`'s, and the LM head's blocks.
@@ -138,7 +169,7 @@ fn largest(shapes: &[(usize, usize)], f: fn(&(usize, usize)) -> usize) -> usize 
 /// the handle's: the oracle's own handle, made after, ran its first f64 pass in 14 ms where
 /// it took 0.1 s unwarmed. The precisions one after another: on two threads they took no
 /// less (140 ms, against 126 ms on one in a run on another machine).
-fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize) {
+fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize, finishing: &Finishing) {
     let Ok(stream) = ctx.new_stream() else {
         return;
     };
@@ -168,5 +199,6 @@ fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize) {
             gemm_ex(&blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
         }
         let _ = stream.synchronize();
+        finishing.one(p);
     }
 }

@@ -390,15 +390,12 @@ impl Gpu {
         self.together
     }
 
-    /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's;
-    /// `None` where cuBLAS cannot be loaded or started. Made once the oracle's warm-up, if
-    /// one runs, is done (`oracle_warm_up`).
+    /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's
+    /// (and from the warm-up's, `oracle_warm_up`); `None` where cuBLAS cannot be loaded or
+    /// started.
     pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
         self.oracle_blas
-            .get_or_init(|| {
-                super::oracle_warm_up::wait();
-                self.new_oracle_blas()
-            })
+            .get_or_init(|| self.new_oracle_blas())
             .as_ref()
     }
 
