@@ -883,7 +883,8 @@ fn backend_cuda_without_a_gpu_is_a_one_line_error() {
 }
 
 /// Every side on the GPU, on the embedded (bf16) model: a first run calibrates on the GPU oracle
-/// and stores it, with thresholds within 2x of the CPU oracle's; a run with another
+/// (its first GEMMs run ahead, not for an f32 checkpoint, which the oracle does not read) and
+/// stores it, with thresholds within 2x of the CPU oracle's; a run with another
 /// `--max-new-tokens` reuses it; a profile pinned by `calibrate --backend cuda` is read.
 #[test]
 fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
@@ -932,6 +933,30 @@ fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
     let (on_cpu, err) = rtols("0", cpu_cache.to_str().unwrap());
     assert!(err.contains("calibrated on the CPU"), "{err}");
     assert!(!err.contains(warmed), "no GPU oracle asked for: {err}");
+    // A checkpoint in f32: the GPU holds it rounded to bf16, which the oracle does not read,
+    // so nothing is warmed up for it.
+    let f32_cache = tmp.path().join("f32-cache");
+    let env = [
+        ("KVDIFF_CACHE_DIR", f32_cache.to_str().unwrap()),
+        ("KVDIFF_TIMING", "1"),
+    ];
+    let model = fixture("random-model");
+    let args = [
+        "-v",
+        "compare",
+        "--backend",
+        "cuda",
+        "--max-new-tokens",
+        "4",
+        "--model",
+        model.to_str().unwrap(),
+        prompt,
+    ];
+    let out = kvdiff(&args, &env);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{err}");
+    assert!(err.contains("calibrated on the CPU"), "{err}");
+    assert!(!err.contains(warmed), "an f32 checkpoint: {err}");
     assert_eq!(
         on_gpu.keys().collect::<Vec<_>>(),
         on_cpu.keys().collect::<Vec<_>>()
