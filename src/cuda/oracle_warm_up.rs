@@ -1,6 +1,6 @@
 //! The GPU oracle's first cuBLAS GEMMs, run ahead: a process's first GEMM in f64, and again its
 //! first in f32, cost cuBLAS 0.11–0.14 s of host time each (an H100, CUDA 13). A run likely to
-//! calibrate on the GPU oracle (`expect`) pays them on threads of their own from the moment the
+//! calibrate on the GPU oracle (`expect`) pays them on a thread of its own from the moment the
 //! GPU's context exists and the model's shapes are known (`context_ready`, `plan`), while the
 //! kernels load and the weights upload, not in the calibration. The oracle's pass in each
 //! precision waits for that precision's (`wait`).
@@ -122,12 +122,14 @@ pub(super) fn wait(p: Precision) {
     }
 }
 
+/// Starts the warm-up once both halves are there, keeping neither after.
 fn start_if_ready(p: &mut Pending) {
-    let Some(ctx) = p.ctx.clone() else {
-        return;
-    };
-    let Some(plan) = p.plan.take() else {
-        return;
+    let (ctx, plan) = match (p.ctx.take(), p.plan.take()) {
+        (Some(ctx), Some(plan)) => (ctx, plan),
+        (ctx, plan) => {
+            (p.ctx, p.plan) = (ctx, plan);
+            return;
+        }
     };
     if ctx.mem_get_info().is_ok_and(|(free, _)| free < plan.room) {
         return;
