@@ -407,7 +407,9 @@ impl DeviceDiffs {
                 .next_power_of_two()
                 .min(self.cap.max(1) * 12)
                 .max(len);
-            self.host = Some(HostBuf::new(g, size));
+            if let Some(small) = self.host.replace(HostBuf::new(g, size)) {
+                lock_spare().push(small);
+            }
         }
         let host = self.host.as_mut().expect("allocated");
         let dst = &mut host.as_mut_slice()[..len];
