@@ -110,28 +110,25 @@ fn parse_bpe(bytes: &[u8]) -> Option<Tokenizer> {
             rest,
         )
     });
+    // Each option set only where the file gives it, as the crate's visitor does.
+    fn with<T>(b: BpeBuilder, v: Option<T>, set: fn(BpeBuilder, T) -> BpeBuilder) -> BpeBuilder {
+        match v {
+            Some(v) => set(b, v),
+            None => b,
+        }
+    }
     let mut b = BpeBuilder::new().vocab_and_merges(vocab?, merges?);
-    if let Some(p) = m.dropout {
-        b = b.dropout(p);
-    }
-    if let Some(t) = m.unk_token {
-        b = b.unk_token(t);
-    }
-    if let Some(p) = m.continuing_subword_prefix {
-        b = b.continuing_subword_prefix(p);
-    }
-    if let Some(s) = m.end_of_word_suffix {
-        b = b.end_of_word_suffix(s);
-    }
-    if let Some(v) = m.fuse_unk {
-        b = b.fuse_unk(v);
-    }
-    if let Some(v) = m.byte_fallback {
-        b = b.byte_fallback(v);
-    }
-    if let Some(v) = m.ignore_merges {
-        b = b.ignore_merges(v);
-    }
+    b = with(b, m.dropout, BpeBuilder::dropout);
+    b = with(b, m.unk_token, BpeBuilder::unk_token);
+    b = with(
+        b,
+        m.continuing_subword_prefix,
+        BpeBuilder::continuing_subword_prefix,
+    );
+    b = with(b, m.end_of_word_suffix, BpeBuilder::end_of_word_suffix);
+    b = with(b, m.fuse_unk, BpeBuilder::fuse_unk);
+    b = with(b, m.byte_fallback, BpeBuilder::byte_fallback);
+    b = with(b, m.ignore_merges, BpeBuilder::ignore_merges);
     let bpe: BPE = b.build().ok()?;
     let (normalizer, pre, post, decoder, truncation, padding, added) = rest;
     let mut t: TokenizerImpl<_, _, _, _, _> = TokenizerBuilder::<
