@@ -122,14 +122,12 @@ pub(super) fn wait(p: Precision) {
     }
 }
 
-/// Starts the warm-up once both halves are there, keeping neither after.
 fn start_if_ready(p: &mut Pending) {
-    let (ctx, plan) = match (p.ctx.take(), p.plan.take()) {
-        (Some(ctx), Some(plan)) => (ctx, plan),
-        (ctx, plan) => {
-            (p.ctx, p.plan) = (ctx, plan);
-            return;
-        }
+    let Some(ctx) = p.ctx.clone() else {
+        return;
+    };
+    let Some(plan) = p.plan.take() else {
+        return;
     };
     if ctx.mem_get_info().is_ok_and(|(free, _)| free < plan.room) {
         return;

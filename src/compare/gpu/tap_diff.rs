@@ -407,9 +407,7 @@ impl DeviceDiffs {
                 .next_power_of_two()
                 .min(self.cap.max(1) * 12)
                 .max(len);
-            if let Some(small) = self.host.replace(HostBuf::new(g, size)) {
-                lock_spare().push(small);
-            }
+            self.host = Some(HostBuf::new(g, size));
         }
         let host = self.host.as_mut().expect("allocated");
         let dst = &mut host.as_mut_slice()[..len];
