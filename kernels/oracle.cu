@@ -2,7 +2,8 @@
 // f64, and the same pass in f32 with bf16-rounded matmul inputs (the emulation of a bf16
 // backend's rounding). Written apart from the engine's kernels, with nothing in common with
 // them: plain loops, one fixed order per sum, no tiling, no tensor cores, no fusion. Matrix
-// products go to cuBLAS (DGEMM, and SGEMM with TF32 off), not to kernels/gemm.cu.
+// products go to cuBLAS (DGEMM; SGEMM with TF32 off for the plain f32 pass), not to
+// kernels/gemm.cu: the emulation's are DGEMMs of its bf16-rounded operands, rounded once to f32.
 //
 // Every kernel has a double (`_f64`) and a float (`_f32`) instance. Weights arrive as the bf16
 // bits the GPU holds and are widened exactly, or (`_w32_` kernels) as the f32 values of a
@@ -207,6 +208,20 @@ ORACLE_INSTANCES(float, f32)
 extern "C" __global__ void oracle_round_bf16_f32(const float* x, float* out, long long n) {
   pdl_wait();
   ORACLE_STRIDE(i, n) out[i] = oracle_to_bf16(x[i]);
+}
+
+// The emulation's matmul operand: rounded to bf16, then widened exactly for DGEMM.
+extern "C" __global__ void oracle_round_bf16_widen_f64(const float* x, double* out, long long n) {
+  pdl_wait();
+  ORACLE_STRIDE(i, n) out[i] = (double)oracle_to_bf16(x[i]);
+}
+
+// The emulation's product, `rows` x `cols` summed in f64, rounded once to f32 into rows `ld`
+// apart.
+extern "C" __global__ void oracle_narrow_rows_f64(const double* x, float* out, int rows, int cols,
+                                                  long long ld) {
+  pdl_wait();
+  ORACLE_STRIDE(i, (long long)rows * cols) out[i / cols * ld + i % cols] = (float)x[i];
 }
 
 extern "C" __global__ void oracle_narrow_f64(const double* x, float* out, long long n) {

@@ -5,8 +5,8 @@
 //!
 //! Independent of the engine it measures, as the CPU oracle is: its own kernels
 //! (`kernels/oracle.cu`: plain loops, one fixed order per sum, no tiling, no fusion, no tensor
-//! cores), cuBLAS's DGEMM and SGEMM (TF32 off) for the products instead of `kernels/gemm.cu`, no
-//! KV cache and no path. It shares only the weights the GPU holds, and only where they are the
+//! cores), cuBLAS's DGEMM (SGEMM with TF32 off for the plain f32 pass) for the products instead
+//! of `kernels/gemm.cu`, no KV cache and no path. It shares only the weights the GPU holds, and only where they are the
 //! checkpoint's own values (`CudaModel::exact_weights`); elsewhere the CPU oracle runs.
 
 use crate::support::timing::span;
@@ -29,7 +29,8 @@ pub enum Precision {
     /// Every value in f64: the oracle.
     F64,
     /// f32, with every matmul input rounded to bf16 (the weights are bf16 already): the
-    /// rounding a bf16 backend's products see, as `Model::bf16_emulation` has it.
+    /// rounding a bf16 backend's products see, as `Model::bf16_emulation` has it. Its
+    /// products are summed in f64 and rounded once to f32 (`Precision::products`).
     Bf16Emulation,
     /// Plain f32 (TF32 off): the f32 reference an f32 engine is held to on the GPU.
     F32,
@@ -40,6 +41,18 @@ impl Precision {
         match self {
             Precision::F64 => 8,
             Precision::Bf16Emulation | Precision::F32 => 4,
+        }
+    }
+
+    /// The precision of the pass's matrix products. The emulation's are DGEMMs of its
+    /// bf16-rounded operands: what an f32 sum adds (about 2^-24 of each term) is four orders
+    /// of magnitude below the bf16 rounding it emulates (2^-9), and a process's first SGEMM
+    /// costs cuBLAS 70–110 ms of loading on top of its first DGEMM (H200), where the f64
+    /// pass has paid for the DGEMMs already.
+    pub(super) fn products(self) -> Precision {
+        match self {
+            Precision::F64 | Precision::Bf16Emulation => Precision::F64,
+            Precision::F32 => Precision::F32,
         }
     }
 
@@ -93,11 +106,22 @@ struct Pass<'a> {
     g: &'a Gpu,
     blas: &'a CudaBlas,
     p: Precision,
-    /// Widened weights: the largest matrix of a layer (the LM head goes through it in blocks).
+    /// Widened weights, in the products' precision: the largest matrix of a layer (the LM
+    /// head goes through it in blocks).
     wide: Buf,
     wide_len: usize,
+    /// Where the products of a pass whose products are wider than its values land before
+    /// they are rounded to it (the emulation's).
+    wide_out: Option<Buf>,
     /// f32 copy of a tap for the download (f64 passes).
     narrow: CudaSlice<f32>,
+}
+
+fn alloc_buf(g: &Gpu, len: usize, p: Precision) -> Buf {
+    Buf {
+        data: g.alloc::<u8>(len.max(1) * p.bytes()),
+        bytes: p.bytes(),
+    }
 }
 
 /// Grid of a grid-stride kernel over `n` values, 256 threads a block.
@@ -107,10 +131,12 @@ fn blocks(n: usize) -> u32 {
 
 impl<'a> Pass<'a> {
     fn buf(&self, len: usize) -> Buf {
-        Buf {
-            data: self.g.alloc::<u8>(len.max(1) * self.p.bytes()),
-            bytes: self.p.bytes(),
-        }
+        alloc_buf(self.g, len, self.p)
+    }
+
+    /// A buffer for matmul operands (`input`), in the products' precision.
+    fn operand_buf(&self, len: usize) -> Buf {
+        alloc_buf(self.g, len, self.p.products())
     }
 
     fn launch(&self, kernel: &str, grid: u32, block: u32, args: &[Arg]) {
@@ -130,10 +156,12 @@ impl<'a> Pass<'a> {
             Arg::Ptr(self.wide.at(self.g, 0)),
             Arg::I64(len as i64),
         ];
-        self.launch(&format!("widen_{}", w.infix()), blocks(len), 256, &args);
+        let name = format!("oracle_widen_{}{}", w.infix(), self.p.products().suffix());
+        self.g.launch(&name, blocks(len), 256, 0, &args);
     }
 
-    /// A matmul input: rounded to bf16 under the emulation, as it is.
+    /// A matmul input: rounded to bf16 and widened to the products' f64 under the emulation
+    /// (into `scratch`, from `operand_buf`), as it is otherwise.
     fn input<'b>(&self, x: &'b Buf, len: usize, scratch: &'b Buf) -> &'b Buf {
         if self.p != Precision::Bf16Emulation {
             return x;
@@ -144,7 +172,7 @@ impl<'a> Pass<'a> {
             Arg::I64(len as i64),
         ];
         self.g
-            .launch("oracle_round_bf16_f32", blocks(len), 256, 0, &args);
+            .launch("oracle_round_bf16_widen_f64", blocks(len), 256, 0, &args);
         scratch
     }
 
@@ -154,7 +182,20 @@ impl<'a> Pass<'a> {
     fn gemm(&self, x: u64, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
         let _span = span("calibration: GPU oracle's GEMM enqueued");
         let w = self.wide.at(self.g, at);
-        gemm_ex(self.blas, self.p, (w, x, y), (n, k, m), ldy);
+        let Some(out) = &self.wide_out else {
+            return gemm_ex(self.blas, self.p, (w, x, y), (n, k, m), ldy);
+        };
+        let wide = out.at(self.g, 0);
+        gemm_ex(self.blas, self.p.products(), (w, x, wide), (n, k, m), m);
+        let args = [
+            Arg::Ptr(wide),
+            Arg::Ptr(y),
+            Arg::I32(n as i32),
+            Arg::I32(m as i32),
+            Arg::I64(ldy as i64),
+        ];
+        self.g
+            .launch("oracle_narrow_rows_f64", blocks(n * m), 256, 0, &args);
     }
 
     /// `x[n, k] · wᵀ` for a weight `w` of `m` rows, widened first: a new `[n, m]` buffer.
@@ -325,7 +366,16 @@ pub fn prefill(
     // crashed, where the GPU lacks the room.
     let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
     let kept = n * c.num_hidden_layers * (8 * h + 3 * qd + 4 * kvd + heads * n) * 4;
-    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes() + kept;
+    // The widest product a GEMM writes: a projection's, or a block of the LM head's rows.
+    let head_rows = (wide_len / h).clamp(1, c.vocab_size);
+    let out_width = qd.max(h).max(inter).max(head_rows);
+    let wider = precision.products() != precision;
+    let products = if wider {
+        (wide_len + n * (2 * inter).max(qd).max(h) + n * out_width) * 8
+    } else {
+        0
+    };
+    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes() + kept + products;
     let free = g.memory().0;
     if need + (256 << 20) > free {
         return Err(Error::Internal(format!(
@@ -337,7 +387,6 @@ pub fn prefill(
     let blas = g
         .oracle_blas()
         .ok_or_else(|| Error::Internal("GPU oracle: cuBLAS did not start".into()))?;
-    let bytes = precision.bytes();
     let pass = Pass {
         cm,
         // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
@@ -345,11 +394,9 @@ pub fn prefill(
         g,
         blas,
         p: precision,
-        wide: Buf {
-            data: g.alloc::<u8>(wide_len * bytes),
-            bytes,
-        },
+        wide: alloc_buf(g, wide_len, precision.products()),
         wide_len,
+        wide_out: wider.then(|| alloc_buf(g, n * out_width, precision.products())),
         narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
     };
     sink.begin_step(0, tokens, positions);
@@ -379,11 +426,11 @@ pub fn prefill(
     if sink.table().wants(TapId::Logits) {
         let v = c.vocab_size;
         let logits = pass.buf(n * v);
-        let scratch = pass.buf(n * h);
+        let scratch = pass.operand_buf(n * h);
         let xin = pass.input(&xn, n * h, &scratch);
         let head = pass.w.lm_head();
         // The head through the widening buffer a block of vocabulary rows at a time.
-        let rows = (wide_len / h).max(1);
+        let rows = head_rows;
         for r0 in (0..v).step_by(rows) {
             let r = rows.min(v - r0);
             pass.widen(head, r0 * h, r * h);
@@ -479,7 +526,7 @@ fn layer(
     let xn = pass.buf(n * h);
     pass.norm(&x, w.input_norm, &xn, n, h);
     tap(sink, LayerTap::AttnNorm, &[n, h], &xn);
-    let scratch = pass.buf(n * (2 * inter).max(qd).max(h));
+    let scratch = pass.operand_buf(n * (2 * inter).max(qd).max(h));
     let xin = pass.input(&xn, n * h, &scratch);
     pass.widen(w.qkv, 0, (qd + 2 * kvd) * h);
     let (q, k, v) = (pass.buf(n * qd), pass.buf(n * kvd), pass.buf(n * kvd));

@@ -1,9 +1,10 @@
-//! The GPU oracle's first cuBLAS GEMMs, run ahead: a process's first GEMM in f64, and again its
-//! first in f32, cost cuBLAS 0.11–0.14 s of host time each (an H100, CUDA 13). A run likely to
-//! calibrate on the GPU oracle (`expect`) pays them on a thread of its own from the moment the
-//! GPU's context exists and the model's shapes are known (`context_ready`, `plan`), while the
-//! kernels load and the weights upload, not in the calibration. The oracle's pass in each
-//! precision waits for that precision's (`wait`).
+//! The GPU oracle's first cuBLAS GEMMs, run ahead: a process's first DGEMM costs cuBLAS
+//! 0.04–0.14 s of host time (H100 and H200, CUDA 13). A run likely to calibrate on the GPU
+//! oracle (`expect`) pays it on a thread of its own from the moment the GPU's context exists and
+//! the model's shapes are known (`context_ready`, `plan`), while the kernels load and the weights
+//! upload, not in the calibration. The f64 pass and the bf16 emulation, whose products are
+//! DGEMMs of the same shapes (`Precision::products`), wait for it (`wait`); the plain f32 pass
+//! of an f32 checkpoint pays its own first SGEMM.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -37,31 +38,17 @@ static PENDING: Mutex<Pending> = Mutex::new(Pending {
     ctx: None,
     plan: None,
 });
-/// Per precision (f64, then f32), whether its first GEMMs are being run ahead now.
-static RUNNING: Mutex<[bool; 2]> = Mutex::new([false; 2]);
+/// Whether the first DGEMMs are being run ahead now.
+static RUNNING: Mutex<bool> = Mutex::new(false);
 static FINISHED: Condvar = Condvar::new();
 
-fn slot(p: Precision) -> usize {
-    match p {
-        Precision::F64 => 0,
-        Precision::Bf16Emulation | Precision::F32 => 1,
-    }
-}
-
-/// Marks a precision's warm-up over, and on drop every one still running (a warm-up that
-/// stops early or panics leaves no waiter behind).
+/// Marks the warm-up over when dropped (a warm-up that stops early or panics leaves no waiter
+/// behind).
 struct Finishing;
-
-impl Finishing {
-    fn one(&self, p: Precision) {
-        RUNNING.lock().unwrap_or_else(|e| e.into_inner())[slot(p)] = false;
-        FINISHED.notify_all();
-    }
-}
 
 impl Drop for Finishing {
     fn drop(&mut self) {
-        *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = [false; 2];
+        *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = false;
         FINISHED.notify_all();
     }
 }
@@ -98,8 +85,8 @@ pub(super) fn plan(c: &Config, weight_bytes: u64) {
         return;
     }
     let shapes = warm_up_shapes(c);
-    // Its buffers (f64, then f32) stay in the allocator's pool after it, for the oracle's
-    // own: only where they leave the weights still to come, and room to spare, free.
+    // Its buffers stay in the allocator's pool after it, for the oracle's own: only where they
+    // leave the weights still to come, and room to spare, free.
     let need = 8
         * (largest(&shapes, |(k, m)| k * m)
             + rows * (largest(&shapes, |s| s.0) + largest(&shapes, |s| s.1)));
@@ -109,15 +96,17 @@ pub(super) fn plan(c: &Config, weight_bytes: u64) {
     start_if_ready(&mut p);
 }
 
-/// Waits for precision `p`'s warm-up if it is still running: the oracle's pass in `p` runs
-/// after it (its f64 pass may start while the f32 part still runs).
+/// Waits for the warm-up if it is still running and the oracle's pass in `p` runs DGEMMs.
 pub(super) fn wait(p: Precision) {
+    if p.products() != Precision::F64 {
+        return;
+    }
     let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
-    if !running[slot(p)] {
+    if !*running {
         return;
     }
     let _span = span("calibration: waited for the GPU oracle's warm-up");
-    while running[slot(p)] {
+    while *running {
         running = FINISHED.wait(running).unwrap_or_else(|e| e.into_inner());
     }
 }
@@ -132,11 +121,11 @@ fn start_if_ready(p: &mut Pending) {
     if ctx.mem_get_info().is_ok_and(|(free, _)| free < plan.room) {
         return;
     }
-    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = [true; 2];
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = true;
     std::thread::spawn(move || {
-        let finishing = Finishing;
+        let _finishing = Finishing;
         let _span = span("startup: GPU oracle's GEMMs warmed up (background)");
-        warm_up(&ctx, &plan.shapes, plan.rows, &finishing);
+        warm_up(&ctx, &plan.shapes, plan.rows);
     });
 }
 
@@ -165,11 +154,10 @@ fn largest(shapes: &[(usize, usize)], f: fn(&(usize, usize)) -> usize) -> usize 
 
 /// On a handle and stream of its own: the main stream may be capturing a decode step's graph
 /// on the main thread meanwhile, which work enqueued on it from here would join. What is
-/// warmed is the process's (the kernels cuBLAS loads at its first GEMM of a precision), not
+/// warmed is the process's (the kernels cuBLAS loads at its first DGEMM), not
 /// the handle's: the oracle's own handle, made after, ran its first f64 pass in 14 ms where
-/// it took 0.1 s unwarmed. The precisions one after another: on two threads they took no
-/// less (140 ms, against 126 ms on one in a run on another machine).
-fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize, finishing: &Finishing) {
+/// it took 0.1 s unwarmed.
+fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize) {
     let Ok(stream) = ctx.new_stream() else {
         return;
     };
@@ -178,27 +166,27 @@ fn warm_up(ctx: &Arc<CudaContext>, shapes: &[(usize, usize)], n: usize, finishin
     };
     let weights = largest(shapes, |(k, m)| k * m);
     let (ks, ms) = (largest(shapes, |s| s.0), largest(shapes, |s| s.1));
-    for p in [Precision::F64, Precision::Bf16Emulation] {
-        let _span = span(match p {
-            Precision::F64 => "startup: GPU oracle's first f64 GEMMs (background)",
-            _ => "startup: GPU oracle's first f32 GEMMs (background)",
-        });
-        // The products' values are never read: the buffers are left as allocated.
-        let bytes = p.bytes();
-        // Safety: as above, nothing reads what the products write.
-        let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
-        let (Ok(w), Ok(x), Ok(y)) = (
-            alloc(weights * bytes),
-            alloc(n * ks * bytes),
-            alloc(n * ms * bytes),
-        ) else {
-            return;
-        };
-        let at = |b: &CudaSlice<u8>| b.device_ptr(&stream).0;
-        for &(k, m) in shapes {
-            gemm_ex(&blas, p, (at(&w), at(&x), at(&y)), (n, k, m), m);
-        }
-        let _ = stream.synchronize();
-        finishing.one(p);
+    let _span = span("startup: GPU oracle's first f64 GEMMs (background)");
+    // The products' values are never read: the buffers are left as allocated.
+    let bytes = Precision::F64.bytes();
+    // Safety: as above, nothing reads what the products write.
+    let alloc = |len: usize| unsafe { stream.alloc::<u8>(len) };
+    let (Ok(w), Ok(x), Ok(y)) = (
+        alloc(weights * bytes),
+        alloc(n * ks * bytes),
+        alloc(n * ms * bytes),
+    ) else {
+        return;
+    };
+    let at = |b: &CudaSlice<u8>| b.device_ptr(&stream).0;
+    for &(k, m) in shapes {
+        gemm_ex(
+            &blas,
+            Precision::F64,
+            (at(&w), at(&x), at(&y)),
+            (n, k, m),
+            m,
+        );
     }
+    let _ = stream.synchronize();
 }

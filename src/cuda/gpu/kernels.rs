@@ -1,44 +1,15 @@
-//! The kernels of `kernels/*.cu`: compiled once per source and architecture (NVRTC takes
-//! seconds, so the result is cached on disk), loaded as one module, and launched, with
-//! programmatic dependent launch where the device has it.
+//! The kernels of `kernels/*.cu` (compiled by `compile.rs`): loaded, a module per unit, and
+//! launched, with programmatic dependent launch where the device has it.
 
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 
 use super::{internal, Gpu};
 use crate::error::{Error, Result};
 
-/// The kernel sources, in the order they are concatenated into one NVRTC program.
-const SOURCES: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../../kernels/common.cuh")),
-    ("norm.cu", include_str!("../../../kernels/norm.cu")),
-    ("rope.cu", include_str!("../../../kernels/rope.cu")),
-    (
-        "attention.cu",
-        include_str!("../../../kernels/attention.cu"),
-    ),
-    (
-        "attention_mma.cu",
-        include_str!("../../../kernels/attention_mma.cu"),
-    ),
-    (
-        "elementwise.cu",
-        include_str!("../../../kernels/elementwise.cu"),
-    ),
-    ("diff.cu", include_str!("../../../kernels/diff.cu")),
-    ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
-    ("gemm.cu", include_str!("../../../kernels/gemm.cu")),
-    (
-        "agreement.cu",
-        include_str!("../../../kernels/agreement.cu"),
-    ),
-    ("oracle.cu", include_str!("../../../kernels/oracle.cu")),
-];
-
-const KERNELS: &[&str] = &[
+pub(super) const KERNELS: &[&str] = &[
     "add_rms_norm",
     "qk_norm_rope",
     "add_bias",
@@ -104,7 +75,9 @@ const KERNELS: &[&str] = &[
     "oracle_embed_w32_f32",
     "oracle_rms_norm_w32_f32",
     "oracle_round_bf16_f32",
+    "oracle_round_bf16_widen_f64",
     "oracle_narrow_f64",
+    "oracle_narrow_rows_f64",
     "oracle_meter_f32",
 ];
 
@@ -164,33 +137,25 @@ pub enum Arg {
     SideInts([i32; SIDE_SLOTS]),
 }
 
-/// The kernels of kernels/*.cu compiled for `sm_{major}{minor}` (or read from the cache). Needs
-/// no CUDA context, so the GPU's opening runs it beside the context's creation.
-pub(super) fn kernel_image(major: i32, minor: i32) -> Result<Ptx> {
-    let _span = crate::support::timing::span("startup: kernels (cubin cache or NVRTC)");
-    // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
-    // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
-    match compiled_cubin(major, minor) {
-        Ok(cubin) => Ok(Ptx::from_binary(cubin)),
-        Err(_) => compiled_ptx(major, minor),
-    }
-}
-
-/// Every kernel of `image` (`kernel_image`) loaded into `ctx`, and the dynamic shared memory
-/// the tensor-core kernels may hold per block (bytes; 0 before sm_80).
+/// Every kernel of `images` (`compile::kernel_images`, a module each) loaded into `ctx`, and
+/// the dynamic shared memory the tensor-core kernels may hold per block (bytes; 0 before sm_80).
 pub(super) fn load_kernels(
     ctx: &Arc<CudaContext>,
     major: i32,
-    image: Ptx,
+    images: Vec<Ptx>,
 ) -> Result<(Vec<CudaFunction>, usize)> {
     let _span = crate::support::timing::span("startup: kernels loaded");
-    let module = ctx.load_module(image).map_err(internal("module load"))?;
+    let modules = images
+        .into_iter()
+        .map(|image| ctx.load_module(image).map_err(internal("module load")))
+        .collect::<Result<Vec<_>>>()?;
     let kernels: Vec<CudaFunction> = KERNELS
         .iter()
         .map(|k| {
-            module
-                .load_function(k)
-                .map_err(|e| Error::Internal(format!("kernel {k}: {e}")))
+            modules
+                .iter()
+                .find_map(|m| m.load_function(k).ok())
+                .ok_or_else(|| Error::Internal(format!("kernel {k}: in no module")))
         })
         .collect::<Result<_>>()?;
     let mut shared = 0;
@@ -232,82 +197,6 @@ pub(super) fn load_kernels(
         shared = limit.max(0) as usize;
     }
     Ok((kernels, shared))
-}
-
-/// Every kernel source in one translation unit, `MAX_SIDES` defined first (kernels/common.cuh
-/// sizes `Sides` by it).
-fn source() -> String {
-    let mut s = format!("#define MAX_SIDES {}\n", max_sides());
-    for (name, src) in SOURCES {
-        s.push_str(&format!("// ---- {name}\n{src}\n"));
-    }
-    s
-}
-
-/// The kernels as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
-/// cached); an error where NVRTC cannot target the device.
-fn compiled_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
-    use cudarc::nvrtc::{result, sys};
-    let source = source();
-    let arch = format!("sm_{major}{minor}");
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (source.as_str(), arch.as_str()).hash(&mut h);
-    let name = format!("kernels-{arch}-{:016x}.cubin", h.finish());
-    let file = crate::support::cache::path(&name);
-    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
-        return Ok(bytes);
-    }
-    let _span = crate::support::timing::span("startup: NVRTC compile (cold cache)");
-    let fail = |what: &str| Error::Internal(format!("NVRTC cubin for {arch}: {what}"));
-    let src = std::ffi::CString::new(source).map_err(|_| fail("source has a NUL"))?;
-    let prog = result::create_program(&src, None).map_err(|e| fail(&e.to_string()))?;
-    let opt = format!("--gpu-architecture={arch}");
-    // Safety: `prog` is a live program; it is destroyed below on every path.
-    let cubin = unsafe {
-        let compiled =
-            result::compile_program(prog, &[opt.as_str()]).map_err(|e| fail(&e.to_string()));
-        let cubin = compiled.and_then(|()| {
-            let mut size = 0usize;
-            sys::nvrtcGetCUBINSize(prog, &mut size)
-                .result()
-                .map_err(|e| fail(&e.to_string()))?;
-            let mut buf = vec![0u8; size];
-            sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
-                .result()
-                .map_err(|e| fail(&e.to_string()))?;
-            Ok(buf)
-        });
-        let _ = result::destroy_program(prog);
-        cubin?
-    };
-    if cubin.is_empty() {
-        return Err(fail("empty cubin"));
-    }
-    // Best effort: a read-only cache folder only costs a recompile next time.
-    crate::support::cache::write(&name, &cubin);
-    Ok(cubin)
-}
-
-/// PTX for the device's architecture: from the on-disk cache when the sources and architecture
-/// match, else compiled by NVRTC and cached.
-fn compiled_ptx(major: i32, minor: i32) -> Result<Ptx> {
-    let source = source();
-    let arch = format!("compute_{major}{minor}");
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (source.as_str(), arch.as_str()).hash(&mut h);
-    let name = format!("kernels-{arch}-{:016x}.ptx", h.finish());
-    let file = crate::support::cache::path(&name);
-    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
-        return Ok(Ptx::from_src(text));
-    }
-    let opts = CompileOptions {
-        arch: Some(Box::leak(arch.clone().into_boxed_str())),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts)
-        .map_err(|e| Error::Internal(format!("NVRTC compile of kernels/*.cu: {e}")))?;
-    crate::support::cache::write(&name, ptx.to_src().as_bytes());
-    Ok(ptx)
 }
 
 impl Gpu {

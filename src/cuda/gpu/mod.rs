@@ -9,6 +9,7 @@
 //! `memory.rs` (allocations, copies, pinned host memory) and `streams.rs` (the main and side
 //! streams, and graphs).
 
+mod compile;
 mod gemm;
 mod kernels;
 mod libraries;
@@ -33,8 +34,9 @@ pub use libraries::{
 pub use memory::{LentPinned, U32Read};
 pub use streams::Graph;
 
+use compile::kernel_images;
 use gemm::{cublas_with_workspace, Gemm};
-use kernels::{kernel_image, load_kernels};
+use kernels::load_kernels;
 use libraries::{nvrtc_loads, preload_libraries};
 use memory::{keep_freed_memory, PinnedPool, Staging, WordSlots, STAGING_DEPTH};
 
@@ -201,7 +203,7 @@ impl Gpu {
                 if !nvrtc_loads() {
                     return Err(Error::Internal("NVRTC (libnvrtc.so) was not found".into()));
                 }
-                kernel_image(major, minor)
+                kernel_images(major, minor, max_sides())
             });
             (major, minor, image)
         });
@@ -257,7 +259,7 @@ impl Gpu {
             Some((ma, mi, image)) if (ma, mi) == (major, minor) => image
                 .join()
                 .map_err(|_| Error::Internal("compiling the kernels panicked".into()))??,
-            _ => kernel_image(major, minor)?,
+            _ => kernel_images(major, minor, max_sides())?,
         };
         let (kernels, shared_optin) = load_kernels(&ctx, major, image)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());

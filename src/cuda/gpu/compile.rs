@@ -1,0 +1,254 @@
+//! kernels/*.cu compiled by NVRTC for the device, in units compiled side by side, each cached
+//! on disk by its source and architecture. As one program the sources took NVRTC 9–13 s on an
+//! H200 host whose driver had not compiled them before (its own compile cache,
+//! `~/.nv/ComputeCache`, serves a source it has seen), most of it ptxas optimising the
+//! attention and tensor-core kernels one after another; as units on threads of their own, each
+//! spreading its optimisation over the cores (`--split-compile`), the longest unit sets the
+//! time. A change to one file recompiles its unit only.
+
+use std::hash::{Hash, Hasher};
+
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use crate::error::{Error, Result};
+use crate::support::timing::span;
+
+/// What every unit starts with (after `MAX_SIDES`): the types and helpers all files share.
+const COMMON: &str = include_str!("../../../kernels/common.cuh");
+
+/// One NVRTC program, one module: files concatenated in this order after `COMMON`.
+struct Unit {
+    name: &'static str,
+    files: &'static [(&'static str, &'static str)],
+}
+
+/// The units, the longest to compile first. A unit holds every file its kernels call into:
+/// attention.cu's decode kernels normalise and turn queries with norm.cu's and rope.cu's
+/// device functions.
+const UNITS: &[Unit] = &[
+    Unit {
+        name: "attention",
+        files: &[
+            ("norm.cu", include_str!("../../../kernels/norm.cu")),
+            ("rope.cu", include_str!("../../../kernels/rope.cu")),
+            (
+                "attention.cu",
+                include_str!("../../../kernels/attention.cu"),
+            ),
+        ],
+    },
+    Unit {
+        name: "attention_mma",
+        files: &[(
+            "attention_mma.cu",
+            include_str!("../../../kernels/attention_mma.cu"),
+        )],
+    },
+    Unit {
+        name: "gemv",
+        files: &[("gemv.cu", include_str!("../../../kernels/gemv.cu"))],
+    },
+    Unit {
+        name: "oracle",
+        files: &[("oracle.cu", include_str!("../../../kernels/oracle.cu"))],
+    },
+    Unit {
+        name: "gemm",
+        files: &[("gemm.cu", include_str!("../../../kernels/gemm.cu"))],
+    },
+    Unit {
+        name: "agreement",
+        files: &[(
+            "agreement.cu",
+            include_str!("../../../kernels/agreement.cu"),
+        )],
+    },
+    Unit {
+        name: "elementwise",
+        files: &[
+            (
+                "elementwise.cu",
+                include_str!("../../../kernels/elementwise.cu"),
+            ),
+            ("diff.cu", include_str!("../../../kernels/diff.cu")),
+        ],
+    },
+];
+
+/// Every unit's module image for `sm_{major}{minor}` with `Sides` of `sides` slots: cubins
+/// from the cache or NVRTC (PTX where NVRTC cannot target the device). Needs no CUDA context,
+/// so the GPU's opening runs it beside the context's creation.
+pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<Ptx>> {
+    let _span = span("startup: kernels (cubin cache or NVRTC)");
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = UNITS
+            .iter()
+            .map(|u| s.spawn(move || unit_image(u, major, minor, sides)))
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .map_err(|_| Error::Internal("compiling the kernels panicked".into()))?
+            })
+            .collect()
+    })
+}
+
+/// A unit's program: `MAX_SIDES` defined first (kernels/common.cuh sizes `Sides` by it).
+fn unit_source(u: &Unit, sides: usize) -> String {
+    let mut s = format!("#define MAX_SIDES {sides}\n// ---- common.cuh\n{COMMON}\n");
+    for (name, src) in u.files {
+        s.push_str(&format!("// ---- {name}\n{src}\n"));
+    }
+    s
+}
+
+fn unit_image(u: &Unit, major: i32, minor: i32, sides: usize) -> Result<Ptx> {
+    let source = unit_source(u, sides);
+    // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
+    // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
+    match compiled_cubin(u.name, &source, major, minor) {
+        Ok(cubin) => Ok(Ptx::from_binary(cubin)),
+        Err(_) => compiled_ptx(u.name, &source, major, minor),
+    }
+}
+
+/// The cache entry of `unit`'s `source` compiled for `arch`.
+fn entry(unit: &str, source: &str, arch: &str, ext: &str) -> String {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (source, arch).hash(&mut h);
+    format!("kernels-{unit}-{arch}-{:016x}.{ext}", h.finish())
+}
+
+/// `source` as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
+/// cached); an error where NVRTC cannot target the device.
+fn compiled_cubin(unit: &str, source: &str, major: i32, minor: i32) -> Result<Vec<u8>> {
+    let arch = format!("sm_{major}{minor}");
+    let name = entry(unit, source, &arch, "cubin");
+    let file = crate::support::cache::path(&name);
+    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+        return Ok(bytes);
+    }
+    let _span = span("startup: NVRTC compile of a unit (cold cache)");
+    let fail = |what: &str| Error::Internal(format!("NVRTC cubin of {unit} for {arch}: {what}"));
+    let arch_opt = format!("--gpu-architecture={arch}");
+    // `--split-compile=0`: optimisation spread over every core (NVRTC 12.1 and later); an
+    // NVRTC that does not know it compiles without.
+    let cubin = nvrtc_cubin(source, &[arch_opt.as_str(), "--split-compile=0"])
+        .or_else(|_| nvrtc_cubin(source, &[arch_opt.as_str()]))
+        .map_err(|e| fail(&e))?;
+    if cubin.is_empty() {
+        return Err(fail("empty cubin"));
+    }
+    // Best effort: a read-only cache folder only costs a recompile next time.
+    crate::support::cache::write(&name, &cubin);
+    Ok(cubin)
+}
+
+fn nvrtc_cubin(source: &str, options: &[&str]) -> std::result::Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    let src = std::ffi::CString::new(source).map_err(|_| "source has a NUL".to_string())?;
+    let prog = result::create_program(&src, None).map_err(|e| e.to_string())?;
+    // Safety: `prog` is a live program; it is destroyed below on every path.
+    unsafe {
+        let compiled = result::compile_program(prog, options).map_err(|e| e.to_string());
+        let cubin = compiled.and_then(|()| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| e.to_string())?;
+            let mut buf = vec![0u8; size];
+            sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+                .result()
+                .map_err(|e| e.to_string())?;
+            Ok(buf)
+        });
+        let _ = result::destroy_program(prog);
+        cubin
+    }
+}
+
+/// PTX of `source` for the device's architecture: from the on-disk cache when the source and
+/// architecture match, else compiled by NVRTC and cached.
+fn compiled_ptx(unit: &str, source: &str, major: i32, minor: i32) -> Result<Ptx> {
+    let arch = format!("compute_{major}{minor}");
+    let name = entry(unit, source, &arch, "ptx");
+    let file = crate::support::cache::path(&name);
+    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(Ptx::from_src(text));
+    }
+    let opts = CompileOptions {
+        arch: Some(Box::leak(arch.clone().into_boxed_str())),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| Error::Internal(format!("NVRTC compile of kernels/*.cu ({unit}): {e}")))?;
+    crate::support::cache::write(&name, ptx.to_src().as_bytes());
+    Ok(ptx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{unit_source, UNITS};
+
+    /// Every kernel source is in exactly one unit (common.cuh in all of them), so every kernel
+    /// is compiled once.
+    #[test]
+    fn every_kernel_file_is_in_one_unit() {
+        let mut files: Vec<String> =
+            std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".cu"))
+                .collect();
+        files.sort();
+        let mut listed: Vec<String> = UNITS
+            .iter()
+            .flat_map(|u| u.files.iter().map(|f| f.0.to_string()))
+            .collect();
+        listed.sort();
+        assert_eq!(files, listed);
+    }
+
+    /// Each unit compiles on its own, and every kernel kvdiff launches is defined by exactly
+    /// one of them: PTX, which needs no GPU. Skipped where NVRTC is not installed, unless
+    /// `KVDIFF_REQUIRE_NVRTC` is set (CI installs NVRTC from PyPI).
+    #[test]
+    fn the_units_compile_and_define_every_kernel_once() {
+        if !super::super::libraries::nvrtc_loads() {
+            assert!(
+                std::env::var_os("KVDIFF_REQUIRE_NVRTC").is_none(),
+                "KVDIFF_REQUIRE_NVRTC is set, but NVRTC (libnvrtc.so) is not on the library path"
+            );
+            eprintln!("skipped: NVRTC (libnvrtc.so) was not found");
+            return;
+        }
+        let ptx: Vec<String> = std::thread::scope(|s| {
+            let jobs: Vec<_> = UNITS
+                .iter()
+                .map(|u| {
+                    s.spawn(move || {
+                        let opts = cudarc::nvrtc::CompileOptions {
+                            arch: Some("compute_90"),
+                            ..Default::default()
+                        };
+                        cudarc::nvrtc::compile_ptx_with_opts(unit_source(u, 5), opts)
+                            .unwrap_or_else(|e| panic!("unit {}: {e}", u.name))
+                            .to_src()
+                    })
+                })
+                .collect();
+            jobs.into_iter().map(|j| j.join().unwrap()).collect()
+        });
+        for k in super::super::kernels::KERNELS {
+            let entry = format!(".entry {k}(");
+            let units: Vec<&str> = UNITS
+                .iter()
+                .zip(&ptx)
+                .filter(|(_, p)| p.contains(&entry))
+                .map(|(u, _)| u.name)
+                .collect();
+            assert_eq!(units.len(), 1, "kernel {k} is defined in {units:?}");
+        }
+    }
+}
