@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One kvdiff binary against another (a baseline commit's) on the default compare (every path,
 # every tap, auto tolerance, 512 + 64 tokens) on random bf16 models of Qwen3-8B's and
-# Qwen3-0.6B's shapes: a cold run each (empty kvdiff cache; KVDIFF_TIMING's table kept in
-# $BENCH_OUT), then ROUNDS warm rounds alternating the two. Prints wall and lockstep time per
-# run and whether the JSON reports are byte for byte alike, the table last.
+# Qwen3-0.6B's shapes: a cold run each (a first run of the build on this machine: empty kvdiff
+# cache and the driver's compile cache off, CUDA_CACHE_DISABLE=1, so NVRTC compiles every
+# kernel), a run with only the kernels cached (a model never calibrated), then ROUNDS warm
+# rounds alternating the two; KVDIFF_TIMING's tables kept in $BENCH_OUT. Prints wall and
+# lockstep time per run and whether the JSON reports are byte for byte alike, the table last.
 # On the GPU machine, binaries built elsewhere and carried (scripts/stage_gpu_binaries.sh):
 #   scripts/bench_against.sh NEW_BINARY BASELINE_BINARY [SHAPES...]   (default: 8b 0.6b)
 #   env: ROUNDS (3), BENCH_OUT (where the runs' stderr go; default /tmp/kvdiff-against)
@@ -16,10 +18,12 @@ shapes=("$@")
 w=/tmp/kvdiff-calibration out=${BENCH_OUT:-/tmp/kvdiff-against}
 mkdir -p "$w" "$out"
 table=()
-one() {  # label binary shape round: wall ms and lockstep ms of one run
-  local label=$1 b=$2 s=$3 r=$4 t0 t1 rc
+one() {  # label binary shape round [VAR=value...]: wall ms and lockstep ms of one run
+  local label=$1 b=$2 s=$3 r=$4 t0 t1 rc cache="$w/against-cache-$1"
+  shift 4
+  [ "$r" = calibration ] && cache="$w/against-cache-$label-calibration"
   t0=$(date +%s%N)
-  KVDIFF_TIMING=1 KVDIFF_CACHE_DIR="$w/against-cache-$label" "$b" -vv compare --backend cuda \
+  env "$@" KVDIFF_TIMING=1 KVDIFF_CACHE_DIR="$cache" "$b" -vv compare --backend cuda \
     --model "$w/model-$s" --max-new-tokens 64 --json "$out/$label-$s.json" "$w/prompt-$s.json" \
     > /dev/null 2> "$out/$label-$s-$r.err"
   rc=$?
@@ -31,12 +35,20 @@ for s in "${shapes[@]}"; do
   [ -f "$w/model-$s/config.json" ] ||
     python3 scripts/bench_hf.py build .cache/qwen3-tokenizer "$w/model-$s" "$w/prompt-$s.json" "$s" > /dev/null
   cat "$w/model-$s"/*.safetensors > /dev/null
-  rm -rf "$w/against-cache-new" "$w/against-cache-base"
+  rm -rf "$w"/against-cache-*
   for label in base new; do
     b=$base
     [ "$label" = new ] && b=$new
-    read -r ms rc lock <<< "$(one "$label" "$b" "$s" cold)"
+    read -r ms rc lock <<< "$(one "$label" "$b" "$s" cold CUDA_CACHE_DISABLE=1)"
     table+=("$s $label cold: wall $ms ms, lockstep ${lock:-?} ms, exit $rc")
+  done
+  for label in base new; do
+    b=$base
+    [ "$label" = new ] && b=$new
+    mkdir -p "$w/against-cache-$label-calibration"
+    cp "$w/against-cache-$label"/kernels-* "$w/against-cache-$label-calibration/"
+    read -r ms rc lock <<< "$(one "$label" "$b" "$s" calibration)"
+    table+=("$s $label kernels cached, calibrated: wall $ms ms, lockstep ${lock:-?} ms, exit $rc")
   done
   for r in $(seq "${ROUNDS:-3}"); do
     for label in base new; do

@@ -19,6 +19,8 @@ const COMMON: &str = include_str!("../../../kernels/common.cuh");
 /// One NVRTC program, one module: files concatenated in this order after `COMMON`.
 struct Unit {
     name: &'static str,
+    /// Its compile's timing span.
+    span: &'static str,
     files: &'static [(&'static str, &'static str)],
 }
 
@@ -28,6 +30,7 @@ struct Unit {
 const UNITS: &[Unit] = &[
     Unit {
         name: "attention",
+        span: "startup: NVRTC compile, attention unit (cold cache)",
         files: &[
             ("norm.cu", include_str!("../../../kernels/norm.cu")),
             ("rope.cu", include_str!("../../../kernels/rope.cu")),
@@ -39,6 +42,7 @@ const UNITS: &[Unit] = &[
     },
     Unit {
         name: "attention_mma",
+        span: "startup: NVRTC compile, attention_mma unit (cold cache)",
         files: &[(
             "attention_mma.cu",
             include_str!("../../../kernels/attention_mma.cu"),
@@ -46,18 +50,22 @@ const UNITS: &[Unit] = &[
     },
     Unit {
         name: "gemv",
+        span: "startup: NVRTC compile, gemv unit (cold cache)",
         files: &[("gemv.cu", include_str!("../../../kernels/gemv.cu"))],
     },
     Unit {
         name: "oracle",
+        span: "startup: NVRTC compile, oracle unit (cold cache)",
         files: &[("oracle.cu", include_str!("../../../kernels/oracle.cu"))],
     },
     Unit {
         name: "gemm",
+        span: "startup: NVRTC compile, gemm unit (cold cache)",
         files: &[("gemm.cu", include_str!("../../../kernels/gemm.cu"))],
     },
     Unit {
         name: "agreement",
+        span: "startup: NVRTC compile, agreement unit (cold cache)",
         files: &[(
             "agreement.cu",
             include_str!("../../../kernels/agreement.cu"),
@@ -65,6 +73,7 @@ const UNITS: &[Unit] = &[
     },
     Unit {
         name: "elementwise",
+        span: "startup: NVRTC compile, elementwise unit (cold cache)",
         files: &[
             (
                 "elementwise.cu",
@@ -107,7 +116,7 @@ fn unit_image(u: &Unit, major: i32, minor: i32, sides: usize) -> Result<Ptx> {
     let source = unit_source(u, sides);
     // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
     // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
-    match compiled_cubin(u.name, &source, major, minor) {
+    match compiled_cubin(u, &source, major, minor) {
         Ok(cubin) => Ok(Ptx::from_binary(cubin)),
         Err(_) => compiled_ptx(u.name, &source, major, minor),
     }
@@ -122,14 +131,14 @@ fn entry(unit: &str, source: &str, arch: &str, ext: &str) -> String {
 
 /// `source` as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
 /// cached); an error where NVRTC cannot target the device.
-fn compiled_cubin(unit: &str, source: &str, major: i32, minor: i32) -> Result<Vec<u8>> {
-    let arch = format!("sm_{major}{minor}");
+fn compiled_cubin(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Vec<u8>> {
+    let (unit, arch) = (u.name, format!("sm_{major}{minor}"));
     let name = entry(unit, source, &arch, "cubin");
     let file = crate::support::cache::path(&name);
     if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
         return Ok(bytes);
     }
-    let _span = span("startup: NVRTC compile of a unit (cold cache)");
+    let _span = span(u.span);
     let fail = |what: &str| Error::Internal(format!("NVRTC cubin of {unit} for {arch}: {what}"));
     let arch_opt = format!("--gpu-architecture={arch}");
     // `--split-compile=0`: optimisation spread over every core (NVRTC 12.1 and later); an
