@@ -329,9 +329,6 @@ __device__ __forceinline__ void softmax_tile(float s[MMA_KT / 8][4], int k0, con
 }
 #endif
 
-// Compiled as three units (src/cuda/gpu/compile.rs), one kernel each (KVDIFF_MMA_PART 1, 2,
-// 3): as one they were the longest unit to compile, twice the next.
-#if !defined(KVDIFF_MMA_PART) || KVDIFF_MMA_PART == 1
 extern "C" __global__ void __launch_bounds__(128)
     attention_mma(const float* q, const float* keys, const float* values, float* probs,
                   float* stats, float* out, bf16_t* out_bf16, const int* meta, int n, int split,
@@ -503,9 +500,6 @@ extern "C" __global__ void __launch_bounds__(128)
 #endif
 }
 
-#endif  // KVDIFF_MMA_PART 1
-
-#if !defined(KVDIFF_MMA_PART) || KVDIFF_MMA_PART == 2
 // `probs_from_stats` for rows `attention_mma` wrote: the scores by `mma_scores`, the
 // probabilities by `prob_of`, so every value equals the one the kernel computed. Block: 4
 // warps of 16 rows (`rows[i]`: a query's index in its pass) and MMA_RB_KEYS keys, taken
@@ -587,9 +581,6 @@ extern "C" __global__ void __launch_bounds__(128)
 #endif
 }
 
-#endif  // KVDIFF_MMA_PART 2
-
-#if !defined(KVDIFF_MMA_PART) || KVDIFF_MMA_PART == 3
 // Running `diff_rows` statistics of one row's columns as a lane sees them (x: path, y:
 // reference), in ascending column order.
 struct RowStats {
@@ -854,4 +845,3 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 #endif
 }
-#endif  // KVDIFF_MMA_PART 3

@@ -21,20 +21,16 @@ struct Unit {
     name: &'static str,
     /// Its compile's timing span.
     span: &'static str,
-    /// Defined ahead of its files: which part of a file split over units it takes.
-    defines: &'static str,
     files: &'static [(&'static str, &'static str)],
 }
 
 /// The units, the longest to compile first. A unit holds every file its kernels call into:
 /// attention.cu's decode kernels normalise and turn queries with norm.cu's and rope.cu's
-/// device functions. attention_mma.cu is split over three, a kernel each (`KVDIFF_MMA_PART`):
-/// as one unit it took 2.9–3.3 s (H200 host), the longest by a second.
+/// device functions.
 const UNITS: &[Unit] = &[
     Unit {
         name: "attention",
         span: "startup: NVRTC compile, attention unit (cold cache)",
-        defines: "",
         files: &[
             ("norm.cu", include_str!("../../../kernels/norm.cu")),
             ("rope.cu", include_str!("../../../kernels/rope.cu")),
@@ -47,25 +43,6 @@ const UNITS: &[Unit] = &[
     Unit {
         name: "attention_mma",
         span: "startup: NVRTC compile, attention_mma unit (cold cache)",
-        defines: "#define KVDIFF_MMA_PART 1\n",
-        files: &[(
-            "attention_mma.cu",
-            include_str!("../../../kernels/attention_mma.cu"),
-        )],
-    },
-    Unit {
-        name: "probs_from_stats_mma",
-        span: "startup: NVRTC compile, probs_from_stats_mma unit (cold cache)",
-        defines: "#define KVDIFF_MMA_PART 2\n",
-        files: &[(
-            "attention_mma.cu",
-            include_str!("../../../kernels/attention_mma.cu"),
-        )],
-    },
-    Unit {
-        name: "attention_diff_mma",
-        span: "startup: NVRTC compile, attention_diff_mma unit (cold cache)",
-        defines: "#define KVDIFF_MMA_PART 3\n",
         files: &[(
             "attention_mma.cu",
             include_str!("../../../kernels/attention_mma.cu"),
@@ -74,25 +51,21 @@ const UNITS: &[Unit] = &[
     Unit {
         name: "gemv",
         span: "startup: NVRTC compile, gemv unit (cold cache)",
-        defines: "",
         files: &[("gemv.cu", include_str!("../../../kernels/gemv.cu"))],
     },
     Unit {
         name: "oracle",
         span: "startup: NVRTC compile, oracle unit (cold cache)",
-        defines: "",
         files: &[("oracle.cu", include_str!("../../../kernels/oracle.cu"))],
     },
     Unit {
         name: "gemm",
         span: "startup: NVRTC compile, gemm unit (cold cache)",
-        defines: "",
         files: &[("gemm.cu", include_str!("../../../kernels/gemm.cu"))],
     },
     Unit {
         name: "agreement",
         span: "startup: NVRTC compile, agreement unit (cold cache)",
-        defines: "",
         files: &[(
             "agreement.cu",
             include_str!("../../../kernels/agreement.cu"),
@@ -101,7 +74,6 @@ const UNITS: &[Unit] = &[
     Unit {
         name: "elementwise",
         span: "startup: NVRTC compile, elementwise unit (cold cache)",
-        defines: "",
         files: &[
             (
                 "elementwise.cu",
@@ -133,10 +105,7 @@ pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<
 
 /// A unit's program: `MAX_SIDES` defined first (kernels/common.cuh sizes `Sides` by it).
 fn unit_source(u: &Unit, sides: usize) -> String {
-    let mut s = format!(
-        "#define MAX_SIDES {sides}\n{}// ---- common.cuh\n{COMMON}\n",
-        u.defines
-    );
+    let mut s = format!("#define MAX_SIDES {sides}\n// ---- common.cuh\n{COMMON}\n");
     for (name, src) in u.files {
         s.push_str(&format!("// ---- {name}\n{src}\n"));
     }
@@ -231,11 +200,10 @@ fn compiled_ptx(unit: &str, source: &str, major: i32, minor: i32) -> Result<Ptx>
 mod tests {
     use super::{unit_source, UNITS};
 
-    /// Every kernel source is in a unit (common.cuh in all of them), and one in several units
-    /// is split over them: each takes a part of its own (`defines`), so no kernel is compiled
-    /// twice (the test below checks the kernels themselves).
+    /// Every kernel source is in exactly one unit (common.cuh in all of them), so every kernel
+    /// is compiled once.
     #[test]
-    fn every_kernel_file_is_in_a_unit_and_split_files_take_parts() {
+    fn every_kernel_file_is_in_one_unit() {
         let mut files: Vec<String> =
             std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels"))
                 .unwrap()
@@ -243,23 +211,12 @@ mod tests {
                 .filter(|n| n.ends_with(".cu"))
                 .collect();
         files.sort();
-        let mut listed: Vec<(&str, &str)> = UNITS
+        let mut listed: Vec<String> = UNITS
             .iter()
-            .flat_map(|u| u.files.iter().map(move |f| (f.0, u.defines)))
+            .flat_map(|u| u.files.iter().map(|f| f.0.to_string()))
             .collect();
         listed.sort();
-        let mut names: Vec<String> = listed.iter().map(|l| l.0.to_string()).collect();
-        names.dedup();
-        assert_eq!(files, names);
-        for pair in listed.windows(2) {
-            if pair[0].0 == pair[1].0 {
-                assert!(
-                    !pair[0].1.is_empty() && pair[0].1 != pair[1].1,
-                    "{} is in two units without parts of its own",
-                    pair[0].0
-                );
-            }
-        }
+        assert_eq!(files, listed);
     }
 
     /// Each unit compiles on its own, and every kernel kvdiff launches is defined by exactly
