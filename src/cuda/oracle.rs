@@ -6,8 +6,9 @@
 //! Independent of the engine it measures, as the CPU oracle is: its own kernels
 //! (`kernels/oracle.cu`: plain loops, one fixed order per sum, no tiling, no fusion, no tensor
 //! cores), cuBLAS's DGEMM (SGEMM with TF32 off for the plain f32 pass) for the products instead
-//! of `kernels/gemm.cu`, no KV cache and no path. It shares only the weights the GPU holds, and only where they are the
-//! checkpoint's own values (`CudaModel::exact_weights`); elsewhere the CPU oracle runs.
+//! of `kernels/gemm.cu`, no KV cache and no path. It shares only the weights the GPU holds, and
+//! only where they are the checkpoint's own values (`CudaModel::exact_weights`); elsewhere the
+//! CPU oracle runs.
 
 use crate::support::timing::span;
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
