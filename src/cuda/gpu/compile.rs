@@ -24,7 +24,7 @@ struct Unit {
     files: &'static [(&'static str, &'static str)],
 }
 
-/// The units, the longest to compile first. A unit holds every file its kernels call into:
+/// The units, all started at once. A unit holds every file its kernels call into:
 /// attention.cu's decode kernels normalise and turn queries with norm.cu's and rope.cu's
 /// device functions.
 const UNITS: &[Unit] = &[
