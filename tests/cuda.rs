@@ -882,6 +882,56 @@ fn backend_cuda_without_a_gpu_is_a_one_line_error() {
     }
 }
 
+/// A first run on an sm_90 device (H100, H200) compiles no kernel: every unit's cubin is
+/// shipped in the binary, built from today's sources (a unit test checks that). The kvdiff
+/// cache is empty and the driver's compile cache off, as on a fresh machine; the tokens are
+/// the ones a run compiling its kernels makes.
+#[test]
+fn a_first_run_on_sm_90_compiles_no_kernel() {
+    if gpu().is_none() {
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    if ctx.compute_capability().unwrap() != (9, 0) {
+        skipped("kernels are shipped for sm_90 only");
+        return;
+    }
+    let prompt = fixture("prompts/task.json");
+    let args = [
+        "generate",
+        "--backend",
+        "cuda",
+        "--max-new-tokens",
+        "8",
+        prompt.to_str().unwrap(),
+    ];
+    let run = |shipped: bool| {
+        let cache = tempfile::tempdir().unwrap();
+        let mut env = vec![
+            (
+                "KVDIFF_CACHE_DIR",
+                cache.path().to_str().unwrap().to_string(),
+            ),
+            ("CUDA_CACHE_DISABLE", "1".to_string()),
+            ("KVDIFF_TIMING", "log".to_string()),
+        ];
+        if !shipped {
+            env.push(("KVDIFF_CUDA_SHIPPED_KERNELS", "0".to_string()));
+        }
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let out = kvdiff(&args, &env);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        (String::from_utf8_lossy(&out.stdout).into_owned(), err)
+    };
+    let (shipped, log) = run(true);
+    assert!(log.contains("startup: kernels loaded"), "{log}");
+    assert!(!log.contains("NVRTC compile"), "a unit was compiled: {log}");
+    let (compiled, log) = run(false);
+    assert!(log.contains("NVRTC compile"), "nothing was compiled: {log}");
+    assert_eq!(shipped, compiled);
+}
+
 /// Every side on the GPU, on the embedded (bf16) model: a first run calibrates on the GPU oracle
 /// (its first GEMMs run ahead, not for an f32 checkpoint, which the oracle does not read) and
 /// stores it, with thresholds within 2x of the CPU oracle's; a run with another

@@ -557,16 +557,12 @@ impl NoiseProfile {
 
 /// A hash of the config, then one of every 997th weight of each tensor (`CONFIG-WEIGHTS`).
 pub fn fingerprint(model: &Model) -> String {
-    let fnv = |h: &mut u64, bytes: &[u8]| {
-        for &b in bytes {
-            *h = (*h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    let (mut config, mut weights) = (0xcbf2_9ce4_8422_2325u64, 0xcbf2_9ce4_8422_2325u64);
-    fnv(&mut config, format!("{:?}", model.config).as_bytes());
+    use crate::support::cache::{fnv1a, FNV_START};
+    let config = fnv1a(FNV_START, format!("{:?}", model.config).as_bytes());
+    let mut weights = FNV_START;
     for t in model.weight_slices() {
         for x in t.iter().step_by(997) {
-            fnv(&mut weights, &x.to_bits().to_le_bytes());
+            weights = fnv1a(weights, &x.to_bits().to_le_bytes());
         }
     }
     format!("{config:016x}-{weights:016x}")

@@ -8,7 +8,7 @@
 //! scripts/bench_gemv_sides.cu). The decode attention is per side and grows with the sides
 //! (111 µs a layer for four at Qwen3-8B's shape, 565 µs for ten), so a compare of more sides
 //! runs them in passes of at most `KVDIFF_CUDA_MAX_SIDES` (5, or fewer where the compare has
-//! fewer sides: `expect_sides`).
+//! fewer sides: `expect_sides`), side by side on streams of their own.
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic
@@ -100,8 +100,13 @@ impl CudaModel {
     /// vector loads of a side's own step would not take.
     pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
         let mut all = true;
-        for group in groups(steps) {
-            all &= self.together(group, true);
+        // The passes share only the weights: the first runs on the main stream, the others on
+        // side streams beside it, each a chain of latency-bound kernels that leaves most of the
+        // GPU idle alone. The side streams' passes are enqueued first: each starts after what
+        // the main stream holds when it is enqueued, which must not be the first pass.
+        for (i, group) in groups(steps).into_iter().enumerate().rev() {
+            let stream = (i > 0 && self.gpu.side_enabled()).then(|| self.gpu.side_slot());
+            all &= self.together(group, Some(stream));
         }
         all
     }
@@ -131,12 +136,19 @@ impl CudaModel {
             })
         });
         if settled {
-            self.together(steps, false);
+            self.together(steps, None);
         }
     }
 
-    fn together(&self, steps: &mut [(Batch<'_>, &mut KvCache)], launch: bool) -> bool {
+    /// Enqueues `steps` as one pass where `launch` is `Some` (on side stream `slot` where it
+    /// holds one, else the main stream); only prepares it (arenas, graph) where `None`.
+    fn together(
+        &self,
+        steps: &mut [(Batch<'_>, &mut KvCache)],
+        launch: Option<Option<usize>>,
+    ) -> bool {
         let c = &self.config;
+        let (side, launch) = (launch.flatten(), launch.is_some());
         let shape_ok = self.gpu.together()
             && (2..=max_sides()).contains(&steps.len())
             && steps.iter().all(|(b, _)| b.tokens.len() == 1)
@@ -200,7 +212,9 @@ impl CudaModel {
             for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
                 let kv = cache.device_mut::<CudaKv>().expect("device cache");
                 let ws = &mut kv.decode.as_mut().expect("decode state").ws;
-                g.stream()
+                // Not joined with the side streams: another pass of this step may run there,
+                // on caches of its own; what reads those caches joins them (`Gpu::stream`).
+                g.stream_unjoined()
                     .memcpy_htod(meta, &mut ws.meta)
                     .expect("CUDA upload");
                 kv.queued = Some(meta.clone());
@@ -222,7 +236,10 @@ impl CudaModel {
         }
         if launch {
             let graph = &state.together.as_ref().expect("captured above").1;
-            g.replay(graph, "decode graph (sides together)");
+            match side {
+                Some(slot) => g.replay_graph_on_side(slot, graph),
+                None => g.replay(graph, "decode graph (sides together)"),
+            }
         }
         true
     }

@@ -15,6 +15,18 @@ pub fn dir() -> Option<PathBuf> {
     Some(base.join("kvdiff"))
 }
 
+/// FNV-1a's offset basis: where a [`fnv1a`] hash starts.
+pub const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// `bytes` folded into FNV-1a hash `h`: a key that stays the same across builds, platforms and
+/// Rust versions (std's `DefaultHasher` promises none of that), for entries other builds of
+/// kvdiff read too.
+pub fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Cache entry `name`'s path.
 pub fn path(name: &str) -> Option<PathBuf> {
     dir().map(|d| d.join(name))

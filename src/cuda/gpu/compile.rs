@@ -1,12 +1,11 @@
 //! kernels/*.cu compiled by NVRTC for the device, in units compiled side by side, each cached
-//! on disk by its source and architecture. As one program the sources took NVRTC 9–13 s on an
-//! H200 host whose driver had not compiled them before (its own compile cache,
-//! `~/.nv/ComputeCache`, serves a source it has seen), most of it ptxas optimising the
-//! attention and tensor-core kernels one after another; as units on threads of their own, each
-//! spreading its optimisation over the cores (`--split-compile`), the longest unit sets the
-//! time. A change to one file recompiles its unit only.
-
-use std::hash::{Hash, Hasher};
+//! on disk by its source and architecture; where the binary ships a unit's cubin for the
+//! device's architecture, built from today's source (`shipped.rs`), nothing is compiled. As one
+//! program the sources took NVRTC 9–13 s on an H200 host whose driver had not compiled them
+//! before (its own compile cache, `~/.nv/ComputeCache`, serves a source it has seen), most of
+//! it ptxas optimising the attention and tensor-core kernels one after another; as units on
+//! threads of their own, each spreading its optimisation over the cores (`--split-compile`),
+//! the longest unit sets the time. A change to one file recompiles its unit only.
 
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
@@ -17,17 +16,23 @@ use crate::support::timing::span;
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
 
 /// One NVRTC program, one module: files concatenated in this order after `COMMON`.
-struct Unit {
-    name: &'static str,
+pub(super) struct Unit {
+    pub(super) name: &'static str,
     /// Its compile's timing span.
     span: &'static str,
-    files: &'static [(&'static str, &'static str)],
+    pub(super) files: &'static [(&'static str, &'static str)],
+    /// Whether its kernels take `Sides` and so are compiled for the run's side count; the
+    /// others are compiled once, for `UNSIDED`.
+    pub(super) sided: bool,
 }
+
+/// The `MAX_SIDES` of a unit whose kernels take no `Sides`.
+pub(super) const UNSIDED: usize = 1;
 
 /// The units, all started at once. A unit holds every file its kernels call into:
 /// attention.cu's decode kernels normalise and turn queries with norm.cu's and rope.cu's
 /// device functions.
-const UNITS: &[Unit] = &[
+pub(super) const UNITS: &[Unit] = &[
     Unit {
         name: "attention",
         span: "startup: NVRTC compile, attention unit (cold cache)",
@@ -39,6 +44,7 @@ const UNITS: &[Unit] = &[
                 include_str!("../../../kernels/attention.cu"),
             ),
         ],
+        sided: true,
     },
     Unit {
         name: "attention_mma",
@@ -47,21 +53,25 @@ const UNITS: &[Unit] = &[
             "attention_mma.cu",
             include_str!("../../../kernels/attention_mma.cu"),
         )],
+        sided: false,
     },
     Unit {
         name: "gemv",
         span: "startup: NVRTC compile, gemv unit (cold cache)",
         files: &[("gemv.cu", include_str!("../../../kernels/gemv.cu"))],
+        sided: true,
     },
     Unit {
         name: "oracle",
         span: "startup: NVRTC compile, oracle unit (cold cache)",
         files: &[("oracle.cu", include_str!("../../../kernels/oracle.cu"))],
+        sided: false,
     },
     Unit {
         name: "gemm",
         span: "startup: NVRTC compile, gemm unit (cold cache)",
         files: &[("gemm.cu", include_str!("../../../kernels/gemm.cu"))],
+        sided: false,
     },
     Unit {
         name: "agreement",
@@ -70,6 +80,7 @@ const UNITS: &[Unit] = &[
             "agreement.cu",
             include_str!("../../../kernels/agreement.cu"),
         )],
+        sided: true,
     },
     Unit {
         name: "elementwise",
@@ -81,18 +92,65 @@ const UNITS: &[Unit] = &[
             ),
             ("diff.cu", include_str!("../../../kernels/diff.cu")),
         ],
+        sided: false,
     },
 ];
 
-/// Every unit's module image for `sm_{major}{minor}` with `Sides` of `sides` slots: cubins
-/// from the cache or NVRTC (PTX where NVRTC cannot target the device). Needs no CUDA context,
-/// so the GPU's opening runs it beside the context's creation.
-pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<Ptx>> {
-    let _span = span("startup: kernels (cubin cache or NVRTC)");
+/// A unit's module image, and how to make it again where the device refuses a shipped cubin
+/// (a driver older than the NVRTC that built it).
+pub(super) struct UnitImage {
+    pub(super) image: Ptx,
+    pub(super) unit: &'static str,
+    /// Whether the image is the one shipped in the binary.
+    pub(super) shipped: bool,
+    source: String,
+    capability: (i32, i32),
+}
+
+impl UnitImage {
+    /// The unit compiled here (from the cache or by NVRTC), not the shipped cubin.
+    pub(super) fn compiled_here(&self) -> Result<Ptx> {
+        let unit = UNITS
+            .iter()
+            .find(|u| u.name == self.unit)
+            .expect("an image is of a listed unit");
+        let (major, minor) = self.capability;
+        compiled_image(unit, &self.source, major, minor)
+    }
+}
+
+/// Every unit's module image for `sm_{major}{minor}` with `Sides` of `sides` slots: the cubin
+/// shipped in the binary where one was built from today's source for this architecture, else
+/// cubins from the cache or NVRTC (PTX where NVRTC cannot target the device). Needs no CUDA
+/// context, so the GPU's opening runs it beside the context's creation.
+pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<UnitImage>> {
+    let _span = span("startup: kernels (shipped, cached or compiled by NVRTC)");
+    let arch = format!("sm_{major}{minor}");
+    // `KVDIFF_CUDA_SHIPPED_KERNELS=0` compiles as a build without them would: to time it, or
+    // to compare the two.
+    let use_shipped = std::env::var("KVDIFF_CUDA_SHIPPED_KERNELS").as_deref() != Ok("0");
     std::thread::scope(|s| {
         let jobs: Vec<_> = UNITS
             .iter()
-            .map(|u| s.spawn(move || unit_image(u, major, minor, sides)))
+            .map(|u| {
+                let arch = arch.as_str();
+                s.spawn(move || {
+                    let source = unit_source(u, sides);
+                    let shipped = super::shipped::cubin(arch, u.name, unit_sides(u, sides))
+                        .filter(|c| use_shipped && c.hash == source_hash(&source, arch));
+                    let (image, shipped) = match shipped {
+                        Some(c) => (Ptx::from_binary(c.cubin.to_vec()), true),
+                        None => (compiled_image(u, &source, major, minor)?, false),
+                    };
+                    Ok(UnitImage {
+                        image,
+                        unit: u.name,
+                        shipped,
+                        source,
+                        capability: (major, minor),
+                    })
+                })
+            })
             .collect();
         jobs.into_iter()
             .map(|j| {
@@ -103,8 +161,18 @@ pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<
     })
 }
 
+/// The `MAX_SIDES` unit `u` is compiled with in a run of `sides`.
+pub(super) fn unit_sides(u: &Unit, sides: usize) -> usize {
+    if u.sided {
+        sides
+    } else {
+        UNSIDED
+    }
+}
+
 /// A unit's program: `MAX_SIDES` defined first (kernels/common.cuh sizes `Sides` by it).
-fn unit_source(u: &Unit, sides: usize) -> String {
+pub(super) fn unit_source(u: &Unit, sides: usize) -> String {
+    let sides = unit_sides(u, sides);
     let mut s = format!("#define MAX_SIDES {sides}\n// ---- common.cuh\n{COMMON}\n");
     for (name, src) in u.files {
         s.push_str(&format!("// ---- {name}\n{src}\n"));
@@ -112,21 +180,31 @@ fn unit_source(u: &Unit, sides: usize) -> String {
     s
 }
 
-fn unit_image(u: &Unit, major: i32, minor: i32, sides: usize) -> Result<Ptx> {
-    let source = unit_source(u, sides);
+/// The key of `source` compiled for `arch` (`sm_90`, `compute_90`): the same in every build of
+/// kvdiff, so the cache and the shipped cubins' `sources.txt` agree.
+pub(super) fn source_hash(source: &str, arch: &str) -> u64 {
+    use crate::support::cache::{fnv1a, FNV_START};
+    fnv1a(
+        fnv1a(fnv1a(FNV_START, arch.as_bytes()), b"\0"),
+        source.as_bytes(),
+    )
+}
+
+fn compiled_image(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Ptx> {
     // A cubin for the device itself loads as is; PTX would be compiled by the driver on every
     // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
-    match compiled_cubin(u, &source, major, minor) {
+    match compiled_cubin(u, source, major, minor) {
         Ok(cubin) => Ok(Ptx::from_binary(cubin)),
-        Err(_) => compiled_ptx(u.name, &source, major, minor),
+        Err(_) => compiled_ptx(u.name, source, major, minor),
     }
 }
 
 /// The cache entry of `unit`'s `source` compiled for `arch`.
 fn entry(unit: &str, source: &str, arch: &str, ext: &str) -> String {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (source, arch).hash(&mut h);
-    format!("kernels-{unit}-{arch}-{:016x}.{ext}", h.finish())
+    format!(
+        "kernels-{unit}-{arch}-{:016x}.{ext}",
+        source_hash(source, arch)
+    )
 }
 
 /// `source` as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
@@ -139,18 +217,24 @@ fn compiled_cubin(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Vec<
         return Ok(bytes);
     }
     let _span = span(u.span);
-    let fail = |what: &str| Error::Internal(format!("NVRTC cubin of {unit} for {arch}: {what}"));
+    let cubin = nvrtc_cubin_for(source, &arch)
+        .map_err(|e| Error::Internal(format!("NVRTC cubin of {unit} for {arch}: {e}")))?;
+    // Best effort: a read-only cache folder only costs a recompile next time.
+    crate::support::cache::write(&name, &cubin);
+    Ok(cubin)
+}
+
+/// `source` compiled by NVRTC to a cubin for `arch` (`sm_90`), as runs and the shipped cubins
+/// compile it.
+pub(super) fn nvrtc_cubin_for(source: &str, arch: &str) -> std::result::Result<Vec<u8>, String> {
     let arch_opt = format!("--gpu-architecture={arch}");
     // `--split-compile=0`: optimisation spread over every core (NVRTC 12.1 and later); an
     // NVRTC that does not know it compiles without.
     let cubin = nvrtc_cubin(source, &[arch_opt.as_str(), "--split-compile=0"])
-        .or_else(|_| nvrtc_cubin(source, &[arch_opt.as_str()]))
-        .map_err(|e| fail(&e))?;
+        .or_else(|_| nvrtc_cubin(source, &[arch_opt.as_str()]))?;
     if cubin.is_empty() {
-        return Err(fail("empty cubin"));
+        return Err("empty cubin".into());
     }
-    // Best effort: a read-only cache folder only costs a recompile next time.
-    crate::support::cache::write(&name, &cubin);
     Ok(cubin)
 }
 

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use super::compile::UnitImage;
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
 
 use super::{internal, Gpu};
 use crate::error::{Error, Result};
@@ -88,7 +88,7 @@ pub(crate) const SIDE_SLOTS: usize = 16;
 /// Passes of at most this many sides unless a run needs fewer: the fastest at Qwen3-0.6B's
 /// and Qwen3-8B's shapes for a default compare's ten (3 to 10 measured; see
 /// docs/performance-history.md).
-const DEFAULT_MAX_SIDES: usize = 5;
+pub(super) const DEFAULT_MAX_SIDES: usize = 5;
 
 /// The most caches a run's lockstep holds, as its command said before the GPU opened (0: not
 /// said).
@@ -142,12 +142,21 @@ pub enum Arg {
 pub(super) fn load_kernels(
     ctx: &Arc<CudaContext>,
     major: i32,
-    images: Vec<Ptx>,
+    images: Vec<UnitImage>,
 ) -> Result<(Vec<CudaFunction>, usize)> {
     let _span = crate::support::timing::span("startup: kernels loaded");
     let modules = images
         .into_iter()
-        .map(|image| ctx.load_module(image).map_err(internal("module load")))
+        .map(|unit| match ctx.load_module(unit.image.clone()) {
+            Ok(m) => Ok(m),
+            // A driver older than the NVRTC that built the shipped cubin refuses it.
+            Err(_) if unit.shipped => {
+                let _span = crate::support::timing::span("startup: shipped cubin refused");
+                ctx.load_module(unit.compiled_here()?)
+                    .map_err(internal("module load"))
+            }
+            Err(e) => Err(internal("module load")(e)),
+        })
         .collect::<Result<Vec<_>>>()?;
     let kernels: Vec<CudaFunction> = KERNELS
         .iter()

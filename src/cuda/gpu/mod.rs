@@ -14,6 +14,7 @@ mod gemm;
 mod kernels;
 mod libraries;
 mod memory;
+mod shipped;
 mod streams;
 
 use std::sync::Arc;

@@ -108,6 +108,23 @@ impl Gpu {
             .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Replays `graph` on side stream `slot`, after everything enqueued on the main stream so
+    /// far; main-stream work reached through `stream()` waits for it.
+    pub fn replay_graph_on_side(&self, slot: usize, graph: &Graph) {
+        let s = &self.side[slot];
+        self.main_done
+            .record(&self.stream)
+            .and_then(|_| s.wait(&self.main_done))
+            .expect("CUDA stream synchronisation");
+        // Safety: the graph's buffers live with the caches it was captured for.
+        unsafe {
+            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), s.cu_stream()).result()
+        }
+        .expect("CUDA graph launch");
+        self.side_pending
+            .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn sync(&self) {
         self.stream().synchronize().expect("CUDA synchronize");
     }
