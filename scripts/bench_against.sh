@@ -3,7 +3,8 @@
 # every tap, auto tolerance, 512 + 64 tokens) on random bf16 models of Qwen3-8B's and
 # Qwen3-0.6B's shapes: a cold run each (a first run of the build on this machine: empty kvdiff
 # cache and the driver's compile cache off, CUDA_CACHE_DISABLE=1, so NVRTC compiles every
-# kernel), a run with only the kernels cached (a model never calibrated), then ROUNDS warm
+# kernel the binary does not ship for the device), a run with only the kernels cached (a model
+# never calibrated), then ROUNDS warm
 # rounds alternating the two; KVDIFF_TIMING's tables kept in $BENCH_OUT. Prints wall and
 # lockstep time per run and whether the JSON reports are byte for byte alike, the table last.
 # On the GPU machine, binaries built elsewhere and carried (scripts/stage_gpu_binaries.sh):
