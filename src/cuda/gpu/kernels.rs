@@ -336,4 +336,34 @@ mod tests {
         assert_eq!(sides_for(Some("99"), 3), SIDE_SLOTS);
         assert_eq!(sides_for(Some("many"), 3), 3);
     }
+
+    /// A shipped cubin the driver refuses (as one older than the NVRTC that built it would) is
+    /// compiled here instead, and every kernel still loads; an image compiled here that fails
+    /// to load stays an error. Needs a GPU and NVRTC: skipped without, unless
+    /// `KVDIFF_REQUIRE_CUDA` is set.
+    #[test]
+    fn a_refused_shipped_cubin_is_compiled_instead() {
+        use super::super::compile::kernel_images;
+        if let Some(why) = super::super::libraries::unavailable_reason() {
+            assert!(
+                std::env::var_os("KVDIFF_REQUIRE_CUDA").is_none(),
+                "KVDIFF_REQUIRE_CUDA is set, but {why}"
+            );
+            eprintln!("skipped: {why}");
+            return;
+        }
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let (major, minor) = ctx.compute_capability().unwrap();
+        let refused = || cudarc::nvrtc::Ptx::from_binary(b"\x7fELF, but no cubin".to_vec());
+        let mut images = kernel_images(major, minor, DEFAULT_MAX_SIDES).unwrap();
+        images[0].image = refused();
+        images[0].shipped = true;
+        let (kernels, _) = super::load_kernels(&ctx, major, images).unwrap();
+        assert_eq!(kernels.len(), super::KERNELS.len());
+        let mut images = kernel_images(major, minor, DEFAULT_MAX_SIDES).unwrap();
+        images[0].image = refused();
+        images[0].shipped = false;
+        let err = super::load_kernels(&ctx, major, images).unwrap_err();
+        assert!(err.to_string().contains("module load"), "{err}");
+    }
 }
