@@ -370,13 +370,19 @@ pub fn prefill(
     // The widest product a GEMM writes: a projection's, or a block of the LM head's rows.
     let head_rows = (wide_len / h).clamp(1, c.vocab_size);
     let out_width = qd.max(h).max(inter).max(head_rows);
+    // The widened weights are in the products' precision; a pass whose products are wider
+    // than its values also holds its operands and products in it.
     let wider = precision.products() != precision;
-    let products = if wider {
-        (wide_len + n * (2 * inter).max(qd).max(h) + n * out_width) * 8
+    let wide_bytes = precision.products().bytes();
+    let operands = if wider {
+        (n * (2 * inter).max(qd).max(h) + n * out_width) * wide_bytes
     } else {
         0
     };
-    let need = (wide_len + 16 * n * width + n * c.vocab_size) * precision.bytes() + kept + products;
+    let need = wide_len * wide_bytes
+        + (16 * n * width + n * c.vocab_size) * precision.bytes()
+        + kept
+        + operands;
     let free = g.memory().0;
     if need + (256 << 20) > free {
         return Err(Error::Internal(format!(

@@ -106,7 +106,7 @@ impl CudaModel {
         // the main stream holds when it is enqueued, which must not be the first pass.
         for (i, group) in groups(steps).into_iter().enumerate().rev() {
             let stream = (i > 0 && self.gpu.side_enabled()).then(|| self.gpu.side_slot());
-            all &= self.together(group, Some(stream));
+            all &= self.together(group, true, stream);
         }
         all
     }
@@ -136,19 +136,19 @@ impl CudaModel {
             })
         });
         if settled {
-            self.together(steps, None);
+            self.together(steps, false, None);
         }
     }
 
-    /// Enqueues `steps` as one pass where `launch` is `Some` (on side stream `slot` where it
-    /// holds one, else the main stream); only prepares it (arenas, graph) where `None`.
+    /// Enqueues `steps` as one pass with `launch` (on side stream `side` where given, else the
+    /// main stream); only prepares it (arenas, graph) without.
     fn together(
         &self,
         steps: &mut [(Batch<'_>, &mut KvCache)],
-        launch: Option<Option<usize>>,
+        launch: bool,
+        side: Option<usize>,
     ) -> bool {
         let c = &self.config;
-        let (side, launch) = (launch.flatten(), launch.is_some());
         let shape_ok = self.gpu.together()
             && (2..=max_sides()).contains(&steps.len())
             && steps.iter().all(|(b, _)| b.tokens.len() == 1)

@@ -100,7 +100,7 @@ pub(super) const UNITS: &[Unit] = &[
 /// (a driver older than the NVRTC that built it).
 pub(super) struct UnitImage {
     pub(super) image: Ptx,
-    pub(super) unit: &'static str,
+    pub(super) unit: &'static Unit,
     /// Whether the image is the one shipped in the binary.
     pub(super) shipped: bool,
     source: String,
@@ -110,12 +110,8 @@ pub(super) struct UnitImage {
 impl UnitImage {
     /// The unit compiled here (from the cache or by NVRTC), not the shipped cubin.
     pub(super) fn compiled_here(&self) -> Result<Ptx> {
-        let unit = UNITS
-            .iter()
-            .find(|u| u.name == self.unit)
-            .expect("an image is of a listed unit");
         let (major, minor) = self.capability;
-        compiled_image(unit, &self.source, major, minor)
+        compiled_image(self.unit, &self.source, major, minor)
     }
 }
 
@@ -144,7 +140,7 @@ pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<
                     };
                     Ok(UnitImage {
                         image,
-                        unit: u.name,
+                        unit: u,
                         shipped,
                         source,
                         capability: (major, minor),
