@@ -208,7 +208,9 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     };
     let cached = slot.as_ref().and_then(|s| s.find());
     let calibrates = policy == Policy::Auto && profile.is_none() && cached.is_none();
-    let gpu_calibrates = gpu_only && kvdiff::cuda::oracle_unavailable(&engine.model).is_none();
+    // Asked only where the run calibrates: it loads cuBLAS.
+    let gpu_calibrates =
+        calibrates && gpu_only && kvdiff::cuda::oracle_unavailable(&engine.model).is_none();
     let gpu_owned = if gpu_only && calibrates && !gpu_calibrates {
         let _p = progress::Progress::spinner("loading the model on the CPU to calibrate");
         let cpu = Model::load(&engine.source)?;

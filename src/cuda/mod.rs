@@ -61,13 +61,12 @@ pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };
 
-/// For a run that may calibrate its noise model on the GPU oracle: cuBLAS loads beside the
-/// model's upload; with `rows` (a run that likely will, with a prefill of that many tokens),
-/// the oracle's first GEMMs also run ahead (`oracle_warm_up`).
+/// For a run that may calibrate its noise model on the GPU oracle: with `rows` (a run that
+/// likely will, with a prefill of that many tokens), cuBLAS loads and the oracle's first GEMMs
+/// run once the GPU's context exists, beside the model's upload (`oracle_warm_up`). Without,
+/// cuBLAS loads only if the run does calibrate.
 pub fn expect_gpu_oracle(rows: Option<usize>) {
-    if oracle_warm_up::expect(rows) {
-        gpu::preload_cublas_in_background();
-    }
+    oracle_warm_up::expect(rows);
 }
 
 /// Waits, where the oracle's first GEMMs in `precision` are being run ahead, for them to end:
