@@ -1,9 +1,10 @@
 // The noise model's oracle on the GPU (src/cuda/oracle.rs): the standard prefill recomputed in
 // f64, and the same pass in f32 with bf16-rounded matmul inputs (the emulation of a bf16
 // backend's rounding). Written apart from the engine's kernels, with nothing in common with
-// them: plain loops, one fixed order per sum, no tiling, no tensor cores, no fusion. Matrix
-// products go to cuBLAS (DGEMM; SGEMM with TF32 off for the plain f32 pass), not to
-// kernels/gemm.cu: the emulation's are DGEMMs of its bf16-rounded operands, rounded once to f32.
+// them: plain loops, one fixed order per sum, no fusion, and matrix products of their own
+// (`oracle_gemm_*` below, not kernels/gemm.cu): in f64 on FP64 tensor cores where the GPU has
+// them, in f32 on plain FMAs (no TF32). The emulation's products are f64 products of its
+// bf16-rounded operands, rounded once to f32.
 //
 // Every kernel has a double (`_f64`) and a float (`_f32`) instance. Weights arrive as the bf16
 // bits the GPU holds and are widened exactly, or (`_w32_` kernels) as the f32 values of a
@@ -204,6 +205,338 @@ ORACLE_WEIGHT_INSTANCES(float, f32, float, w32_)
 
 ORACLE_INSTANCES(double, f64)
 ORACLE_INSTANCES(float, f32)
+
+// The oracle's matrix products: y[t, j] (rows `ldy` apart) = sum_i x[t, i] * w[j, i], x being
+// n x k and w m x k, both row-major (a linear layer's weight). Each output is one chain of
+// products along k, in the operands' precision: f64 on FP64 tensor cores (`mma.m8n8k4`, sm_80
+// and later; FMAs before), f32 on FMAs, which is what "f32 without TF32" means. They replace
+// cuBLAS's DGEMM and SGEMM: loading cuBLAS held up the driver's other calls for 70-90 ms of
+// every calibrating run, and its first DGEMM took 40-140 ms more.
+//
+// Block: ORACLE_GEMM_TILE rows of x by as many of w (16 * ORACLE_GEMM_NT on the DMMA path),
+// 128 threads, over kchunk columns of k: blocks tiles * s .. tiles * (s + 1) - 1 take split s
+// of k, which writes its partial products to slice s of `y`, `slice` values apart (one split:
+// `y` itself); oracle_gemm_sum adds the slices up in order, so the result does not depend on
+// which block ends first. Tiles of ORACLE_GEMM_BK columns go through
+// shared memory; rows of a shared tile are ORACLE_GEMM_PAD values apart, so that the eight rows
+// and four columns a DMMA fragment reads fall in distinct banks. The DMMA path keeps STAGES
+// tiles in flight (cp.async); the FMA path reads the next tile into registers meanwhile.
+// Dynamic shared memory: STAGES * (ORACLE_GEMM_TILE + 16 * NT) * ORACLE_GEMM_PAD doubles on the
+// DMMA path, 4 * ORACLE_GEMM_TILE * ORACLE_GEMM_PAD values on the FMA one.
+#define ORACLE_GEMM_TILE 64
+#define ORACLE_GEMM_BK 16
+#define ORACLE_GEMM_PAD 20
+#define ORACLE_GEMM_STAGES 3
+#define ORACLE_GEMM_NT 4
+#define ORACLE_GEMM_LOADS (ORACLE_GEMM_TILE * ORACLE_GEMM_BK / 128)
+
+__device__ __forceinline__ float oracle_gemm_value(unsigned short b) { return oracle_from_bf16(b); }
+__device__ __forceinline__ double oracle_gemm_value(double v) { return v; }
+__device__ __forceinline__ float oracle_gemm_value(float v) { return v; }
+
+template <typename T, typename S>
+__device__ __forceinline__ void oracle_gemm_fetch(T (&r)[ORACLE_GEMM_LOADS], const S* src,
+                                                  int row0, int rows, int k, int k0, int k1) {
+#pragma unroll
+  for (int it = 0; it < ORACLE_GEMM_LOADS; it++) {
+    int q = threadIdx.x + it * 128, row = row0 + q / ORACLE_GEMM_BK,
+        col = k0 + q % ORACLE_GEMM_BK;
+    r[it] = row < rows && col < k1 ? (T)oracle_gemm_value(src[(long long)row * k + col]) : (T)0;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void oracle_gemm_store(T* tile, const T (&r)[ORACLE_GEMM_LOADS]) {
+#pragma unroll
+  for (int it = 0; it < ORACLE_GEMM_LOADS; it++) {
+    int q = threadIdx.x + it * 128;
+    tile[q / ORACLE_GEMM_BK * ORACLE_GEMM_PAD + q % ORACLE_GEMM_BK] = r[it];
+  }
+}
+
+#if __CUDA_ARCH__ >= 800
+// Rows row0 .. row0 + R of `src` (rows x k), columns k0 .. k0 + ORACLE_GEMM_BK, into `tile` by
+// 16-byte cp.async (rows 16-byte aligned: k even, `src` aligned); zeros past `rows` and k1.
+template <int R, int PAD>
+__device__ __forceinline__ void oracle_gemm_copy(double* tile, const double* src, int row0,
+                                                 int rows, int k, int k0, int k1) {
+  constexpr int CHUNKS = ORACLE_GEMM_BK / 2;
+#pragma unroll
+  for (int it = 0; it < R * CHUNKS / 128; it++) {
+    int q = threadIdx.x + it * 128, r = q / CHUNKS, c = 2 * (q % CHUNKS);
+    int row = row0 + r, col = k0 + c;
+    int left = row < rows ? k1 - col : 0;
+    int bytes = left >= 2 ? 16 : left == 1 ? 8 : 0;
+    const double* s = bytes ? src + (long long)row * k + col : src;
+    unsigned d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+        : "=r"(d)
+        : "l"(tile + r * PAD + c));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s), "r"(bytes));
+  }
+}
+
+// WB's loads: eight bf16 of row `row` of w from column col (zeros past m and k1), as one
+// 16-byte load where rows allow (`vec`), and their store into a tile as f64.
+__device__ __forceinline__ uint4 oracle_gemm_fetch_bf16(const unsigned short* w, int row, int m,
+                                                        int k, int col, int k1, bool vec) {
+  const unsigned short* p = w + (long long)row * k + col;
+  if (row < m && vec && col + 8 <= k1) return __ldg((const uint4*)p);
+  unsigned v[4] = {0, 0, 0, 0};
+  if (row < m)
+    for (int e = 0; e < 8; e++)
+      if (col + e < k1) v[e >> 1] |= (unsigned)p[e] << (16 * (e & 1));
+  return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+__device__ __forceinline__ void oracle_gemm_store_bf16(double* to, uint4 v) {
+  unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int e = 0; e < 4; e++)
+    ((double2*)to)[e] = make_double2((double)__uint_as_float(u[e] << 16),
+                                     (double)__uint_as_float(u[e] & 0xffff0000u));
+}
+
+// Warps 2 x 2, each 32 rows of x by NT * 8 of w: BN = 16 * NT columns a block. WB: w holds
+// the bf16 the GPU keeps (a checkpoint's own values), widened to f64 as its tiles are stored,
+// which saves writing and reading back a widened copy of every weight.
+template <int STAGES, int NT, bool WB>
+__device__ __forceinline__ void oracle_dgemm_mma(const double* x, const void* wv, double* y,
+                                                 int n, int k, int m, int r0, int c0, int k0,
+                                                 int k1, long long ldy) {
+  constexpr int PAD = ORACLE_GEMM_PAD;
+  constexpr int BN = 16 * NT, XS = ORACLE_GEMM_TILE * PAD, WS = BN * PAD;
+  static_assert(!WB || BN * ORACLE_GEMM_BK == 8 * 128, "one 16-byte piece of w a thread a tile");
+  const double* w = (const double*)wv;
+  const unsigned short* wb = (const unsigned short*)wv;
+  // WB: this thread's piece of a w tile, row wr_ of the tile, columns wc_ .. wc_ + 7.
+  int wr_ = threadIdx.x >> 1, wc_ = (threadIdx.x & 1) * 8;
+  bool wvec = ((k & 7) == 0) && (((size_t)wv & 15) == 0);
+  uint4 wnext = make_uint4(0, 0, 0, 0);
+  extern __shared__ double oracle_gemm_tiles[];
+  double* xs = oracle_gemm_tiles;
+  double* ws = xs + STAGES * XS;
+  int ktiles = (k1 - k0 + ORACLE_GEMM_BK - 1) / ORACLE_GEMM_BK;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < ktiles) {
+      oracle_gemm_copy<ORACLE_GEMM_TILE, PAD>(xs + s * XS, x, r0, n, k, k0 + s * ORACLE_GEMM_BK, k1);
+      if constexpr (WB) {
+        oracle_gemm_store_bf16(ws + s * WS + wr_ * PAD + wc_,
+                               oracle_gemm_fetch_bf16(wb, c0 + wr_, m, k, k0 + s * ORACLE_GEMM_BK + wc_, k1, wvec));
+      } else {
+        oracle_gemm_copy<BN, PAD>(ws + s * WS, w, c0, m, k, k0 + s * ORACLE_GEMM_BK, k1);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int g = lane >> 2, t = lane & 3, wr = (warp >> 1) * 32, wc = (warp & 1) * NT * 8;
+#if __CUDA_ARCH__ >= 900
+  // m16n8k16 (sm_90): two 16-row tiles by NT 8-column ones; lane (g, t) holds outputs
+  // (g, 2t + h) at [i][j][h] and (g + 8, 2t + h) at [i][j][2 + h].
+  constexpr int MI = 2, PER = 4;
+#else
+  // m8n8k4: four 8-row tiles by NT; lane (g, t) holds outputs (g, 2t + h) at [i][j][h].
+  constexpr int MI = 4, PER = 2;
+#endif
+  double acc[MI][NT][PER];
+#pragma unroll
+  for (int i = 0; i < MI; i++)
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int e = 0; e < PER; e++) acc[i][j][e] = 0.0;
+  for (int kt = 0; kt < ktiles; kt++) {
+    // Tile kt has landed, and every warp is done with the stage the next copy overwrites.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    __syncthreads();
+    int nk = kt + STAGES - 1;
+    if (nk < ktiles) {
+      int s = nk % STAGES;
+      oracle_gemm_copy<ORACLE_GEMM_TILE, PAD>(xs + s * XS, x, r0, n, k, k0 + nk * ORACLE_GEMM_BK, k1);
+      // WB: read now, stored once this tile is multiplied (the stage it goes to was last read
+      // at kt - 1, and tile nk is read two barriers later).
+      if constexpr (WB)
+        wnext = oracle_gemm_fetch_bf16(wb, c0 + wr_, m, k, k0 + nk * ORACLE_GEMM_BK + wc_, k1, wvec);
+      else
+        oracle_gemm_copy<BN, PAD>(ws + s * WS, w, c0, m, k, k0 + nk * ORACLE_GEMM_BK, k1);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    const double* a = xs + (kt % STAGES) * XS;
+    const double* b = ws + (kt % STAGES) * WS;
+#if __CUDA_ARCH__ >= 900
+    static_assert(ORACLE_GEMM_BK == 16, "one m16n8k16 step a tile");
+    // A: a[e] at row g + 8 (e & 1), column 4 (e / 2) + t; B: b[e] at column (k) 4e + t, row g.
+    double af[MI][8], bf[NT][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+      for (int e = 0; e < 8; e++)
+        af[i][e] = a[(wr + 16 * i + g + 8 * (e & 1)) * PAD + 4 * (e >> 1) + t];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) bf[j][e] = b[(wc + 8 * j + g) * PAD + 4 * e + t];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+        asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3};\n"
+            : "+d"(acc[i][j][0]), "+d"(acc[i][j][1]), "+d"(acc[i][j][2]), "+d"(acc[i][j][3])
+            : "d"(af[i][0]), "d"(af[i][1]), "d"(af[i][2]), "d"(af[i][3]), "d"(af[i][4]),
+              "d"(af[i][5]), "d"(af[i][6]), "d"(af[i][7]), "d"(bf[j][0]), "d"(bf[j][1]),
+              "d"(bf[j][2]), "d"(bf[j][3]));
+#else
+#pragma unroll
+    for (int ks = 0; ks < ORACLE_GEMM_BK; ks += 4) {
+      double af[MI], bf[NT];
+#pragma unroll
+      for (int i = 0; i < MI; i++) af[i] = a[(wr + 8 * i + g) * PAD + ks + t];
+#pragma unroll
+      for (int j = 0; j < NT; j++) bf[j] = b[(wc + 8 * j + g) * PAD + ks + t];
+#pragma unroll
+      for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+          asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+              : "+d"(acc[i][j][0]), "+d"(acc[i][j][1])
+              : "d"(af[i]), "d"(bf[j]));
+    }
+#endif
+    if constexpr (WB)
+      if (nk < ktiles) oracle_gemm_store_bf16(ws + (nk % STAGES) * WS + wr_ * PAD + wc_, wnext);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+#pragma unroll
+  for (int i = 0; i < MI; i++)
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int e = 0; e < PER; e++) {
+        int row = r0 + wr + (32 / MI) * i + g + 8 * (e >> 1), col = c0 + wc + 8 * j + 2 * t + (e & 1);
+        if (row < n && col < m) y[row * ldy + col] = acc[i][j][e];
+      }
+}
+#endif
+
+template <typename T, typename WT>
+__device__ __forceinline__ void oracle_gemm_fma(const T* x, const WT* w, T* y, int n, int k,
+                                                int m, int r0, int c0, int k0, int k1,
+                                                long long ldy) {
+  constexpr int TS = ORACLE_GEMM_TILE * ORACLE_GEMM_PAD;
+  extern __shared__ double oracle_gemm_tiles[];
+  T* xs = (T*)oracle_gemm_tiles;
+  T* ws = xs + 2 * TS;
+  int ktiles = (k1 - k0 + ORACLE_GEMM_BK - 1) / ORACLE_GEMM_BK;
+  T rx[ORACLE_GEMM_LOADS], rw[ORACLE_GEMM_LOADS];
+  oracle_gemm_fetch(rx, x, r0, n, k, k0, k1);
+  oracle_gemm_fetch(rw, w, c0, m, k, k0, k1);
+  oracle_gemm_store(xs, rx);
+  oracle_gemm_store(ws, rw);
+  __syncthreads();
+  // Thread (tr, tc) takes rows 4tr .. 4tr + 3 and columns tc + 8j.
+  int tr = threadIdx.x >> 3, tc = threadIdx.x & 7;
+  T acc[4][8];
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[i][j] = (T)0;
+  for (int kt = 0; kt < ktiles; kt++) {
+    int cur = kt & 1;
+    bool more = kt + 1 < ktiles;
+    if (more) {
+      oracle_gemm_fetch(rx, x, r0, n, k, k0 + (kt + 1) * ORACLE_GEMM_BK, k1);
+      oracle_gemm_fetch(rw, w, c0, m, k, k0 + (kt + 1) * ORACLE_GEMM_BK, k1);
+    }
+    const T* a = xs + cur * TS;
+    const T* b = ws + cur * TS;
+#pragma unroll
+    for (int kk = 0; kk < ORACLE_GEMM_BK; kk++) {
+      T av[4], bv[8];
+#pragma unroll
+      for (int i = 0; i < 4; i++) av[i] = a[(4 * tr + i) * ORACLE_GEMM_PAD + kk];
+#pragma unroll
+      for (int j = 0; j < 8; j++) bv[j] = b[(tc + 8 * j) * ORACLE_GEMM_PAD + kk];
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+    }
+    if (more) {
+      oracle_gemm_store(xs + (cur ^ 1) * TS, rx);
+      oracle_gemm_store(ws + (cur ^ 1) * TS, rw);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      int row = r0 + 4 * tr + i, col = c0 + tc + 8 * j;
+      if (row < n && col < m) y[row * ldy + col] = acc[i][j];
+    }
+}
+
+// MMA: the DMMA path (f64 operands with 16-byte aligned rows of x, sm_80 and later), else FMAs.
+// WT: w's type, T or the bf16 bits the GPU holds (unsigned short).
+template <typename T, typename WT, bool MMA, int STAGES, int NT>
+__device__ __forceinline__ void oracle_gemm(const T* x, const WT* w, T* y, int n, int k, int m,
+                                            long long ldy, int kchunk, long long slice) {
+  pdl_wait();
+  int bn = MMA ? 16 * NT : ORACLE_GEMM_TILE;
+  int tiles_m = (m + bn - 1) / bn, tiles = (n + ORACLE_GEMM_TILE - 1) / ORACLE_GEMM_TILE * tiles_m;
+  int split = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  int r0 = tile / tiles_m * ORACLE_GEMM_TILE, c0 = tile % tiles_m * bn;
+  int k0 = split * kchunk, k1 = min(k, k0 + kchunk);
+  y += split * slice;
+#if __CUDA_ARCH__ >= 800
+  if constexpr (MMA && sizeof(T) == 8) {
+    oracle_dgemm_mma<STAGES, NT, sizeof(WT) == 2>((const double*)x, (const void*)w, (double*)y, n,
+                                                  k, m, r0, c0, k0, k1, ldy);
+    return;
+  }
+#endif
+  oracle_gemm_fma<T, WT>(x, w, y, n, k, m, r0, c0, k0, k1, ldy);
+}
+
+#define ORACLE_GEMM_ARGS(T, WT)                                                                \
+  const T *x, const WT *w, T *y, int n, int k, int m, long long ldy, int kchunk, long long slice
+#define ORACLE_GEMM_KERNEL(name, T, WT, MMA)                                                   \
+  extern "C" __global__ void __launch_bounds__(128) name(ORACLE_GEMM_ARGS(T, WT)) {            \
+    oracle_gemm<T, WT, MMA, ORACLE_GEMM_STAGES, ORACLE_GEMM_NT>(x, w, y, n, k, m, ldy, kchunk,  \
+                                                                slice);                         \
+  }
+ORACLE_GEMM_KERNEL(oracle_gemm_f64, double, double, true)
+ORACLE_GEMM_KERNEL(oracle_gemm_f64_wb, double, unsigned short, true)
+ORACLE_GEMM_KERNEL(oracle_gemm_f64_fma, double, double, false)
+ORACLE_GEMM_KERNEL(oracle_gemm_f64_fma_wb, double, unsigned short, false)
+ORACLE_GEMM_KERNEL(oracle_gemm_f32, float, float, false)
+
+// y[t, j] (rows `ldy` apart) = the sum of the `splits` slices of a split product (n x m each,
+// contiguous), in slice order.
+template <typename T>
+__device__ __forceinline__ void oracle_gemm_sum(const T* part, T* y, int n, int m, long long ldy,
+                                                int splits) {
+  pdl_wait();
+  long long len = (long long)n * m;
+  ORACLE_STRIDE(i, len) {
+    T s = part[i];
+    for (int p = 1; p < splits; p++) s += part[p * len + i];
+    y[i / m * ldy + i % m] = s;
+  }
+}
+
+extern "C" __global__ void oracle_gemm_sum_f64(const double* part, double* y, int n, int m,
+                                               long long ldy, int splits) {
+  oracle_gemm_sum<double>(part, y, n, m, ldy, splits);
+}
+
+extern "C" __global__ void oracle_gemm_sum_f32(const float* part, float* y, int n, int m,
+                                               long long ldy, int splits) {
+  oracle_gemm_sum<float>(part, y, n, m, ldy, splits);
+}
 
 extern "C" __global__ void oracle_round_bf16_f32(const float* x, float* out, long long n) {
   pdl_wait();

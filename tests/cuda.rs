@@ -974,17 +974,13 @@ fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
     };
     let cache = tmp.path().join("cache");
     let cache = cache.to_str().unwrap();
-    let warmed = "startup: GPU oracle's GEMMs warmed up";
     let (on_gpu, err) = rtols("1", cache);
     assert!(err.contains("noise model computed"), "{err}");
     assert!(!err.contains("calibrated on the CPU"), "{err}");
-    assert!(err.contains(warmed), "a model never calibrated: {err}");
     let cpu_cache = tmp.path().join("cpu-cache");
     let (on_cpu, err) = rtols("0", cpu_cache.to_str().unwrap());
     assert!(err.contains("calibrated on the CPU"), "{err}");
-    assert!(!err.contains(warmed), "no GPU oracle asked for: {err}");
-    // A checkpoint in f32: the GPU holds it rounded to bf16, which the oracle does not read,
-    // so nothing is warmed up for it.
+    // A checkpoint in f32: the GPU holds it rounded to bf16, which the oracle does not read.
     let f32_cache = tmp.path().join("f32-cache");
     let env = [
         ("KVDIFF_CACHE_DIR", f32_cache.to_str().unwrap()),
@@ -1006,7 +1002,6 @@ fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(matches!(out.status.code(), Some(0 | 1)), "{err}");
     assert!(err.contains("calibrated on the CPU"), "{err}");
-    assert!(!err.contains(warmed), "an f32 checkpoint: {err}");
     assert_eq!(
         on_gpu.keys().collect::<Vec<_>>(),
         on_cpu.keys().collect::<Vec<_>>()
@@ -1016,8 +1011,7 @@ fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
         eprintln!("rtol {k:<11} GPU oracle {g:.3e}  CPU oracle {c:.3e}");
         assert!(g <= 2.0 * c && c <= 2.0 * g, "{k}: {g} vs {c}");
     }
-    // Another --max-new-tokens: the calibration comes from the cache, and the model was
-    // calibrated before: the oracle's GEMMs are not warmed up.
+    // Another --max-new-tokens: the calibration comes from the cache.
     let env = [("KVDIFF_CACHE_DIR", cache), ("KVDIFF_TIMING", "1")];
     let args = [
         "-v",
@@ -1031,7 +1025,6 @@ fn a_gpu_only_compare_calibrates_on_the_gpu_oracle() {
     let out = kvdiff(&args, &env);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("noise model reused from the cache"), "{err}");
-    assert!(!err.contains(warmed), "{err}");
     // A pinned profile, read by a run with the model on the GPU alone.
     let args = ["calibrate", "--backend", "cuda", "--out", profile_s, prompt];
     let out = kvdiff(&args, &env);

@@ -12,7 +12,6 @@ use kvdiff::compare::run::{backend_names, Policy, Request};
 use kvdiff::compare::target::Backend;
 use kvdiff::engine::model::Model;
 use kvdiff::error::{Error, Result};
-use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::output::{check_output_parent, StagedDir};
 use kvdiff::io::prompt::Prompt;
 use kvdiff::support::progress;
@@ -172,14 +171,6 @@ pub fn run(a: CompareArgs) -> Result<i32> {
             .iter()
             .chain(std::iter::once(&reference))
             .any(|t| t.on(backend) == Backend::Cpu);
-    if gpu_only && policy == Policy::Auto && profile.is_none() {
-        // The noise model may be calibrated on the GPU oracle: cuBLAS loads beside the model's
-        // upload, and, where this model was never calibrated, the oracle's first GEMMs run.
-        let first = ModelSource::from_arg(a.model.as_deref())
-            .is_ok_and(|src| !noise_cache::model_calibrated_before(&src));
-        let rows = first.then_some(kvdiff::compare::noise::CALIBRATION_TOKENS);
-        kvdiff::cuda::expect_gpu_oracle(rows);
-    }
     let p = load_prompt(&a)?;
     let mut engine = load_engine(
         a.model.as_deref(),
@@ -208,7 +199,6 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     };
     let cached = slot.as_ref().and_then(|s| s.find());
     let calibrates = policy == Policy::Auto && profile.is_none() && cached.is_none();
-    // Asked only where the run calibrates: it loads cuBLAS.
     let gpu_calibrates =
         calibrates && gpu_only && kvdiff::cuda::oracle_unavailable(&engine.model).is_none();
     let gpu_owned = if gpu_only && calibrates && !gpu_calibrates {

@@ -183,7 +183,6 @@ impl<'m> Calibration<'m> {
         }
         let mut cal = Self::empty(gpu_model, prompt_ids, last_position);
         let _span = crate::support::timing::span("calibration: f64 oracle prefill (GPU)");
-        crate::cuda::wait_for_oracle_warm_up(crate::cuda::OraclePrecision::F64);
         let kept =
             crate::cuda::oracle_keep(gpu_model, &cal.tokens, &cal.positions, &cal.rope_positions)
                 .map_err(|e| e.to_string())?;
@@ -292,7 +291,6 @@ impl<'m> Calibration<'m> {
         };
         let what = "the GPU's emulation of bf16 rounding";
         let _span = crate::support::timing::span("calibration: bf16 emulation (GPU)");
-        crate::cuda::wait_for_oracle_warm_up(crate::cuda::OraclePrecision::Bf16Emulation);
         let mut meter = d.meter();
         crate::cuda::oracle_prefill(
             self.model,

@@ -48,8 +48,6 @@ const MIN_BUCKET: usize = 64;
 pub struct Slot {
     /// The key of everything but positions and backends.
     base: String,
-    /// The entry marking the model calibrated (`model_calibrated_before`).
-    model: Option<String>,
     /// The backends the run needs noise for, sorted.
     backends: Vec<String>,
     /// The highest position the run reaches.
@@ -97,7 +95,6 @@ pub fn slot(
     backends.dedup();
     Some(Slot {
         base: base_key(src, prompt_ids, gpu_reference)?,
-        model: model_entry(src),
         backends,
         needed: last_position,
         calibrate_at,
@@ -148,9 +145,6 @@ impl Slot {
         if let Ok(bytes) = serde_json::to_vec_pretty(&c) {
             let entry = self.entry(&self.backends.join("+"), bucket(self.calibrate_at));
             crate::support::cache::write(&entry, &bytes);
-        }
-        if let Some(m) = &self.model {
-            crate::support::cache::write(m, b"");
         }
     }
 
@@ -212,19 +206,6 @@ fn model_hasher(src: &ModelSource) -> Option<std::collections::hash_map::Default
         }
     }
     Some(h)
-}
-
-/// The cache entry marking that this binary calibrated this model at least once.
-fn model_entry(src: &ModelSource) -> Option<String> {
-    Some(format!("noise-seen/{:016x}", model_hasher(src)?.finish()))
-}
-
-/// Whether this kvdiff binary stored a calibration of this model before, for any prompt: a run
-/// that finds none will likely calibrate, and can prepare for it before its prompt is tokenized.
-pub fn model_calibrated_before(src: &ModelSource) -> bool {
-    model_entry(src)
-        .and_then(|e| crate::support::cache::path(&e))
-        .is_some_and(|p| p.exists())
 }
 
 /// The calibration stored in cache entry `entry`, if any and readable.

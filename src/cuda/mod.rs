@@ -10,8 +10,8 @@
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
 //! - `oracle.rs`: the noise model's f64 oracle and bf16 emulation, on its own kernels;
-//!   `oracle_meter.rs`: its taps kept on the GPU, and passes measured against them there;
-//!   `oracle_warm_up.rs`: its first cuBLAS GEMMs run ahead, beside the weights' upload;
+//!   `oracle_gemm.rs`: its matrix products; `oracle_meter.rs`: its taps kept on the GPU, and
+//!   passes measured against them there;
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
 //!   timeline (`KVDIFF_CUDA_TRACE`).
 
@@ -22,8 +22,8 @@ mod kv;
 mod launch;
 mod memo;
 mod oracle;
+mod oracle_gemm;
 mod oracle_meter;
-mod oracle_warm_up;
 mod oracle_weights;
 mod stream_load;
 mod taps;
@@ -34,8 +34,8 @@ mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::{
-    cublas_asked, device_name, driver_missing, expect_sides, open_in_background,
-    preload_cublas_in_background, ptr, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
+    cublas_asked, device_name, driver_missing, expect_sides, open_in_background, ptr,
+    unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
 };
 pub(crate) use gpu::{max_sides, SIDE_SLOTS};
 pub use kv::CudaKv;
@@ -60,18 +60,3 @@ pub use oracle_weights::attach_f32_weights;
 pub use upload::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };
-
-/// For a run that may calibrate its noise model on the GPU oracle: with `rows` (a run that
-/// likely will, with a prefill of that many tokens), cuBLAS loads and the oracle's first GEMMs
-/// run once the GPU's context exists, beside the model's upload (`oracle_warm_up`). Without,
-/// cuBLAS loads only if the run does calibrate.
-pub fn expect_gpu_oracle(rows: Option<usize>) {
-    oracle_warm_up::expect(rows);
-}
-
-/// Waits, where the oracle's first GEMMs in `precision` are being run ahead, for them to end:
-/// the calibration's pass in that precision runs after (its f64 pass may start while the f32
-/// part still runs).
-pub fn wait_for_oracle_warm_up(precision: OraclePrecision) {
-    oracle_warm_up::wait(precision);
-}

@@ -4,17 +4,17 @@
 //! any pass. On a large model the CPU takes a minute for them; the GPU, well under a second.
 //!
 //! Independent of the engine it measures, as the CPU oracle is: its own kernels
-//! (`kernels/oracle.cu`: plain loops, one fixed order per sum, no tiling, no fusion, no tensor
-//! cores), cuBLAS's DGEMM (SGEMM with TF32 off for the plain f32 pass) for the products instead
-//! of `kernels/gemm.cu`, no KV cache and no path. It shares only the weights the GPU holds, and
+//! (`kernels/oracle.cu`: plain loops, one fixed order per sum, no fusion; matrix products of its
+//! own, `oracle_gemm.rs`, in f64 on FP64 tensor cores, not `kernels/gemm.cu`), no KV cache and
+//! no path. It shares only the weights the GPU holds, and
 //! only where they are the checkpoint's own values (`CudaModel::exact_weights`); elsewhere the
 //! CPU oracle runs.
 
 use crate::support::timing::span;
-use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Arg, Gpu};
+use super::oracle_gemm;
 use super::oracle_meter::{DeviceOracle, Keeper};
 use super::oracle_weights::{Weights, W};
 use super::taps::offer_at;
@@ -66,8 +66,8 @@ impl Precision {
 }
 
 /// Why the GPU oracle cannot stand for the CPU's on `model`, or `None` where it can: a GPU
-/// model whose weights are the checkpoint's own, dense, with cuBLAS installed, unless
-/// `KVDIFF_GPU_ORACLE=0` asks for the CPU's (the benchmark's peer).
+/// model whose weights are the checkpoint's own, dense, unless `KVDIFF_GPU_ORACLE=0` asks for
+/// the CPU's (the benchmark's peer).
 pub fn unavailable(model: &Model) -> Option<String> {
     if std::env::var("KVDIFF_GPU_ORACLE").as_deref() == Ok("0") {
         return Some("KVDIFF_GPU_ORACLE=0 asks for the CPU oracle".into());
@@ -83,10 +83,15 @@ pub fn unavailable(model: &Model) -> Option<String> {
     if cm.config.arch.moe.is_some() {
         return Some("mixture-of-experts layers are calibrated on the CPU".into());
     }
-    if !super::gpu::cublas_loadable() {
-        return Some("cuBLAS (libcublas.so) was not found".into());
-    }
     None
+}
+
+/// A weight's rows as a product reads them: `bytes` a value, bf16 bits or widened values.
+#[derive(Clone, Copy)]
+struct Rows {
+    ptr: u64,
+    bytes: usize,
+    bf16: bool,
 }
 
 /// A device buffer of `len` values of the pass's precision.
@@ -105,7 +110,6 @@ struct Pass<'a> {
     cm: &'a CudaModel,
     w: Weights<'a>,
     g: &'a Gpu,
-    blas: &'a CudaBlas,
     p: Precision,
     /// Widened weights, in the products' precision: the largest matrix of a layer (the LM
     /// head goes through it in blocks).
@@ -116,6 +120,8 @@ struct Pass<'a> {
     wide_out: Option<Buf>,
     /// f32 copy of a tap for the download (f64 passes).
     narrow: CudaSlice<f32>,
+    /// The partial products of a product split along k, in the products' precision.
+    part: Buf,
 }
 
 fn alloc_buf(g: &Gpu, len: usize, p: Precision) -> Buf {
@@ -146,8 +152,18 @@ impl<'a> Pass<'a> {
         self.g.launch(&name, grid, block, 0, args);
     }
 
-    /// `wide[..len] = w[at..at + len]`, widened from the weight's bf16 bits or f32 values.
-    fn widen(&self, w: W, at: usize, len: usize) {
+    /// `w[at..at + len]` as the products read it: the bf16 bits the GPU holds, as they are,
+    /// where the products are f64 (their kernel widens tiles as it reads them: no widened copy
+    /// written and read back), else widened into `wide` from the weight's bf16 bits or f32
+    /// values.
+    fn widen(&self, w: W, at: usize, len: usize) -> Rows {
+        if !w.f32 && self.p.products() == Precision::F64 {
+            return Rows {
+                ptr: w.at(at),
+                bytes: 2,
+                bf16: true,
+            };
+        }
         assert!(
             len <= self.wide_len,
             "a weight larger than the widening buffer"
@@ -159,6 +175,11 @@ impl<'a> Pass<'a> {
         ];
         let name = format!("oracle_widen_{}{}", w.infix(), self.p.products().suffix());
         self.g.launch(&name, blocks(len), 256, 0, &args);
+        Rows {
+            ptr: self.wide.at(self.g, 0),
+            bytes: self.p.products().bytes(),
+            bf16: false,
+        }
     }
 
     /// A matmul input: rounded to bf16 and widened to the products' f64 under the emulation
@@ -177,19 +198,24 @@ impl<'a> Pass<'a> {
         scratch
     }
 
-    /// `y[t, j] (row stride ldy) = Σ_i x[t, i] · wide[j, i]` for `n` rows of `k` and `m`
-    /// outputs; the weight rows start `at` values into the widened buffer.
+    /// `y[t, j] (row stride ldy) = Σ_i x[t, i] · w[j, i]` for `n` rows of `k` and `m`
+    /// outputs, `w` being rows `widen` gave, from their row `at` on.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, x: u64, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
+    fn gemm(&self, x: u64, w: Rows, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
         let _span = span("calibration: GPU oracle's GEMM enqueued");
-        let w = self.wide.at(self.g, at);
-        let Some(out) = &self.wide_out else {
-            return gemm_ex(self.blas, self.p, (w, x, y), (n, k, m), ldy);
+        let weights = oracle_gemm::Weights {
+            ptr: w.ptr + (at * k * w.bytes) as u64,
+            bf16: w.bf16,
         };
-        let wide = out.at(self.g, 0);
-        gemm_ex(self.blas, self.p.products(), (w, x, wide), (n, k, m), m);
+        let wide = self.p.products() == Precision::F64;
+        let part = self.part.at(self.g, 0);
+        let Some(out) = &self.wide_out else {
+            return oracle_gemm::gemm(self.g, wide, (x, weights, y), (n, k, m), ldy, part);
+        };
+        let wide_y = out.at(self.g, 0);
+        oracle_gemm::gemm(self.g, wide, (x, weights, wide_y), (n, k, m), m, part);
         let args = [
-            Arg::Ptr(wide),
+            Arg::Ptr(wide_y),
             Arg::Ptr(y),
             Arg::I32(n as i32),
             Arg::I32(m as i32),
@@ -199,11 +225,11 @@ impl<'a> Pass<'a> {
             .launch("oracle_narrow_rows_f64", blocks(n * m), 256, 0, &args);
     }
 
-    /// `x[n, k] · wᵀ` for a weight `w` of `m` rows, widened first: a new `[n, m]` buffer.
+    /// `x[n, k] · wᵀ` for a weight `w` of `m` rows: a new `[n, m]` buffer.
     fn project(&self, x: &Buf, w: W, n: usize, k: usize, m: usize) -> Buf {
-        self.widen(w, 0, m * k);
+        let rows = self.widen(w, 0, m * k);
         let y = self.buf(n * m);
-        self.gemm(x.at(self.g, 0), 0, y.at(self.g, 0), n, k, m, m);
+        self.gemm(x.at(self.g, 0), rows, 0, y.at(self.g, 0), n, k, m, m);
         y
     }
 
@@ -274,60 +300,6 @@ impl<'a> Pass<'a> {
     }
 }
 
-/// `y[t, j] (row stride ldy) = Σ_i x[t, i] · w[j, i]` in `p`'s precision, on cuBLAS.
-pub(super) fn gemm_ex(
-    blas: &CudaBlas,
-    p: Precision,
-    (w, x, y): (u64, u64, u64),
-    (n, k, m): (usize, usize, usize),
-    ldy: usize,
-) {
-    let (t, compute) = match p {
-        Precision::F64 => (
-            blas_sys::cudaDataType_t::CUDA_R_64F,
-            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-        ),
-        Precision::Bf16Emulation | Precision::F32 => (
-            blas_sys::cudaDataType_t::CUDA_R_32F,
-            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-        ),
-    };
-    let (a64, b64) = (1.0f64, 0.0f64);
-    let (a32, b32) = (1.0f32, 0.0f32);
-    let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = match p {
-        Precision::F64 => (&a64 as *const f64 as _, &b64 as *const f64 as _),
-        Precision::Bf16Emulation | Precision::F32 => {
-            (&a32 as *const f32 as _, &b32 as *const f32 as _)
-        }
-    };
-    // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ.
-    // Safety: the buffers hold the shapes given; alpha and beta outlive the call.
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *blas.handle(),
-            blas_sys::cublasOperation_t::CUBLAS_OP_T,
-            blas_sys::cublasOperation_t::CUBLAS_OP_N,
-            m as i32,
-            n as i32,
-            k as i32,
-            alpha,
-            w as *const _,
-            t,
-            k as i32,
-            x as *const _,
-            t,
-            k as i32,
-            beta,
-            y as *mut _,
-            t,
-            ldy as i32,
-            compute,
-            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .expect("cuBLAS GemmEx (oracle)");
-}
-
 /// Values of the widening buffer: a layer's largest matrix (the LM head goes through it in
 /// blocks).
 pub(super) fn widest(c: &Config) -> usize {
@@ -379,7 +351,14 @@ pub fn prefill(
     } else {
         0
     };
-    let need = wide_len * wide_bytes
+    // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
+    let w = Weights::new(cm, precision != Precision::Bf16Emulation);
+    // f64 products read bf16 weights as they are (`widen`): nothing to widen into.
+    let wide_len = match precision.products() == Precision::F64 && w.all_bf16() {
+        true => 1,
+        false => wide_len,
+    };
+    let need = (wide_len + oracle_gemm::scratch_len(g.sm_count())) * wide_bytes
         + (16 * n * width + n * c.vocab_size) * precision.bytes()
         + kept
         + operands;
@@ -391,20 +370,20 @@ pub fn prefill(
             free >> 20
         )));
     }
-    let blas = g
-        .oracle_blas()
-        .ok_or_else(|| Error::Internal("GPU oracle: cuBLAS did not start".into()))?;
     let pass = Pass {
         cm,
-        // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
-        w: Weights::new(cm, precision != Precision::Bf16Emulation),
+        w,
         g,
-        blas,
         p: precision,
         wide: alloc_buf(g, wide_len, precision.products()),
         wide_len,
         wide_out: wider.then(|| alloc_buf(g, n * out_width, precision.products())),
         narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
+        part: alloc_buf(
+            g,
+            oracle_gemm::scratch_len(g.sm_count()),
+            precision.products(),
+        ),
     };
     sink.begin_step(0, tokens, positions);
     let ids = g.upload(tokens);
@@ -440,8 +419,8 @@ pub fn prefill(
         let rows = head_rows;
         for r0 in (0..v).step_by(rows) {
             let r = rows.min(v - r0);
-            pass.widen(head, r0 * h, r * h);
-            pass.gemm(xin.at(g, 0), 0, logits.at(g, r0), n, h, r, v);
+            let rows = pass.widen(head, r0 * h, r * h);
+            pass.gemm(xin.at(g, 0), rows, 0, logits.at(g, r0), n, h, r, v);
         }
         pass.tap(sink, TapId::Logits, positions, &[n, v], &logits);
     }
@@ -535,11 +514,11 @@ fn layer(
     tap(sink, LayerTap::AttnNorm, &[n, h], &xn);
     let scratch = pass.operand_buf(n * (2 * inter).max(qd).max(h));
     let xin = pass.input(&xn, n * h, &scratch);
-    pass.widen(w.qkv, 0, (qd + 2 * kvd) * h);
+    let qkv = pass.widen(w.qkv, 0, (qd + 2 * kvd) * h);
     let (q, k, v) = (pass.buf(n * qd), pass.buf(n * kvd), pass.buf(n * kvd));
-    pass.gemm(xin.at(g, 0), 0, q.at(g, 0), n, h, qd, qd);
-    pass.gemm(xin.at(g, 0), qd * h, k.at(g, 0), n, h, kvd, kvd);
-    pass.gemm(xin.at(g, 0), (qd + kvd) * h, v.at(g, 0), n, h, kvd, kvd);
+    pass.gemm(xin.at(g, 0), qkv, 0, q.at(g, 0), n, h, qd, qd);
+    pass.gemm(xin.at(g, 0), qkv, qd, k.at(g, 0), n, h, kvd, kvd);
+    pass.gemm(xin.at(g, 0), qkv, qd + kvd, v.at(g, 0), n, h, kvd, kvd);
     if let Some(bias) = w.qkv_bias {
         for (y, at, m) in [(&q, 0, qd), (&k, qd, kvd), (&v, qd + kvd, kvd)] {
             let args = [
@@ -603,10 +582,19 @@ fn layer(
     pass.norm(&mid, w.post_norm, &mn, n, h);
     tap(sink, LayerTap::MlpNorm, &[n, h], &mn);
     let min = pass.input(&mn, n * h, &scratch);
-    pass.widen(w.gate_up, 0, 2 * inter * h);
+    let gate_up = pass.widen(w.gate_up, 0, 2 * inter * h);
     let (gate, up) = (pass.buf(n * inter), pass.buf(n * inter));
-    pass.gemm(min.at(g, 0), 0, gate.at(g, 0), n, h, inter, inter);
-    pass.gemm(min.at(g, 0), inter * h, up.at(g, 0), n, h, inter, inter);
+    pass.gemm(min.at(g, 0), gate_up, 0, gate.at(g, 0), n, h, inter, inter);
+    pass.gemm(
+        min.at(g, 0),
+        gate_up,
+        inter,
+        up.at(g, 0),
+        n,
+        h,
+        inter,
+        inter,
+    );
     let act = pass.buf(n * inter);
     let args = [
         Arg::Ptr(gate.at(g, 0)),

@@ -62,6 +62,11 @@ impl<'a> Weights<'a> {
         }
     }
 
+    /// Whether every weight is the bf16 the GPU holds (none an f32 copy).
+    pub(super) fn all_bf16(&self) -> bool {
+        self.f32.is_none()
+    }
+
     fn bf16(&self, b: &CudaSlice<u16>) -> W {
         W {
             ptr: ptr(&self.cm.gpu, b, 0),

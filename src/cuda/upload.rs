@@ -134,7 +134,6 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
         let (gpu, buffers, warmed) = match super::stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
-                super::oracle_warm_up::plan(config, weight_bytes(config));
                 // cuBLAS meets every GEMM shape on the opened GPU while the weights stream in.
                 let warm = {
                     let config = config.clone();
@@ -169,10 +168,6 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     &ckpt.first_file(),
                 )?;
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
-                // The oracle reads only a checkpoint's own values (`oracle::unavailable`).
-                if exact {
-                    super::oracle_warm_up::plan(config, weight_bytes(config));
-                }
                 (gpu, buffers, false)
             }
         };

@@ -339,5 +339,18 @@ mod tests {
                 .collect();
             assert_eq!(units.len(), 1, "kernel {k} is defined in {units:?}");
         }
+        // The oracle's products take another path before sm_90 (m8n8k4), and before sm_80
+        // (FMAs): those compile too.
+        let oracle = UNITS.iter().find(|u| u.name == "oracle").expect("a unit");
+        for arch in ["compute_80", "compute_75"] {
+            let opts = cudarc::nvrtc::CompileOptions {
+                arch: Some(arch),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(unit_source(oracle, 1), opts)
+                .unwrap_or_else(|e| panic!("unit oracle at {arch}: {e}"))
+                .to_src();
+            assert!(ptx.contains(".entry oracle_gemm_f64("), "{arch}");
+        }
     }
 }

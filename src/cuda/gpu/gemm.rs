@@ -216,6 +216,11 @@ impl Gpu {
         );
     }
 
+    /// The GPU's streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.sms
+    }
+
     /// Whether `kernels/gemm.cu` runs on this GPU.
     pub fn has_tiled_gemm(&self) -> bool {
         self.tiled_gemm

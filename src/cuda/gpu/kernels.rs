@@ -78,6 +78,13 @@ pub(super) const KERNELS: &[&str] = &[
     "oracle_round_bf16_widen_f64",
     "oracle_narrow_f64",
     "oracle_narrow_rows_f64",
+    "oracle_gemm_f64",
+    "oracle_gemm_f64_wb",
+    "oracle_gemm_f64_fma",
+    "oracle_gemm_f64_fma_wb",
+    "oracle_gemm_f32",
+    "oracle_gemm_sum_f64",
+    "oracle_gemm_sum_f32",
     "oracle_meter_f32",
 ];
 
@@ -181,6 +188,8 @@ pub(super) fn load_kernels(
             "probs_from_stats_mma",
             "attention_diff_mma",
             "gemm_bf16_l",
+            "oracle_gemm_f64",
+            "oracle_gemm_f64_wb",
         ] {
             let f = &kernels[KERNELS.iter().position(|n| *n == k).expect("listed")];
             // Static and dynamic shared memory together may not pass the limit.

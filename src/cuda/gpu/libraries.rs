@@ -78,23 +78,6 @@ pub(super) fn preload_libraries() -> std::thread::JoinHandle<Option<String>> {
     })
 }
 
-/// Whether cuBLAS can be loaded here; loads it (once, kept loaded) on the first call.
-/// `cudarc::cublas::sys::is_culib_present` would load and unload it on every call.
-pub fn cublas_loadable() -> bool {
-    static LOADED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LOADED.get_or_init(|| {
-        let _span = crate::support::timing::span("startup: cuBLAS library loaded");
-        preload("cublas")
-    })
-}
-
-/// Starts loading cuBLAS on another thread, for a run that will likely calibrate its noise
-/// model on the GPU (`cuda/oracle.rs`): hundreds of ms of library loading, off the critical
-/// path, beside reading the model.
-pub fn preload_cublas_in_background() {
-    std::thread::spawn(cublas_loadable);
-}
-
 /// Whether `KVDIFF_CUDA_GEMM=cublas` asks for cuBLAS's GEMMs.
 pub fn cublas_asked() -> bool {
     std::env::var("KVDIFF_CUDA_GEMM").as_deref() == Ok("cublas")

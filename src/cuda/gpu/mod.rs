@@ -28,10 +28,7 @@ pub use kernels::expect_sides;
 pub use kernels::Arg;
 pub(crate) use kernels::{max_sides, SIDE_SLOTS};
 pub(super) use libraries::CUDA_FIX;
-pub use libraries::{
-    cublas_asked, cublas_loadable, device_name, driver_missing, preload_cublas_in_background,
-    unavailable_reason,
-};
+pub use libraries::{cublas_asked, device_name, driver_missing, unavailable_reason};
 pub use memory::{LentPinned, U32Read};
 pub use streams::Graph;
 
@@ -111,8 +108,6 @@ pub struct Gpu {
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
     tensor_core_shared: Option<usize>,
-    /// The GPU oracle's own cuBLAS handle (`cuda/oracle.rs`), made at its first use.
-    oracle_blas: std::sync::OnceLock<Option<cudarc::cublas::CudaBlas>>,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -229,7 +224,6 @@ impl Gpu {
             .collect::<Result<Vec<_>>>()?;
         let main_done = ctx.new_event(None).map_err(internal("event"))?;
         drop(context_span);
-        super::oracle_warm_up::context_ready(&ctx);
         missing(libraries)?;
         let (major, minor) = ctx
             .compute_capability()
@@ -305,7 +299,6 @@ impl Gpu {
             tensor_core_shared: (major >= 8
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
-            oracle_blas: Default::default(),
         });
         if !gpu.gemm_needs_warm_up() {
             return Ok(gpu);
@@ -391,23 +384,6 @@ impl Gpu {
     /// Whether lockstep decode steps may run as one pass (`CudaModel::decode_together`).
     pub fn together(&self) -> bool {
         self.together
-    }
-
-    /// A cuBLAS handle on the main stream for the GPU oracle, apart from the GEMM engine's
-    /// (and from the warm-up's, `oracle_warm_up`); `None` where cuBLAS cannot be loaded or
-    /// started.
-    pub(crate) fn oracle_blas(&self) -> Option<&cudarc::cublas::CudaBlas> {
-        self.oracle_blas
-            .get_or_init(|| self.new_oracle_blas())
-            .as_ref()
-    }
-
-    fn new_oracle_blas(&self) -> Option<cudarc::cublas::CudaBlas> {
-        if !libraries::cublas_loadable() {
-            return None;
-        }
-        let _span = crate::support::timing::span("calibration: GPU oracle's cuBLAS handle");
-        cudarc::cublas::CudaBlas::new(self.stream.clone()).ok()
     }
 
     /// Whether a decode step's attention kernel (head size 128) does its q/k norm and RoPE.
