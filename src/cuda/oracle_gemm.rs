@@ -52,9 +52,8 @@ pub(super) fn gemm(
 ) {
     let (splits, kchunk) = splits(n, k, m, g.sm_count());
     let tiles = n.div_ceil(TILE) * m.div_ceil(TILE);
-    // The tensor-core path copies 16-byte pieces of rows (two doubles) and needs sm_80, as
-    // kernels/gemm.cu does.
-    // (x's rows, that is: bf16 weights are read through registers.)
+    // The tensor-core path copies 16-byte pieces of x's rows (two doubles), and of w's where
+    // they are f64 (bf16 weights go through registers), and needs sm_80 as kernels/gemm.cu does.
     let mma =
         wide && g.has_tiled_gemm() && k % 2 == 0 && x % 16 == 0 && (w.bf16 || w.ptr % 16 == 0);
     assert!(wide || !w.bf16, "bf16 weights are widened for f32 products");
