@@ -1,7 +1,7 @@
 //! What of CUDA is installed here, found out before anything starts that could abort: cudarc
 //! panics where a library it loads is missing, so a command asks here first and can say in
-//! one line why CUDA cannot be used. Also the early loading of NVRTC and cuBLAS, beside the
-//! driver starting, that keeps opening the device short.
+//! one line why CUDA cannot be used. Also the early loading of NVRTC (and of cuBLAS, where its
+//! GEMMs are asked for), beside the driver starting, that keeps opening the device short.
 
 use cudarc::driver::CudaContext;
 
