@@ -86,14 +86,6 @@ pub fn unavailable(model: &Model) -> Option<String> {
     None
 }
 
-/// A weight's rows as a product reads them: `bytes` a value, bf16 bits or widened values.
-#[derive(Clone, Copy)]
-struct Rows {
-    ptr: u64,
-    bytes: usize,
-    bf16: bool,
-}
-
 /// A device buffer of `len` values of the pass's precision.
 struct Buf {
     data: CudaSlice<u8>,
@@ -156,11 +148,10 @@ impl<'a> Pass<'a> {
     /// where the products are f64 (their kernel widens tiles as it reads them: no widened copy
     /// written and read back), else widened into `wide` from the weight's bf16 bits or f32
     /// values.
-    fn widen(&self, w: W, at: usize, len: usize) -> Rows {
+    fn widen(&self, w: W, at: usize, len: usize) -> oracle_gemm::Weights {
         if !w.f32 && self.p.products() == Precision::F64 {
-            return Rows {
+            return oracle_gemm::Weights {
                 ptr: w.at(at),
-                bytes: 2,
                 bf16: true,
             };
         }
@@ -175,9 +166,8 @@ impl<'a> Pass<'a> {
         ];
         let name = format!("oracle_widen_{}{}", w.infix(), self.p.products().suffix());
         self.g.launch(&name, blocks(len), 256, 0, &args);
-        Rows {
+        oracle_gemm::Weights {
             ptr: self.wide.at(self.g, 0),
-            bytes: self.p.products().bytes(),
             bf16: false,
         }
     }
@@ -201,10 +191,21 @@ impl<'a> Pass<'a> {
     /// `y[t, j] (row stride ldy) = Σ_i x[t, i] · w[j, i]` for `n` rows of `k` and `m`
     /// outputs, `w` being rows `widen` gave, from their row `at` on.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, x: u64, w: Rows, at: usize, y: u64, n: usize, k: usize, m: usize, ldy: usize) {
+    fn gemm(
+        &self,
+        x: u64,
+        w: oracle_gemm::Weights,
+        at: usize,
+        y: u64,
+        n: usize,
+        k: usize,
+        m: usize,
+        ldy: usize,
+    ) {
         let _span = span("calibration: GPU oracle's GEMM enqueued");
+        let bytes = if w.bf16 { 2 } else { self.p.products().bytes() };
         let weights = oracle_gemm::Weights {
-            ptr: w.ptr + (at * k * w.bytes) as u64,
+            ptr: w.ptr + (at * k * bytes) as u64,
             bf16: w.bf16,
         };
         let wide = self.p.products() == Precision::F64;
