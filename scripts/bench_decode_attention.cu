@@ -17,14 +17,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                    \
-    do {                                                                            \
-        cudaError_t e = (x);                                                        \
-        if (e != cudaSuccess) {                                                     \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#include "bench_check.cuh"
 
 static unsigned long long rng = 88172645463325252ull;
 static float uniform() {

@@ -14,14 +14,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                      \
-    do {                                                                              \
-        cudaError_t e = (x);                                                          \
-        if (e != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            exit(1);                                                                  \
-        }                                                                             \
-    } while (0)
+#include "bench_check.cuh"
 
 template <int BM, int BN, int WM, int WN>
 __global__ void __launch_bounds__(WM * WN * 32)

@@ -13,14 +13,7 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                    \
-    do {                                                                            \
-        cudaError_t e = (x);                                                        \
-        if (e != cudaSuccess) {                                                     \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#include "bench_check.cuh"
 
 // One block of the single kernel per side, interleaved (the `_sides` layer kernels before:
 // they counted on L2 to serve a row to the sides after the first).

@@ -16,14 +16,7 @@
 #include <cstring>
 #include <vector>
 
-#define CHECK(x)                                                                      \
-    do {                                                                              \
-        cudaError_t e = (x);                                                          \
-        if (e != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            exit(1);                                                                  \
-        }                                                                             \
-    } while (0)
+#include "bench_check.cuh"
 
 template <typename T, typename WT, bool MMA, int STAGES, int NT>
 __global__ void __launch_bounds__(128) ours_kernel(const T* x, const WT* w, T* y, int n, int k,
