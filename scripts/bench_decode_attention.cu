@@ -17,7 +17,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#include "bench_check.cuh"
+#include "bench_common.cuh"
 
 static unsigned long long rng = 88172645463325252ull;
 static float uniform() {

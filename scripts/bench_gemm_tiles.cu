@@ -14,7 +14,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#include "bench_check.cuh"
+#include "bench_common.cuh"
 
 template <int BM, int BN, int WM, int WN>
 __global__ void __launch_bounds__(WM * WN * 32)
@@ -73,9 +73,6 @@ int main(int argc, char** argv) {
         int sh = 3 * (v.bm + v.bn) * 64 * 2;
         CHECK(cudaFuncSetAttribute(v.f, cudaFuncAttributeMaxDynamicSharedMemorySize, sh));
     }
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
     printf("%s, %d SMs\n%-8s %5s %-15s %9s %7s %s\n", prop.name, prop.multiProcessorCount, "shape", "n",
            "tile", "us", "w GB/s", "bits");
     for (int si = 0; si < 4; si++) {
@@ -100,18 +97,9 @@ int main(int argc, char** argv) {
                     CHECK(cudaMemcpy(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost));
                     same = ref == got;
                 }
-                std::vector<float> t;
-                for (int it = 0; it < 12; it++) {
-                    CHECK(cudaEventRecord(e0));
+                float us = median_us(12, [&](int it) {
                     launch(w + (size_t)(it % copies) * wmax, y);
-                    CHECK(cudaEventRecord(e1));
-                    CHECK(cudaEventSynchronize(e1));
-                    float ms;
-                    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                    t.push_back(ms * 1000);
-                }
-                std::sort(t.begin(), t.end());
-                float us = t[t.size() / 2];
+                });
                 if (us < best) { best = us; best_name = v.name; }
                 printf("%-8s %5d %-15s %9.1f %7.0f %s\n", names[si], n, v.name, us,
                        (double)k * m * 2 / us / 1e3, same ? "same" : "DIFFER");

@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
-#include "bench_check.cuh"
+#include "bench_common.cuh"
 
 // One block of the single kernel per side, interleaved (the `_sides` layer kernels before:
 // they counted on L2 to serve a row to the sides after the first).
@@ -390,9 +390,6 @@ int main(int argc, char** argv) {
         {"once_shared", SIDES_TABLE(MK_SHARED1)},
         {"f32_inputs", SIDES_TABLE(MK_F32X)},
     };
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
     printf("%s, %d SMs; shapes hidden %d inter %d vocab %d q %d kv %d\n", prop.name, sms, hidden,
            inter, vocab, qd, kvd);
     printf("%-8s %-13s %5s %10s %10s %8s %s\n", "shape", "variant", "sides", "us", "us/side",
@@ -423,20 +420,9 @@ int main(int argc, char** argv) {
                     CHECK(cudaMemcpy(got.data(), (void*)y.p[s], sh.m * 4, cudaMemcpyDeviceToHost));
                     same = ref == got;
                 }
-                const int iters = 30;
-                std::vector<float> t;
-                for (int it = 0; it < iters; it++) {
-                    const bf16_t* w = pool + (size_t)(it % copies) * sh.k * sh.m;
-                    CHECK(cudaEventRecord(e0));
-                    f(x, w, y, sh.k, sh.m, sides);
-                    CHECK(cudaEventRecord(e1));
-                    CHECK(cudaEventSynchronize(e1));
-                    float ms;
-                    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                    t.push_back(ms * 1000);
-                }
-                std::sort(t.begin(), t.end());
-                float us = t[iters / 2];
+                float us = median_us(30, [&](int it) {
+                    f(x, pool + (size_t)(it % copies) * sh.k * sh.m, y, sh.k, sh.m, sides);
+                });
                 printf("%-8s %-13s %5d %10.1f %10.1f %8.0f %s\n", sh.name, name, sides, us,
                        us / sides, wbytes / us / 1e3, same ? "same" : "DIFFER");
             }

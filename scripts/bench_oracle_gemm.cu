@@ -16,7 +16,7 @@
 #include <cstring>
 #include <vector>
 
-#include "bench_check.cuh"
+#include "bench_common.cuh"
 
 template <typename T, typename WT, bool MMA, int STAGES, int NT>
 __global__ void __launch_bounds__(128) ours_kernel(const T* x, const WT* w, T* y, int n, int k,
@@ -102,24 +102,10 @@ void bench(cublasHandle_t h, const char* name, int n, int k, int m) {
     CHECK(cudaMemcpy(w, hw.data(), hw.size() * sizeof(T), cudaMemcpyHostToDevice));
     CHECK(cudaMalloc(&g_wb, hb.size() * 2));
     CHECK(cudaMemcpy(g_wb, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
     auto time = [&](auto f) {
         f();
         CHECK(cudaDeviceSynchronize());
-        std::vector<float> t;
-        for (int i = 0; i < 7; i++) {
-            CHECK(cudaEventRecord(e0));
-            f();
-            CHECK(cudaEventRecord(e1));
-            CHECK(cudaEventSynchronize(e1));
-            float ms;
-            CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            t.push_back(ms * 1000);
-        }
-        std::sort(t.begin(), t.end());
-        return t[t.size() / 2];
+        return median_us(7, [&](int) { f(); });
     };
     float ub = time([&] { blas<T>(h, x, w, y0, n, k, m); });
     struct V { const char* name; void (*f)(const T*, const T*, T*, int, int, int, bool); bool split; };
