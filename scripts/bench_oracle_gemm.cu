@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(128) ours_kernel(const T* x, const WT* w, T* y
 // w's values as the bf16 bits the GPU holds (they are bf16-representable here).
 static unsigned short* g_wb = nullptr;
 
-// As src/cuda/oracle_gemm.rs picks it: enough splits of k to give every SM two blocks, each
+// As src/cuda/oracle/gemm.rs picks it: enough splits of k to give every SM two blocks, each
 // split at least 16 tiles of k long.
 static int splits_for(long long tiles, int k, int sms) {
     int most = std::max(1, (k + 255) / 256);

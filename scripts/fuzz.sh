@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of kvdiff's loaders and parsers with cargo-fuzz (nightly toolchain,
 # `cargo install cargo-fuzz`). Runs every target (or those named) for SECS seconds each, growing
-# fixtures/fuzz/<target>/, then minimises that corpus. tests/fuzz.rs replays and mutates the same
+# fixtures/fuzz/<target>/, then minimises that corpus. tests/it/fuzz.rs replays and mutates the same
 # corpus on stable in every `cargo test`.
 #   scripts/fuzz.sh [SECS] [TARGET...]      default: 600 s, all targets
 set -euo pipefail

@@ -17,10 +17,10 @@ out=${OUT:-/tmp}
 export KVDIFF_CONFORMANCE_OUT=$out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
-  .out/bin/cuda-tests --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
+  .out/bin/cuda-tests cuda:: --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
     grep --line-buffered -E "^(test |SKIPPED|CPU vs CUDA|  [a-z_]+ +[0-9]|thread|seed|test result)"
   # The kernels again with prefill attention on the CUDA cores (what GPUs before sm_80 run).
-  KVDIFF_CUDA_MMA=0 .out/bin/cuda-tests --test-threads 1 kernels_match 2>&1 |
+  KVDIFF_CUDA_MMA=0 .out/bin/cuda-tests --test-threads 1 cuda::kernels_match 2>&1 |
     tee "$out/cuda-tests-no-mma.log" | grep --line-buffered -E "^(test |test result)"
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then

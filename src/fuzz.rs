@@ -1,6 +1,6 @@
 //! Fuzz targets: each feeds arbitrary bytes to one loader or parser and must return (an error is
 //! fine) without panicking. Shared by the cargo-fuzz crate in `scripts/fuzz` and the
-//! time-boxed mutation harness in `tests/fuzz.rs`.
+//! time-boxed mutation harness in `tests/it/fuzz.rs`.
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 
 use kvdiff::compare::run::Policy;
+pub use kvdiff::compare::target::{load_engine, require_cuda};
 use kvdiff::compare::target::{Backend, Target};
 use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
-use kvdiff::io::model_source::ModelSource;
 use kvdiff::io::prompt::Prompt;
 use kvdiff::tap::TapFilter;
 
@@ -23,8 +23,6 @@ PROMPT FILES:
   The model's chat template is always applied, with the generation prompt.
 
 EXIT CODES: 0 ok, 1 divergence found, 2 bad input or usage, 3 internal error.";
-
-pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver and NVRTC on the library path (cuBLAS too before sm_80), or use --backend cpu";
 
 /// What `generate` and `dump` share: a model, a prompt and how to run them.
 #[derive(Args)]
@@ -84,22 +82,6 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-/// Fails at once where the CUDA driver is missing: that is then the whole answer. Where it
-/// is, the GPU starts opening now, beside reading the model (a GPU that cannot open is
-/// reported when the model first needs it).
-pub fn require_cuda() -> Result<()> {
-    let probe = kvdiff::support::timing::span("startup: CUDA driver library probed");
-    let missing = kvdiff::cuda::driver_missing();
-    drop(probe);
-    match missing {
-        Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
-        None => {
-            kvdiff::cuda::open_in_background();
-            Ok(())
-        }
-    }
-}
-
 /// Loads the engine and prompt of `generate` and `dump`, on the chosen backend.
 pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
     set_threads(run.threads)?;
@@ -110,21 +92,6 @@ pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
     let mut engine = load_engine(run.model.as_deref(), run.backend.backend())?;
     engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
     Ok((engine, prompt))
-}
-
-/// The model and tokenizer of `--model` (the embedded default without it), with a progress
-/// line while they load. `Backend::Cuda`: the model only on the GPU, read from the checkpoint
-/// as bf16 with no f32 copy on the host (for commands that run nothing on the CPU).
-pub fn load_engine(model: Option<&std::path::Path>, on: Backend) -> Result<Engine> {
-    let _progress = kvdiff::support::progress::Progress::spinner("loading the model");
-    let source = ModelSource::from_arg(model)?;
-    match on {
-        Backend::Cpu => Engine::load(source),
-        Backend::Cuda => Engine::load_with(source, |src| {
-            let config = kvdiff::engine::config::Config::load(src)?;
-            kvdiff::cuda::load_on_cuda(src, &config)
-        }),
-    }
 }
 
 /// Which paths run where, and which taps are compared: what `compare` and `sweep` share.
@@ -186,8 +153,7 @@ impl PathArgs {
 
 /// `--taps` for a model with `layers` layers.
 pub fn tap_filter(taps: &str, layers: usize) -> Result<TapFilter> {
-    TapFilter::parse(taps, layers)
-        .map_err(|e| Error::usage("--taps", e, "see kvdiff dump --help for tap names"))
+    TapFilter::from_flag(taps, layers)
 }
 
 /// Per-operation GPU times (`KVDIFF_CUDA_PROFILE`) and phase timings (`KVDIFF_TIMING`), on
@@ -289,7 +255,7 @@ impl ReportFiles {
             write_atomic(path, &bytes, "--json")?;
         }
         if let Some(path) = &self.html {
-            let page = kvdiff::compare::html::render(&value);
+            let page = kvdiff::compare::report::html::render(&value);
             write_atomic(path, page.as_bytes(), "--html")?;
         }
         Ok(())

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use kvdiff::compare::noise::{Calibration, NoiseProfile};
-use kvdiff::compare::noise_cache;
+use kvdiff::compare::judge::noise::{Calibration, NoiseProfile};
+use kvdiff::compare::judge::noise_cache;
 use kvdiff::error::{Error, Result, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::io::prompt::Prompt;

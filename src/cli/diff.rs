@@ -5,15 +5,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use kvdiff::compare::diff_run::{DiffRequest, RefPrecision};
+use kvdiff::compare::engine_dump::run::{DiffRequest, RefPrecision};
 use kvdiff::compare::report::{self, Judgement};
-use kvdiff::error::{Result, EXIT_OK};
+use kvdiff::error::Result;
 use kvdiff::support::progress;
-use kvdiff::tap::read::DumpDir;
 
-use super::args::{
-    print_timings, require_cuda, set_threads, BackendArg, ReportFiles, ToleranceArgs,
-};
+use super::args::{print_timings, set_threads, BackendArg, ReportFiles, ToleranceArgs};
 
 pub const DIFF_HELP: &str = "\
 EXAMPLES:
@@ -82,90 +79,56 @@ pub struct DiffArgs {
 pub fn run(a: DiffArgs) -> Result<i32> {
     set_threads(a.threads)?;
     a.files.check()?;
-    let policy = a.tol.policy()?;
     let (reference_dump, engine_dump) = match a.dumps.as_slice() {
         [e] => (None, e),
         [r, e] => (Some(r), e),
         _ => unreachable!("clap takes one or two"),
     };
-    // A batched capture without --seq: every sequence in turn, one verdict each.
-    let sequences: Vec<Option<i64>> = match a.seq {
-        Some(s) => vec![Some(s)],
-        None => {
-            let all = DumpDir::sequences_of(engine_dump)?;
-            if all.len() > 1 {
-                say!(
-                    "kvdiff: {} holds {} sequences {:?}: diffing each",
-                    engine_dump.display(),
-                    all.len(),
-                    all
-                );
-                all.into_iter().map(Some).collect()
-            } else {
-                vec![None]
-            }
-        }
+    let request = DiffRequest {
+        engine_dump,
+        reference_dump: reference_dump.map(PathBuf::as_path),
+        seq: a.seq,
+        model: a.model.as_deref(),
+        replay: !a.no_replay,
+        precision: a.precision.into(),
+        backend: a.backend.backend(),
+        taps: &a.taps,
+        policy: a.tol.policy()?,
+        noise_profile: a.tol.noise_profile.as_deref(),
+        prompt: a.prompt.as_deref(),
     };
-    let several = sequences.len() > 1;
     let judge = Judgement {
         budget: None,
         strict: a.strict,
     };
-    let mut code = EXIT_OK;
-    let mut loaded = None;
-    for seq in sequences {
-        let request = DiffRequest {
-            engine_dump,
-            reference_dump: reference_dump.map(PathBuf::as_path),
-            seq,
-            model: a.model.as_deref(),
-            replay: !a.no_replay,
-            precision: a.precision.into(),
-            backend: a.backend.backend(),
-            taps: &a.taps,
-            policy,
-            noise_profile: a.tol.noise_profile.as_deref(),
-            prompt: a.prompt.as_deref(),
-        };
-        let opened = request.open_with(loaded.take())?;
-        if opened.on_cuda() {
-            require_cuda()?;
-        }
-        let outcome = opened.run()?;
+    request.run_all(&judge, |seq, outcome| {
         say!(
             "kvdiff: diffed {} steps in {:.0} ms",
             outcome.steps,
             outcome.took.as_secs_f64() * 1e3
         );
         print_timings(outcome.gpu_model.as_ref());
-        loaded = outcome.engine;
-        let mut report = outcome.report;
-        if let (true, Some(s)) = (several, seq) {
-            for p in &mut report.paths {
-                p.path = format!("{} seq {s}", p.path);
-            }
-        }
-        code = code.max(report.judge(&judge));
-        match seq.filter(|_| several) {
-            Some(s) => per_sequence(&a.files, s).write(&report)?,
-            None => a.files.write(&report)?,
+        let report = &outcome.report;
+        match seq {
+            Some(s) => per_sequence(&a.files, s).write(report)?,
+            None => a.files.write(report)?,
         }
         if progress::quiet() {
-            print!("{}", report::verdict_lines(&report, &judge));
+            print!("{}", report::verdict_lines(report, &judge));
         } else {
-            if several {
-                println!("## sequence {}", seq.unwrap_or(0));
+            if let Some(s) = seq {
+                println!("## sequence {s}");
             }
             print!(
                 "{}",
-                report::text(&report, &judge, progress::colour_stdout())
+                report::text(report, &judge, progress::colour_stdout())
             );
-            if several {
+            if seq.is_some() {
                 println!();
             }
         }
-    }
-    Ok(code)
+        Ok(())
+    })
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

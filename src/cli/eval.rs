@@ -82,7 +82,7 @@ pub fn run(a: EvalArgs) -> Result<i32> {
         write_atomic(path, &bytes, "--json")?;
     }
     if let Some(path) = &a.html {
-        let page = kvdiff::compare::html::render_eval(&body);
+        let page = kvdiff::compare::report::html::render_eval(&body);
         write_atomic(path, page.as_bytes(), "--html")?;
     }
     Ok(code)

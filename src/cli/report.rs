@@ -32,7 +32,7 @@ pub fn run(a: ReportArgs) -> Result<i32> {
             FIX,
         ));
     }
-    let page = kvdiff::compare::html::render(&value);
+    let page = kvdiff::compare::report::html::render(&value);
     write_atomic(&a.html, page.as_bytes(), "--html")?;
     say!("kvdiff: wrote {}", a.html.display());
     Ok(EXIT_OK)

@@ -157,7 +157,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
     let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
     let pinned = match &a.noise_profile {
         Some(f) => {
-            let p = kvdiff::compare::noise::NoiseProfile::load(f)?;
+            let p = kvdiff::compare::judge::noise::NoiseProfile::load(f)?;
             p.check_model(&engine.model, f)?;
             Some(p)
         }
@@ -242,7 +242,7 @@ fn summarize(a: SummarizeArgs) -> Result<i32> {
     }
     if let Some(h) = &a.html {
         let value = serde_json::to_value(&s).map_err(|e| Error::Internal(e.to_string()))?;
-        let page = kvdiff::compare::html::render_sweep(&value);
+        let page = kvdiff::compare::report::html::render_sweep(&value);
         write_atomic(h, page.as_bytes(), "--html")?;
     }
     print!("{}", summary::text(&s));

@@ -4,14 +4,15 @@
 //! (teacher forcing), so later steps stay comparable. What a run compares is set here
 //! (`CompareSpec`, `Lane`); one pass of it runs in `lockstep.rs`.
 
-use crate::compare::agreement::Agreement;
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
-use crate::compare::diff::Tolerance;
+use crate::compare::judge::agreement::Agreement;
+use crate::compare::judge::blame::Verdict;
+use crate::compare::judge::diff::Tolerance;
+use crate::compare::judge::finding::TokenDivergence;
 use crate::compare::path_replay::PathReplay;
 use crate::compare::path_sinks::{dump_dir_name, Dumps};
 use crate::compare::reference_memo::ReferenceMemo;
-use crate::compare::replay_verdict::Verdict;
-use crate::compare::report::{PathReport, TokenDivergence};
+use crate::compare::report::PathReport;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Model, StepLogits};
@@ -525,7 +526,7 @@ mod tests {
     #[test]
     fn a_near_tie_in_the_router_is_followed_and_a_flip_under_exact_is_named() {
         use super::CompareSpec;
-        use crate::compare::diff::Tolerance;
+        use crate::compare::judge::diff::Tolerance;
         use crate::engine::chunks::ChunkedPrompt;
         use crate::engine::config::Config;
         use crate::engine::model::{Mlp, Model};

@@ -11,8 +11,8 @@
 //! - `chunk-reuse:blend:R`: the K/V rows the blend recomputes (layers 1 on) equal the full
 //!   prefill's rows at the same positions.
 
-use crate::compare::diff::Tolerance;
 use crate::compare::driver::CompareSpec;
+use crate::compare::judge::diff::Tolerance;
 use crate::compare::report::PathReport;
 use crate::cuda::MemoAct;
 use crate::engine::chunks::ChunkedPrompt;

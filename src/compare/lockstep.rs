@@ -5,12 +5,13 @@
 //! references' runs, and on a GPU their decode steps run as one pass (`decode_together`),
 //! each weight read once for all instead of once per path.
 
-use crate::compare::agreement::{Agreement, Deferred};
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::driver::{note_gpu_memory, CompareSpec, Lane};
+use crate::compare::judge::agreement::{Agreement, Deferred};
+use crate::compare::judge::finding::TokenDivergence;
 use crate::compare::path_sinks::{dump_recorded, Dumps, Fan};
 use crate::compare::reference_memo::MemoUse;
-use crate::compare::report::{PathReport, TokenDivergence};
+use crate::compare::report::PathReport;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
 use crate::error::Result;

@@ -1,32 +1,28 @@
-//! Comparing paths: the lockstep driver runs a reference and a path side by side and diffs
-//! every tap as it arrives (`driver.rs`, `comparator/`); row metrics and tolerances
-//! (`diff.rs`, the noise model in `noise.rs`); the exact invariants of approximate paths
-//! (`invariants.rs`); a whole comparison as `kvdiff compare` runs it (`run.rs`); the reports
-//! (`report.rs`, `grid.rs`, `html.rs`); `PATH@BACKEND` targets (`target.rs`); the task-level
-//! check (`eval.rs`); an engine's dump held to a reference (`engine_diff.rs`, and a whole
-//! `kvdiff diff` run in `diff_run.rs`); and the same diffs run on the GPU (`gpu/`).
+//! Comparing paths. Three rooms, each using only the ones before it, and the drivers here:
+//! - `judge/`: what decides a row, an op or a token: row metrics and tolerances, the noise
+//!   model, blame by replay and the aggregate test, logits agreement, on the host and the GPU;
+//! - `report/`: what a comparison reports: the JSON model, each path's verdict and the exit
+//!   code, the text and the HTML page;
+//! - the drivers (this folder): the reference and each path run in lockstep, every tap diffed
+//!   as it arrives (`driver.rs`, `lockstep.rs`, `comparator/`), the lockstep run of a
+//!   comparison (`run.rs`), a whole `kvdiff compare` (`command.rs`), `PATH@BACKEND` targets
+//!   and where they run (`target.rs`), the exact invariants of approximate paths
+//!   (`invariants.rs`) and the task-level check (`eval.rs`);
+//! - `engine_dump/`: an engine's dump held to a reference, a whole `kvdiff diff`.
 
-mod agreement;
+pub mod judge;
+pub mod report;
+
+pub mod command;
 mod comparator;
-pub mod diff;
-pub mod diff_run;
 pub mod driver;
-pub mod engine_diff;
 pub mod eval;
-pub mod f32_gpu_reference;
-pub mod gpu;
-pub mod grid;
-pub mod html;
 pub mod invariants;
 mod lockstep;
-pub mod noise;
-pub mod noise_cache;
 pub mod path_replay;
 mod path_sinks;
 pub mod reference_memo;
-pub mod replay;
-pub mod replay_verdict;
-pub mod report;
 pub mod run;
-pub mod systematic;
 pub mod target;
+
+pub mod engine_dump;

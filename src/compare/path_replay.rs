@@ -11,7 +11,7 @@
 //! step's taps are held until the next step begins (a chunked prefill offers its pieces as
 //! several passes of one step).
 
-use crate::compare::replay::Replayer;
+use crate::compare::judge::replay::Replayer;
 use crate::compare::target::Backend;
 use crate::engine::model::Model;
 use crate::tap::read::DumpStep;
@@ -164,9 +164,9 @@ impl<'m> ReplayModels<'m> {
         match backend {
             Backend::Cpu => (self.host, "float32"),
             Backend::Cuda => {
-                let rounded = self
-                    .bf16
-                    .get_or_init(|| crate::compare::replay::weights_for(self.host, "bfloat16"));
+                let rounded = self.bf16.get_or_init(|| {
+                    crate::compare::judge::replay::weights_for(self.host, "bfloat16")
+                });
                 (rounded.as_ref().unwrap_or(self.host), "bfloat16")
             }
         }

@@ -2,11 +2,11 @@
 //! backends, tolerances learned or given, and the report. The command line only turns flags
 //! into a `Request` and prints what comes back.
 
-use crate::compare::diff::Tolerance;
 use crate::compare::driver::{CompareSpec, Lane, Prefill, RowsCheck, RowsPrefill};
 use crate::compare::invariants::{blend_one_prefill, Invariant};
-use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
-use crate::compare::noise_cache::NoiseCache;
+use crate::compare::judge::diff::Tolerance;
+use crate::compare::judge::noise::{BackendNoise, Calibration, NoiseProfile};
+use crate::compare::judge::noise_cache::NoiseCache;
 use crate::compare::path_replay::ReplayModels;
 use crate::compare::reference_memo::ReferenceMemo;
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
@@ -250,7 +250,7 @@ impl<'a> Request<'a> {
             Some(NoiseCache::Hit(c)) => {
                 if progress::verbosity() >= 1 {
                     let needed = self.last_position();
-                    let why = crate::compare::noise_cache::why_reused(c, needed);
+                    let why = crate::compare::judge::noise_cache::why_reused(c, needed);
                     eprintln!("kvdiff: noise model {why}");
                 }
                 return Ok(Learned {

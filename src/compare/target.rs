@@ -3,8 +3,46 @@
 //! CPU reference with the same report as any path pair.
 
 use std::fmt;
+use std::path::Path;
 
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
 use crate::paths::PathSpec;
+
+/// The fix line of every error that needs a GPU this machine lacks.
+pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver and NVRTC on the library path (cuBLAS too before sm_80), or use --backend cpu";
+
+/// Fails at once where the CUDA driver is missing: that is then the whole answer. Where it
+/// is, the GPU starts opening now, beside reading the model (a GPU that cannot open is
+/// reported when the model first needs it).
+pub fn require_cuda() -> Result<()> {
+    let probe = crate::support::timing::span("startup: CUDA driver library probed");
+    let missing = crate::cuda::driver_missing();
+    drop(probe);
+    match missing {
+        Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
+        None => {
+            crate::cuda::open_in_background();
+            Ok(())
+        }
+    }
+}
+
+/// The model and tokenizer of `--model` (the embedded default without it), with a progress
+/// line while they load. `Backend::Cuda`: the model only on the GPU, read from the checkpoint
+/// as bf16 with no f32 copy on the host (for commands that run nothing on the CPU).
+pub fn load_engine(model: Option<&Path>, on: Backend) -> Result<Engine> {
+    let _progress = crate::support::progress::Progress::spinner("loading the model");
+    let source = ModelSource::from_arg(model)?;
+    match on {
+        Backend::Cpu => Engine::load(source),
+        Backend::Cuda => Engine::load_with(source, |src| {
+            let config = crate::engine::config::Config::load(src)?;
+            crate::cuda::load_on_cuda(src, &config)
+        }),
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Backend {

@@ -1,5 +1,5 @@
 //! Each kernel run once on host data, host data back: what the kernel tests hold against the
-//! CPU reference (`crate::engine::ops`, `crate::engine::attention`, `crate::compare::diff::row_diff`).
+//! CPU reference (`crate::engine::ops`, `crate::engine::attention`, `crate::compare::judge::diff::row_diff`).
 
 use cudarc::driver::CudaSlice;
 use half::bf16;

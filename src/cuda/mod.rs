@@ -5,13 +5,14 @@
 //!
 //! - `gpu/`: the device, kernel modules, GEMMs (`kernels/gemm.cu`, or cuBLAS), streams and
 //!   graphs;
-//! - `upload.rs`: the weights on the device;
+//! - `model/`: the model on the device: weights uploaded, or streamed straight from a bf16
+//!   checkpoint (`stream_load.rs`);
 //! - `forward/`: the forward pass (prefill and graph-replayed decode steps);
 //! - `workspace.rs`: a pass's memory layout; `kv.rs`: the device KV cache;
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
-//! - `oracle.rs`: the noise model's f64 oracle and bf16 emulation, on its own kernels;
-//!   `oracle_gemm.rs`: its matrix products; `oracle_meter.rs`: its taps kept on the GPU, and
-//!   passes measured against them there;
+//! - `oracle/`: the noise model's f64 oracle and bf16 emulation, on its own kernels
+//!   (`gemm.rs`: its matrix products; `meter.rs`: its taps kept on the GPU, and passes
+//!   measured against them there; `weights.rs`: the weights it reads);
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
 //!   timeline (`KVDIFF_CUDA_TRACE`).
 
@@ -21,15 +22,11 @@ pub mod host_ops;
 mod kv;
 mod launch;
 mod memo;
+mod model;
 mod oracle;
-mod oracle_gemm;
-mod oracle_meter;
-mod oracle_weights;
-mod stream_load;
 mod taps;
 mod together;
 mod trace;
-mod upload;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
@@ -51,12 +48,11 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 }
 pub use launch::PrefillAttention;
 pub use memo::MemoAct;
+pub use model::{
+    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
+};
+pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle};
 pub use oracle::{
     keep as oracle_keep, prefill as oracle_prefill, unavailable as oracle_unavailable,
     Precision as OraclePrecision,
-};
-pub use oracle_meter::{DeviceMeter, DeviceOracle};
-pub use oracle_weights::attach_f32_weights;
-pub use upload::{
-    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::gpu::{ptr, Gpu};
 use super::launch::launch_probs_from_stats;
-use super::upload::CudaModel;
+use super::model::CudaModel;
 use super::workspace::Workspace;
 use crate::tap::{
     emit, scatter_by_position, AttnParts, Device, DeviceTap, LayerTap, TapId, TapSink,

@@ -18,7 +18,7 @@ use super::forward::fused_shape;
 use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
 use super::kv::CudaKv;
 use super::launch::{decode_heads_per_block, launch_argmax, DECODE_THREADS};
-use super::upload::CudaModel;
+use super::model::CudaModel;
 use super::workspace::LayerIo;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::Batch;

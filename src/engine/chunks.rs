@@ -64,6 +64,16 @@ pub struct ChunkedPrompt {
 }
 
 impl ChunkedPrompt {
+    /// The same tokens cut at `cuts` instead (a sweep's random chunking, `compare --cuts`); the
+    /// first chunk stays `system` where this prompt's is.
+    pub fn recut(&self, cuts: &[usize]) -> Self {
+        let first_is_system = self
+            .chunks
+            .first()
+            .is_some_and(|c| c.role == ChunkRole::System);
+        Self::from_boundaries(self.ids.clone(), cuts, first_is_system)
+    }
+
     /// Cuts `ids` at the given token indices (sorted or not, duplicates and ends ignored); the
     /// first chunk is `system` if `first_is_system`, the last is the query, the rest context.
     pub fn from_boundaries(ids: Vec<u32>, boundaries: &[usize], first_is_system: bool) -> Self {

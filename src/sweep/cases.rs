@@ -1,8 +1,6 @@
 //! The cases of a sweep: each conversation with its shipped chunking, plus `random:K` random
 //! chunkings drawn from a seed, and which of them a partition `K/N` runs.
 
-use crate::engine::chunks::ChunkedPrompt;
-
 /// One conversation under one chunking.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Case {
@@ -86,15 +84,6 @@ pub fn random_cuts(len: usize, id: &str, seed: u64, k: usize) -> Vec<usize> {
     cuts.sort_unstable();
     cuts.dedup();
     cuts
-}
-
-/// The prompt of a case: `shipped` as it is, a random chunking cut at `cuts`.
-pub fn rechunk(shipped: &ChunkedPrompt, cuts: &[usize]) -> ChunkedPrompt {
-    let first_is_system = shipped
-        .chunks
-        .first()
-        .is_some_and(|c| c.role == crate::engine::chunks::ChunkRole::System);
-    ChunkedPrompt::from_boundaries(shipped.ids.clone(), cuts, first_is_system)
 }
 
 #[cfg(test)]

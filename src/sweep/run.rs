@@ -11,8 +11,8 @@ use std::sync::{Mutex, OnceLock};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::compare::noise::{BackendNoise, Calibration, NoiseProfile};
-use crate::compare::noise_cache;
+use crate::compare::judge::noise::{BackendNoise, Calibration, NoiseProfile};
+use crate::compare::judge::noise_cache;
 use crate::compare::path_replay::ReplayModels;
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{Policy, Request};
@@ -21,7 +21,7 @@ use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::io::prompt_set::Conversation;
-use crate::sweep::cases::{random_cuts, rechunk, Case};
+use crate::sweep::cases::{random_cuts, Case};
 use crate::tap::TapFilter;
 
 /// What every case runs.
@@ -277,7 +277,7 @@ impl Sweep<'_> {
         let prompt = if case.chunking == 0 {
             shipped
         } else {
-            rechunk(&shipped, &cuts)
+            shipped.recut(&cuts)
         };
         let started = std::time::Instant::now();
         let mut report = Request {

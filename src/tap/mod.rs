@@ -219,6 +219,13 @@ impl TapFilter {
         }
     }
 
+    /// `--taps` for a model with `layers` layers, a bad glob a usage error.
+    pub fn from_flag(spec: &str, layers: usize) -> crate::error::Result<Self> {
+        Self::parse(spec, layers).map_err(|e| {
+            crate::error::Error::usage("--taps", e, "see kvdiff dump --help for tap names")
+        })
+    }
+
     /// Parses `L*.k_rope,logits`. Errors name the pattern that matches no tap of the model.
     pub fn parse(spec: &str, layers: usize) -> Result<Self, String> {
         let patterns: Vec<String> = spec

@@ -6,10 +6,11 @@
 use rayon::prelude::*;
 
 use super::{Comparator, PendingDiff};
-use crate::compare::diff::{diverged_within, RowDiff};
-use crate::compare::gpu::combine_rows;
-use crate::compare::grid::Row;
-use crate::compare::report::{Divergence, LayerRow};
+use crate::compare::judge::diff::{diverged_within, RowDiff};
+use crate::compare::judge::finding::Divergence;
+use crate::compare::judge::gpu::combine_rows;
+use crate::compare::report::grid::Row;
+use crate::compare::report::LayerRow;
 use crate::tap::TapId;
 
 /// What one tap's compared rows add up to.

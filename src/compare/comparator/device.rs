@@ -4,7 +4,7 @@
 //! rows are ever all in memory.
 
 use super::{Comparator, PendingDiff, PlannedTap};
-use crate::compare::gpu::{summary_rows, DeviceRecorded};
+use crate::compare::judge::gpu::{summary_rows, DeviceRecorded};
 use crate::tap::{DeviceTap, TapSink};
 
 impl Comparator<'_> {

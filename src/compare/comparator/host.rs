@@ -6,9 +6,9 @@
 use rayon::prelude::*;
 
 use super::{merge_passes, pad_heads, Comparator};
-use crate::compare::diff::{equal_row_diff, row_diff, RowDiff};
-use crate::compare::gpu::DeviceRecorded;
-use crate::compare::report::{AttnRows, ExpertFlip, MAX_EXPERT_FLIPS};
+use crate::compare::judge::diff::{equal_row_diff, row_diff, RowDiff};
+use crate::compare::judge::finding::{AttnRows, ExpertFlip, MAX_EXPERT_FLIPS};
+use crate::compare::judge::gpu::DeviceRecorded;
 use crate::tap::{row_at, HostAttnParts, PositionIndex, Recorded, TapId, TapValue};
 
 /// Taps with at least this many values are diffed on every core.

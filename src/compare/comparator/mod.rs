@@ -14,10 +14,11 @@ mod host;
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::compare::diff::Tolerance;
-use crate::compare::gpu::{DeviceDiffs, DeviceRecorded};
-use crate::compare::grid::CellGrid;
-use crate::compare::report::{Divergence, ExpertFlip, LayerRow};
+use crate::compare::judge::diff::Tolerance;
+use crate::compare::judge::finding::{Divergence, ExpertFlip};
+use crate::compare::judge::gpu::{DeviceDiffs, DeviceRecorded};
+use crate::compare::report::grid::CellGrid;
+use crate::compare::report::LayerRow;
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::tap::{
     DeviceTap, HostAttnParts, Recorded, Recorder, StepLayout, TapFilter, TapId, TapSink, TapTable,

@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 
 use super::Pass;
 use crate::cuda::gpu::{ptr, Arg};
-use crate::cuda::upload::{CudaModel, SparseMlp};
+use crate::cuda::model::{CudaModel, SparseMlp};
 use crate::cuda::workspace::Workspace;
 
 impl CudaModel {

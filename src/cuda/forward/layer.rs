@@ -11,7 +11,7 @@ use crate::cuda::launch::{
     launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
     StepRope,
 };
-use crate::cuda::upload::CudaModel;
+use crate::cuda::model::CudaModel;
 use crate::cuda::workspace::Workspace;
 
 impl CudaModel {

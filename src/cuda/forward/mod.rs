@@ -22,8 +22,8 @@ use cudarc::driver::CudaSlice;
 
 use super::gpu::{ptr, Arg, Gpu};
 use super::kv::CudaKv;
+use super::model::CudaModel;
 use super::taps::{offer_at, TapCtx};
-use super::upload::CudaModel;
 use super::workspace::Workspace;
 use crate::engine::device::DeviceModel;
 use crate::engine::kv_cache::KvCache;

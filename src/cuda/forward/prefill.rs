@@ -8,7 +8,7 @@ use std::cell::OnceCell;
 use super::{CudaLogits, LogitsTo, Pass};
 use crate::cuda::gpu::ptr;
 use crate::cuda::kv::CudaKv;
-use crate::cuda::upload::CudaModel;
+use crate::cuda::model::CudaModel;
 use crate::cuda::workspace::Workspace;
 use crate::engine::pass::StepLogits;
 use crate::tap::{emit, DeviceTap, LayerTap, TapId, TapSink};

@@ -1,0 +1,8 @@
+//! `kvdiff diff`: an engine's dump held to a reference. `run.rs` is the whole command (dumps
+//! opened, the model loaded where needed, tolerances set, the report); `steps.rs` holds the
+//! dump to its reference step by step with the comparator `compare` uses; `f32_reference.rs`
+//! is the f32 reference on the GPU.
+
+pub mod f32_reference;
+pub mod run;
+pub mod steps;

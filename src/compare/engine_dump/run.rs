@@ -1,0 +1,652 @@
+//! One whole `kvdiff diff`, as the command runs it: the dumps opened, the model loaded where a
+//! reference or a calibration needs it, tolerances learned or given, the engine's dump held to
+//! the reference step by step (`steps.rs`), and the report. The command line only turns
+//! flags into a `DiffRequest` and prints what comes back, as it does for `run.rs`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::compare::engine_dump::f32_reference::F32GpuReference;
+use crate::compare::engine_dump::steps::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
+use crate::compare::judge::diff::Tolerance;
+use crate::compare::judge::noise::{Calibration, NoiseProfile};
+use crate::compare::judge::noise_cache;
+use crate::compare::report::Judgement;
+use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
+use crate::compare::run::Policy;
+use crate::compare::target::{require_cuda, Backend};
+use crate::engine::chunks::ChunkedPrompt;
+use crate::engine::model::Model;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
+use crate::io::prompt::Prompt;
+use crate::support::progress;
+use crate::tap::read::DumpDir;
+use crate::tap::TapFilter;
+
+/// What to diff.
+pub struct DiffRequest<'a> {
+    /// The engine's dump.
+    pub engine_dump: &'a Path,
+    /// A dump held as the reference; without one, kvdiff's own reference runs now on the
+    /// engine's tokens.
+    pub reference_dump: Option<&'a Path>,
+    /// The sequence to compare in a batched capture (its `seq` ids).
+    pub seq: Option<i64>,
+    /// The model folder of the dumped run; without it, what the dump's meta.json names.
+    pub model: Option<&'a Path>,
+    /// Where kvdiff's own reference runs.
+    pub backend: Backend,
+    /// Comma-separated globs over tap names to compare.
+    pub taps: &'a str,
+    pub policy: Policy,
+    /// Noise measured earlier (`kvdiff calibrate`) instead of calibrating now.
+    pub noise_profile: Option<&'a Path>,
+    /// The conversation the engine was asked to answer (`--prompt`); without it, the one the
+    /// dump's meta.json holds, if any. Its chat template's ids are held to the engine's.
+    pub prompt: Option<&'a Path>,
+    /// Rerun each op on the engine's own inputs (blame by replay; with `auto` only).
+    pub replay: bool,
+    /// The arithmetic of kvdiff's own reference on the GPU.
+    pub precision: RefPrecision,
+}
+
+/// The arithmetic of kvdiff's own reference where it runs on the GPU (`--precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefPrecision {
+    /// f32 for an f32 engine where the f32 GPU reference can run, else bf16.
+    Auto,
+    /// The CUDA engine: bf16 storage and products, as a bf16 engine computes.
+    Bf16,
+    /// The f32 GPU reference (`compare/engine_dump/f32_reference.rs`): an f32 engine held to f32's bounds.
+    F32,
+}
+
+/// A conversation to check the engine's prompt against, and where it came from.
+struct Conversation {
+    prompt: Prompt,
+    source: String,
+    file: PathBuf,
+}
+
+/// The dumps opened and the model loaded: a diff ready to run. Apart from the run so that the
+/// caller can check CUDA is there, and start opening the GPU, before anything runs on it.
+pub struct OpenedDiff<'a> {
+    request: &'a DiffRequest<'a>,
+    reference_dump: Option<DumpDir>,
+    engine_dump: DumpDir,
+    engine: Option<Engine>,
+    conversation: Option<Conversation>,
+}
+
+/// What a diff found, and what it kept that the caller may still use.
+pub struct DiffOutcome {
+    pub report: Report,
+    /// Steps diffed, and the time the diff itself took (not loading nor calibrating).
+    pub steps: usize,
+    pub took: Duration,
+    /// The model on the GPU, when the reference ran there (its profile is the caller's to
+    /// print).
+    pub gpu_model: Option<Model>,
+    /// The model on the CPU, when one was loaded; kept with the report rather than dropped
+    /// inside the run, so that freeing it does not hold up the report.
+    pub engine: Option<Engine>,
+}
+
+impl DiffRequest<'_> {
+    /// The whole command: the sequence `seq` names, or every sequence of a batched capture in
+    /// turn with the model loaded once. Each report is judged under `j` (a batched capture's
+    /// paths named by their sequence) and handed to `each` with the sequence's id where there
+    /// are several; returns the worst exit code.
+    pub fn run_all(
+        &self,
+        j: &Judgement,
+        mut each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
+    ) -> Result<i32> {
+        let sequences: Vec<Option<i64>> = match self.seq {
+            Some(s) => vec![Some(s)],
+            None => {
+                let all = DumpDir::sequences_of(self.engine_dump)?;
+                if all.len() > 1 && !progress::quiet() {
+                    eprintln!(
+                        "kvdiff: {} holds {} sequences {:?}: diffing each",
+                        self.engine_dump.display(),
+                        all.len(),
+                        all
+                    );
+                }
+                match all.len() > 1 {
+                    true => all.into_iter().map(Some).collect(),
+                    false => vec![None],
+                }
+            }
+        };
+        let several = sequences.len() > 1;
+        let mut code = crate::error::EXIT_OK;
+        let mut loaded = None;
+        for seq in sequences {
+            let request = DiffRequest { seq, ..*self };
+            let opened = request.open_with(loaded.take())?;
+            if opened.on_cuda() {
+                require_cuda()?;
+            }
+            let mut outcome = opened.run()?;
+            if let (true, Some(s)) = (several, seq) {
+                for p in &mut outcome.report.paths {
+                    p.path = format!("{} seq {s}", p.path);
+                }
+            }
+            code = code.max(outcome.report.judge(j));
+            each(seq.filter(|_| several), &outcome)?;
+            loaded = outcome.engine.take();
+        }
+        Ok(code)
+    }
+}
+
+impl DiffRequest<'_> {
+    /// Opens the dumps and loads the model where the run needs one: for kvdiff's own reference,
+    /// or to calibrate the noise model.
+    pub fn open(&self) -> Result<OpenedDiff<'_>> {
+        self.open_with(None)
+    }
+
+    /// `open`, with the model of an earlier diff of the same run (another sequence of one
+    /// batched capture) instead of loading it again.
+    pub fn open_with(&self, loaded: Option<Engine>) -> Result<OpenedDiff<'_>> {
+        let (reference_dump, engine_dump) = match self.reference_dump {
+            None => (None, DumpDir::open(self.engine_dump, self.seq)?),
+            Some(r) => (
+                Some(DumpDir::open(r, self.seq)?),
+                DumpDir::open(self.engine_dump, self.seq)?,
+            ),
+        };
+        let conversation = self.conversation(&engine_dump)?;
+        let auto = self.policy == Policy::Auto;
+        let needs_model = reference_dump.is_none()
+            || (auto && self.noise_profile.is_none())
+            || conversation.is_some();
+        let engine = match loaded {
+            Some(e) => Some(e),
+            None => load_model(self.model, &engine_dump, needs_model)?,
+        };
+        Ok(OpenedDiff {
+            request: self,
+            reference_dump,
+            engine_dump,
+            engine,
+            conversation,
+        })
+    }
+
+    /// `--prompt`, else the dump's own record of its conversation: meta.json's `prompts` for
+    /// this sequence, or `prompt` in a dump of one sequence.
+    fn conversation(&self, dump: &DumpDir) -> Result<Option<Conversation>> {
+        if let Some(path) = self.prompt {
+            return Ok(Some(Conversation {
+                prompt: Prompt::load(path)?,
+                source: path.display().to_string(),
+                file: path.to_path_buf(),
+            }));
+        }
+        let raw = &dump.meta.raw;
+        let seq = self.seq.unwrap_or(0);
+        let value = raw
+            .get("prompts")
+            .and_then(|m| m.get(seq.to_string()))
+            .or_else(|| raw.get("prompt").filter(|_| dump.sequences.len() == 1));
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let meta = dump.dir.join("meta.json");
+        let prompt = crate::io::prompt::parse_json(&value.to_string()).map_err(|e| {
+            Error::input(
+                &meta,
+                format!("its prompt is not a conversation: {e}"),
+                "store the prompt as {\"messages\": [{\"role\": ..., \"content\": ...}]}",
+            )
+        })?;
+        Ok(Some(Conversation {
+            prompt,
+            source: format!("{} (meta.json)", dump.dir.display()),
+            file: meta,
+        }))
+    }
+}
+
+impl OpenedDiff<'_> {
+    /// Whether kvdiff's own reference runs on CUDA.
+    pub fn on_cuda(&self) -> bool {
+        self.reference_dump.is_none() && self.request.backend == Backend::Cuda
+    }
+
+    /// Holds the engine's dump to the reference, step by step, and assembles the report.
+    pub fn run(self) -> Result<DiffOutcome> {
+        let req = self.request;
+        let reference_dump = &self.reference_dump;
+        let engine_dump = &self.engine_dump;
+        let engine = self.engine.as_ref();
+        let cuda = self.on_cuda();
+        self.check_precision()?;
+        let gpu_model = match (engine, cuda) {
+            (Some(e), true) => Some(crate::cuda::to_cuda(&e.model)?),
+            _ => None,
+        };
+        let layers = engine
+            .map(|e| e.model.config.num_hidden_layers)
+            .unwrap_or_else(|| {
+                engine_dump
+                    .taps
+                    .iter()
+                    .filter_map(|t| t.layer())
+                    .max()
+                    .map_or(0, |l| l + 1)
+            });
+        let taps = TapFilter::from_flag(req.taps, layers)?;
+        let prompt_ids = engine_dump
+            .load_step(0, &TapFilter::none())?
+            .tokens
+            .into_values()
+            .collect::<Vec<u32>>();
+        let prompt_check = match (&self.conversation, engine) {
+            (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
+            _ => None,
+        };
+        let f32_gpu = match &gpu_model {
+            Some(g) => self.f32_gpu_reference(g, &taps)?,
+            None => None,
+        };
+        let ref_side = match reference_dump {
+            Some(r) => side(r.meta.half_precision()),
+            None => side(cuda && f32_gpu.is_none()),
+        };
+        let engine_side = side(engine_dump.meta.half_precision());
+        let (tolerance, mut info) = match req.policy {
+            Policy::Fixed { atol, rtol } => {
+                let t = Tolerance::Fixed { atol, rtol };
+                let i = ToleranceInfo::new(&t);
+                (t, i)
+            }
+            Policy::Exact => (Tolerance::Exact, ToleranceInfo::new(&Tolerance::Exact)),
+            Policy::Auto => {
+                let steps = engine_dump.steps().len();
+                let sides = (ref_side, engine_side);
+                auto_tolerance(
+                    req.noise_profile,
+                    engine,
+                    gpu_model.as_ref().map(|g| (g, f32_gpu.is_none())),
+                    &prompt_ids,
+                    steps,
+                    sides,
+                )?
+            }
+        };
+        if req.policy == Policy::Auto {
+            let held = |s: &str| match s {
+                "cpu" => "float32, as kvdiff's f32 CPU backend",
+                _ => "16-bit floats, as kvdiff's bf16 rounding",
+            };
+            let src = info.source.take().unwrap_or_default();
+            let reference = match f32_gpu.is_some() {
+                true => "float32, as kvdiff's f32 CPU backend (the f32 GPU reference)",
+                false => held(ref_side),
+            };
+            info.source = Some(format!(
+                "{src}; the engine ({}) is held as {}, the reference as {reference}",
+                engine_dump.meta.dtype,
+                held(engine_side),
+            ));
+        }
+        let label = format!("engine:{}", engine_dump.meta.engine);
+        let replay_on = req.replay && req.policy == Policy::Auto;
+        let rounded = engine.filter(|_| replay_on).and_then(|e| {
+            crate::compare::judge::replay::weights_for(&e.model, &engine_dump.meta.dtype)
+        });
+        let d = DumpDiff {
+            engine: engine_dump,
+            taps: &taps,
+            tolerance: &tolerance,
+            tokenizer: engine.map(|e| &e.tokenizer),
+            label,
+            replay: rounded
+                .as_ref()
+                .or(engine.map(|e| &e.model))
+                .filter(|_| replay_on),
+        };
+        let start = std::time::Instant::now();
+        let (diff, reference_label) = match reference_dump {
+            Some(r) => {
+                let mut src = r;
+                (
+                    d.run(&mut src as &mut dyn ReferenceSource)?,
+                    format!("{} ({})", r.dir.display(), r.meta.engine),
+                )
+            }
+            None if f32_gpu.is_some() => {
+                let mut run = f32_gpu.expect("checked by the guard");
+                (d.run(&mut run)?, "kvdiff standard@cuda (f32)".to_string())
+            }
+            None => {
+                let e = engine.expect("loaded for the one-folder form");
+                let model = gpu_model.as_ref().unwrap_or(&e.model);
+                let mut run =
+                    ReferenceRun::new(model).following_routes(tolerance.bounds("router_logits"));
+                (
+                    d.run(&mut run)?,
+                    format!("kvdiff standard@{}", if cuda { "cuda" } else { "cpu" }),
+                )
+            }
+        };
+        let took = start.elapsed();
+        let steps = diff.info.steps;
+        let mut report = assemble(engine_dump, engine, diff, reference_label, info);
+        report.prompt_check = prompt_check;
+        Ok(DiffOutcome {
+            report,
+            steps,
+            took,
+            gpu_model,
+            engine: self.engine,
+        })
+    }
+}
+
+impl OpenedDiff<'_> {
+    /// `--precision` where it means something: kvdiff's own reference, bf16 only on the GPU.
+    fn check_precision(&self) -> Result<()> {
+        let p = self.request.precision;
+        if p == RefPrecision::Auto {
+            return Ok(());
+        }
+        if self.reference_dump.is_some() {
+            return Err(Error::usage(
+                "--precision",
+                "it sets kvdiff's own reference, and this diff holds the engine to a reference dump",
+                "drop --precision, or give the engine's dump alone",
+            ));
+        }
+        if p == RefPrecision::Bf16 && !self.on_cuda() {
+            return Err(Error::usage(
+                "--precision",
+                "bf16 is the CUDA engine's arithmetic; the CPU reference computes in f32",
+                "add --backend cuda, or drop --precision",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The f32 GPU reference, run, where `--precision` asks for it or leaves it to the engine's
+    /// dtype (f32) and it can run; `None` for the CUDA engine's bf16.
+    fn f32_gpu_reference(
+        &self,
+        gpu_model: &Model,
+        taps: &TapFilter,
+    ) -> Result<Option<F32GpuReference>> {
+        use crate::compare::engine_dump::f32_reference::sequence;
+        let dump = &self.engine_dump;
+        let wanted = match self.request.precision {
+            RefPrecision::Bf16 => return Ok(None),
+            RefPrecision::F32 => true,
+            RefPrecision::Auto => !dump.meta.half_precision(),
+        };
+        if !wanted {
+            return Ok(None);
+        }
+        // A dump whose steps leave a gap: the f32 reference when asked for, else the bf16 one
+        // (whose own run says what is wrong with it).
+        let tokens = match sequence(dump) {
+            Ok(t) => t,
+            Err(e) if self.request.precision == RefPrecision::F32 => return Err(e),
+            Err(_) => return Ok(None),
+        };
+        // An f16 or f32 checkpoint: the pass reads an f32 copy of the host's weights.
+        let attached = match &self.engine {
+            Some(e) => crate::cuda::attach_f32_weights(gpu_model, &e.model)
+                .err()
+                .map(|e| match e {
+                    Error::Internal(m) => m,
+                    other => other.to_string(),
+                }),
+            None => Some("no host model to take f32 weights from".into()),
+        };
+        let why =
+            attached.or_else(|| F32GpuReference::unavailable(gpu_model, dump, taps, tokens.len()));
+        match why {
+            None => {
+                let _p = progress::Progress::spinner("running the f32 reference on the GPU");
+                F32GpuReference::run(gpu_model, dump, taps, tokens).map(Some)
+            }
+            Some(why) if self.request.precision == RefPrecision::F32 => Err(Error::usage(
+                "--precision",
+                format!("the f32 GPU reference cannot run: {why}"),
+                "use --backend cpu for an f32 reference, or --precision bf16",
+            )),
+            Some(why) => {
+                if progress::verbosity() >= 1 {
+                    eprintln!(
+                        "kvdiff: the {} engine is held to the bf16 GPU reference: the f32 one cannot run ({why})",
+                        dump.meta.dtype
+                    );
+                }
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// What meta.json's `model` names, when it names something loadable here.
+fn model_of(meta_model: Option<&str>) -> Option<ModelSource> {
+    let m = meta_model?;
+    if m == ModelSource::Embedded.describe() {
+        return Some(ModelSource::Embedded);
+    }
+    let p = Path::new(m);
+    p.join("config.json")
+        .is_file()
+        .then(|| ModelSource::Dir(p.to_path_buf()))
+}
+
+fn load_model(
+    model: Option<&Path>,
+    engine_dump: &DumpDir,
+    required: bool,
+) -> Result<Option<Engine>> {
+    let source = match model {
+        Some(dir) => Some(ModelSource::from_arg(Some(dir))?),
+        None => model_of(engine_dump.meta.model.as_deref()),
+    };
+    match source {
+        Some(s) => {
+            let _p = progress::Progress::spinner("loading the model");
+            Ok(Some(Engine::load(s)?))
+        }
+        None if required => Err(Error::usage(
+            "--model",
+            format!(
+                "{}'s meta.json names no model folder found here ({})",
+                engine_dump.dir.display(),
+                engine_dump
+                    .meta
+                    .model
+                    .as_deref()
+                    .unwrap_or("no \"model\" key")
+            ),
+            "pass --model DIR (the Hugging Face folder the engine ran)",
+        )),
+        None => Ok(None),
+    }
+}
+
+/// The noise side a dump's dtype is held as: f32 as kvdiff's CPU backend, 16-bit floats as its
+/// bf16 rounding.
+fn side(half: bool) -> &'static str {
+    if half {
+        "cuda"
+    } else {
+        "cpu"
+    }
+}
+
+/// `gpu`: the model on the GPU, and whether the bf16 CUDA engine is the reference (held to what
+/// bf16 allows); where the GPU oracle can run there, the calibration runs there too.
+fn auto_tolerance(
+    noise_profile: Option<&Path>,
+    engine: Option<&Engine>,
+    gpu: Option<(&Model, bool)>,
+    prompt_ids: &[u32],
+    steps: usize,
+    (ref_side, engine_side): (&str, &str),
+) -> Result<(Tolerance, ToleranceInfo)> {
+    let (profile, source, gpu) = match noise_profile {
+        Some(f) => {
+            let p = NoiseProfile::load(f)?;
+            if let Some(e) = engine {
+                p.check_model(&e.model, f)?;
+            }
+            let src = p.describe_pinned(f);
+            (p, src, None)
+        }
+        None => {
+            let e = engine.expect("auto without a profile loads the model");
+            // The same cache as `compare`, `sweep` and `calibrate`.
+            let last = prompt_ids.len() + steps.max(1) - 1;
+            let max = e.model.config.max_position_embeddings;
+            let backends = ["cpu", "cuda"];
+            let gpu_model = gpu.filter(|g| g.1).map(|g| g.0);
+            let slot = noise_cache::slot(
+                &e.source,
+                prompt_ids,
+                last,
+                max,
+                &backends,
+                gpu_model.is_some(),
+            );
+            match slot.as_ref().and_then(|s| s.find()) {
+                Some(hit) => {
+                    if progress::verbosity() >= 1 {
+                        eprintln!(
+                            "kvdiff: noise model {}",
+                            noise_cache::why_reused(&hit, last)
+                        );
+                    }
+                    let src = hit.profile.describe();
+                    (hit.profile, src, hit.gpu)
+                }
+                None => {
+                    if let (Some(s), true) = (&slot, progress::verbosity() >= 1) {
+                        eprintln!("kvdiff: noise model computed: {}", s.why_computed());
+                    }
+                    let _p = progress::Progress::spinner("calibrating the noise model");
+                    let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
+                    let on_gpu = gpu.map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
+                    let (cal, model) = match on_gpu {
+                        Some(Ok(c)) => (c, gpu.expect("on_gpu came from it").0),
+                        other => {
+                            if let (Some(Err(why)), true) = (other, progress::verbosity() >= 1) {
+                                eprintln!("kvdiff: noise model calibrated on the CPU: {why}");
+                            }
+                            (Calibration::new(&e.model, prompt_ids, at), &e.model)
+                        }
+                    };
+                    let p = NoiseProfile::calibrate(&cal, model, e.source.describe(), &backends)?;
+                    // A GPU reference is held to what bf16 allows; a pinned profile
+                    // (`kvdiff calibrate --backend cuda`) was checked on this GPU when it was
+                    // made.
+                    let gpu = match gpu_model {
+                        Some(g) => Some(p.check_gpu(&cal, g)?),
+                        None => None,
+                    };
+                    if let Some(s) = &slot {
+                        s.store(&p, gpu.as_ref());
+                    }
+                    let src = p.describe();
+                    (p, src, gpu)
+                }
+            }
+        }
+    };
+    let t = profile.tolerance(ref_side, engine_side)?;
+    let info = ToleranceInfo::learned(&t, &profile, source, gpu);
+    Ok((t, info))
+}
+
+fn assemble(
+    engine_dump: &DumpDir,
+    engine: Option<&Engine>,
+    diff: EngineDiff,
+    reference: String,
+    tolerance: ToleranceInfo,
+) -> Report {
+    let chunks = ChunkedPrompt::from_boundaries(diff.prompt_ids.clone(), &diff.piece_starts, false)
+        .chunks
+        .into_iter()
+        .map(|c| ChunkInfo {
+            role: c.role,
+            start: c.start,
+            end: c.end,
+        })
+        .collect();
+    let decode = |ids: &[u32], special: bool| {
+        engine
+            .map(|e| e.tokenizer.decode(ids, special))
+            .unwrap_or_default()
+    };
+    let reference_tokens = diff.tokens[diff.prompt_ids.len()..].to_vec();
+    Report {
+        schema: SCHEMA,
+        model: engine
+            .map(|e| e.source.describe())
+            .or_else(|| engine_dump.meta.model.clone())
+            .unwrap_or_else(|| "(not named)".into()),
+        prompt: engine_dump.dir.display().to_string(),
+        reference,
+        prompt_tokens: diff.prompt_ids.len(),
+        chunks,
+        reference_text: decode(&reference_tokens, true),
+        token_texts: diff.tokens.iter().map(|&t| decode(&[t], false)).collect(),
+        prompt_ids: diff.prompt_ids,
+        reference_tokens,
+        tolerance,
+        paths: vec![diff.report],
+        outcome: None,
+        engine: Some(diff.info),
+        prompt_check: None,
+    }
+}
+
+/// The engine's prompt ids held to the chat template's for the conversation; a prompt file's
+/// own `ids` must be the dump's.
+fn check_prompt(
+    c: &Conversation,
+    e: &Engine,
+    prompt_ids: &[u32],
+    dump: &DumpDir,
+) -> Result<crate::engine::prompt_check::PromptCheck> {
+    if let Some((ids, _)) = c.prompt.raw_ids() {
+        if ids != prompt_ids {
+            let at = ids
+                .iter()
+                .zip(prompt_ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            return Err(Error::input(
+                &c.file,
+                format!(
+                    "its \"ids\" are not the prompt of {} (they part at position {at})",
+                    dump.dir.display()
+                ),
+                "give the ids the engine fed for this dump, or leave \"ids\" out",
+            ));
+        }
+    }
+    crate::engine::prompt_check::check(&e.tokenizer, &c.prompt, prompt_ids, &c.source).map_err(
+        |m| {
+            Error::input(
+                &c.file,
+                m,
+                "give the conversation the engine was asked to answer",
+            )
+        },
+    )
+}

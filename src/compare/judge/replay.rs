@@ -1,0 +1,854 @@
+//! Blame by replay: each op of the model rerun on the engine's own inputs (its `resid_in`
+//! through the attention norm, its `attn_norm` through the q/k/v projections, its `q`/`k`
+//! through RoPE at the row's true position, its `q_rope` with its own `k_rope`/`v` history
+//! through attention, ...) and held to the engine's output. The difference is the error the op
+//! *adds*; what the engine's input already carried (the error it *inherits*) cancels out.
+//!
+//! In bf16 a bug that moves a tap by a few percent hides inside the row test's tolerance (it
+//! must also allow the rounding the tap inherits from every op before it), and is named layers
+//! later where the drift has grown, or not at all. An op's own rounding is much smaller and
+//! predictable from the engine's dtype: a few units of its precision `u`, relative to the op's
+//! natural scale (the row's largest value; for a product `‖x‖·‖w_j‖/√n`, the size rounding its
+//! inputs moves it by; for attention, the attended values widened by how far rounded scores can
+//! move the weights). An op that adds more than `BOUND_UNITS · u` of that scale is wrong.
+//!
+//! Norms, RoPE, the residual adds, the embedding and the q/k/v/o projections are judged on
+//! their own (`fires`). Attention, the MLP and the LM head, whose rounding depends more on the
+//! engine's kernels, are only blamed for a row the row test found diverged.
+
+use std::collections::BTreeMap;
+
+use ndarray::{Array2, ArrayView2};
+use rayon::prelude::*;
+
+use crate::compare::judge::systematic::{Mag, Systematic};
+use crate::engine::gemm::matmul_t;
+use crate::engine::model::{Mlp, Model};
+use crate::engine::oracle;
+use crate::tap::read::DumpStep;
+use crate::tap::{LayerTap, Recorded, TapId};
+
+/// An op may add this many units of the engine's precision at one value, relative to its
+/// natural scale...
+pub const BOUND_UNITS: f64 = 8.0;
+/// ...and this many over the row, as ‖added‖ / ‖output‖: a row's sum of squares is a far
+/// steadier statistic than its largest value (correct bf16 ops measure 0.5–1.1 u, a row's
+/// largest error up to 1.9 u), so a bug that moves every value a little is seen.
+pub const RMS_UNITS: f64 = 3.0;
+/// Where no op exceeds its bound, the row test's divergence is still blamed on the op of its
+/// row that adds the most, if that is this many units over the row (twice what any correct
+/// op was measured to add).
+const BLAME_RMS_UNITS: f64 = 2.0;
+
+/// The rows per step whose products are replayed (all rows of the other ops are): a prefill
+/// of thousands of rows would cost a second forward pass. Each piece's first rows and the last
+/// rows are always among them: where chunk and cache bugs act.
+const PRODUCT_ROWS: usize = 64;
+
+/// The unit of precision `u` an engine that stores `dtype` rounds by. For f32, not 2^-24 but
+/// 2^-17: an f32 op sums thousands of terms in an order of its own, and the replay itself is f32.
+pub fn unit_of(dtype: &str) -> f64 {
+    let d = dtype.to_ascii_lowercase();
+    if matches!(
+        d.as_str(),
+        "float32" | "f32" | "fp32" | "float" | "float64" | "f64"
+    ) {
+        2f64.powi(-17)
+    } else if (d.contains("float16") && !d.contains("bfloat"))
+        || matches!(d.as_str(), "f16" | "fp16" | "half")
+    {
+        2f64.powi(-11)
+    } else if d.contains('8') {
+        2f64.powi(-3)
+    } else {
+        2f64.powi(-8)
+    }
+}
+
+/// The model replay reruns for an engine that stores `dtype`: `model`'s weights rounded as that
+/// engine holds them (an f32 or f16 checkpoint run in bf16 computes with bf16 weights, the same
+/// rounding in every row, which the aggregate test would take for a bug), or `None` where they
+/// are exact in it already.
+pub fn weights_for(model: &Model, dtype: &str) -> Option<Model> {
+    use rayon::prelude::*;
+    let unit = unit_of(dtype);
+    let exact = |keep: fn(f32) -> f32| {
+        model
+            .weight_slices()
+            .par_iter()
+            .all(|t| t.iter().all(|&x| keep(x) == x))
+    };
+    if unit == 2f64.powi(-8) {
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+        (!exact(bf16)).then(|| model.rounded_to_bf16())
+    } else if unit == 2f64.powi(-11) {
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        (!exact(f16)).then(|| model.rounded_to_f16())
+    } else {
+        None
+    }
+}
+
+/// One replayed row: how much the op added there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowReplay {
+    /// max|engine − replay| / scale.
+    pub added: f64,
+    /// max|replay − reference| / scale: the error the op's output carries from its inputs
+    /// (None when the reference has no such row).
+    pub inherited: Option<f64>,
+    pub scale: f64,
+    pub max_abs: f64,
+    /// Where |engine − replay| is largest, and the two values there.
+    pub index: usize,
+    pub engine: f32,
+    pub replay: f32,
+    /// ‖engine − replay‖ / ‖replay‖ and their cosine.
+    pub rel_l2: f64,
+    pub cosine: f64,
+}
+
+/// Ops judged on their own; the others only where the row test found the row diverged.
+pub fn fires(id: TapId) -> bool {
+    match id {
+        TapId::Embed | TapId::FinalNorm => true,
+        TapId::Logits => false,
+        TapId::Layer(_, t) => !matches!(t, LayerTap::AttnOut | LayerTap::MlpOut),
+    }
+}
+
+/// The op a tap is the output of, as the report names it.
+pub fn op_name(id: TapId) -> &'static str {
+    match id {
+        TapId::Embed => "the embedding lookup",
+        TapId::FinalNorm => "the final RMSNorm",
+        TapId::Logits => "the LM head",
+        TapId::Layer(_, t) => match t {
+            LayerTap::AttnNorm => "the attention RMSNorm",
+            LayerTap::Q => "the q projection (and its norm)",
+            LayerTap::K => "the k projection (and its norm)",
+            LayerTap::V => "the v projection",
+            LayerTap::QRope | LayerTap::KRope => "RoPE",
+            LayerTap::AttnOut => "the attention",
+            LayerTap::OProj => "the o projection",
+            LayerTap::ResidMid => "the attention's residual add",
+            LayerTap::MlpNorm => "the MLP RMSNorm",
+            LayerTap::MlpOut => "the MLP",
+            LayerTap::ResidOut => "the MLP's residual add",
+            _ => "the op",
+        },
+    }
+}
+
+/// An engine's `k_rope` and `v` rows of one layer, by position.
+type KvRows = BTreeMap<usize, (Vec<f32>, Vec<f32>)>;
+
+/// Replays an engine's dump step by step.
+pub struct Replayer<'m> {
+    model: &'m Model,
+    unit: f64,
+    /// Per layer, the engine's `k_rope` and `v` rows by position (what its attention read).
+    history: Vec<KvRows>,
+    /// Every replayed row, by (step, position).
+    rows: BTreeMap<(usize, usize), Vec<(TapId, RowReplay)>>,
+    /// Row norms of each weight matrix, by its address: the products' natural scale.
+    norms: BTreeMap<usize, Vec<f64>>,
+    /// Product rows waiting for `finish`, by op: each weight matrix is then read once for
+    /// every step's rows (a decode step alone would read it all for one row).
+    pending: BTreeMap<TapId, Vec<Pending>>,
+    /// The aggregate test over every row (`systematic.rs`).
+    pub systematic: Systematic,
+    /// Every op judged on its own, not only those `fires` names: for kvdiff's own engine,
+    /// whose attention and MLP kernels are known to round within the bounds.
+    every_op: bool,
+    /// The products' inputs rounded to bf16 before they are replayed, as an engine that keeps
+    /// f32 activations but feeds its bf16 GEMMs bf16 inputs does (kvdiff's CUDA backend: the
+    /// rounding happens inside the op, where its taps do not show it). A value nearly the same
+    /// in every row (a large activation) rounds the same way in every row, which the aggregate
+    /// test would otherwise take for a bug.
+    bf16_inputs: bool,
+}
+
+/// What a row's added error is measured against: its largest value is held to `max` (at least
+/// the replayed row's own largest), its norm to `l2` (at least the replayed row's own norm).
+#[derive(Clone, Copy)]
+struct Scale {
+    max: f64,
+    l2: f64,
+}
+
+impl From<f64> for Scale {
+    fn from(max: f64) -> Self {
+        Scale { max, l2: 0.0 }
+    }
+}
+
+/// A product's row held for `finish`: its input, the engine's output and the reference's.
+struct Pending {
+    step: usize,
+    pos: usize,
+    x: Vec<f32>,
+    y: Vec<f32>,
+    r: Option<Vec<f32>>,
+}
+
+/// Rows of a recorded tap by position.
+fn rows_of(t: &Recorded) -> BTreeMap<usize, &[f32]> {
+    let w = t.data.len() / t.positions.len().max(1);
+    t.positions
+        .iter()
+        .enumerate()
+        .map(|(r, &p)| (p, &t.data[r * w..(r + 1) * w]))
+        .collect()
+}
+
+fn max_abs(v: &[f32]) -> f64 {
+    v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()))
+}
+
+/// RMSNorm of each `w.len()`-wide row, by the f64 oracle's own norm.
+fn rms_norm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let wide: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    oracle::norm(&wide, w, eps)
+        .iter()
+        .map(|&v| v as f32)
+        .collect()
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+impl<'m> Replayer<'m> {
+    /// `total`: the sequence's length, prompt and decode steps.
+    pub fn new(model: &'m Model, dtype: &str, total: usize) -> Self {
+        Replayer {
+            model,
+            unit: unit_of(dtype),
+            systematic: Systematic::new(unit_of(dtype), total),
+            history: vec![BTreeMap::new(); model.config.num_hidden_layers],
+            rows: BTreeMap::new(),
+            norms: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            every_op: false,
+            bf16_inputs: false,
+        }
+    }
+
+    /// Rounds the products' inputs to bf16 (see `bf16_inputs`).
+    pub fn rounding_product_inputs_to_bf16(mut self) -> Self {
+        self.bf16_inputs = true;
+        self
+    }
+
+    /// Judges every op on its own (see `every_op`).
+    pub fn judging_every_op(mut self) -> Self {
+        self.every_op = true;
+        self
+    }
+
+    /// The bound on `added`, in units of the row's scale.
+    pub fn bound(&self) -> f64 {
+        BOUND_UNITS * self.unit
+    }
+
+    /// The bound on `rel_l2`.
+    pub fn bound_rms(&self) -> f64 {
+        RMS_UNITS * self.unit
+    }
+
+    /// Whether a row adds more than an op's rounding can.
+    pub fn exceeds(&self, r: &RowReplay) -> bool {
+        r.added > self.bound() || r.rel_l2 > self.bound_rms()
+    }
+
+    pub fn unit(&self) -> f64 {
+        self.unit
+    }
+
+    /// `‖w_j‖` of each output row of `w` (`[out, inp]`), computed once per matrix.
+    fn row_norms(&mut self, w: &[f32], inp: usize) -> &[f64] {
+        self.norms.entry(w.as_ptr() as usize).or_insert_with(|| {
+            w.chunks_exact(inp)
+                .map(|r| {
+                    r.iter()
+                        .map(|&v| (v as f64) * (v as f64))
+                        .sum::<f64>()
+                        .sqrt()
+                })
+                .collect()
+        })
+    }
+
+    /// The natural scale of `x · wᵀ` for the row `x`: what rounding its inputs moves it by.
+    fn product_scale(&mut self, x: &[f32], w: &[f32]) -> f64 {
+        let inp = x.len();
+        let xn = x
+            .iter()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum::<f64>()
+            .sqrt();
+        let wn = self.row_norms(w, inp).iter().fold(0f64, |m, &v| m.max(v));
+        xn * wn / (inp as f64).sqrt()
+    }
+
+    fn book(
+        &mut self,
+        (step, id, pos): (usize, TapId, usize),
+        engine: &[f32],
+        replay: &[f32],
+        scale: impl Into<Scale>,
+        reference: Option<&[f32]>,
+        mag: Mag<'_>,
+    ) {
+        if engine.len() != replay.len() || engine.iter().any(|v| !v.is_finite()) {
+            return; // a shape the model does not give, or a non-finite value: the row test's
+        }
+        let scale: Scale = scale.into();
+        let max_scale = scale.max.max(max_abs(replay)).max(f64::MIN_POSITIVE);
+        let (mut worst, mut index) = (0f64, 0usize);
+        let (mut dd, mut rr, mut ee, mut er) = (0f64, 0f64, 0f64, 0f64);
+        for (i, (&e, &r)) in engine.iter().zip(replay).enumerate() {
+            let (e, r) = (e as f64, r as f64);
+            let d = (e - r).abs();
+            if d > worst {
+                (worst, index) = (d, i);
+            }
+            dd += d * d;
+            rr += r * r;
+            ee += e * e;
+            er += e * r;
+        }
+        let inherited = reference.filter(|r| r.len() == replay.len()).map(|r| {
+            r.iter()
+                .zip(replay)
+                .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
+                / max_scale
+        });
+        let row = RowReplay {
+            added: worst / max_scale,
+            inherited,
+            scale: max_scale,
+            max_abs: worst,
+            index,
+            engine: engine[index],
+            replay: replay[index],
+            rel_l2: match dd {
+                0.0 => 0.0,
+                _ => (dd / rr.max(scale.l2 * scale.l2).max(f64::MIN_POSITIVE)).sqrt(),
+            },
+            cosine: if ee > 0.0 && rr > 0.0 {
+                er / (ee * rr).sqrt()
+            } else {
+                1.0
+            },
+        };
+        // A row over its own bounds is replay's finding already: pooled, its large error
+        // would pose as structure in the rows before it.
+        if !self.exceeds(&row) {
+            let hd = self.model.config.head_dim;
+            self.systematic
+                .add((step, id, pos), engine, replay, mag, hd);
+        }
+        self.rows.entry((step, pos)).or_default().push((id, row));
+    }
+
+    /// Replays every op of `engine`'s step whose inputs and output it holds; `reference` is the
+    /// reference's step, for the error each op inherits.
+    pub fn step(&mut self, step: usize, engine: &DumpStep, reference: Option<&DumpStep>) {
+        let model = self.model;
+        let c = &model.config;
+        if !model.has_host_weights() {
+            return; // no weights on the host (a model loaded straight to a GPU): nothing to rerun
+        }
+        let eps = c.rms_norm_eps as f64;
+        let h = c.hidden_size;
+        let tap = |id: TapId| engine.taps.get(&id).map(rows_of).unwrap_or_default();
+        let refs = |id: TapId| {
+            reference
+                .and_then(|r| r.taps.get(&id))
+                .map(rows_of)
+                .unwrap_or_default()
+        };
+        // The products run on a sample of a long step's rows.
+        let keep = product_rows(engine);
+        if let (Some(e), true) = (
+            engine.taps.get(&TapId::Embed),
+            !model.embed_tokens.is_empty(),
+        ) {
+            let r = refs(TapId::Embed);
+            for (&p, row) in &rows_of(e) {
+                let Some(&t) = engine.tokens.get(&p) else {
+                    continue;
+                };
+                let Some(want) = model.embed_tokens.get(t as usize * h..(t as usize + 1) * h)
+                else {
+                    continue;
+                };
+                let r = r.get(&p).copied();
+                self.book((step, TapId::Embed, p), row, want, 0.0, r, Mag::Own);
+            }
+        }
+        for l in 0..c.num_hidden_layers {
+            self.layer(step, l, &tap, &refs, &keep, eps);
+        }
+        let last = TapId::Layer(c.num_hidden_layers.saturating_sub(1), LayerTap::ResidOut);
+        let (x, y, r) = (tap(last), tap(TapId::FinalNorm), refs(TapId::FinalNorm));
+        for (&p, xr) in &x {
+            if let Some(yr) = y.get(&p) {
+                let want = rms_norm(xr, &model.norm, eps);
+                self.book(
+                    (step, TapId::FinalNorm, p),
+                    yr,
+                    &want,
+                    0.0,
+                    r.get(&p).copied(),
+                    Mag::Own,
+                );
+            }
+        }
+        // The LM head on the last rows only: each is a vocabulary-wide product.
+        let (y, r) = (tap(TapId::Logits), refs(TapId::Logits));
+        let x = tap(TapId::FinalNorm);
+        let ps: Vec<usize> = y
+            .keys()
+            .rev()
+            .filter(|p| x.contains_key(p))
+            .take(4)
+            .copied()
+            .collect();
+        for p in ps {
+            self.hold(TapId::Logits, step, p, x[&p], y[&p], r.get(&p).copied());
+        }
+    }
+
+    fn hold(
+        &mut self,
+        id: TapId,
+        step: usize,
+        pos: usize,
+        x: &[f32],
+        y: &[f32],
+        r: Option<&[f32]>,
+    ) {
+        self.pending.entry(id).or_default().push(Pending {
+            step,
+            pos,
+            x: x.to_vec(),
+            y: y.to_vec(),
+            r: r.map(<[f32]>::to_vec),
+        });
+    }
+
+    /// Replays the products held back, each op's rows of every step at once.
+    pub fn finish(&mut self) {
+        let model = self.model;
+        let c = &model.config;
+        let eps = c.rms_norm_eps as f64;
+        for (id, rows) in std::mem::take(&mut self.pending) {
+            let inp = rows[0].x.len();
+            if rows.iter().any(|r| r.x.len() != inp) {
+                continue;
+            }
+            let x: BTreeMap<usize, &[f32]> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i, r.x.as_slice()))
+                .collect();
+            let ps: Vec<usize> = (0..rows.len()).collect();
+            // (weights, bias, per-head norm) of a plain product; the MLP on its own.
+            let (wt, bias, norm): (&[f32], &[f32], &[f32]) = match id {
+                TapId::Logits => (
+                    model.lm_head.as_deref().unwrap_or(&model.embed_tokens),
+                    &[],
+                    &[],
+                ),
+                TapId::Layer(l, t) => {
+                    let w = &model.layers[l];
+                    let qk = |n: &'m [f32]| if c.arch.qk_norm { n } else { &[] };
+                    match t {
+                        LayerTap::Q => (&w.q_proj, &w.q_bias, qk(&w.q_norm)),
+                        LayerTap::K => (&w.k_proj, &w.k_bias, qk(&w.k_norm)),
+                        LayerTap::V => (&w.v_proj, &w.v_bias, &[]),
+                        LayerTap::OProj => (&w.o_proj, &w.o_bias, &[]),
+                        LayerTap::MlpOut => {
+                            if let Mlp::Dense(f) = &w.mlp {
+                                self.mlp_rows(id, f, &rows, &x, &ps);
+                            }
+                            continue;
+                        }
+                        _ => continue,
+                    }
+                }
+                TapId::Embed | TapId::FinalNorm => continue,
+            };
+            if wt.is_empty() || wt.len() % inp != 0 {
+                continue;
+            }
+            let out = self.product(&x, &ps, wt, bias);
+            for (i, row) in rows.iter().enumerate() {
+                let o = out.row(i);
+                let mut want = o.as_slice().expect("a standard-layout row").to_vec();
+                let mut scale = self.product_scale(&row.x, wt);
+                let mut mag = Mag::Row(scale);
+                if !norm.is_empty() && want.len() % norm.len() == 0 {
+                    want = rms_norm(&want, norm, eps);
+                    scale = 0.0; // a normalised row: its own size is the scale
+                    mag = Mag::Own;
+                }
+                if id == TapId::Logits {
+                    mag = Mag::Skip;
+                }
+                self.book(
+                    (row.step, id, row.pos),
+                    &row.y,
+                    &want,
+                    scale,
+                    row.r.as_deref(),
+                    mag,
+                );
+            }
+        }
+    }
+
+    /// The dense SwiGLU MLP's rows.
+    fn mlp_rows(
+        &mut self,
+        id: TapId,
+        f: &crate::engine::model::Ffn,
+        rows: &[Pending],
+        x: &BTreeMap<usize, &[f32]>,
+        ps: &[usize],
+    ) {
+        if rows[0].x.len() != self.model.config.hidden_size {
+            return;
+        }
+        let gate = self.product(x, ps, &f.gate_proj, &f.gate_bias);
+        let up = self.product(x, ps, &f.up_proj, &f.up_bias);
+        let act: Vec<f32> = gate
+            .iter()
+            .zip(up.iter())
+            .map(|(&g, &u)| (silu(g as f64) * u as f64) as f32)
+            .collect();
+        let inter = gate.ncols();
+        let acts: BTreeMap<usize, &[f32]> = ps
+            .iter()
+            .map(|&i| (i, &act[i * inter..(i + 1) * inter]))
+            .collect();
+        let out = self.product(&acts, ps, &f.down_proj, &f.down_bias);
+        for (i, row) in rows.iter().enumerate() {
+            let scale = self.product_scale(acts[&i], &f.down_proj);
+            let o = out.row(i);
+            let want = o.as_slice().expect("a standard-layout row");
+            self.book(
+                (row.step, id, row.pos),
+                &row.y,
+                want,
+                scale,
+                row.r.as_deref(),
+                Mag::Skip,
+            );
+        }
+    }
+
+    /// `x[ps] · wᵀ + bias`, one row per position in `ps`.
+    fn product(
+        &self,
+        x: &BTreeMap<usize, &[f32]>,
+        ps: &[usize],
+        w: &[f32],
+        bias: &[f32],
+    ) -> Array2<f32> {
+        let inp = x[&ps[0]].len();
+        let round = |v: f32| match self.bf16_inputs {
+            true => half::bf16::from_f32(v).to_f32(),
+            false => v,
+        };
+        let flat: Vec<f32> = ps
+            .iter()
+            .flat_map(|p| x[p].iter().map(|&v| round(v)))
+            .collect();
+        let xs = ArrayView2::from_shape((ps.len(), inp), &flat).expect("rows of one width");
+        let ws = ArrayView2::from_shape((w.len() / inp, inp), w).expect("[out, inp] weights");
+        let mut y = matmul_t(xs, ws);
+        if !bias.is_empty() {
+            for mut row in y.rows_mut() {
+                row.iter_mut().zip(bias).for_each(|(v, &b)| *v += b);
+            }
+        }
+        y
+    }
+
+    fn layer<'t>(
+        &mut self,
+        step: usize,
+        l: usize,
+        tap: &dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]>,
+        refs: &dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]>,
+        keep: &dyn Fn(usize) -> bool,
+        eps: f64,
+    ) {
+        let model = self.model;
+        let c = &model.config;
+        let w = &model.layers[l];
+        let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let id = |t| TapId::Layer(l, t);
+        let norm_op = |me: &mut Self, from: LayerTap, to: LayerTap, weight: &[f32]| {
+            let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
+            for (&p, xr) in &x {
+                if let Some(yr) = y.get(&p) {
+                    let want = rms_norm(xr, weight, eps);
+                    let r = r.get(&p).copied();
+                    me.book((step, id(to), p), yr, &want, 0.0, r, Mag::Own);
+                }
+            }
+        };
+        let add_op = |me: &mut Self, a: LayerTap, b: LayerTap, to: LayerTap| {
+            let (xa, xb, y, r) = (tap(id(a)), tap(id(b)), tap(id(to)), refs(id(to)));
+            for (&p, ar) in &xa {
+                if let (Some(br), Some(yr)) = (xb.get(&p), y.get(&p)) {
+                    if ar.len() != br.len() {
+                        continue;
+                    }
+                    let want: Vec<f32> = ar.iter().zip(*br).map(|(&u, &v)| u + v).collect();
+                    let terms: Vec<f32> =
+                        ar.iter().zip(*br).map(|(u, v)| u.abs() + v.abs()).collect();
+                    let scale = max_abs(ar).max(max_abs(br));
+                    let (r, m) = (r.get(&p).copied(), Mag::Given(&terms));
+                    me.book((step, id(to), p), yr, &want, scale, r, m);
+                }
+            }
+        };
+        // A product: held for `finish`, which replays every step's rows at once.
+        let hold_op = |me: &mut Self, from: LayerTap, to: LayerTap| {
+            let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
+            for (&p, xr) in &x {
+                if let (Some(yr), true) = (y.get(&p), keep(p)) {
+                    me.hold(id(to), step, p, xr, yr, r.get(&p).copied());
+                }
+            }
+        };
+        norm_op(
+            self,
+            LayerTap::ResidIn,
+            LayerTap::AttnNorm,
+            &w.input_layernorm,
+        );
+        for to in [LayerTap::Q, LayerTap::K, LayerTap::V] {
+            hold_op(self, LayerTap::AttnNorm, to);
+        }
+        let rope = c.rope_table();
+        for (from, to, n) in [
+            (LayerTap::Q, LayerTap::QRope, heads),
+            (LayerTap::K, LayerTap::KRope, kvh),
+        ] {
+            let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
+            for (&p, xr) in &x {
+                let Some(yr) = y.get(&p) else { continue };
+                if xr.len() != n * hd {
+                    continue;
+                }
+                // The row's true position: an engine that fed RoPE another one is wrong here.
+                let mut wide: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
+                oracle::rotate(&mut wide, &[p], n, hd, &rope);
+                let want: Vec<f32> = wide.iter().map(|&v| v as f32).collect();
+                self.book(
+                    (step, id(to), p),
+                    yr,
+                    &want,
+                    max_abs(xr),
+                    r.get(&p).copied(),
+                    Mag::Pairs(hd),
+                );
+            }
+        }
+        // Attention reads the keys and values the engine computed, this step's and before.
+        let (k, v) = (tap(id(LayerTap::KRope)), tap(id(LayerTap::V)));
+        for (&p, kr) in &k {
+            if let Some(vr) = v.get(&p) {
+                if kr.len() == kvh * hd && vr.len() == kvh * hd {
+                    self.history[l].insert(p, (kr.to_vec(), vr.to_vec()));
+                }
+            }
+        }
+        let (q, y, r) = (
+            tap(id(LayerTap::QRope)),
+            tap(id(LayerTap::AttnOut)),
+            refs(id(LayerTap::AttnOut)),
+        );
+        // Each query row on a worker: a long prefill's rows over every key are the replay's
+        // largest cost.
+        let _span = crate::support::timing::span("replay: attention");
+        let hist = &self.history[l];
+        let rows: Vec<(usize, &[f32], &[f32])> = q
+            .iter()
+            .filter_map(|(&p, qr)| {
+                let yr = *y.get(&p)?;
+                let first = c.arch.window(l).map_or(0, |wn| (p + 1).saturating_sub(wn));
+                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
+                let whole = (first..=p).all(|e| hist.contains_key(&e));
+                (qr.len() == heads * hd && yr.len() == heads * hd && keep(p) && whole)
+                    .then_some((p, *qr, yr))
+            })
+            .collect();
+        let window = c.arch.window(l);
+        let keys: Vec<Vec<&(Vec<f32>, Vec<f32>)>> = rows
+            .iter()
+            .map(|&(p, _, _)| {
+                let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));
+                (first..=p).map(|e| &hist[&e]).collect()
+            })
+            .collect();
+        // Every (row, head) on a worker: a decode step has one row, but many heads.
+        let group = (heads / kvh).max(1);
+        let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * heads)
+            .into_par_iter()
+            .map(|i| {
+                let (row, head) = (i / heads, i % heads);
+                let q = &rows[row].1[head * hd..(head + 1) * hd];
+                oracle::attend_head(q, &keys[row], head / group, hd)
+            })
+            .collect();
+        let replayed: Vec<(Vec<f32>, f64, f64)> = per_head
+            .chunks(heads)
+            .map(|hs| {
+                let out = hs.iter().flat_map(|h| h.0.iter().copied()).collect();
+                let natural = hs.iter().fold(0f64, |m, h| m.max(h.1));
+                (out, natural, hs.iter().map(|h| h.2).sum::<f64>().sqrt())
+            })
+            .collect();
+        for ((p, _, yr), (want, scale, norm)) in rows.into_iter().zip(replayed) {
+            let scale = Scale {
+                max: scale,
+                l2: norm,
+            };
+            self.book(
+                (step, id(LayerTap::AttnOut), p),
+                yr,
+                &want,
+                scale,
+                r.get(&p).copied(),
+                Mag::Skip,
+            );
+        }
+        hold_op(self, LayerTap::AttnOut, LayerTap::OProj);
+        add_op(self, LayerTap::ResidIn, LayerTap::OProj, LayerTap::ResidMid);
+        norm_op(
+            self,
+            LayerTap::ResidMid,
+            LayerTap::MlpNorm,
+            &w.post_attention_layernorm,
+        );
+        if let (Mlp::Dense(_), None) = (&w.mlp, c.arch.sparse(l)) {
+            hold_op(self, LayerTap::MlpNorm, LayerTap::MlpOut);
+        }
+        add_op(
+            self,
+            LayerTap::ResidMid,
+            LayerTap::MlpOut,
+            LayerTap::ResidOut,
+        );
+    }
+
+    /// The replayed row of `id` at (step, position), if any.
+    pub fn row(&self, step: usize, pos: usize, id: TapId) -> Option<&RowReplay> {
+        self.rows
+            .get(&(step, pos))?
+            .iter()
+            .find(|(t, _)| *t == id)
+            .map(|(_, r)| r)
+    }
+
+    /// The first op, in lockstep order (step, tap, position), that adds more than its bounds
+    /// on its own (`fires`), or, among every op, before `before` (a divergence the row test
+    /// found later corroborates it).
+    pub fn first_fired(
+        &self,
+        before: Option<(usize, TapId, usize)>,
+    ) -> Option<((usize, TapId, usize), &RowReplay)> {
+        self.rows
+            .iter()
+            .flat_map(|(&(s, p), v)| v.iter().map(move |(id, r)| ((s, *id, p), r)))
+            .filter(|(o, r)| {
+                (self.every_op || fires(o.1) || before.is_some_and(|b| *o < b)) && self.exceeds(r)
+            })
+            .min_by_key(|(o, _)| *o)
+    }
+
+    /// Where the row of (step, position) that the row test found diverged at `upto` got its
+    /// error: the first op before it that adds more than its bounds, else the op up to it that
+    /// adds the most over the row, if that is clearly more than rounding.
+    pub fn blame(&self, step: usize, pos: usize, upto: TapId) -> Option<(TapId, &RowReplay)> {
+        let row = self.rows.get(&(step, pos))?;
+        let before = row.iter().filter(|(id, _)| *id <= upto);
+        if let Some((id, r)) = before
+            .clone()
+            .filter(|(_, r)| self.exceeds(r))
+            .min_by_key(|(id, _)| *id)
+        {
+            return Some((*id, r));
+        }
+        before
+            .filter(|(_, r)| r.rel_l2 > BLAME_RMS_UNITS * self.unit)
+            .max_by(|a, b| a.1.rel_l2.total_cmp(&b.1.rel_l2))
+            .map(|(id, r)| (*id, r))
+    }
+
+    /// How many rows were replayed, and per op (tap kind) the most it added, in units of the
+    /// engine's precision: at one value, and over a row (where that was largest).
+    pub fn summary(&self) -> (usize, Vec<(String, f64, f64, String)>) {
+        let mut worst: BTreeMap<String, (f64, f64, String)> = BTreeMap::new();
+        let mut n = 0;
+        for (&(s, p), v) in &self.rows {
+            for (id, r) in v {
+                n += 1;
+                let w = worst
+                    .entry(id.kind().to_string())
+                    .or_insert((-1.0, -1.0, String::new()));
+                w.0 = w.0.max(r.added / self.unit);
+                if r.rel_l2 / self.unit > w.1 {
+                    (w.1, w.2) = (r.rel_l2 / self.unit, format!("{id} step {s} position {p}"));
+                }
+            }
+        }
+        let per_op = worst
+            .into_iter()
+            .map(|(k, (a, b, at))| (k, a, b, at))
+            .collect();
+        (n, per_op)
+    }
+}
+
+/// Which positions' products are replayed in a step: all of a short one; of a long one, each
+/// piece's first rows, the last rows, and rows spread evenly between.
+fn product_rows(e: &DumpStep) -> impl Fn(usize) -> bool {
+    let positions: Vec<usize> = e.tokens.keys().copied().collect();
+    let mut keep = std::collections::BTreeSet::new();
+    if positions.len() <= PRODUCT_ROWS {
+        keep.extend(positions.iter().copied());
+    } else {
+        for &s in e.piece_starts.iter().chain(positions.first()) {
+            keep.extend(s..s + 4);
+        }
+        keep.extend(positions.iter().rev().take(8).copied());
+        let stride = positions
+            .len()
+            .div_ceil(PRODUCT_ROWS - keep.len().min(PRODUCT_ROWS - 1));
+        keep.extend(positions.iter().step_by(stride.max(1)).copied());
+    }
+    move |p| keep.contains(&p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_follow_the_dtype() {
+        assert_eq!(unit_of("bfloat16"), 2f64.powi(-8));
+        assert_eq!(unit_of("torch.bfloat16"), 2f64.powi(-8));
+        assert_eq!(unit_of("float16"), 2f64.powi(-11));
+        assert_eq!(unit_of("float32"), 2f64.powi(-17));
+        assert_eq!(unit_of("float8_e4m3fn"), 2f64.powi(-3));
+    }
+}

@@ -1,0 +1,214 @@
+//! A bf16 checkpoint straight into GPU memory: each tensor's byte range read from its file by
+//! several threads (positioned reads into pinned staging buffers) and copied to its place in
+//! the stacked device buffers. No host copy of the model is made and no mapping is faulted in
+//! page by page; Inf and NaN are looked for on the GPU afterwards.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+use safetensors::Dtype;
+
+use crate::cuda::gpu::{ptr, Arg, Gpu};
+use crate::engine::config::Config;
+use crate::engine::weights::{Checkpoint, TensorSource};
+use crate::error::{Error, Result};
+use crate::io::model_source::ModelSource;
+
+/// Bytes one read and copy moves (each reader thread holds a staging piece this large).
+const PIECE: usize = 4 << 20;
+const READERS: usize = 8;
+
+/// The device buffers, and the pinned memory they were staged through (one allocation, each
+/// reader a piece of it: pinned allocations made side by side wait on each other), which the
+/// GPU lends out afterwards.
+pub(super) type Streamed = (Vec<CudaSlice<u16>>, cudarc::driver::PinnedHostSlice<u8>);
+
+/// The checkpoint's files, when every tensor is bf16 in a folder (what `stream` loads).
+pub(super) fn streamable(
+    src: &ModelSource,
+    ckpt: &Checkpoint<'_>,
+    config: &Config,
+) -> Option<Vec<PathBuf>> {
+    let ModelSource::Dir(_) = src else {
+        return None;
+    };
+    let all_bf16 = config
+        .expected_tensors()
+        .iter()
+        .all(|(n, _)| ckpt.segment(n).is_some_and(|s| s.3 == Dtype::BF16));
+    all_bf16.then(|| ckpt.file_names().iter().map(|f| src.path_of(f)).collect())
+}
+
+/// One read and copy: `len` bytes at `offset` of file `file`, to device address `dst`.
+struct Piece {
+    file: usize,
+    offset: u64,
+    len: usize,
+    dst: u64,
+}
+
+/// Fills one device buffer per entry of `plan` (its tensors stacked in order) from the files
+/// of `ckpt`; refuses Inf and NaN with the message the host reader gives.
+///
+/// Needs only the device's context, not the rest of `Gpu` (cuBLAS, kernels): the primary
+/// context is shared, so this runs while another thread finishes opening the GPU. `fits`
+/// checks the free memory before anything is allocated.
+pub(super) fn stream(
+    ckpt: &Checkpoint<'_>,
+    files: &[PathBuf],
+    plan: &[Vec<String>],
+    fits: impl FnOnce(usize, &str) -> Result<()>,
+) -> Result<Streamed> {
+    let cuda = |e: cudarc::driver::DriverError| {
+        Error::Internal(format!("CUDA while loading weights: {e}"))
+    };
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| {
+        Error::usage(
+            "--backend cuda",
+            format!("cannot open GPU 0: {e}"),
+            crate::cuda::gpu::CUDA_FIX,
+        )
+    })?;
+    // Buffers are used by raw address on the GPU's own streams: no per-buffer events.
+    unsafe { ctx.disable_event_tracking() };
+    let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+    fits(free, &ctx.name().unwrap_or_else(|_| "GPU 0".into()))?;
+    let stream = ctx.new_stream().map_err(cuda)?;
+    let span = crate::support::timing::span("startup: weights read into place on the GPU");
+    let alloc = crate::support::timing::span("startup: weights: device buffers allocated");
+    let mut buffers = Vec::with_capacity(plan.len());
+    let mut pieces = Vec::new();
+    for names in plan {
+        let segs: Vec<_> = names
+            .iter()
+            .map(|n| {
+                ckpt.segment(n)
+                    .expect("checked when the checkpoint was opened")
+            })
+            .collect();
+        let bytes: usize = segs.iter().map(|s| s.2).sum();
+        // Safety: every byte is written by the copies below before any kernel reads it.
+        let buf = unsafe { stream.alloc::<u16>((bytes / 2).max(1)) }.map_err(cuda)?;
+        let (mut at, _) = buf.device_ptr(&stream);
+        for (file, offset, len, _) in segs {
+            for start in (0..len).step_by(PIECE) {
+                let n = PIECE.min(len - start);
+                pieces.push(Piece {
+                    file,
+                    offset: offset + start as u64,
+                    len: n,
+                    dst: at + start as u64,
+                });
+            }
+            at += len as u64;
+        }
+        buffers.push(buf);
+    }
+    // The copies below are not on the allocating stream.
+    stream.synchronize().map_err(cuda)?;
+    drop(alloc);
+    let handles = files
+        .iter()
+        .map(|p| {
+            File::open(p).map_err(|e| {
+                Error::input(p, crate::io::model_source::open_error(&e), "check the file")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let next = AtomicUsize::new(0);
+    let readers = READERS.min(pieces.len()).max(1);
+    let pin = crate::support::timing::span("startup: weights: staging pinned");
+    // Safety: only the first `len` bytes of a piece are copied, after being read.
+    let mut staging =
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, 0) }.map_err(cuda)?;
+    drop(pin);
+    let (pieces, next, handles, ctx) = (&pieces, &next, &handles, &ctx);
+    // Reading the pinned buffer's host side checks its event, in the current context.
+    ctx.bind_to_thread().map_err(cuda)?;
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let workers: Vec<_> = staging
+            .as_mut_slice()
+            .map_err(cuda)?
+            .chunks_mut(PIECE)
+            .map(|host| {
+                s.spawn(move || -> Result<()> {
+                    let cuda = |e: cudarc::driver::DriverError| {
+                        Error::Internal(format!("CUDA while loading weights: {e}"))
+                    };
+                    // The raw copies below use the thread's current context.
+                    ctx.bind_to_thread().map_err(cuda)?;
+                    loop {
+                        let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                            return Ok(());
+                        };
+                        let read = crate::support::timing::span("startup: weights: file reads");
+                        handles[p.file]
+                            .read_exact_at(&mut host[..p.len], p.offset)
+                            .map_err(|e| {
+                                Error::input(
+                                    &files[p.file],
+                                    format!("reading the weights failed: {e}"),
+                                    "check the file and the disk",
+                                )
+                            })?;
+                        drop(read);
+                        let _copy =
+                            crate::support::timing::span("startup: weights: copies to the GPU");
+                        // Safety: `dst` lies inside a live buffer `p.len` bytes from its end
+                        // or further; the copy completes before the call returns.
+                        unsafe { cudarc::driver::result::memcpy_htod_sync(p.dst, &host[..p.len]) }
+                            .map_err(cuda)?;
+                    }
+                })
+            })
+            .collect();
+        Ok(workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect())
+    })?;
+    results.into_iter().collect::<Result<()>>()?;
+    drop(span);
+    Ok((buffers, staging))
+}
+
+/// Refuses Inf and NaN in the streamed buffers, with the message the host reader gives.
+pub(super) fn check_finite(
+    gpu: &Gpu,
+    ckpt: &Checkpoint<'_>,
+    plan: &[Vec<String>],
+    buffers: &[CudaSlice<u16>],
+) -> Result<()> {
+    let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
+    let flags = gpu.zeros::<i32>(buffers.len());
+    const CHUNK: usize = 1 << 30;
+    for (i, b) in buffers.iter().enumerate() {
+        for start in (0..b.len()).step_by(CHUNK) {
+            let n = CHUNK.min(b.len() - start);
+            gpu.launch(
+                "any_nonfinite_bf16",
+                n.div_ceil(256).min(4096) as u32,
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(gpu, b, start)),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(ptr(gpu, &flags, i)),
+                ],
+            );
+        }
+    }
+    let flags = gpu.download(&flags, buffers.len());
+    if let Some(bad) = flags.iter().position(|&f| f != 0) {
+        // The host reader finds the tensor and index and words the error.
+        let names: Vec<&str> = plan[bad].iter().map(String::as_str).collect();
+        ckpt.bf16_bits(&names)?;
+        return Err(Error::Internal(format!(
+            "the GPU found Inf or NaN in {names:?} but the host reader did not"
+        )));
+    }
+    Ok(())
+}
