@@ -4,13 +4,10 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
+use kvdiff::compare::greedy::GreedyOptions;
 use kvdiff::compare::run::Policy;
-pub use kvdiff::compare::target::{load_engine, require_cuda};
 use kvdiff::compare::target::{Backend, Target};
-use kvdiff::engine::Engine;
 use kvdiff::error::{Error, Result};
-use kvdiff::io::prompt::Prompt;
-use kvdiff::tap::TapFilter;
 
 pub const PROMPT_HELP: &str = "\
 PROMPT FILES:
@@ -82,16 +79,18 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-/// Loads the engine and prompt of `generate` and `dump`, on the chosen backend.
-pub fn setup(run: &RunArgs) -> Result<(Engine, Prompt)> {
-    set_threads(run.threads)?;
-    if run.backend == BackendArg::Cuda {
-        require_cuda()?;
+impl RunArgs {
+    /// The run these flags ask for (`--threads` set first).
+    pub fn options(&self) -> Result<GreedyOptions<'_>> {
+        set_threads(self.threads)?;
+        Ok(GreedyOptions {
+            model: self.model.as_deref(),
+            prompt: &self.prompt,
+            max_new_tokens: self.max_new_tokens,
+            backend: self.backend.backend(),
+            allow_beyond_max_positions: self.allow_beyond_max_positions,
+        })
     }
-    let prompt = Prompt::load(&run.prompt)?;
-    let mut engine = load_engine(run.model.as_deref(), run.backend.backend())?;
-    engine.allow_beyond_max_positions = run.allow_beyond_max_positions;
-    Ok((engine, prompt))
 }
 
 /// Which paths run where, and which taps are compared: what `compare` and `sweep` share.
@@ -119,13 +118,6 @@ pub struct PathArgs {
 }
 
 impl PathArgs {
-    /// `--taps` and `--all-prompt-logits` for a model with `layers` layers.
-    pub fn tap_filter(&self, layers: usize) -> Result<TapFilter> {
-        let mut f = tap_filter(&self.taps, layers)?;
-        f.all_prompt_logits = self.all_prompt_logits;
-        Ok(f)
-    }
-
     /// `--reference` and `--paths` (default: every path but the reference on its own
     /// backend), and whether any of them runs on CUDA.
     pub fn targets(&self) -> Result<(Target, Vec<Target>, bool)> {
@@ -149,11 +141,6 @@ impl PathArgs {
             .any(|t| t.on(backend) == Backend::Cuda);
         Ok((reference, targets, cuda))
     }
-}
-
-/// `--taps` for a model with `layers` layers.
-pub fn tap_filter(taps: &str, layers: usize) -> Result<TapFilter> {
-    TapFilter::from_flag(taps, layers)
 }
 
 /// Per-operation GPU times (`KVDIFF_CUDA_PROFILE`) and phase timings (`KVDIFF_TIMING`), on

@@ -5,14 +5,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use kvdiff::compare::judge::noise::{Calibration, NoiseProfile};
-use kvdiff::compare::judge::noise_cache;
+use kvdiff::compare::calibrate::calibrate;
 use kvdiff::error::{Error, Result, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
-use kvdiff::io::prompt::Prompt;
 use kvdiff::support::progress;
 
-use super::args::{load_engine, print_timings, require_cuda, set_threads, BackendArg};
+use super::args::{print_timings, set_threads, BackendArg};
 
 #[derive(Args)]
 pub struct CalibrateArgs {
@@ -43,30 +41,11 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
         check_output_parent(out, "--out")?;
     }
     let gpu = a.backend == BackendArg::Cuda;
-    if gpu {
-        require_cuda()?;
-    }
-    let p = Prompt::load(&a.prompt)?;
-    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
-    let enc = engine.encode(&p, &a.prompt, a.max_new_tokens)?;
-    let last = enc.ids.len() + a.max_new_tokens.max(1) - 1;
-    // Made where the cache would make it, and stored there: later `compare`, `diff` and
-    // `sweep` runs on this model and prompt reaching no further reuse it.
-    let backends = ["cpu", "cuda"];
-    let max = engine.model.config.max_position_embeddings;
-    let slot = noise_cache::slot(&engine.source, &enc.ids, last, max, &backends, gpu);
-    let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
-    let cal = Calibration::new(&engine.model, &enc.ids, at);
-    let profile =
-        NoiseProfile::calibrate(&cal, &engine.model, engine.source.describe(), &backends)?;
-    let mut gpu_noise = None;
-    if gpu {
-        let gpu_model = kvdiff::cuda::to_cuda(&engine.model)?;
-        let measured = profile.check_gpu(&cal, &gpu_model)?;
-        gpu_noise = Some(measured.clone());
+    let c = calibrate(a.model.as_deref(), &a.prompt, a.max_new_tokens, gpu)?;
+    if let Some(measured) = &c.gpu_noise {
         say!("kvdiff: the GPU's own error is within what bf16 rounding allows:");
         for (kind, e) in &measured.per_kind {
-            let emulated = profile.backends["cuda"]
+            let emulated = c.profile.backends["cuda"]
                 .per_kind
                 .get(kind)
                 .copied()
@@ -74,16 +53,12 @@ pub fn run(a: CalibrateArgs) -> Result<i32> {
             say!("  {kind:<11} {e:.2e} (emulated {emulated:.2e})");
         }
     }
-    if let Some(s) = &slot {
-        s.store(&profile, gpu_noise.as_ref());
-        if progress::verbosity() >= 1 {
-            eprintln!(
-                "kvdiff: stored in the cache for later runs on this model and prompt that reach position {} or less",
-                s.calibrate_at
-            );
-        }
+    if let (Some(at), true) = (c.cached_up_to, progress::verbosity() >= 1) {
+        eprintln!(
+            "kvdiff: stored in the cache for later runs on this model and prompt that reach position {at} or less"
+        );
     }
-    let json = serde_json::to_vec_pretty(&profile).map_err(|e| Error::Internal(e.to_string()))?;
+    let json = serde_json::to_vec_pretty(&c.profile).map_err(|e| Error::Internal(e.to_string()))?;
     match &a.out {
         Some(out) => {
             write_atomic(out, &json, "--out")?;

@@ -4,11 +4,11 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use kvdiff::compare::greedy::dump;
 use kvdiff::error::{Result, EXIT_OK};
 use kvdiff::io::output::check_output_parent;
-use kvdiff::tap::dump::Dumper;
 
-use super::args::{setup, tap_filter, RunArgs};
+use super::args::RunArgs;
 
 #[derive(Args)]
 pub struct DumpArgs {
@@ -39,48 +39,10 @@ enum Precision {
 }
 
 pub fn run(a: DumpArgs) -> Result<i32> {
-    let (run, out) = (&a.run, &a.out);
-    check_output_parent(out, "--out")?;
-    let (mut engine, prompt) = setup(run)?;
+    check_output_parent(&a.out, "--out")?;
     let bf16 = a.precision == Precision::Bf16;
-    let cuda = run.backend.backend() == kvdiff::compare::target::Backend::Cuda;
-    if bf16 {
-        if run.backend.backend() != kvdiff::compare::target::Backend::Cpu {
-            return Err(kvdiff::error::Error::usage(
-                "--precision",
-                "bf16 emulates a bf16 engine on the CPU; the cuda backend runs in bf16 already",
-                "drop --precision bf16, or use --backend cpu",
-            ));
-        }
-        engine.model = engine.model.bf16_emulation();
-    }
-    let layers = engine.model.config.num_hidden_layers;
-    let filter = tap_filter(&a.taps, layers)?;
-    let enc = engine.encode(&prompt, &run.prompt, run.max_new_tokens)?;
-    let mut dumper = Dumper::new(out, &filter, layers, a.force)?.storing_bf16(bf16);
-    let gen = engine.generate(&enc.ids, run.max_new_tokens, &mut dumper);
-    let meta = serde_json::json!({
-        "model": engine.source.describe(),
-        "prompt_text": enc.text,
-        "prompt_ids": enc.ids,
-        "generated_ids": gen.tokens,
-        "generated_text": gen.text,
-        "taps": a.taps,
-        "dtype": if bf16 || cuda { "bfloat16" } else { "float32" },
-    });
-    // The CUDA backend keeps f32 activations (its taps are f32) but holds bf16 weights and
-    // feeds its GEMMs bf16 inputs: `kvdiff diff` holds it as a bf16 engine, and replays its
-    // products on inputs rounded so.
-    let meta = match cuda {
-        true => {
-            let mut m = meta;
-            m["matmul_inputs"] = "bfloat16".into();
-            m
-        }
-        false => meta,
-    };
-    let files = dumper.finish(out, &meta)?;
-    say!("kvdiff: wrote {files} step files to {}", out.display());
+    let (files, engine) = dump(&a.run.options()?, &a.out, &a.taps, a.force, bf16)?;
+    say!("kvdiff: wrote {files} step files to {}", a.out.display());
     kvdiff::support::exit::keep(engine);
     Ok(EXIT_OK)
 }

@@ -9,9 +9,7 @@ use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
 use kvdiff::paths::{self, PathSpec};
 
-use super::args::{load_engine, set_threads};
-
-const EMBEDDED_TASKS: &str = include_str!("../../fixtures/tasks.jsonl");
+use super::args::set_threads;
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -51,32 +49,22 @@ pub fn run(a: EvalArgs) -> Result<i32> {
             .map_err(|e| Error::usage("--paths", e, "see kvdiff compare --help for paths"))?,
         None => PathSpec::all(),
     };
-    let (task_list, tasks_path) = match &a.tasks {
-        Some(p) => (eval::load_tasks(p)?, p.clone()),
-        None => {
-            let embedded = PathBuf::from("<embedded>/fixtures/tasks.jsonl");
-            (eval::parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
-        }
-    };
-    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
-    let start = std::time::Instant::now();
-    let rows = eval::run(&engine, &task_list, &paths, a.max_new_tokens, &tasks_path)?;
+    let e = eval::evaluate(
+        a.model.as_deref(),
+        a.tasks.as_deref(),
+        &paths,
+        a.max_new_tokens,
+    )?;
     say!(
         "kvdiff: {} tasks x {} paths in {:.1} s",
-        task_list.len(),
+        e.tasks,
         paths.len(),
-        start.elapsed().as_secs_f64()
+        e.took.as_secs_f64()
     );
-    print_table(&rows);
-    let standard = rows.iter().find(|r| r.path == "standard");
-    let mismatch = rows.iter().any(|r| {
-        r.exact
-            && standard.is_some_and(|s| {
-                (s.case_ok, s.fact_ok, s.answer_ok) != (r.case_ok, r.fact_ok, r.answer_ok)
-            })
-    });
-    let code = if mismatch { EXIT_DIVERGED } else { EXIT_OK };
-    let body = serde_json::json!({"schema": 1, "model": engine.source.describe(), "rows": rows, "exit_code": code});
+    print_table(&e.rows);
+    let code = if e.mismatch { EXIT_DIVERGED } else { EXIT_OK };
+    let body =
+        serde_json::json!({"schema": 1, "model": e.model, "rows": e.rows, "exit_code": code});
     if let Some(path) = &a.json {
         let bytes = serde_json::to_vec_pretty(&body).map_err(|e| Error::Internal(e.to_string()))?;
         write_atomic(path, &bytes, "--json")?;

@@ -4,10 +4,10 @@ use std::io::Write;
 
 use clap::Args;
 
+use kvdiff::compare::greedy::generate;
 use kvdiff::error::{Result, EXIT_OK};
-use kvdiff::tap::NullSink;
 
-use super::args::{print_timings, setup, RunArgs};
+use super::args::{print_timings, RunArgs};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -16,32 +16,23 @@ pub struct GenerateArgs {
 }
 
 pub fn run(a: GenerateArgs) -> Result<i32> {
-    let run = a.run;
-    let (engine, prompt) = setup(&run)?;
-    let enc = engine.encode(&prompt, &run.prompt, run.max_new_tokens)?;
-    let start = std::time::Instant::now();
-    let waited = engine.tokenizer.parse_wait();
-    let mut sink = NullSink::new(engine.model.config.num_hidden_layers);
-    let gen = engine.generate(&enc.ids, run.max_new_tokens, &mut sink);
-    // Waiting for the tokenizer's parse is start-up, wherever it falls.
-    let took = start
-        .elapsed()
-        .saturating_sub(engine.tokenizer.parse_wait() - waited);
+    let g = generate(&a.run.options()?)?;
+    let gen = &g.generation;
     say!(
         "kvdiff: {} ({} prompt tokens, {} generated{}, {:.0} ms)",
-        engine.source.describe(),
-        enc.ids.len(),
+        g.engine.source.describe(),
+        g.prompt_tokens,
         gen.tokens.len(),
         if gen.stopped_at_eos {
             ", stopped at EOS"
         } else {
             ""
         },
-        took.as_secs_f64() * 1e3
+        g.took.as_secs_f64() * 1e3
     );
-    print_timings(Some(&engine.model));
+    print_timings(Some(&g.engine.model));
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", gen.text);
-    kvdiff::support::exit::keep(engine);
+    kvdiff::support::exit::keep(g.engine);
     Ok(EXIT_OK)
 }

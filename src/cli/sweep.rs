@@ -1,19 +1,16 @@
 //! `kvdiff sweep`: a prompt set through `compare`, one JSON line per (case, path); and
 //! `kvdiff sweep summarize`, over the files of one or many partitions.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use kvdiff::compare::report::Judgement;
-use kvdiff::compare::run::Policy;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
 use kvdiff::io::output::{check_output_parent, write_atomic};
-use kvdiff::io::prompt_set;
-use kvdiff::sweep::{cases, run, summary};
+use kvdiff::sweep::command::{self, SweepOptions};
+use kvdiff::sweep::{cases, summary};
 
-use super::args::{load_engine, require_cuda, set_threads, PathArgs};
+use super::args::{set_threads, PathArgs};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -132,90 +129,44 @@ fn sweep(a: RunSweep) -> Result<i32> {
         .map(cases::parse_partition)
         .transpose()
         .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
-    let backend = a.which.backend.backend();
-    let (reference, targets, uses_cuda) = a.which.targets()?;
-    if uses_cuda {
-        require_cuda()?;
-    }
-    let (conversations, bad) = prompt_set::load(input)?;
-    for b in &bad {
-        say!(
-            "kvdiff: {}: line {}: {} (skipped)",
-            input.display(),
-            b.line,
-            b.why
-        );
-    }
-    if a.strict_input && !bad.is_empty() {
-        let b = &bad[0];
-        return Err(Error::input(
-            input,
-            format!("line {}: {}", b.line, b.why),
-            "fix the line, or drop --strict-input to skip it",
-        ));
-    }
-    let engine = load_engine(a.model.as_deref(), kvdiff::compare::target::Backend::Cpu)?;
-    let pinned = match &a.noise_profile {
-        Some(f) => {
-            let p = kvdiff::compare::judge::noise::NoiseProfile::load(f)?;
-            p.check_model(&engine.model, f)?;
-            Some(p)
-        }
-        None => None,
-    };
-    let taps = a.which.tap_filter(engine.model.config.num_hidden_layers)?;
-    let gpu_model = match uses_cuda {
-        true => Some(kvdiff::cuda::to_cuda(&engine.model)?),
-        false => None,
-    };
-    let replay_models = a
-        .replay
-        .then(|| kvdiff::compare::path_replay::ReplayModels::new(&engine.model));
-    let mut todo = cases::all(conversations.len(), random);
-    if let Some(p) = partition {
-        todo = cases::partition(todo, p);
-    }
-    let earlier = run::resume(out)?;
-    let done: HashSet<_> = earlier.iter().map(|l| l.key()).collect();
-    let s = run::Sweep {
-        engine: &engine,
-        gpu_model: gpu_model.as_ref(),
-        input: input.display().to_string(),
-        conversations: &conversations,
+    let (reference, targets, _) = a.which.targets()?;
+    let outcome = command::sweep(&SweepOptions {
+        model: a.model.as_deref(),
+        input,
+        out,
         reference,
-        targets: &targets,
-        backend,
-        taps: &taps,
-        policy: Policy::Auto,
+        targets,
+        backend: a.which.backend.backend(),
+        taps: &a.which.taps,
+        all_prompt_logits: a.which.all_prompt_logits,
+        random,
+        seed: a.seed,
+        partition,
         max_new_tokens: a.max_new_tokens,
         invariants: !a.no_invariants,
-        seed: a.seed,
-        judgement: Judgement::default(),
-        profiles: (0..conversations.len())
-            .map(|_| Default::default())
-            .collect(),
-        pinned,
-        gpu_noise: Default::default(),
-        replay: replay_models.as_ref(),
-    };
-    let start = std::time::Instant::now();
-    let outcome = s.run(&todo, &done, out)?;
-    let secs = start.elapsed().as_secs_f64();
+        replay: a.replay,
+        noise_profile: a.noise_profile.as_deref(),
+        strict_input: a.strict_input,
+    })?;
     for (case, why) in &outcome.skipped {
         say!("kvdiff: skipped {case}: {why}");
     }
-    let written = outcome.written;
+    let secs = outcome.took.as_secs_f64();
     say!(
         "kvdiff: {} cases ({} lines written, {} already there) in {secs:.1} s: {:.2} cases/s",
-        todo.len(),
-        written,
-        earlier.len(),
-        todo.len() as f64 / secs.max(1e-9)
+        outcome.cases,
+        outcome.written,
+        outcome.earlier,
+        outcome.cases as f64 / secs.max(1e-9)
     );
-    super::args::print_timings(gpu_model.as_ref());
-    // Lines an earlier run wrote count as much as this run's.
-    let failed = outcome.failed || earlier.iter().any(|l| l.failed);
-    Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })
+    super::args::print_timings(outcome.gpu_model.as_ref());
+    let code = if outcome.failed {
+        EXIT_DIVERGED
+    } else {
+        EXIT_OK
+    };
+    kvdiff::support::exit::keep(outcome.into_models());
+    Ok(code)
 }
 
 fn summarize(a: SummarizeArgs) -> Result<i32> {
@@ -224,18 +175,7 @@ fn summarize(a: SummarizeArgs) -> Result<i32> {
             check_output_parent(p, flag)?;
         }
     }
-    let mut lines = Vec::new();
-    for f in &a.files {
-        if !f.is_file() {
-            return Err(Error::input(
-                f,
-                "no such sweep file",
-                "give the JSONL files kvdiff sweep --out wrote",
-            ));
-        }
-        lines.extend(run::resume_read_only(f)?);
-    }
-    let s = summary::summarize(&lines, a.worst);
+    let (s, failed) = command::summarize(&a.files, a.worst)?;
     if let Some(j) = &a.json {
         let bytes = serde_json::to_vec_pretty(&s).map_err(|e| Error::Internal(e.to_string()))?;
         write_atomic(j, &bytes, "--json")?;
@@ -246,9 +186,5 @@ fn summarize(a: SummarizeArgs) -> Result<i32> {
         write_atomic(h, page.as_bytes(), "--html")?;
     }
     print!("{}", summary::text(&s));
-    Ok(if s.paths.values().any(|p| p.failed > 0) {
-        EXIT_DIVERGED
-    } else {
-        EXIT_OK
-    })
+    Ok(if failed { EXIT_DIVERGED } else { EXIT_OK })
 }

@@ -171,6 +171,54 @@ pub fn run(
     Ok(rows)
 }
 
+/// The task set shipped in the binary (fixtures/tasks.jsonl), for `kvdiff eval` without
+/// `--tasks`.
+const EMBEDDED_TASKS: &str = include_str!("../../fixtures/tasks.jsonl");
+
+/// A whole `kvdiff eval`: the scores per path, and whether an exact path scored otherwise than
+/// standard (which fails the run).
+pub struct Evaluated {
+    pub rows: Vec<EvalRow>,
+    pub tasks: usize,
+    pub mismatch: bool,
+    /// The model, as the JSON names it.
+    pub model: String,
+    pub took: std::time::Duration,
+}
+
+/// Loads the model and the task set (`tasks`, else the embedded one) and scores each path.
+pub fn evaluate(
+    model: Option<&Path>,
+    tasks: Option<&Path>,
+    paths: &[PathSpec],
+    max_new: usize,
+) -> Result<Evaluated> {
+    let (task_list, tasks_path) = match tasks {
+        Some(p) => (load_tasks(p)?, p.to_path_buf()),
+        None => {
+            let embedded = std::path::PathBuf::from("<embedded>/fixtures/tasks.jsonl");
+            (parse_tasks(EMBEDDED_TASKS, &embedded)?, embedded)
+        }
+    };
+    let engine = crate::compare::target::load_engine(model, crate::compare::target::Backend::Cpu)?;
+    let start = std::time::Instant::now();
+    let rows = run(&engine, &task_list, paths, max_new, &tasks_path)?;
+    let standard = rows.iter().find(|r| r.path == "standard");
+    let mismatch = rows.iter().any(|r| {
+        r.exact
+            && standard.is_some_and(|s| {
+                (s.case_ok, s.fact_ok, s.answer_ok) != (r.case_ok, r.fact_ok, r.answer_ok)
+            })
+    });
+    Ok(Evaluated {
+        tasks: task_list.len(),
+        mismatch,
+        model: engine.source.describe(),
+        took: start.elapsed(),
+        rows,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

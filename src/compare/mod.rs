@@ -5,18 +5,21 @@
 //!   code, the text and the HTML page;
 //! - the drivers (this folder): the reference and each path run in lockstep, every tap diffed
 //!   as it arrives (`driver.rs`, `lockstep.rs`, `comparator/`), the lockstep run of a
-//!   comparison (`run.rs`), a whole `kvdiff compare` (`command.rs`), `PATH@BACKEND` targets
-//!   and where they run (`target.rs`), the exact invariants of approximate paths
-//!   (`invariants.rs`) and the task-level check (`eval.rs`);
+//!   comparison (`run.rs`), a whole `kvdiff compare` (`command.rs`) and `kvdiff calibrate`
+//!   (`calibrate.rs`), `PATH@BACKEND` targets and where they run (`target.rs`), the exact
+//!   invariants of approximate paths (`invariants.rs`), the task-level check (`eval.rs`) and the
+//!   engine's own greedy run for `generate` and `dump` (`greedy.rs`);
 //! - `engine_dump/`: an engine's dump held to a reference, a whole `kvdiff diff`.
 
 pub mod judge;
 pub mod report;
 
+pub mod calibrate;
 pub mod command;
 mod comparator;
 pub mod driver;
 pub mod eval;
+pub mod greedy;
 pub mod invariants;
 mod lockstep;
 pub mod path_replay;

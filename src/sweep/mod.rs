@@ -5,8 +5,10 @@
 //! - `cases.rs`: which cases a prompt set gives (the shipped chunking, random ones) and the
 //!   partition a run takes;
 //! - `run.rs`: running them (in parallel on the CPU, back to back on a GPU) and the JSONL output;
-//! - `summary.rs`: per path counts, divergence sites, the worst cases with a command each.
+//! - `summary.rs`: per path counts, divergence sites, the worst cases with a command each;
+//! - `command.rs`: a whole `kvdiff sweep` and `sweep summarize` from their options.
 
 pub mod cases;
+pub mod command;
 pub mod run;
 pub mod summary;
