@@ -6,7 +6,10 @@ the original, and name the one row `--perturb` changes.
   python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW]
       [--batched | --staggered | --cached] [--prompt PROMPT_FILE]
 
---batched packs two copies of the run into every call as sequences 0 and 1; --staggered runs
+--batched packs two copies of the run into every call as sequences 0 and 1; --padded does the
+same as HF generate() does for a left-padded batch over a static cache: sequence 0 behind pad
+rows (mask 0, junk values, RoPE ids of 1), attention columns at cache slots with junk in its pad
+columns and in every unused slot past the sequences; --staggered runs
 them as sequences 3 and 9 of a continuous-batching engine (9 joins a call later and finishes
 later). Only the second copy is perturbed. --cached leaves the prompt's first half uncomputed,
 as a prefix-cache hit does (tokens only). --prompt stores the conversation in meta.json.
@@ -74,6 +77,49 @@ def calls_of(src, steps, perturb, copy_perturbed):
     return out
 
 
+PAD = 3
+"""Sequence 0's left padding in the --padded replay."""
+
+
+def padded(cap, a, b):
+    """Copies `a` (sequence 0, left-padded by PAD) and `b` (sequence 1) in one batch, every
+    attention row laid out over a static cache: slot = position + the sequence's padding."""
+    width = PAD + max(pos[-1] for _, pos, _, _ in a) + 4
+    for k, ((ta, pa, xa, _), (tb, pb, xb, _)) in enumerate(zip(a, b)):
+        pads = PAD if k == 0 else 0
+        toks = [0] * pads + ta + tb
+        pos = [0] * pads + pa + pb
+        seq = [0] * (pads + len(ta)) + [1] * len(tb)
+        mask = [0] * pads + [1] * (len(ta) + len(tb))
+        rope = [1] * pads + pa + pb
+        cap.begin(toks, positions=pos, rope_positions=rope, seq=seq, mask=mask)
+        for name in xa:
+            ra, rb = xa[name], xb[name]
+            if not name.endswith("attn_probs"):
+                junk = nest([7.0] * len(flat(ra[0])), shape_of(ra[0]))
+                kc.tap(name, [junk] * pads + ra + rb)
+                continue
+            rows, keys = [], []
+            for r, offset in [(x, PAD) for x in ra] + [(x, 0) for x in rb]:
+                n = len(r[0])
+                slots = [[0.5 if j < offset else 0.25 for j in range(width)] for _ in r]
+                for h, head in enumerate(r):
+                    slots[h][offset:offset + n] = head
+                rows.append(slots)
+                keys.append([j - offset if offset <= j < offset + n else -1 for j in range(width)])
+            junk = [[9.0] * width for _ in ra[0]]
+            kc.tap(name, [junk] * pads + rows, key_positions=[[-1] * width] * pads + keys)
+        cap.end()
+
+
+def flat(x):
+    return [v for item in x for v in flat(item)] if isinstance(x, list) else [x]
+
+
+def shape_of(x):
+    return [len(x)] + shape_of(x[0]) if isinstance(x, list) else []
+
+
 def main():
     args = sys.argv[1:]
     src, out = args[0], args[1]
@@ -116,6 +162,9 @@ def main():
                 for name, r in taps.items():
                     kc.tap(name, r)
                 cap.end()
+            return
+        if "--padded" in args:
+            padded(cap, calls_of(src, steps, perturb, False), calls_of(src, steps, perturb, True))
             return
         copies = [calls_of(src, steps, perturb, c == 1 or not batched) for c in range(2 if batched else 1)]
         for k, (toks, pos, taps, _) in enumerate(copies[0]):

@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
+#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 set -euo pipefail
 stage=${1:-all}
@@ -47,6 +47,11 @@ if [ "$stage" = all ] || [ "$stage" = capture ]; then
   for m in fixtures/default-model fixtures/random-model; do
     python3 scripts/capture_nano_test.py .out/bin/kvdiff "$m"
   done
+fi
+if [ "$stage" = all ] || [ "$stage" = matrix ]; then
+  # HF generate() as people configure it: caches, attention, padding, chunked prefill, compile;
+  # every clean run EQUIVALENT, every planted fault named (docs/engine-debugging.md#measured).
+  python3 scripts/capture_hf_matrix.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/matrix.log" | tail -n 120
 fi
 if [ "$stage" = all ] || [ "$stage" = nano ]; then
   # A real nano-vllm release (its wheel carried in .whl/: pip download --no-deps nano-vllm-fork),

@@ -238,6 +238,20 @@ def worker(dtype, kvdiff, out):
         finally:
             for owner, attr, fn in reversed(undo):
                 setattr(owner, attr, fn)
+    # An LLM that replays decode steps as CUDA graphs (enforce_eager=False) is refused before
+    # anything runs, and nothing is written.
+    runner = llm.model_runner
+    runner.enforce_eager = False
+    refused = os.path.join(out, f"{dtype}-cuda-graphs")
+    try:
+        with kc.capture(llm, refused):
+            scenarios["whole"]()
+        rows.append(("CUDA graphs (enforce_eager=False)", (False, "captured: not refused")))
+    except ValueError as e:
+        ok = "enforce_eager=True" in str(e) and not os.path.exists(refused)
+        rows.append(("CUDA graphs (enforce_eager=False)", (ok, f"refused: {str(e)[:90]}")))
+    finally:
+        runner.enforce_eager = True
     return rows
 
 

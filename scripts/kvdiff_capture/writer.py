@@ -35,11 +35,13 @@ def set_active(cap: Optional["Capture"]) -> None:
     _active = cap
 
 
-def tap(name: str, tensor: Any, positions: Optional[Ints] = None, seq: Optional[Ints] = None) -> None:
-    """Adds `tensor` (rows = the current call's tokens, or `positions`) to the active capture.
-    Costs nothing outside a capture, so engines may leave the calls in."""
+def tap(name: str, tensor: Any, positions: Optional[Ints] = None, seq: Optional[Ints] = None,
+        key_positions: Any = None) -> None:
+    """Adds `tensor` (rows = the current call's tokens, or `positions`) to the active capture
+    (`Capture.tap` says what `key_positions` does). Costs nothing outside a capture, so engines
+    may leave the calls in."""
     if _active is not None:
-        _active.tap(name, tensor, positions=positions, seq=seq)
+        _active.tap(name, tensor, positions=positions, seq=seq, key_positions=key_positions)
 
 
 def _is_torch(x: Any) -> bool:
@@ -141,6 +143,10 @@ class Capture:
         self.written: Dict[int, Set[int]] = {}
         self.current: Optional[Dict[str, Any]] = None
         self.layer: Optional[int] = None  # set by adapters: the layer a shared module runs for
+        # Set by adapters: hooks begin and end every forward call, and these taps (where
+        # wanted) come out of every one. A call that breaks either ran where hooks cannot.
+        self.hooked = False
+        self.expected: List[str] = []
 
     def wants(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
@@ -148,7 +154,7 @@ class Capture:
     def begin(self, tokens: Ints, positions: Optional[Ints] = None,
               rope_positions: Optional[Ints] = None, seq: Optional[Ints] = None,
               prompt_len: Optional[Union[int, Mapping[int, int]]] = None,
-              recompute: Iterable[int] = ()) -> None:
+              recompute: Iterable[int] = (), mask: Optional[Ints] = None) -> None:
         """Starts one forward call.
 
         tokens: the call's token ids, one per row.
@@ -164,17 +170,23 @@ class Capture:
         recompute: sequences whose rows already written are computed again in this call (a
             preempted sequence prefilled anew): those rows are not written twice; the rest land
             at their decode steps.
+        mask: each row's attention-mask value (1: a token of its sequence, 0: padding). Padding
+            rows are no rows of any sequence: they are never written and take no position, so
+            a left-padded sequence starts at position 0 as it would alone.
         """
         token_list = self._ints(tokens)
         seqs = self._ints(seq) if seq is not None else [0] * len(token_list)
+        real = [v != 0 for v in self._ints(mask)] if mask is not None else [True] * len(token_list)
+        if len(real) != len(token_list):
+            raise ValueError(f"{len(token_list)} tokens but {len(real)} mask values")
         if positions is None:
             pos: List[int] = []
-            for s in seqs:
+            for s, r in zip(seqs, real):
                 i = self.next_index.get(s, 0)
-                pos.append(i)
-                self.next_index[s] = i + 1
+                pos.append(i if r else -1)
+                self.next_index[s] = i + 1 if r else i
         else:
-            pos = self._ints(positions)
+            pos = [p if r else -1 for p, r in zip(self._ints(positions), real)]
             for s, p in zip(seqs, pos):
                 self.next_index[s] = max(self.next_index.get(s, 0), p + 1)
         if len(pos) != len(token_list) or len(seqs) != len(token_list):
@@ -185,10 +197,10 @@ class Capture:
                 self.prompt_len[int(s)] = int(n)
                 self.known_prompt_len.add(int(s))
         self.current = {"tokens": token_list, "positions": pos, "seq": seqs, "tensors": {},
-                        "recompute": set(int(s) for s in recompute)}
+                        "recompute": set(int(s) for s in recompute), "real": real}
         if rope_positions is not None:
             rope = self._ints(rope_positions)
-            if rope != pos:
+            if any(r != p for r, p, ok in zip(rope, pos, real) if ok):
                 self.current["rope_positions"] = rope
 
     def cached_prefix(self, seq: int, tokens: Ints) -> None:
@@ -217,7 +229,15 @@ class Capture:
         return self.current["seq"] if self.current else []
 
     def tap(self, name: str, tensor: Any, positions: Optional[Ints] = None,
-            seq: Optional[Ints] = None) -> None:
+            seq: Optional[Ints] = None, key_positions: Any = None) -> None:
+        """Adds `tensor` to the call: one row per token (or per `positions`, with `seq`).
+
+        key_positions: for attention probabilities `[rows, heads, columns]` over a cache laid
+        out otherwise than by position (left padding, a static or sliding-window cache), each
+        row's key position per column, -1 for a column that holds no key of its sequence
+        (padding, an unused slot). Columns are written at their key positions; the others are
+        dropped, never compared as keys.
+        """
         if self.current is None or not self.wants(name):
             return
         t = self.current["tensors"]
@@ -229,6 +249,11 @@ class Capture:
             # A copy: engines reuse and modify buffers in place after the hook returns.
             tensor = tensor.to("cpu", copy=True).contiguous()
         t[name] = tensor
+        if key_positions is not None:
+            keys = key_positions
+            if _is_torch(keys):
+                keys = keys.detach().to("cpu").long()
+            t[name + ".keys"] = keys
         if positions is not None:
             t[name + ".positions"] = self._ints(positions)
             if seq is not None:
@@ -237,8 +262,13 @@ class Capture:
     def end(self) -> None:
         """Writes the call: one file per sequence and step in it."""
         c, self.current = self.current, None
+        if c is None and self.hooked:
+            raise RuntimeError(SKIPPED_HOOKS + " (a forward call ended that no hook saw begin)")
         if c is None or not c["tokens"]:
             return
+        expected = [n for n in self.expected if self.wants(n)]
+        if expected and not any(n in c["tensors"] for n in expected):
+            raise RuntimeError(SKIPPED_HOOKS + f" (a forward call of {len(c['tokens'])} tokens wrote none of {expected[:3]})")
         for s in sorted(set(c["seq"])):
             self._write_seq(c, s)
         self.calls += 1
@@ -258,7 +288,9 @@ class Capture:
         return plen
 
     def _write_seq(self, c: Dict[str, Any], s: int) -> None:
-        rows = [i for i, q in enumerate(c["seq"]) if q == s]
+        rows = [i for i, q in enumerate(c["seq"]) if q == s and c["real"][i]]
+        if not rows:
+            return
         done = self.written.setdefault(s, set())
         if s in c["recompute"]:
             rows = [i for i in rows if c["positions"][i] not in done]
@@ -295,7 +327,7 @@ class Capture:
             tensors["rope_positions"] = [c["rope_positions"][i] for i in rows]
         wanted = set(pos)
         for k, v in c["tensors"].items():
-            if k.endswith((".positions", ".seq")):
+            if k.endswith((".positions", ".seq", ".keys")):
                 continue
             own_pos, own_seq = c["tensors"].get(k + ".positions"), c["tensors"].get(k + ".seq")
             if own_pos is not None:
@@ -312,6 +344,9 @@ class Capture:
                     raise ValueError(f"{k} has {n} rows, the call {every} tokens: pass positions=")
                 keep = rows
             tensors[k] = _take(v, keep)
+            keys = c["tensors"].get(k + ".keys")
+            if keys is not None:
+                tensors[k] = _place_keys(tensors[k], _take(keys, keep))
         path = os.path.join(self.partial, name)
         if any(_is_torch(v) for v in tensors.values()):
             import torch
@@ -346,6 +381,38 @@ class Capture:
         if _is_torch(x):
             return [int(v) for v in x.detach().reshape(-1).tolist()]
         return [int(v) for v in x]
+
+
+SKIPPED_HOOKS = ("the engine ran a forward pass where the capture's hooks cannot run (a CUDA graph "
+                 "or a compiled region): fix: run it eagerly while capturing (nano-vllm: "
+                 "LLM(..., enforce_eager=True); torch.compile: no mode='reduce-overhead' around "
+                 "the capture; see docs/engine-debugging.md#compiled-and-graph-captured-forwards)")
+
+
+def _place_keys(v: Any, keys: Any) -> Any:
+    """Attention rows `[rows, heads, columns]` rewritten so that column p holds key position p:
+    each row's columns moved to their `keys` (-1: dropped), as wide as the largest key + 1."""
+    if _is_torch(v):
+        import torch
+        keys = keys.to(v.device)
+        width = int(keys.max().item()) + 1 if keys.numel() else 0
+        rows, heads, cols = v.shape
+        where = torch.where(keys >= 0, keys, torch.full_like(keys, width))
+        out = torch.zeros(rows, heads, width + 1, dtype=v.dtype, device=v.device)
+        out.scatter_(2, where.unsqueeze(1).expand(rows, heads, cols), v)
+        return out[:, :, :width].contiguous()
+    width = max((max(k) for k in keys if k), default=-1) + 1
+    out = []
+    for row, k in zip(v, keys):
+        placed = []
+        for head in row:
+            h = [0.0] * width
+            for value, p in zip(head, k):
+                if p >= 0:
+                    h[p] = value
+            placed.append(h)
+        out.append(placed)
+    return out
 
 
 def _take(v: Any, rows: List[int]) -> Any:

@@ -534,6 +534,38 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
     }
 }
 
+/// A left-padded batch over a static cache, as HF `generate()` runs one (replayed through the
+/// capture package without torch): pad rows are no rows of their sequence, and attention columns
+/// are placed at their key positions, the pad and unused slots' junk dropped. The unpadded copy
+/// is equivalent; the perturbed one is named where it was changed.
+#[test]
+fn padding_and_static_cache_columns_are_not_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let json = tmp.path().join("r.json");
+    let out = tmp.path().join("padded");
+    replay(&d, &out, &["--perturb", "L2.k", "0", "17", "--padded"]);
+    for (seq, want) in [("0", None), ("1", Some((0, "L2.k".to_string(), 17)))] {
+        let o = kvdiff(&[
+            "diff",
+            "--seq",
+            seq,
+            "--json",
+            json.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ]);
+        let r = json_of(&o, &json);
+        assert_eq!(first(&r), want, "seq {seq}: {r}");
+        assert_eq!(
+            r["engine"]["rope_position_ids"],
+            serde_json::json!([]),
+            "seq {seq}"
+        );
+        let compared = r["engine"]["compared"].to_string();
+        assert!(compared.contains("attn_probs"), "seq {seq}: {compared}");
+    }
+}
+
 /// A tensor-parallel engine writes one file per rank, each with its own heads: kvdiff joins the
 /// shards in rank order. Rank 1's files are written first, so file order says nothing.
 #[test]

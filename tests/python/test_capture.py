@@ -217,3 +217,66 @@ def test_the_public_api_is_typed():
         sig = inspect.signature(fn)
         untyped = [p for p in sig.parameters.values() if p.name not in ("self",) and p.annotation is inspect.Parameter.empty]
         assert not untyped, f"{fn.__qualname__}: {untyped}"
+
+
+def test_padding_rows_are_no_rows_and_take_no_position(tmp_path):
+    # A left-padded batch as HF generate() feeds it: sequence 0 behind two pads, then a decode
+    # step; right padding in sequence 1 (a pad inside its row) is skipped the same way.
+    out = tmp_path / "dump"
+    with kc.capture(None, out) as cap:
+        cap.begin([0, 0, 5, 6, 7, 8, 9, 0], seq=[0] * 4 + [1] * 4, mask=[0, 0, 1, 1, 1, 1, 1, 0],
+                  rope_positions=[1, 1, 0, 1, 0, 1, 2, 1], prompt_len={0: 2, 1: 3})
+        kc.tap("embed", [[9.0]] * 2 + [[1.0], [2.0], [3.0], [4.0], [5.0], [9.0]])
+        cap.end()
+        cap.begin([10, 11], seq=[0, 1], mask=[1, 1])
+        kc.tap("embed", [[6.0], [7.0]])
+        cap.end()
+    assert rows_by_step(out, seq=0) == {0: [(0, 5), (1, 6)], 1: [(2, 10)]}
+    assert rows_by_step(out, seq=1) == {0: [(0, 7), (1, 8), (2, 9)], 1: [(3, 11)]}
+    f = files(out)
+    first = f["step-0000.call-00000.seq-0.safetensors"][0]
+    assert first["embed"][2] == [1.0, 2.0]
+    # The RoPE ids of real rows follow the mask: nothing to report, the pads' ids ignored.
+    assert "rope_positions" not in first
+
+
+def test_attention_columns_are_placed_at_their_key_positions(tmp_path):
+    # One row of sequence 0 behind two pad slots, over a static cache of 6 slots: columns 0-1
+    # are padding, 2-3 its keys 0-1, 4-5 unused. Junk in the dropped columns never survives.
+    out = tmp_path / "dump"
+    with kc.capture(None, out) as cap:
+        cap.begin([5, 6], positions=[0, 1])
+        row = lambda a, b: [[0.5, 0.5, a, b, 0.25, 0.25]]  # noqa: E731  one head
+        kc.tap("L0.attn_probs", [row(1.0, 0.0), row(0.4, 0.6)],
+               key_positions=[[-1, -1, 0, 1, -1, -1]] * 2)
+        cap.end()
+    t = files(out)["step-0000.call-00000.seq-0.safetensors"][0]
+    assert t["L0.attn_probs"][1] == [2, 1, 2]
+    assert t["L0.attn_probs"][2] == pytest.approx([1.0, 0.0, 0.4, 0.6])
+
+
+def test_a_forward_pass_the_hooks_never_entered_is_refused(tmp_path):
+    # A hooked model whose decode steps ran as a CUDA graph: its top-level hooks begin and end
+    # the call, but no layer hook fires. Nothing is written; the message says how to fix it.
+    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+        with kc.capture(None, tmp_path / "d") as cap:
+            cap.hooked, cap.expected = True, ["embed", "L0.resid_in"]
+            cap.begin([1, 2])
+            kc.tap("embed", [[1.0], [2.0]])
+            cap.end()
+            cap.begin([3])
+            kc.tap("logits", [[0.5]])
+            cap.end()
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
+    # A call that ended without the hook that begins it: the same refusal.
+    with pytest.raises(RuntimeError, match="no hook saw begin"):
+        with kc.capture(None, tmp_path / "e") as cap:
+            cap.hooked = True
+            cap.end()
+    # Taps the capture does not want are not expected.
+    with kc.capture(None, tmp_path / "f", taps="logits") as cap:
+        cap.hooked, cap.expected = True, ["embed"]
+        cap.begin([1])
+        kc.tap("logits", [[0.5]])
+        cap.end()
+    assert (tmp_path / "f/meta.json").exists()

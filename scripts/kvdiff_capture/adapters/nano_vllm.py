@@ -117,6 +117,8 @@ def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
     inner = model.model
     add = h.handles.append
     batch = _Batch()
+    cap.hooked = True
+    cap.expected = ["embed", *(f"L{i}.resid_in" for i in range(len(inner.layers))), "final_norm"]
 
     if runner is not None:
         original_run = runner.run
