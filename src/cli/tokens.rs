@@ -4,11 +4,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use kvdiff::engine::prompt_check::check;
-use kvdiff::engine::Engine;
+use kvdiff::engine::prompt_check::tokens;
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
-use kvdiff::io::model_source::ModelSource;
-use kvdiff::io::prompt::Prompt;
 
 #[derive(Args)]
 pub struct TokensArgs {
@@ -24,17 +21,7 @@ pub struct TokensArgs {
 }
 
 pub fn run(a: TokensArgs) -> Result<i32> {
-    let p = Prompt::load(&a.prompt)?;
-    let engine = Engine::load(ModelSource::from_arg(a.model.as_deref())?)?;
-    let enc = engine.encode(&p, &a.prompt, 0)?;
-    // A prompt that also gives the ids an engine fed: those held to the template's.
-    let check = match p.raw_ids() {
-        Some((ids, _)) => Some(
-            check(&engine.tokenizer, &p, &ids, &a.prompt.display().to_string())
-                .map_err(|e| Error::input(&a.prompt, e, "check the prompt's messages"))?,
-        ),
-        None => None,
-    };
+    let (enc, check) = tokens(a.model.as_deref(), &a.prompt)?;
     if a.json {
         let mut out = serde_json::json!({"text": enc.text, "ids": enc.ids});
         if let Some(c) = &check {

@@ -146,6 +146,27 @@ pub fn first_difference(
     Some((i, kind, e, f))
 }
 
+/// `kvdiff tokens`: the chat template's text and ids for the prompt file `path` on `model` (the
+/// embedded default without it), and, where the prompt also gives the ids an engine fed, those
+/// held to the template's.
+pub fn tokens(
+    model: Option<&std::path::Path>,
+    path: &std::path::Path,
+) -> crate::error::Result<(crate::engine::Encoded, Option<PromptCheck>)> {
+    let p = Prompt::load(path)?;
+    let engine =
+        crate::engine::Engine::load(crate::io::model_source::ModelSource::from_arg(model)?)?;
+    let enc = engine.encode(&p, path, 0)?;
+    let held = match p.raw_ids() {
+        Some((ids, _)) => Some(
+            check(&engine.tokenizer, &p, &ids, &path.display().to_string())
+                .map_err(|e| crate::error::Error::input(path, e, "check the prompt's messages"))?,
+        ),
+        None => None,
+    };
+    Ok((enc, held))
+}
+
 /// Checks `found` (the ids the engine fed for its prompt) against the chat template's ids for
 /// `prompt`. `source` names where the conversation came from, for the report.
 pub fn check(

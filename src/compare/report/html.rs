@@ -17,6 +17,26 @@ fn fill(template: &str, value: &serde_json::Value) -> String {
     template.replace("__REPORT_JSON__", &json)
 }
 
+/// The page for a report file `compare --json` wrote; a file that is no such report is refused,
+/// named.
+pub fn render_file(path: &std::path::Path) -> crate::error::Result<String> {
+    use crate::error::Error;
+    const FIX: &str = "give a report written by kvdiff compare --json FILE";
+    let bytes = std::fs::read(path)
+        .map_err(|e| Error::input(path, crate::io::model_source::open_error(&e), FIX))?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::input(path, format!("not JSON: {e}"), FIX))?;
+    let is_report = value["schema"] == 1 && value["paths"].is_array() && value["chunks"].is_array();
+    if !is_report {
+        return Err(Error::input(
+            path,
+            "not a kvdiff compare report (schema 1)",
+            FIX,
+        ));
+    }
+    Ok(render(&value))
+}
+
 const EVAL_TEMPLATE: &str = include_str!("eval.html");
 
 /// The page for `kvdiff eval --json`'s scores: one bar per path and score.
