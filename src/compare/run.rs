@@ -1,6 +1,6 @@
-//! One whole comparison, as `kvdiff compare` runs it: the reference and every path on their
-//! backends, tolerances learned or given, and the report. The command line only turns flags
-//! into a `Request` and prints what comes back.
+//! One comparison's lockstep run, for `kvdiff compare` (`command.rs` builds its `Request`) and
+//! every case of a sweep: the reference and every path on their backends, tolerances learned or
+//! given, and the report.
 
 use crate::compare::driver::{CompareSpec, Lane, Prefill, RowsCheck, RowsPrefill};
 use crate::compare::invariants::{blend_one_prefill, Invariant};

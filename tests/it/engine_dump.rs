@@ -218,6 +218,19 @@ fn json_of(o: &Output, file: &Path) -> serde_json::Value {
     common::read_json(file)
 }
 
+/// `kvdiff diff --seq SEQ` of `dump`: its JSON report.
+fn diff_seq(dump: &Path, seq: &str, json: &Path) -> serde_json::Value {
+    let o = kvdiff(&[
+        "diff",
+        "--seq",
+        seq,
+        "--json",
+        json.to_str().unwrap(),
+        dump.to_str().unwrap(),
+    ]);
+    json_of(&o, json)
+}
+
 /// The first divergence's (step, tap, position), or None.
 fn first(r: &serde_json::Value) -> Option<(u64, String, u64)> {
     let d = &r["paths"][0]["first_divergence"];
@@ -522,15 +535,7 @@ fn the_python_capture_module_writes_what_kvdiff_reads() {
         assert_eq!(first(&r), want, "seq {seq}");
     }
     for (seq, want) in [("0", None), ("1", Some((0, "L2.k".to_string(), 17)))] {
-        let o = kvdiff(&[
-            "diff",
-            "--seq",
-            seq,
-            "--json",
-            json.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ]);
-        assert_eq!(first(&json_of(&o, &json)), want, "seq {seq}");
+        assert_eq!(first(&diff_seq(&out, seq, &json)), want, "seq {seq}");
     }
 }
 
@@ -546,15 +551,7 @@ fn padding_and_static_cache_columns_are_not_tokens() {
     let out = tmp.path().join("padded");
     replay(&d, &out, &["--perturb", "L2.k", "0", "17", "--padded"]);
     for (seq, want) in [("0", None), ("1", Some((0, "L2.k".to_string(), 17)))] {
-        let o = kvdiff(&[
-            "diff",
-            "--seq",
-            seq,
-            "--json",
-            json.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ]);
-        let r = json_of(&o, &json);
+        let r = diff_seq(&out, seq, &json);
         assert_eq!(first(&r), want, "seq {seq}: {r}");
         assert_eq!(
             r["engine"]["rope_position_ids"],

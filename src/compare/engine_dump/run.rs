@@ -1,7 +1,7 @@
 //! One whole `kvdiff diff`, as the command runs it: the dumps opened, the model loaded where a
 //! reference or a calibration needs it, tolerances learned or given, the engine's dump held to
 //! the reference step by step (`steps.rs`), and the report. The command line only turns
-//! flags into a `DiffRequest` and prints what comes back, as it does for `run.rs`.
+//! flags into a `DiffRequest` and prints what comes back, as it does for `compare/command.rs`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
