@@ -175,11 +175,7 @@ def part(family, compile_on, kvdiff, out):
             # per tap).
             config["graphs_compiled"] = (dynamo["stats"]["unique_graphs"] - graphs0) if dynamo is not None else None
             # Where each sequence's second chunk starts: its first real row at slot 16 or later.
-            mask = enc["attention_mask"].tolist()
-            firsts = []
-            for m in mask:
-                slot = chunk or 0
-                firsts.append(sum(m[:slot]) if chunk else None)
+            firsts = [sum(m[:chunk]) if chunk else None for m in enc["attention_mask"].tolist()]
             if err is not None:
                 config["error"] = err
                 rows.append(config)

@@ -119,8 +119,8 @@ pub struct PathArgs {
 
 impl PathArgs {
     /// `--reference` and `--paths` (default: every path but the reference on its own
-    /// backend), and whether any of them runs on CUDA.
-    pub fn targets(&self) -> Result<(Target, Vec<Target>, bool)> {
+    /// backend).
+    pub fn targets(&self) -> Result<(Target, Vec<Target>)> {
         let backend = self.backend.backend();
         let reference = Target::parse(&self.reference)
             .map_err(|e| Error::usage("--reference", e, "see kvdiff compare --help for paths"))?;
@@ -136,10 +136,7 @@ impl PathArgs {
                 })
                 .collect(),
         };
-        let cuda = std::iter::once(&reference)
-            .chain(&targets)
-            .any(|t| t.on(backend) == Backend::Cuda);
-        Ok((reference, targets, cuda))
+        Ok((reference, targets))
     }
 }
 

@@ -91,7 +91,7 @@ pub struct CompareArgs {
 pub fn run(a: CompareArgs) -> Result<i32> {
     set_threads(a.threads)?;
     a.files.check()?;
-    let (reference, targets, _) = a.which.targets()?;
+    let (reference, targets) = a.which.targets()?;
     let options = CompareOptions {
         model: a.model.as_deref(),
         prompt: &a.prompt,

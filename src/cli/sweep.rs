@@ -129,7 +129,7 @@ fn sweep(a: RunSweep) -> Result<i32> {
         .map(cases::parse_partition)
         .transpose()
         .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
-    let (reference, targets, _) = a.which.targets()?;
+    let (reference, targets) = a.which.targets()?;
     let outcome = command::sweep(&SweepOptions {
         model: a.model.as_deref(),
         input,

@@ -13,7 +13,7 @@ use crate::compare::judge::noise_cache::{self, NoiseCache};
 use crate::compare::path_replay::ReplayModels;
 use crate::compare::report::{Judgement, Report};
 use crate::compare::run::{backend_names, Policy, Request};
-use crate::compare::target::{load_engine, require_cuda, Backend, Target};
+use crate::compare::target::{any_on, load_engine, require_cuda, Backend, Target};
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -109,8 +109,7 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
     check(o)?;
     let backend = o.backend;
     let (reference, targets) = (o.reference, o.targets.as_slice());
-    let sides = || std::iter::once(&reference).chain(targets);
-    let uses_cuda = sides().any(|t| t.on(backend) == Backend::Cuda);
+    let uses_cuda = any_on(&reference, targets, backend, Backend::Cuda);
     if uses_cuda {
         // Every path in one lockstep: the paths, the reference, and chunk-reuse:global or
         // blend:1 = standard where an invariant needs one (the kernels, compiled as the GPU
@@ -125,7 +124,7 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
     // Every side on the GPU: the model goes straight there, and a CPU copy is loaded only to
     // calibrate the noise model (auto tolerance, with no calibration cached) where the GPU
     // oracle cannot (weights rounded on their way to the GPU, experts, no cuBLAS).
-    let gpu_only = uses_cuda && !sides().any(|t| t.on(backend) == Backend::Cpu);
+    let gpu_only = uses_cuda && !any_on(&reference, targets, backend, Backend::Cpu);
     let p = load_prompt(o.prompt, o.case)?;
     let mut engine = load_engine(
         o.model,

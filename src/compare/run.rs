@@ -10,7 +10,7 @@ use crate::compare::judge::noise_cache::NoiseCache;
 use crate::compare::path_replay::ReplayModels;
 use crate::compare::reference_memo::ReferenceMemo;
 use crate::compare::report::{ChunkInfo, PathReport, Report, ToleranceInfo, SCHEMA};
-use crate::compare::target::{Backend, Target};
+use crate::compare::target::{any_on, Backend, Target};
 use crate::cuda::MemoAct;
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
@@ -159,9 +159,7 @@ impl<'a> Request<'a> {
     }
 
     fn uses_gpu(&self) -> bool {
-        std::iter::once(&self.reference)
-            .chain(self.targets)
-            .any(|t| t.on(self.backend) == Backend::Cuda)
+        any_on(&self.reference, self.targets, self.backend, Backend::Cuda)
     }
 
     /// Runs the reference against every target in lockstep and assembles the report.

@@ -10,9 +10,6 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::paths::PathSpec;
 
-/// The fix line of every error that needs a GPU this machine lacks.
-pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU, its driver and NVRTC on the library path (cuBLAS too before sm_80), or use --backend cpu";
-
 /// Fails at once where the CUDA driver is missing: that is then the whole answer. Where it
 /// is, the GPU starts opening now, beside reading the model (a GPU that cannot open is
 /// reported when the model first needs it).
@@ -21,7 +18,7 @@ pub fn require_cuda() -> Result<()> {
     let missing = crate::cuda::driver_missing();
     drop(probe);
     match missing {
-        Some(why) => Err(Error::usage("--backend cuda", why, CUDA_FIX)),
+        Some(why) => Err(Error::usage("--backend cuda", why, crate::cuda::CUDA_FIX)),
         None => {
             crate::cuda::open_in_background();
             Ok(())
@@ -67,6 +64,14 @@ impl Backend {
             Backend::Cuda => "cuda",
         }
     }
+}
+
+/// Whether the reference or any target runs on `backend` (`default`: where targets without
+/// `@BACKEND` run).
+pub fn any_on(reference: &Target, targets: &[Target], default: Backend, backend: Backend) -> bool {
+    std::iter::once(reference)
+        .chain(targets)
+        .any(|t| t.on(default) == backend)
 }
 
 /// A path and the backend it runs on (`None`: the run's `--backend`).

@@ -30,6 +30,7 @@ mod trace;
 mod workspace;
 
 pub use forward::{logits_on_gpu, LogitsOnGpu};
+pub use gpu::CUDA_FIX;
 pub use gpu::{
     cublas_asked, device_name, driver_missing, expect_sides, open_in_background, ptr,
     unavailable_reason, Arg, GemmTile, Gpu, LentPinned,

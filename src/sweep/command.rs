@@ -12,7 +12,7 @@ use crate::compare::judge::noise::NoiseProfile;
 use crate::compare::path_replay::ReplayModels;
 use crate::compare::report::Judgement;
 use crate::compare::run::Policy;
-use crate::compare::target::{load_engine, require_cuda, Backend, Target};
+use crate::compare::target::{any_on, load_engine, require_cuda, Backend, Target};
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -73,9 +73,7 @@ impl SweepOutcome {
 /// Runs the sweep's cases of this partition that the output does not hold yet.
 pub fn sweep(o: &SweepOptions) -> Result<SweepOutcome> {
     let backend = o.backend;
-    let uses_cuda = std::iter::once(&o.reference)
-        .chain(&o.targets)
-        .any(|t| t.on(backend) == Backend::Cuda);
+    let uses_cuda = any_on(&o.reference, &o.targets, backend, Backend::Cuda);
     if uses_cuda {
         require_cuda()?;
     }
@@ -143,7 +141,6 @@ pub fn sweep(o: &SweepOptions) -> Result<SweepOutcome> {
     let start = std::time::Instant::now();
     let outcome = s.run(&todo, &done, o.out)?;
     let took = start.elapsed();
-    drop(replay_models);
     Ok(SweepOutcome {
         cases: todo.len(),
         written: outcome.written,

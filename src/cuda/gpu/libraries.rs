@@ -5,7 +5,7 @@
 
 use cudarc::driver::CudaContext;
 
-pub(in crate::cuda) const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda) and NVRTC installed and on the library path (cuBLAS too before sm_80), or use --backend cpu";
+pub const CUDA_FIX: &str = "run on a machine with an NVIDIA GPU and its driver (libcuda) and NVRTC installed and on the library path (cuBLAS too before sm_80), or use --backend cpu";
 
 /// Whether the CUDA driver library is missing: the quick check a command makes before it
 /// starts opening the GPU in the background (`unavailable_reason` says everything, but loads

@@ -27,7 +27,7 @@ pub use gemm::GemmTile;
 pub use kernels::expect_sides;
 pub use kernels::Arg;
 pub(crate) use kernels::{max_sides, SIDE_SLOTS};
-pub(super) use libraries::CUDA_FIX;
+pub use libraries::CUDA_FIX;
 pub use libraries::{cublas_asked, device_name, driver_missing, unavailable_reason};
 pub use memory::{LentPinned, U32Read};
 pub use streams::Graph;
