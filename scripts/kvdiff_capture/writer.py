@@ -44,6 +44,22 @@ def tap(name: str, tensor: Any, positions: Optional[Ints] = None, seq: Optional[
         _active.tap(name, tensor, positions=positions, seq=seq, key_positions=key_positions)
 
 
+def begin(tokens: Ints, positions: Optional[Ints] = None, **kw: Any) -> None:
+    """`Capture.begin` on the active capture; nothing outside a capture."""
+    if _active is not None:
+        _active.begin(tokens, positions, **kw)
+
+
+def end() -> None:
+    """`Capture.end` on the active capture; nothing outside a capture."""
+    if _active is not None:
+        _active.end()
+
+
+def _is_numpy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "numpy"
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
@@ -241,6 +257,11 @@ class Capture:
         if self.current is None or not self.wants(name):
             return
         t = self.current["tensors"]
+        if _is_numpy(tensor):
+            tensor = tensor.tolist()
+        if _is_numpy(key_positions) or _is_numpy(positions) or _is_numpy(seq):
+            key_positions, positions, seq = (x.tolist() if _is_numpy(x) else x
+                                             for x in (key_positions, positions, seq))
         if _is_torch(tensor):
             import torch
             tensor = tensor.detach()
@@ -380,6 +401,8 @@ class Capture:
     def _ints(x: Any) -> List[int]:
         if _is_torch(x):
             return [int(v) for v in x.detach().reshape(-1).tolist()]
+        if _is_numpy(x):
+            return [int(v) for v in x.reshape(-1).tolist()]
         return [int(v) for v in x]
 
 

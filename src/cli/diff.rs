@@ -1,16 +1,21 @@
 //! `kvdiff diff`: an engine's dump held to a reference, step by step. One folder: kvdiff runs
 //! its own reference on the dump's tokens; two folders: the first is the reference.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
+use kvdiff::compare::engine_dump::many::diff_many;
 use kvdiff::compare::engine_dump::run::{DiffRequest, RefPrecision};
 use kvdiff::compare::report::{self, Judgement};
-use kvdiff::error::Result;
+use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
+use kvdiff::io::dump_set;
+use kvdiff::io::output::check_output_parent;
 use kvdiff::support::progress;
+use kvdiff::sweep::cases::parse_partition;
+use kvdiff::sweep::summary::shell_word;
 
-use super::args::{print_timings, set_threads, BackendArg, ReportFiles, ToleranceArgs};
+use super::args::{print_timings, set_threads, BackendArg, ReportFiles, TolPolicy, ToleranceArgs};
 
 pub const DIFF_HELP: &str = "\
 EXAMPLES:
@@ -19,6 +24,11 @@ EXAMPLES:
   kvdiff diff ref-dump/ engine-dump/       two dumps: the first is the reference
   kvdiff diff --prompt chat.json dump/     also check the engine's prompt ids against the
                                            chat template's for that conversation
+  kvdiff diff --out nightly.jsonl dumps/   every dump under dumps/ (or several folders, or a
+                                           quoted glob 'dumps/*/seed-*'), one JSON line per
+                                           dump and sequence; then: kvdiff sweep summarize
+                                           nightly.jsonl
+  git bisect run kvdiff diff --bisect dump/   with a dump the commit's test wrote
   Dumps come from `kvdiff dump`, `kvdiff compare --dump` or the kvdiff_capture Python
   package (any engine; pip install the repository); docs/dump-format.md is the spec.
 
@@ -27,13 +37,29 @@ what its dtype allows: float32 as kvdiff's f32 CPU backend, bfloat16/float16 as 
 rounding. The report says how it was set.
 
 EXIT CODES: 0 equivalent, 1 a tap or token diverged, 2 bad input or usage (a malformed dump
-names its file), 3 internal error.";
+names its file), 3 internal error. Many dumps: 1 if any diverged, else 2 if any could not be
+read (each named, the rest still diffed). With --bisect, 125 (git bisect's 'cannot test')
+wherever the others give 2 or 3.";
 
 #[derive(Args)]
 pub struct DiffArgs {
-    /// ENGINE_DUMP, or REFERENCE_DUMP ENGINE_DUMP.
-    #[arg(value_name = "DUMP", num_args = 1..=2, required = true)]
+    /// ENGINE_DUMP, or REFERENCE_DUMP ENGINE_DUMP; with --out, any number of engine dumps,
+    /// folders of dumps and quoted globs.
+    #[arg(value_name = "DUMP", num_args = 1.., required = true)]
     dumps: Vec<PathBuf>,
+    /// Diff every dump named (each against kvdiff's own reference) and append one JSON line
+    /// per dump and sequence to FILE, in `kvdiff sweep`'s format (`kvdiff sweep summarize
+    /// FILE`). A rerun with the same FILE skips the dumps it holds.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// With --out: diff only part K of N of the dumps (every N-th from the K-th, in sorted
+    /// order): one job of a CI matrix.
+    #[arg(long, value_name = "K/N", requires = "out")]
+    partition: Option<String>,
+    /// Exit codes for `git bisect run`: 0 equivalent, 1 diverged, 125 (skip this commit) where
+    /// the dump cannot be tested: missing, unreadable, or not written whole.
+    #[arg(long)]
+    bisect: bool,
     /// Hugging Face model directory of the dumped run; default: the `model` meta.json names
     /// (a folder, or the embedded default model).
     #[arg(long, value_name = "DIR")]
@@ -77,26 +103,114 @@ pub struct DiffArgs {
 }
 
 pub fn run(a: DiffArgs) -> Result<i32> {
+    let bisect = a.bisect;
+    let code = match a.out.is_some() {
+        true => many(a),
+        false => one(a),
+    };
+    if !bisect {
+        return code;
+    }
+    match code {
+        Ok(c) if c == EXIT_OK || c == EXIT_DIVERGED => Ok(c),
+        Ok(_) => Ok(EXIT_CANNOT_TEST),
+        Err(e) => {
+            eprintln!("error: {e}");
+            eprintln!("kvdiff: exit {EXIT_CANNOT_TEST}: git bisect skips this commit");
+            Ok(EXIT_CANNOT_TEST)
+        }
+    }
+}
+
+/// git bisect run's "this commit cannot be tested".
+const EXIT_CANNOT_TEST: i32 = 125;
+
+impl DiffArgs {
+    fn request<'a>(
+        &'a self,
+        engine_dump: &'a Path,
+        reference: Option<&'a Path>,
+    ) -> Result<DiffRequest<'a>> {
+        Ok(DiffRequest {
+            engine_dump,
+            reference_dump: reference,
+            seq: self.seq,
+            model: self.model.as_deref(),
+            replay: !self.no_replay,
+            precision: self.precision.into(),
+            backend: self.backend.backend(),
+            taps: &self.taps,
+            policy: self.tol.policy()?,
+            noise_profile: self.tol.noise_profile.as_deref(),
+            prompt: self.prompt.as_deref(),
+        })
+    }
+
+    /// The flags that change a diff's verdict, as a rerun of one dump needs them.
+    fn verdict_flags(&self) -> String {
+        let mut f = String::new();
+        let word = |p: &Path| shell_word(&p.display().to_string());
+        if let Some(m) = &self.model {
+            f += &format!(" --model {}", word(m));
+        }
+        if self.backend == BackendArg::Cuda {
+            f += " --backend cuda";
+        }
+        if let Some(v) = self
+            .precision
+            .to_possible_value()
+            .filter(|_| self.precision != PrecisionArg::Auto)
+        {
+            f += &format!(" --precision {}", v.get_name());
+        }
+        if self.taps != "*" {
+            f += &format!(" --taps {}", shell_word(&self.taps));
+        }
+        if let Some(v) = self
+            .tol
+            .tolerance
+            .to_possible_value()
+            .filter(|_| self.tol.tolerance != TolPolicy::Auto)
+        {
+            f += &format!(" --tolerance {}", v.get_name());
+        }
+        if let Some(x) = self.tol.atol {
+            f += &format!(" --atol {x}");
+        }
+        if let Some(x) = self.tol.rtol {
+            f += &format!(" --rtol {x}");
+        }
+        if let Some(p) = &self.tol.noise_profile {
+            f += &format!(" --noise-profile {}", word(p));
+        }
+        if let Some(p) = &self.prompt {
+            f += &format!(" --prompt {}", word(p));
+        }
+        if self.strict {
+            f += " --strict";
+        }
+        if self.no_replay {
+            f += " --no-replay";
+        }
+        f
+    }
+}
+
+fn one(a: DiffArgs) -> Result<i32> {
     set_threads(a.threads)?;
     a.files.check()?;
     let (reference_dump, engine_dump) = match a.dumps.as_slice() {
         [e] => (None, e),
         [r, e] => (Some(r), e),
-        _ => unreachable!("clap takes one or two"),
+        _ => {
+            return Err(Error::usage(
+                "kvdiff diff",
+                format!("{} dumps given without --out", a.dumps.len()),
+                "add --out results.jsonl to diff each against kvdiff's reference",
+            ))
+        }
     };
-    let request = DiffRequest {
-        engine_dump,
-        reference_dump: reference_dump.map(PathBuf::as_path),
-        seq: a.seq,
-        model: a.model.as_deref(),
-        replay: !a.no_replay,
-        precision: a.precision.into(),
-        backend: a.backend.backend(),
-        taps: &a.taps,
-        policy: a.tol.policy()?,
-        noise_profile: a.tol.noise_profile.as_deref(),
-        prompt: a.prompt.as_deref(),
-    };
+    let request = a.request(engine_dump, reference_dump.map(PathBuf::as_path))?;
     let judge = Judgement {
         budget: None,
         strict: a.strict,
@@ -131,7 +245,57 @@ pub fn run(a: DiffArgs) -> Result<i32> {
     })
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+/// `--out`: every dump named, one line per dump and sequence.
+fn many(a: DiffArgs) -> Result<i32> {
+    set_threads(a.threads)?;
+    let out = a.out.as_deref().expect("many() runs with --out");
+    check_output_parent(out, "--out")?;
+    if a.files.json.is_some() || a.files.html.is_some() {
+        return Err(Error::usage(
+            "--json/--html",
+            "they write one dump's report, and --out diffs many",
+            "read the lines with kvdiff sweep summarize, then rerun one dump with --html",
+        ));
+    }
+    let partition = a
+        .partition
+        .as_deref()
+        .map(parse_partition)
+        .transpose()
+        .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
+    let dumps = dump_set::expand(&a.dumps)?;
+    let template = a.request(&dumps[0], None)?;
+    let judge = Judgement {
+        budget: None,
+        strict: a.strict,
+    };
+    let flags = a.verdict_flags();
+    let started = std::time::Instant::now();
+    let outcome = diff_many(
+        &template,
+        &dumps,
+        partition,
+        Some(out),
+        &judge,
+        &flags,
+        |dump, report| {
+            for line in report::verdict_lines(report, &judge).lines() {
+                println!("{}: {line}", dump.display());
+            }
+        },
+    )?;
+    say!(
+        "kvdiff: {} dumps ({} lines written, {} already there, {} not tested) in {:.1} s",
+        outcome.dumps,
+        outcome.written,
+        outcome.earlier,
+        outcome.skipped.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(outcome.exit_code())
+}
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
 enum PrecisionArg {
     Auto,
     Bf16,

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::compare::judge::noise::{BackendNoise, Calibration, NoiseProfile};
 use crate::compare::judge::noise_cache;
 use crate::compare::path_replay::ReplayModels;
-use crate::compare::report::{Judgement, Report};
+use crate::compare::report::{Judgement, PathReport, Report};
 use crate::compare::run::{Policy, Request};
 use crate::compare::target::{Backend, Target};
 use crate::engine::model::Model;
@@ -86,6 +86,10 @@ pub struct Line {
     pub replay_margin: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub systematic_margin: Option<f64>,
+    /// The command that reruns this line, where it is not `kvdiff compare` on the case (a
+    /// dump's line: `kvdiff diff DUMP`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reproduce: Option<String>,
 }
 
 #[derive(Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
@@ -116,6 +120,49 @@ pub struct Flip {
 }
 
 impl Line {
+    /// A path's line, its case left for the caller to name (`input`, `case`, `chunking`,
+    /// `cuts`, `max_new_tokens`).
+    pub fn of(p: &PathReport, verdict: &str, prompt_tokens: usize, case_ms: f64) -> Line {
+        Line {
+            input: String::new(),
+            case: String::new(),
+            chunking: String::new(),
+            cuts: Vec::new(),
+            tokens: prompt_tokens,
+            max_new_tokens: 0,
+            path: p.path.clone(),
+            exact: p.exact,
+            verdict: verdict.to_string(),
+            failed: verdict.ends_with("failure)"),
+            first_divergence: p.first_divergence.as_ref().map(|d| Site {
+                step: d.step,
+                tap: d.tap.clone(),
+                layer: d.layer,
+                position: d.position,
+                kind: d.kind.to_string(),
+                rel_l2: d.rel_l2,
+                max_abs: d.max_abs,
+                test: d.test.to_string(),
+            }),
+            first_token_divergence: p.first_token_divergence.as_ref().map(|t| Flip {
+                step: t.step,
+                position: t.position,
+                reference_margin: t.reference_margin,
+                path_margin: t.path_margin,
+                near_tie: t.near_tie,
+            }),
+            logits_rel_l2_max: p.logits_rel_l2_max,
+            case_ms,
+            replay_margin: p.replay.as_ref().map(|r| r.margins().0),
+            systematic_margin: p
+                .replay
+                .as_ref()
+                .filter(|r| r.systematic_worst.is_some())
+                .map(|r| r.margins().1),
+            reproduce: None,
+        }
+    }
+
     /// What a rerun recognises as already written.
     pub fn key(&self) -> (String, String, String) {
         (self.case.clone(), self.chunking.clone(), self.path.clone())
@@ -374,42 +421,14 @@ impl Sweep<'_> {
         r.paths
             .iter()
             .zip(verdicts)
-            .map(|(p, v)| Line {
-                input: self.input.clone(),
-                case: conv.id.clone(),
-                chunking: chunking.to_string(),
-                cuts: cuts.to_vec(),
-                tokens: r.prompt_tokens,
-                max_new_tokens: self.max_new_tokens,
-                path: p.path.clone(),
-                exact: p.exact,
-                verdict: v.to_string(),
-                failed: v.ends_with("failure)"),
-                first_divergence: p.first_divergence.as_ref().map(|d| Site {
-                    step: d.step,
-                    tap: d.tap.clone(),
-                    layer: d.layer,
-                    position: d.position,
-                    kind: d.kind.to_string(),
-                    rel_l2: d.rel_l2,
-                    max_abs: d.max_abs,
-                    test: d.test.to_string(),
-                }),
-                first_token_divergence: p.first_token_divergence.as_ref().map(|t| Flip {
-                    step: t.step,
-                    position: t.position,
-                    reference_margin: t.reference_margin,
-                    path_margin: t.path_margin,
-                    near_tie: t.near_tie,
-                }),
-                logits_rel_l2_max: p.logits_rel_l2_max,
-                case_ms: ms,
-                replay_margin: p.replay.as_ref().map(|r| r.margins().0),
-                systematic_margin: p
-                    .replay
-                    .as_ref()
-                    .filter(|r| r.systematic_worst.is_some())
-                    .map(|r| r.margins().1),
+            .map(|(p, v)| {
+                let mut l = Line::of(p, v, r.prompt_tokens, ms);
+                l.input = self.input.clone();
+                l.case = conv.id.clone();
+                l.chunking = chunking.to_string();
+                l.cuts = cuts.to_vec();
+                l.max_new_tokens = self.max_new_tokens;
+                l
             })
             .collect()
     }

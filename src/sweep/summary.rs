@@ -107,6 +107,9 @@ pub fn summarize(lines: &[Line], worst_n: usize) -> Summary {
 
 /// `kvdiff compare` on this case alone (an invariant reruns its approximate path).
 fn reproduce(l: &Line) -> String {
+    if let Some(r) = &l.reproduce {
+        return r.clone();
+    }
     let path = l
         .path
         .strip_prefix("invariant: ")
@@ -141,7 +144,7 @@ fn reproduce(l: &Line) -> String {
     )
 }
 
-fn shell_word(s: &str) -> String {
+pub fn shell_word(s: &str) -> String {
     if s.chars()
         .all(|c| c.is_ascii_alphanumeric() || "-_.:/@,+".contains(c))
     {

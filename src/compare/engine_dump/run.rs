@@ -102,6 +102,18 @@ impl DiffRequest<'_> {
     pub fn run_all(
         &self,
         j: &Judgement,
+        each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
+    ) -> Result<i32> {
+        self.run_all_keeping(j, &mut None, each)
+    }
+
+    /// `run_all`, starting from the model an earlier diff loaded (`loaded`, used where it is
+    /// the model this dump needs) and leaving this one's there: many dumps of one model diffed
+    /// with one load.
+    pub fn run_all_keeping(
+        &self,
+        j: &Judgement,
+        loaded: &mut Option<Engine>,
         mut each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
     ) -> Result<i32> {
         let sequences: Vec<Option<i64>> = match self.seq {
@@ -124,7 +136,6 @@ impl DiffRequest<'_> {
         };
         let several = sequences.len() > 1;
         let mut code = crate::error::EXIT_OK;
-        let mut loaded = None;
         for seq in sequences {
             let request = DiffRequest { seq, ..*self };
             let opened = request.open_with(loaded.take())?;
@@ -139,7 +150,7 @@ impl DiffRequest<'_> {
             }
             code = code.max(outcome.report.judge(j));
             each(seq.filter(|_| several), &outcome)?;
-            loaded = outcome.engine.take();
+            *loaded = outcome.engine.take();
         }
         Ok(code)
     }
@@ -167,9 +178,14 @@ impl DiffRequest<'_> {
         let needs_model = reference_dump.is_none()
             || (auto && self.noise_profile.is_none())
             || conversation.is_some();
-        let engine = match loaded {
-            Some(e) => Some(e),
-            None => load_model(self.model, &engine_dump, needs_model)?,
+        let source = model_source(self.model, &engine_dump, needs_model)?;
+        let engine = match (loaded, source) {
+            (Some(e), Some(s)) if e.source.describe() == s.describe() => Some(e),
+            (_, Some(s)) => {
+                let _p = progress::Progress::spinner("loading the model");
+                Some(Engine::load(s)?)
+            }
+            (_, None) => None,
         };
         Ok(OpenedDiff {
             request: self,
@@ -447,20 +463,18 @@ fn model_of(meta_model: Option<&str>) -> Option<ModelSource> {
         .then(|| ModelSource::Dir(p.to_path_buf()))
 }
 
-fn load_model(
+/// The model a diff loads: `--model`, else what the dump's meta.json names.
+fn model_source(
     model: Option<&Path>,
     engine_dump: &DumpDir,
     required: bool,
-) -> Result<Option<Engine>> {
+) -> Result<Option<ModelSource>> {
     let source = match model {
         Some(dir) => Some(ModelSource::from_arg(Some(dir))?),
         None => model_of(engine_dump.meta.model.as_deref()),
     };
     match source {
-        Some(s) => {
-            let _p = progress::Progress::spinner("loading the model");
-            Ok(Some(Engine::load(s)?))
-        }
+        Some(s) => Ok(Some(s)),
         None if required => Err(Error::usage(
             "--model",
             format!(
