@@ -32,13 +32,15 @@ from typing import Any, Iterable, Iterator, Optional, Union
 from . import writer
 from .adapters import ADAPTERS, Adapter, Hooks, detect, register_adapter
 from .adapters.nano_vllm import runner_and_model
+from .check import Divergence, KvdiffError, assert_equivalent, diff_command, prompt_ids
 from .writer import FORMAT, VERSION, Capture, begin, end, tap
 
 __version__ = "1.0.0"
 """The package's version; its major number is the dump format version it writes."""
 
-__all__ = ["ADAPTERS", "Adapter", "Capture", "FORMAT", "Hooks", "VERSION", "__version__",
-           "begin", "capture", "detect", "end", "register_adapter", "tap"]
+__all__ = ["ADAPTERS", "Adapter", "Capture", "Divergence", "FORMAT", "Hooks", "KvdiffError",
+           "VERSION", "__version__", "assert_equivalent", "begin", "capture", "detect",
+           "diff_command", "end", "prompt_ids", "register_adapter", "tap"]
 
 
 def _dtype_name(model: Any) -> Optional[str]:

@@ -87,11 +87,14 @@ def save_plain(path: str, tensors: Mapping[str, Tuple[str, List[int], List[Any]]
     header: Dict[str, Any] = {"__metadata__": dict(metadata)}
     blobs, offset = [], 0
     for name, (dtype, shape, flat) in tensors.items():
-        code = {"F32": "f", "F64": "d", "I64": "q", "I32": "i"}[dtype]
-        blob = array(code, flat)
-        if sys.byteorder != "little":
-            blob.byteswap()
-        data = blob.tobytes()
+        if _is_numpy(flat):
+            data = flat.astype({"F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4"}[dtype]).tobytes()
+        else:
+            code = {"F32": "f", "F64": "d", "I64": "q", "I32": "i"}[dtype]
+            blob = array(code, flat)
+            if sys.byteorder != "little":
+                blob.byteswap()
+            data = blob.tobytes()
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
@@ -258,10 +261,11 @@ class Capture:
             return
         t = self.current["tensors"]
         if _is_numpy(tensor):
-            tensor = tensor.tolist()
-        if _is_numpy(key_positions) or _is_numpy(positions) or _is_numpy(seq):
-            key_positions, positions, seq = (x.tolist() if _is_numpy(x) else x
-                                             for x in (key_positions, positions, seq))
+            import numpy as np
+            # A copy, as for torch; float32 unless the engine computed in a wider type.
+            tensor = np.array(tensor, dtype=np.float32)
+            if _is_numpy(key_positions):
+                key_positions = np.array(key_positions, dtype=np.int64)
         if _is_torch(tensor):
             import torch
             tensor = tensor.detach()
@@ -360,7 +364,7 @@ class Capture:
                 if batched:
                     tensors[k + ".seq"] = [s] * len(keep)
             else:
-                n = v.shape[0] if _is_torch(v) else len(v)
+                n = v.shape[0] if _is_torch(v) or _is_numpy(v) else len(v)
                 if n != every:
                     raise ValueError(f"{k} has {n} rows, the call {every} tokens: pass positions=")
                 keep = rows
@@ -377,7 +381,7 @@ class Capture:
         else:
             plain = {}
             for k, v in tensors.items():
-                shape, flat = _flatten(v)
+                shape, flat = (list(v.shape), v.reshape(-1)) if _is_numpy(v) else _flatten(v)
                 is_int = k in ("tokens", "positions", "seq", "rope_positions") or k.endswith((".positions", ".seq"))
                 plain[k] = ("I64" if is_int else "F32", shape, flat)
             save_plain(path, plain, meta)
@@ -424,6 +428,15 @@ def _place_keys(v: Any, keys: Any) -> Any:
         out = torch.zeros(rows, heads, width + 1, dtype=v.dtype, device=v.device)
         out.scatter_(2, where.unsqueeze(1).expand(rows, heads, cols), v)
         return out[:, :, :width].contiguous()
+    if _is_numpy(v):
+        import numpy as np
+        keys = np.asarray(keys, dtype=np.int64)
+        width = int(keys.max()) + 1 if keys.size else 0
+        rows, heads, cols = v.shape
+        where = np.where(keys >= 0, keys, width)
+        out = np.zeros((rows, heads, width + 1), dtype=v.dtype)
+        np.put_along_axis(out, np.broadcast_to(where[:, None, :], (rows, heads, cols)), v, axis=2)
+        return out[:, :, :width]
     width = max((max(k) for k in keys if k), default=-1) + 1
     out = []
     for row, k in zip(v, keys):
@@ -439,7 +452,9 @@ def _place_keys(v: Any, keys: Any) -> Any:
 
 
 def _take(v: Any, rows: List[int]) -> Any:
-    """Rows `rows` of a torch tensor or a list."""
+    """Rows `rows` of a torch tensor, a numpy array or a list."""
+    if _is_numpy(v):
+        return v[rows]
     if _is_torch(v):
         import torch
         if rows == list(range(v.shape[0])):

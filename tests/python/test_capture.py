@@ -60,6 +60,21 @@ def test_the_package_version_follows_the_dump_format_kvdiff_reads():
     assert re.search(rf"pub const VERSION: u64 = {kc.VERSION};", reader), "the Rust reader's version moved"
     project = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{kc.__version__}"' in project
+    crate = (ROOT / "Cargo.toml").read_text()
+    assert re.search(rf'^version = "{re.escape(kc.__version__)}"$', crate, re.M), "the binary's version is the package's"
+
+
+def test_the_installed_package_brings_its_own_binary():
+    """`pip install` of the repository puts the kvdiff binary beside the interpreter; CI
+    installs the wheel and sets KVDIFF_REQUIRE_INSTALLED, elsewhere a cargo build may serve."""
+    import subprocess
+    import sysconfig
+    exe = kc.check.kvdiff_binary()
+    if not os.environ.get("KVDIFF_REQUIRE_INSTALLED"):
+        pytest.skip("not an installed wheel (CI checks it with KVDIFF_REQUIRE_INSTALLED=1)")
+    assert Path(exe).parent == Path(sysconfig.get_path("scripts")), exe
+    out = subprocess.run([exe, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout
+    assert out.strip() == f"kvdiff {kc.__version__}"
 
 
 def test_a_plain_list_capture_writes_steps_rows_and_meta(tmp_path):

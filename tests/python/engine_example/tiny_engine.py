@@ -80,11 +80,13 @@ class TinyEngine:
         rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos + rotated * sin
 
-    def forward(self, ids, positions, cache, rope_positions=None, own_keys_only=False):
-        """One forward call over `ids` at `positions`, appending their K/V to `cache` (a list of
-        per-layer (K, V) arrays); returns the logits of the last row."""
+    def forward(self, ids, positions, cache, prompt_len, rope_positions=None, own_keys_only=False):
+        """One forward call over `ids` at `positions`, appending their K/V to `cache` (per
+        layer: keys, values, their positions); returns the logits of the last row."""
         rope_positions = positions if rope_positions is None else rope_positions
-        kc.begin(ids, positions=positions, rope_positions=rope_positions)
+        # The capture learns the prompt's length from the engine: a one-token chunk is no
+        # decode step.
+        kc.begin(ids, positions=positions, rope_positions=rope_positions, prompt_len=prompt_len)
         w, p = self.w, "model.layers."
         x = w["model.embed_tokens.weight"][ids]
         kc.tap("embed", x)
@@ -160,10 +162,10 @@ class TinyEngine:
             if self.bug == "late-chunk-positions" and n > 0 and lo >= 16:
                 rope = list(range(hi - lo))
             own = self.bug == "isolated-chunks" and n > 0
-            logits = self.forward(ids[lo:hi], positions, cache, rope_positions=rope,
+            logits = self.forward(ids[lo:hi], positions, cache, len(ids), rope_positions=rope,
                                   own_keys_only=own)
         new = [int(np.argmax(logits))]
         while len(new) < max_new_tokens:
-            logits = self.forward([new[-1]], [len(ids) + len(new) - 1], cache)
+            logits = self.forward([new[-1]], [len(ids) + len(new) - 1], cache, len(ids))
             new.append(int(np.argmax(logits)))
         return new
