@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|nano|devicemap|profile|all]       (there, with .out/pack and .cache carried;
+#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|nano|engine-ci|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 set -euo pipefail
 stage=${1:-all}
@@ -52,6 +52,16 @@ if [ "$stage" = all ] || [ "$stage" = matrix ]; then
   # HF generate() as people configure it: caches, attention, padding, chunked prefill, compile;
   # every clean run EQUIVALENT, every planted fault named (docs/engine-debugging.md#measured).
   python3 scripts/capture_hf_matrix.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/matrix.log" | tail -n 120
+fi
+if [ "$stage" = all ] || [ "$stage" = engine-ci ]; then
+  # The pytest plugin on torch engines (docs/engine-ci.md): the kvdiff wheel built here
+  # (maturin build --release, into .whl/) installed as a user installs it, pytest and hypothesis
+  # from wheels carried in .whl/py, nano-vllm from its wheel.
+  python3 -m venv --system-site-packages /tmp/engine-ci-venv
+  /tmp/engine-ci-venv/bin/pip install -q --no-index --no-deps .whl/kvdiff-*.whl .whl/py/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nano-site .whl/nano_vllm_fork-*.whl
+  (cd tests/python/gpu && KVDIFF_GPU_ENGINES=1 PATH=/tmp/engine-ci-venv/bin:$PATH PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} \
+    /tmp/engine-ci-venv/bin/python -m pytest -q -p no:cacheprovider -rA -s . 2>&1 | tee "$out/engine-ci.log" | tail -n 40)
 fi
 if [ "$stage" = all ] || [ "$stage" = nano ]; then
   # A real nano-vllm release (its wheel carried in .whl/: pip download --no-deps nano-vllm-fork),

@@ -1009,3 +1009,108 @@ fn replay_names_bf16_bugs_below_the_row_tolerance_where_they_act() {
         );
     }
 }
+
+#[test]
+fn many_dumps_are_diffed_to_one_jsonl_that_sweep_summarize_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dump(tmp.path());
+    let root = tmp.path().join("nightly");
+    // A clean dump, one with a perturbed row, a nested clean one, and one that is no dump.
+    copy_dir(&d, &root.join("a"));
+    copy_dir(&d, &root.join("b"));
+    perturb(&root.join("b"), 0, "L2.v", 9, 0.05);
+    copy_dir(&d, &root.join("deeper/c"));
+    std::fs::create_dir_all(root.join("x")).unwrap();
+    std::fs::write(root.join("x/meta.json"), "{}").unwrap();
+    let out = tmp.path().join("n.jsonl");
+    let (o, rs) = (out.to_str().unwrap(), root.to_str().unwrap());
+    let run = kvdiff(&["diff", "--no-replay", "--out", o, rs]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    // A diverged dump outranks one that could not be read, which is named.
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("not tested:") && err.contains("x/meta.json"),
+        "{err}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let failed: Vec<(String, bool)> = lines
+        .iter()
+        .map(|l| {
+            let case = l["case"].as_str().unwrap();
+            (
+                case[rs.len() + 1..].to_string(),
+                l["failed"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let want = [("a", false), ("b", true), ("deeper/c", false)];
+    let want: Vec<(String, bool)> = want.iter().map(|(c, f)| (c.to_string(), *f)).collect();
+    assert_eq!(failed, want);
+    let b = &lines[1];
+    assert_eq!(b["first_divergence"]["tap"], "L2.v");
+    assert_eq!(b["first_divergence"]["position"], 9);
+    // The line's chunking is the engine's own prefill pieces, as the dump's report gives them.
+    let (_, report) = diff(&[&root.join("b")], &tmp.path().join("b.json"));
+    let starts: Vec<u64> = report["chunks"].as_array().unwrap()[1..]
+        .iter()
+        .map(|c| c["start"].as_u64().unwrap())
+        .collect();
+    assert!(!starts.is_empty());
+    assert_eq!(b["cuts"], serde_json::json!(starts), "{b}");
+    let rerun = format!("kvdiff diff --no-replay {rs}/b");
+    assert_eq!(b["reproduce"], rerun.as_str());
+
+    let s = kvdiff(&["sweep", "summarize", o]);
+    let text = String::from_utf8_lossy(&s.stdout);
+    assert_eq!(s.status.code(), Some(1));
+    assert!(text.contains("3 cases, 3 lines"), "{text}");
+    assert!(text.contains(&rerun), "{text}");
+
+    // Partitions split the sorted dumps; a rerun skips what the file holds.
+    let part = tmp.path().join("p.jsonl");
+    let p = part.to_str().unwrap();
+    let glob = format!("{rs}/*");
+    let first = kvdiff(&["diff", "--out", p, "--partition", "2/2", &glob]);
+    assert_eq!(first.status.code(), Some(1), "{first:?}");
+    let cases: Vec<String> = std::fs::read_to_string(&part)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["case"].to_string())
+        .collect();
+    assert_eq!(cases.len(), 1, "{cases:?}");
+    assert!(cases[0].ends_with("/b\""), "{cases:?}");
+    let again = kvdiff(&["diff", "--out", p, "--partition", "2/2", &glob]);
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("0 lines written, 1 already there"), "{err}");
+
+    // What the flags refuse, and git bisect's codes.
+    let ds = d.to_str().unwrap();
+    for (args, code, says) in [
+        (vec!["diff", ds, ds, ds], 2, "--out"),
+        (vec!["diff", "--out", o, "--json", o, ds], 2, "--json"),
+        (vec!["diff", "--partition", "1/2", ds], 2, "--out"),
+        (
+            vec!["diff", "--out", o, "--partition", "3/2", ds],
+            2,
+            "1 <= K <= N",
+        ),
+        (
+            vec!["diff", "--bisect", "/no/such/dump"],
+            125,
+            "git bisect skips",
+        ),
+        (vec!["diff", "--bisect", rs], 125, "meta.json"),
+    ] {
+        let r = kvdiff(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    let b = root.join("b");
+    let bad = kvdiff(&["diff", "-q", "--bisect", b.to_str().unwrap()]);
+    assert_eq!(bad.status.code(), Some(1));
+}

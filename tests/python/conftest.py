@@ -23,3 +23,6 @@ except kvdiff_capture.KvdiffError:
 # The example engine's suite runs in its own pytest process (tests/python/test_engine_ci.py), with
 # the environment each case plants; collected here it would only run twice.
 collect_ignore = [] if os.environ.get("KVDIFF_ENGINE_EXAMPLE") else ["engine_example"]
+# The torch engines' suite runs on the GPU machine (scripts/gpu_tests.sh engine-ci).
+if not os.environ.get("KVDIFF_GPU_ENGINES"):
+    collect_ignore.append("gpu")
