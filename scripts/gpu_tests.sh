@@ -57,11 +57,13 @@ if [ "$stage" = all ] || [ "$stage" = engine-ci ]; then
   # The pytest plugin on torch engines (docs/engine-ci.md): the kvdiff wheel built here
   # (maturin build --release, into .whl/) installed as a user installs it, pytest and hypothesis
   # from wheels carried in .whl/py, nano-vllm from its wheel.
-  python3 -m venv --system-site-packages /tmp/engine-ci-venv
-  /tmp/engine-ci-venv/bin/pip install -q --no-index --no-deps .whl/kvdiff-*.whl .whl/py/*.whl
+  # Installed beside the image's torch (a --target folder: that python3 is itself a venv).
+  rm -rf /tmp/kvdiff-site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/kvdiff-site .whl/kvdiff-*.whl .whl/py/*.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nano-site .whl/nano_vllm_fork-*.whl
-  (cd tests/python/gpu && KVDIFF_GPU_ENGINES=1 PATH=/tmp/engine-ci-venv/bin:$PATH PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} \
-    /tmp/engine-ci-venv/bin/python -m pytest -q -p no:cacheprovider -rA -s . 2>&1 | tee "$out/engine-ci.log" | tail -n 40)
+  (cd tests/python/gpu && KVDIFF_GPU_ENGINES=1 KVDIFF_REQUIRE_NANO=1 PATH=/tmp/kvdiff-site/bin:$PATH \
+    PYTHONPATH=/tmp/kvdiff-site:/tmp/nano-site:${PYTHONPATH:-} \
+    python3 -m pytest -q -p no:cacheprovider -rA -s . 2>&1 | tee "$out/engine-ci.log" | tail -n 60)
 fi
 if [ "$stage" = all ] || [ "$stage" = nano ]; then
   # A real nano-vllm release (its wheel carried in .whl/: pip download --no-deps nano-vllm-fork),

@@ -52,7 +52,8 @@ def _dtype_name(model: Any) -> Optional[str]:
 
 def _model_name(model: Any) -> Optional[str]:
     cfg = getattr(model, "config", None)
-    return getattr(cfg, "_name_or_path", None) or getattr(cfg, "model", None)
+    name = getattr(cfg, "_name_or_path", None) or getattr(cfg, "model", None)
+    return name if isinstance(name, str) and name else None
 
 
 @contextmanager
@@ -82,10 +83,12 @@ def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] 
     if adapter is not None and adapter not in ADAPTERS:
         raise ValueError(f"no adapter {adapter!r}: one of {sorted(ADAPTERS)}, or register_adapter()")
     kind = adapter or (detect(model) if model is not None else None)
-    inner = runner_and_model(model)[1] if model is not None else None
+    runner, inner = runner_and_model(model) if model is not None else (None, None)
+    # nano-vllm's model has no config of its own: its runner's config names the folder.
+    named = (_model_name(inner) if inner is not None else None) or _model_name(runner)
     cap = Capture(out_dir, engine=engine or kind or "engine",
                   dtype=dtype or (_dtype_name(inner) if inner is not None else None),
-                  model=model_name or (_model_name(inner) if inner is not None else None),
+                  model=model_name or named,
                   prompt_len=prompt_len, taps=taps, tp_rank=tp_rank, tp_size=tp_size,
                   overwrite=overwrite, prompt=prompt)
     hooks: Optional[Any] = None

@@ -16,7 +16,7 @@ const MAX_DEPTH: usize = 6;
 pub fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut out = BTreeSet::new();
     for arg in args {
-        let before = out.len();
+        let mut found = BTreeSet::new();
         let roots = if arg.exists() {
             vec![arg.clone()]
         } else if is_glob(arg) {
@@ -29,15 +29,16 @@ pub fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
             ));
         };
         for r in roots {
-            collect(&r, 0, &mut out)?;
+            collect(&r, 0, &mut found)?;
         }
-        if out.len() == before {
+        if found.is_empty() {
             return Err(Error::input(
                 arg,
                 "holds no dump (no folder with a meta.json)",
                 "give folders written by kvdiff dump or the capture module",
             ));
         }
+        out.append(&mut found);
     }
     Ok(out.into_iter().collect())
 }

@@ -295,3 +295,17 @@ def test_a_forward_pass_the_hooks_never_entered_is_refused(tmp_path):
         kc.tap("logits", [[0.5]])
         cap.end()
     assert (tmp_path / "f/meta.json").exists()
+
+
+def test_a_nano_vllm_llm_names_its_model_folder_through_its_runner():
+    """nano-vllm's model carries no config; its runner's config names the folder that
+    `kvdiff diff` loads (a dump without it needs --model)."""
+    from types import SimpleNamespace
+    from kvdiff_capture.adapters.nano_vllm import runner_and_model
+    runner = SimpleNamespace(model=SimpleNamespace(), config=SimpleNamespace(model="/models/qwen3"))
+    got_runner, inner = runner_and_model(SimpleNamespace(model_runner=runner))
+    assert got_runner is runner
+    assert kc._model_name(inner) is None
+    assert kc._model_name(got_runner) == "/models/qwen3"
+    hf = SimpleNamespace(config=SimpleNamespace(_name_or_path="", model=None))
+    assert kc._model_name(hf) is None
