@@ -60,7 +60,8 @@ def _model_name(model: Any) -> Optional[str]:
 def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] = None,
             taps: Union[str, Iterable[str]] = "*", prompt_len: Optional[int] = None,
             dtype: Optional[str] = None, overwrite: bool = True, adapter: Optional[str] = None,
-            model_name: Optional[str] = None, prompt: Any = None) -> Iterator[Capture]:
+            model_name: Optional[str] = None, prompt: Any = None,
+            kv_cache: Optional[str] = None) -> Iterator[Capture]:
     """Hooks `model` and writes every forward call under the block to `out_dir`, a kvdiff dump.
 
     model: an HF transformers model, a nano-vllm `LLM` (or its engine, runner or model), or None
@@ -72,6 +73,8 @@ def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] 
         [...]}` or a `.json` prompt file): `kvdiff diff` renders its chat template and names the
         first token where the engine's prompt parts from it.
     prompt_len: every sequence's prompt length, where the adapter cannot tell.
+    kv_cache: the dtype the engine's KV cache stores K and V in, where it is narrower than the
+        compute dtype (llama.cpp's default: "float16"): attention is held to that rounding.
     """
     tp_rank = tp_size = None
     try:
@@ -90,7 +93,7 @@ def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] 
                   dtype=dtype or (_dtype_name(inner) if inner is not None else None),
                   model=model_name or named,
                   prompt_len=prompt_len, taps=taps, tp_rank=tp_rank, tp_size=tp_size,
-                  overwrite=overwrite, prompt=prompt)
+                  overwrite=overwrite, prompt=prompt, kv_cache=kv_cache)
     hooks: Optional[Any] = None
     ok = False
     try:

@@ -138,7 +138,7 @@ class Capture:
                  dtype: Optional[str] = None, model: Optional[str] = None,
                  prompt_len: Optional[int] = None, taps: Union[str, Iterable[str]] = "*",
                  tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-                 overwrite: bool = False, prompt: Any = None) -> None:
+                 overwrite: bool = False, prompt: Any = None, kv_cache: Optional[str] = None) -> None:
         self.out_dir = os.fspath(out_dir)
         if os.path.exists(self.out_dir) and not overwrite:
             raise FileExistsError(f"{self.out_dir} exists: choose another folder or pass overwrite=True")
@@ -147,6 +147,9 @@ class Capture:
         shutil.rmtree(self.partial, ignore_errors=True)
         os.makedirs(self.partial)
         self.engine, self.dtype, self.model = engine, dtype, model
+        # The dtype the engine's KV cache holds K and V in, where narrower than `dtype`
+        # (llama.cpp's default f16 cache): kvdiff holds attention to that rounding.
+        self.kv_cache = kv_cache
         # Every sequence's prompt length when given; else learned per sequence from its calls.
         self.fixed_prompt_len = prompt_len
         self.prompt_len: Dict[int, int] = {}
@@ -394,6 +397,8 @@ class Capture:
                                 "dtype": self.dtype or "float32"}
         if self.model is not None:
             meta["model"] = self.model
+        if self.kv_cache is not None:
+            meta["kv_cache"] = self.kv_cache
         if self.prompt is not None:
             meta["prompt"] = self.prompt
         with open(os.path.join(self.partial, "meta.json"), "w") as f:

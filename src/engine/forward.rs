@@ -282,8 +282,15 @@ impl Model {
         tap.emit(LayerTap::QRope, &heads_of(&q, heads));
         tap.emit(LayerTap::KRope, &heads_of(&k, kv_heads));
 
-        // 4. Append to the cache the path gave us.
-        cache.push_host(l, flat(&k), flat(&v));
+        // 4. Append to the cache the path gave us (in its storage dtype, where narrower).
+        match self.kv_cache {
+            None => cache.push_host(l, flat(&k), flat(&v)),
+            Some(d) => cache.push_host(
+                l,
+                flat(&k.mapv(|x| d.round(x))),
+                flat(&v.mapv(|x| d.round(x))),
+            ),
+        }
         if base > 0 && batch.tokens.len() == 1 && fault::active(Fault::DecodeKvSlotOffByOne) {
             let kv = &mut cache.layers_mut()[l];
             let d = k.len();
@@ -295,7 +302,16 @@ impl Model {
 
         // 5. Causal GQA attention: token t sees cache entries 0..=base+t (the last `window`
         // of them in a sliding layer).
-        let attn = self.cached_attention(l, &q, batch, base, cache, &mut tap);
+        // A narrower cache's products round the queries too (llama.cpp's f16 path).
+        let narrowed = self.kv_cache.map(|d| q.mapv(|x| d.round(x)));
+        let attn = self.cached_attention(
+            l,
+            narrowed.as_ref().unwrap_or(&q),
+            batch,
+            base,
+            cache,
+            &mut tap,
+        );
         tap.emit(LayerTap::AttnOut, &attn);
 
         // 6. Output projection and residual.

@@ -178,6 +178,41 @@ impl TensorSource for NamedTensors<'_> {
     }
 }
 
+/// A KV cache's storage dtype, narrower than f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    F16,
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// `float16`/`f16` or `bfloat16`/`bf16` (a dump's `kv_cache`); `None` for f32 or anything
+    /// else.
+    pub fn parse(s: &str) -> Option<KvCacheDtype> {
+        match s {
+            "float16" | "f16" => Some(KvCacheDtype::F16),
+            "bfloat16" | "bf16" => Some(KvCacheDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    /// A value as the cache stores it.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            KvCacheDtype::F16 => half::f16::from_f32(x).to_f32(),
+            KvCacheDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The noise profile's name for the f32 CPU backend with this cache.
+    pub fn backend(self) -> &'static str {
+        match self {
+            KvCacheDtype::F16 => "cpu-kv-f16",
+            KvCacheDtype::Bf16 => "cpu-kv-bf16",
+        }
+    }
+}
+
 pub struct Model {
     pub config: Config,
     pub(crate) embed_tokens: Vec<f32>,
@@ -190,6 +225,10 @@ pub struct Model {
     /// Round every matmul input to bf16, as a bf16 GPU backend does: the CPU's estimate of
     /// that backend's rounding noise.
     pub(crate) bf16_matmul_inputs: bool,
+    /// Round K and V to this dtype as they enter the KV cache, as an engine whose cache is
+    /// narrower than its arithmetic does (llama.cpp's default f16 cache): the CPU's estimate of
+    /// that cache's rounding noise. The taps keep the values before the rounding.
+    pub(crate) kv_cache: Option<KvCacheDtype>,
     /// The weights kept in the GEMM's panel layout, as they are first used.
     pub(crate) panels: PanelCache,
 }
@@ -269,6 +308,7 @@ impl Model {
             config,
             device: None,
             bf16_matmul_inputs: false,
+            kv_cache: None,
             panels: PanelCache::default(),
         })
     }
@@ -328,6 +368,7 @@ impl Model {
             lm_head: None,
             device: Some(device),
             bf16_matmul_inputs: false,
+            kv_cache: None,
             panels: PanelCache::default(),
         }
     }
@@ -356,7 +397,16 @@ impl Model {
             layers: self.layers.iter().map(|l| l.map(r)).collect(),
             device: None,
             bf16_matmul_inputs,
+            kv_cache: self.kv_cache,
             panels: PanelCache::default(),
+        }
+    }
+
+    /// A copy whose KV cache stores K and V rounded to `dtype`, computing as this one does.
+    pub fn with_kv_cache(&self, dtype: KvCacheDtype) -> Model {
+        Model {
+            kv_cache: Some(dtype),
+            ..self.with_weights_rounded(|x| x, self.bf16_matmul_inputs)
         }
     }
 
@@ -474,6 +524,7 @@ impl Model {
             config,
             device: None,
             bf16_matmul_inputs: false,
+            kv_cache: None,
             panels: PanelCache::default(),
         }
     }

@@ -308,9 +308,13 @@ pub fn attend_head(
     kv: &[&(Vec<f32>, Vec<f32>)],
     g: usize,
     hd: usize,
+    narrow: Option<crate::engine::model::KvCacheDtype>,
 ) -> (Vec<f32>, f64, f64) {
     let scale = 1.0 / (hd as f64).sqrt();
-    let q: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+    // An engine with a narrower KV cache (`narrow`) multiplies in that dtype: llama.cpp's
+    // products over an f16 cache round the query and the probabilities to f16 as well.
+    let round = |x: f32| narrow.map_or(x, |d| d.round(x));
+    let q: Vec<f64> = q.iter().map(|&x| round(x) as f64).collect();
     let s: Vec<f64> = kv
         .iter()
         .map(|(k, _)| dot_wide(&q, &k[g * hd..(g + 1) * hd]) * scale)
@@ -322,7 +326,10 @@ pub fn attend_head(
     let mut acc = vec![0f64; hd];
     let (mut vmax, mut p2, mut spread) = (0f64, 0f64, 0f64);
     for ((_, v), &ej) in kv.iter().zip(&e) {
-        let pj = ej / sum;
+        let pj = match narrow {
+            Some(d) => d.round((ej / sum) as f32) as f64,
+            None => ej / sum,
+        };
         p2 += pj * pj;
         for (a, &x) in acc.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
             let x = x as f64;

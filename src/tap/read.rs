@@ -29,6 +29,14 @@ pub struct DumpMeta {
 }
 
 impl DumpMeta {
+    /// The dtype the engine's KV cache held K and V in, where narrower than f32 (`kv_cache`).
+    pub fn kv_cache(&self) -> Option<crate::engine::model::KvCacheDtype> {
+        self.raw
+            .get("kv_cache")
+            .and_then(|v| v.as_str())
+            .and_then(crate::engine::model::KvCacheDtype::parse)
+    }
+
     /// Whether the engine computed in a 16-bit float type.
     pub fn half_precision(&self) -> bool {
         !matches!(self.dtype.as_str(), "float32" | "f32" | "float64" | "f64")
@@ -309,9 +317,19 @@ impl DumpDir {
         }
         for (r, rows) in ranks.iter().enumerate() {
             if rows.taps.is_empty() && tp_size > 1 && !ranks.iter().all(|x| x.taps.is_empty()) {
-                return Err(bad(
+                let have: Vec<usize> = (0..tp_size)
+                    .filter(|&x| !ranks[x].taps.is_empty())
+                    .collect();
+                return Err(Error::input(
                     &self.dir,
-                    format!("step {step} has no file from tensor-parallel rank {r} of {tp_size}"),
+                    format!(
+                        "step {step} has no file from tensor-parallel rank {r} of {tp_size} (ranks {have:?} wrote theirs): \
+                         rank {r}'s process ran without the capture, such as a worker the engine \
+                         started before the capture block opened"
+                    ),
+                    "capture in every rank's process: open kvdiff_capture.capture in each worker \
+                     (under torchrun each rank runs it), or open it before the engine starts its \
+                     workers; docs/engine-debugging.md#the-capture-module",
                 ));
             }
         }

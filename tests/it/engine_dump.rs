@@ -628,6 +628,23 @@ fn tensor_parallel_shards_are_joined_by_rank() {
         kv_heads / 2,
         "the first head of rank 1"
     );
+    // A rank whose process ran without the capture: refused, naming the rank, the likely cause
+    // and the fix.
+    std::fs::remove_file(e.join("step-0001.rank-1.safetensors")).unwrap();
+    let o = kvdiff(&["diff", e.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "step 1 has no file from tensor-parallel rank 1 of 2 (ranks [0] wrote theirs)"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("ran without the capture"), "{err}");
+    assert!(
+        err.contains("fix: capture in every rank's process"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -72,7 +72,7 @@ def test_the_installed_package_brings_its_own_binary():
     exe = kc.check.kvdiff_binary()
     if not os.environ.get("KVDIFF_REQUIRE_INSTALLED"):
         pytest.skip("not an installed wheel (CI checks it with KVDIFF_REQUIRE_INSTALLED=1)")
-    assert Path(exe).parent == Path(sysconfig.get_path("scripts")), exe
+    assert Path(exe).resolve().parent == Path(sysconfig.get_path("scripts")).resolve(), exe
     out = subprocess.run([exe, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout
     assert out.strip() == f"kvdiff {kc.__version__}"
 

@@ -8,9 +8,8 @@ use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::compare::engine_dump::run::DiffRequest;
+use crate::compare::engine_dump::run::{DiffRequest, Loaded};
 use crate::compare::report::{Judgement, Report};
-use crate::engine::Engine;
 use crate::error::{Error, Result, EXIT_BAD_INPUT, EXIT_DIVERGED};
 use crate::support::progress::{self, Progress};
 use crate::sweep::run::{resume, Line};
@@ -73,7 +72,7 @@ pub fn diff_many(
         failed: earlier.iter().any(|l| l.failed),
         ..Default::default()
     };
-    let mut loaded: Option<Engine> = None;
+    let mut loaded: Option<Loaded> = None;
     let bar = Progress::start(todo.len() as u64, "dumps");
     for dump in todo {
         let input = dump.display().to_string();

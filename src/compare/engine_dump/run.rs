@@ -77,7 +77,16 @@ pub struct OpenedDiff<'a> {
     reference_dump: Option<DumpDir>,
     engine_dump: DumpDir,
     engine: Option<Engine>,
+    /// The model on the GPU from an earlier diff of the same model, if any.
+    gpu_model: Option<Model>,
     conversation: Option<Conversation>,
+}
+
+/// A model loaded by one diff and handed to the next: on the host, and on the GPU where the
+/// reference ran there (uploaded once for every sequence and dump of the run).
+pub struct Loaded {
+    pub engine: Engine,
+    pub gpu_model: Option<Model>,
 }
 
 /// What a diff found, and what it kept that the caller may still use.
@@ -113,7 +122,7 @@ impl DiffRequest<'_> {
     pub fn run_all_keeping(
         &self,
         j: &Judgement,
-        loaded: &mut Option<Engine>,
+        loaded: &mut Option<Loaded>,
         mut each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
     ) -> Result<i32> {
         let sequences: Vec<Option<i64>> = match self.seq {
@@ -150,7 +159,10 @@ impl DiffRequest<'_> {
             }
             code = code.max(outcome.report.judge(j));
             each(seq.filter(|_| several), &outcome)?;
-            *loaded = outcome.engine.take();
+            *loaded = outcome.engine.take().map(|engine| Loaded {
+                engine,
+                gpu_model: outcome.gpu_model.take(),
+            });
         }
         Ok(code)
     }
@@ -165,7 +177,7 @@ impl DiffRequest<'_> {
 
     /// `open`, with the model of an earlier diff of the same run (another sequence of one
     /// batched capture) instead of loading it again.
-    pub fn open_with(&self, loaded: Option<Engine>) -> Result<OpenedDiff<'_>> {
+    pub fn open_with(&self, loaded: Option<Loaded>) -> Result<OpenedDiff<'_>> {
         let (reference_dump, engine_dump) = match self.reference_dump {
             None => (None, DumpDir::open(self.engine_dump, self.seq)?),
             Some(r) => (
@@ -179,19 +191,22 @@ impl DiffRequest<'_> {
             || (auto && self.noise_profile.is_none())
             || conversation.is_some();
         let source = model_source(self.model, &engine_dump, needs_model)?;
-        let engine = match (loaded, source) {
-            (Some(e), Some(s)) if e.source.describe() == s.describe() => Some(e),
+        let (engine, gpu_model) = match (loaded, source) {
+            (Some(l), Some(s)) if l.engine.source.describe() == s.describe() => {
+                (Some(l.engine), l.gpu_model)
+            }
             (_, Some(s)) => {
                 let _p = progress::Progress::spinner("loading the model");
-                Some(Engine::load(s)?)
+                (Some(Engine::load(s)?), None)
             }
-            (_, None) => None,
+            (_, None) => (None, None),
         };
         Ok(OpenedDiff {
             request: self,
             reference_dump,
             engine_dump,
             engine,
+            gpu_model,
             conversation,
         })
     }
@@ -238,15 +253,17 @@ impl OpenedDiff<'_> {
     }
 
     /// Holds the engine's dump to the reference, step by step, and assembles the report.
-    pub fn run(self) -> Result<DiffOutcome> {
+    pub fn run(mut self) -> Result<DiffOutcome> {
+        let reused = self.gpu_model.take();
         let req = self.request;
         let reference_dump = &self.reference_dump;
         let engine_dump = &self.engine_dump;
         let engine = self.engine.as_ref();
         let cuda = self.on_cuda();
         self.check_precision()?;
-        let gpu_model = match (engine, cuda) {
-            (Some(e), true) => Some(crate::cuda::to_cuda(&e.model)?),
+        let gpu_model = match (engine, cuda, reused) {
+            (Some(_), true, Some(g)) => Some(g),
+            (Some(e), true, None) => Some(crate::cuda::to_cuda(&e.model)?),
             _ => None,
         };
         let layers = engine
@@ -277,7 +294,14 @@ impl OpenedDiff<'_> {
             Some(r) => side(r.meta.half_precision()),
             None => side(cuda && f32_gpu.is_none()),
         };
-        let engine_side = side(engine_dump.meta.half_precision());
+        // An f32 engine with a narrower KV cache is held to that cache's rounding.
+        let engine_side = match (
+            engine_dump.meta.half_precision(),
+            engine_dump.meta.kv_cache(),
+        ) {
+            (false, Some(kv)) => kv.backend(),
+            (half, _) => side(half),
+        };
         let (tolerance, mut info) = match req.policy {
             Policy::Fixed { atol, rtol } => {
                 let t = Tolerance::Fixed { atol, rtol };
@@ -299,9 +323,13 @@ impl OpenedDiff<'_> {
             }
         };
         if req.policy == Policy::Auto {
-            let held = |s: &str| match s {
+            let held = |s: &str| {
+                match s {
                 "cpu" => "float32, as kvdiff's f32 CPU backend",
+                "cpu-kv-f16" => "float32 with an f16 KV cache, as kvdiff's f32 CPU backend storing K and V in f16",
+                "cpu-kv-bf16" => "float32 with a bf16 KV cache, as kvdiff's f32 CPU backend storing K and V in bf16",
                 _ => "16-bit floats, as kvdiff's bf16 rounding",
+            }
             };
             let src = info.source.take().unwrap_or_default();
             let reference = match f32_gpu.is_some() {
@@ -526,7 +554,12 @@ fn auto_tolerance(
             // The same cache as `compare`, `sweep` and `calibrate`.
             let last = prompt_ids.len() + steps.max(1) - 1;
             let max = e.model.config.max_position_embeddings;
-            let backends = ["cpu", "cuda"];
+            let mut backends = vec!["cpu", "cuda"];
+            for s in [ref_side, engine_side] {
+                if !backends.contains(&s) {
+                    backends.push(s);
+                }
+            }
             let gpu_model = gpu.filter(|g| g.1).map(|g| g.0);
             let slot = noise_cache::slot(
                 &e.source,

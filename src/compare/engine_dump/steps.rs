@@ -233,9 +233,14 @@ impl DumpDiff<'_> {
         let mut replayer = self.replay.map(|m| {
             let r = crate::compare::judge::replay::Replayer::new(m, &self.engine.meta.dtype, total);
             // An engine whose f32 taps hide the bf16 rounding of its matmuls' inputs.
-            match self.engine.meta.raw["matmul_inputs"].as_str() {
+            let r = match self.engine.meta.raw["matmul_inputs"].as_str() {
                 Some("bfloat16" | "bf16") => r.rounding_product_inputs_to_bf16(),
                 _ => r,
+            };
+            // And one whose cache stores K and V narrower than its taps show them.
+            match self.engine.meta.kv_cache() {
+                Some(d) => r.rounding_kv_to(d),
+                None => r,
             }
         });
         let progress =

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::compare::judge::diff::{row_diff, Tolerance};
-use crate::engine::model::{Batch, Model};
+use crate::engine::model::{Batch, KvCacheDtype, Model};
 use crate::error::{Error, Result};
 use crate::tap::{Recorded, Recorder, TapFilter, TapId, TapSink, TapTable, TapValue};
 
@@ -430,6 +430,15 @@ impl NoiseProfile {
                 // CPU engine's within 2x per tap kind, `tests/it/cuda.rs`).
                 "cpu" if cal.on_gpu_oracle() => cal.f32_gpu_noise(cal.model)?,
                 "cpu" => cal.backend_noise(model, "the f32 CPU backend", "f32")?,
+                // An f32 engine whose KV cache is narrower (llama.cpp's default f16 cache).
+                b if b.starts_with("cpu-kv-") => {
+                    let d = match b {
+                        "cpu-kv-bf16" => KvCacheDtype::Bf16,
+                        _ => KvCacheDtype::F16,
+                    };
+                    let what = format!("the f32 CPU backend with a {} KV cache", &b[7..]);
+                    cal.backend_noise(&model.with_kv_cache(d), &what, "f32+kv")?
+                }
                 _ => cal.emulated_noise()?,
             };
             out.insert(b.to_string(), noise);

@@ -167,6 +167,8 @@ pub struct Replayer<'m> {
     /// in every row (a large activation) rounds the same way in every row, which the aggregate
     /// test would otherwise take for a bug.
     bf16_inputs: bool,
+    /// The engine's KV cache stores K and V in a narrower dtype (see `rounding_kv_to`).
+    kv_cache: Option<crate::engine::model::KvCacheDtype>,
 }
 
 /// What a row's added error is measured against: its largest value is held to `max` (at least
@@ -232,7 +234,15 @@ impl<'m> Replayer<'m> {
             pending: BTreeMap::new(),
             every_op: false,
             bf16_inputs: false,
+            kv_cache: None,
         }
+    }
+
+    /// Rounds the keys and values attention reads to the engine's KV-cache dtype: its taps
+    /// hold them before the cache stored them.
+    pub fn rounding_kv_to(mut self, d: crate::engine::model::KvCacheDtype) -> Self {
+        self.kv_cache = Some(d);
+        self
     }
 
     /// Rounds the products' inputs to bf16 (see `bf16_inputs`).
@@ -667,7 +677,11 @@ impl<'m> Replayer<'m> {
         for (&p, kr) in &k {
             if let Some(vr) = v.get(&p) {
                 if kr.len() == kvh * hd && vr.len() == kvh * hd {
-                    self.history[l].insert(p, (kr.to_vec(), vr.to_vec()));
+                    let stored = |x: &[f32]| match self.kv_cache {
+                        Some(d) => x.iter().map(|&y| d.round(y)).collect(),
+                        None => x.to_vec(),
+                    };
+                    self.history[l].insert(p, (stored(kr), stored(vr)));
                 }
             }
         }
@@ -706,7 +720,7 @@ impl<'m> Replayer<'m> {
             .map(|i| {
                 let (row, head) = (i / heads, i % heads);
                 let q = &rows[row].1[head * hd..(head + 1) * hd];
-                oracle::attend_head(q, &keys[row], head / group, hd)
+                oracle::attend_head(q, &keys[row], head / group, hd, self.kv_cache)
             })
             .collect();
         let replayed: Vec<(Vec<f32>, f64, f64)> = per_head
