@@ -428,3 +428,30 @@ fn profiles_round_trip_and_refuse_another_model() {
     std::fs::write(&f, b"{\"schema\": 1}").unwrap();
     assert_eq!(NoiseProfile::load(&f).unwrap_err().exit_code(), 2);
 }
+
+#[test]
+fn an_f16_kv_cache_is_calibrated_as_its_own_backend() {
+    let e = engine();
+    let ids: Vec<u32> = (0..40).map(|i| (i * 37 % 800) as u32).collect();
+    let cal = Calibration::new(&e.model, &ids, 60);
+    let p = NoiseProfile::calibrate(&cal, &e.model, String::new(), &["cpu", "cpu-kv-f16"]).unwrap();
+    let (f32_cache, f16_cache) = (
+        &p.backends["cpu"].per_kind,
+        &p.backends["cpu-kv-f16"].per_kind,
+    );
+    // Nothing before the first attention reads the cache.
+    assert_eq!(f32_cache["embed"], f16_cache["embed"]);
+    // Attention multiplies f16 keys, values, queries: its output's own error is f16's, orders
+    // of magnitude above f32's.
+    assert!(
+        f16_cache["attn_out"] > 30.0 * f32_cache["attn_out"],
+        "{f16_cache:?} vs {f32_cache:?}"
+    );
+    // An f16-cache engine against the f32 reference is held to both sides' rounding.
+    let wide = p.tolerance("cpu", "cpu-kv-f16").unwrap();
+    let narrow = p.tolerance("cpu", "cpu").unwrap();
+    let (Tolerance::Auto { rtol: w }, Tolerance::Auto { rtol: n }) = (wide, narrow) else {
+        panic!("auto tolerances")
+    };
+    assert!(w["attn_out"] > 10.0 * n["attn_out"]);
+}
