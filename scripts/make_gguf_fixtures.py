@@ -2,7 +2,7 @@
 as vendored by the llama-cpp-python sdist), for the llama.cpp cases (docs/llama-cpp.md). The
 converter imports torch, so this runs on the GPU machine; its bf16 output is committed, and the
 f32 and f16 files are derived from it with gguf-py where the tests run
-(scripts/kvdiff_capture/adapters/gguf_precision.py).
+(scripts/gguf_precision.py).
 
   python3 scripts/make_gguf_fixtures.py LLAMA_CPP_DIR OUT_DIR
 

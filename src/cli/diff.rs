@@ -5,15 +5,15 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
-use kvdiff::compare::engine_dump::many::diff_many;
 use kvdiff::compare::engine_dump::run::{DiffRequest, RefPrecision};
 use kvdiff::compare::report::{self, Judgement};
 use kvdiff::error::{Error, Result, EXIT_DIVERGED, EXIT_OK};
-use kvdiff::io::dump_set;
 use kvdiff::io::output::check_output_parent;
 use kvdiff::support::progress;
 use kvdiff::sweep::cases::parse_partition;
+use kvdiff::sweep::dumps::diff_many;
 use kvdiff::sweep::summary::shell_word;
+use kvdiff::tap::dump_set;
 
 use super::args::{print_timings, set_threads, BackendArg, ReportFiles, TolPolicy, ToleranceArgs};
 

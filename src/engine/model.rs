@@ -16,6 +16,7 @@ pub use crate::engine::pass::{Batch, StepLogits};
 use crate::engine::weights::{TensorSource, Weights};
 use crate::error::Result;
 use crate::io::model_source::ModelSource;
+pub use crate::tap::read::KvCacheDtype;
 use crate::tap::TapSink;
 
 /// One decoder layer's weights. Optional parts (q/k norm, biases) are empty when the family
@@ -175,41 +176,6 @@ impl TensorSource for NamedTensors<'_> {
             out.extend_from_slice(&bits);
         }
         Ok(out)
-    }
-}
-
-/// A KV cache's storage dtype, narrower than f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvCacheDtype {
-    F16,
-    Bf16,
-}
-
-impl KvCacheDtype {
-    /// `float16`/`f16` or `bfloat16`/`bf16` (a dump's `kv_cache`); `None` for f32 or anything
-    /// else.
-    pub fn parse(s: &str) -> Option<KvCacheDtype> {
-        match s {
-            "float16" | "f16" => Some(KvCacheDtype::F16),
-            "bfloat16" | "bf16" => Some(KvCacheDtype::Bf16),
-            _ => None,
-        }
-    }
-
-    /// A value as the cache stores it.
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            KvCacheDtype::F16 => half::f16::from_f32(x).to_f32(),
-            KvCacheDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
-        }
-    }
-
-    /// The noise profile's name for the f32 CPU backend with this cache.
-    pub fn backend(self) -> &'static str {
-        match self {
-            KvCacheDtype::F16 => "cpu-kv-f16",
-            KvCacheDtype::Bf16 => "cpu-kv-bf16",
-        }
     }
 }
 

@@ -1,6 +1,5 @@
 //! What kvdiff reads and writes as files: model folders, prompt files, atomic outputs.
 
-pub mod dump_set;
 pub mod model_source;
 pub mod output;
 pub mod prompt;

@@ -11,6 +11,7 @@
 use std::fmt;
 
 pub mod dump;
+pub mod dump_set;
 pub mod read;
 mod sink;
 

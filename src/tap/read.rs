@@ -30,16 +30,52 @@ pub struct DumpMeta {
 
 impl DumpMeta {
     /// The dtype the engine's KV cache held K and V in, where narrower than f32 (`kv_cache`).
-    pub fn kv_cache(&self) -> Option<crate::engine::model::KvCacheDtype> {
+    pub fn kv_cache(&self) -> Option<KvCacheDtype> {
         self.raw
             .get("kv_cache")
             .and_then(|v| v.as_str())
-            .and_then(crate::engine::model::KvCacheDtype::parse)
+            .and_then(KvCacheDtype::parse)
     }
 
     /// Whether the engine computed in a 16-bit float type.
     pub fn half_precision(&self) -> bool {
         !matches!(self.dtype.as_str(), "float32" | "f32" | "float64" | "f64")
+    }
+}
+
+/// A KV cache's storage dtype, narrower than f32 (a dump's `kv_cache`; the CPU engine's
+/// emulation of such a cache, `Model::with_kv_cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    F16,
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// `float16`/`f16` or `bfloat16`/`bf16` (a dump's `kv_cache`); `None` for f32 or anything
+    /// else.
+    pub fn parse(s: &str) -> Option<KvCacheDtype> {
+        match s {
+            "float16" | "f16" => Some(KvCacheDtype::F16),
+            "bfloat16" | "bf16" => Some(KvCacheDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    /// A value as the cache stores it.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            KvCacheDtype::F16 => half::f16::from_f32(x).to_f32(),
+            KvCacheDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The noise profile's name for the f32 CPU backend with this cache.
+    pub fn backend(self) -> &'static str {
+        match self {
+            KvCacheDtype::F16 => "cpu-kv-f16",
+            KvCacheDtype::Bf16 => "cpu-kv-bf16",
+        }
     }
 }
 

@@ -4,6 +4,5 @@
 //! is the f32 reference on the GPU.
 
 pub mod f32_reference;
-pub mod many;
 pub mod run;
 pub mod steps;
