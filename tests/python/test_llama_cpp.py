@@ -132,9 +132,10 @@ def test_two_sequences_in_one_batch_and_a_restored_state_are_equivalent(gguf_dir
     assert (code, first(r)) == (0, None), text
 
 
-def test_a_bf16_gguf_is_held_to_bf16_rounding(gguf_dir, tmp_path):
-    lc.whole(llama(gguf_dir, precision="bf16"), ids_of("qwen3"), tmp_path / "bf16")
-    code, [r], text = diff(tmp_path / "bf16")
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
+def test_16_bit_ggufs_are_held_to_16_bit_rounding(gguf_dir, tmp_path, precision):
+    lc.whole(llama(gguf_dir, precision=precision), ids_of("qwen3"), tmp_path / precision)
+    code, [r], text = diff(tmp_path / precision)
     assert (code, first(r)) == (0, None), text
     assert "16-bit floats" in r["tolerance"]["source"]
 
