@@ -7,7 +7,8 @@ kvdiff holds it to its reference.
 CAPTURE_COMMAND runs with $KVDIFF_DUMP set to a fresh folder and must write the dump there
 (`kvdiff_capture.capture(..., os.environ["KVDIFF_DUMP"])`). Exit codes, as git bisect reads
 them: 0 equivalent (good), 1 diverged (bad), 125 this commit cannot be tested (the command
-failed or wrote no dump, or kvdiff could not read it): git bisect skips it.
+failed or wrote no dump, or kvdiff could not read it): git bisect skips it; 128 for a wrong
+command line, which stops the bisect.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import List, Optional
 from .check import KvdiffError, kvdiff_binary
 
 CANNOT_TEST = 125
+STOP = 128  # above 127: git bisect run stops (a wrong command line is wrong at every commit)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--" not in args or args.index("--") == len(args) - 1:
         print(__doc__.strip(), file=sys.stderr)
-        return 2
+        return STOP
     cut = args.index("--")
     diff_flags, command = args[:cut], args[cut + 1:]
     try:
@@ -38,7 +40,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvdiff-bisect-") as tmp:
         dump = os.path.join(tmp, "dump")
         env = dict(os.environ, KVDIFF_DUMP=dump)
-        ran = subprocess.run(command, env=env)
+        try:
+            ran = subprocess.run(command, env=env)
+        except OSError as e:
+            print(f"kvdiff bisect: cannot run {command[0]}: {e}: this commit cannot be tested "
+                  f"(exit {CANNOT_TEST}, skipped)", file=sys.stderr)
+            return CANNOT_TEST
         if ran.returncode != 0:
             print(f"kvdiff bisect: {' '.join(command)} exited {ran.returncode}: this commit cannot "
                   f"be tested (exit {CANNOT_TEST}, skipped)", file=sys.stderr)

@@ -200,7 +200,10 @@ def prompt_ids(prompt: Any, model: Optional[PathLike] = None) -> List[int]:
 
 def _tokens(prompt: Any, model: Optional[PathLike]) -> Dict[str, Any]:
     import tempfile
-    if isinstance(prompt, (str, os.PathLike)) and os.path.isfile(prompt):
+    if isinstance(prompt, (str, os.PathLike)):
+        if not os.path.isfile(prompt):
+            raise KvdiffError(f"no prompt file {os.fspath(prompt)}: fix: give a .json or .txt prompt "
+                              "file, or the messages themselves")
         path, tmp = os.fspath(prompt), None
     else:
         messages = prompt if isinstance(prompt, list) else prompt["messages"]

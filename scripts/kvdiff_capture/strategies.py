@@ -56,10 +56,17 @@ def load_prompt_set(prompt_set: Union[str, os.PathLike, Sequence[Any]]) -> List[
     `.json` prompt files, or a list of message lists / {"messages": ...} dicts."""
     if isinstance(prompt_set, (str, os.PathLike)):
         path = Path(prompt_set)
-        if path.is_dir():
-            items = [json.loads(f.read_text()) for f in sorted(path.glob("*.json"))]
-        else:
-            items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not path.exists():
+            raise ValueError(f"no prompt set {path}: give a JSONL file or a folder of .json prompt files")
+        sources = ([(f, f.read_text()) for f in sorted(path.glob("*.json"))] if path.is_dir() else
+                   [(f"{path}:{i + 1}", line) for i, line in enumerate(path.read_text().splitlines())
+                    if line.strip()])
+        items = []
+        for where, text in sources:
+            try:
+                items.append(json.loads(text))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e}): fix the conversation there") from None
     else:
         items = list(prompt_set)
     out = [m if isinstance(m, list) else m["messages"] for m in items]

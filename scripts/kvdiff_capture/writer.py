@@ -139,6 +139,9 @@ class Capture:
                  prompt_len: Optional[int] = None, taps: Union[str, Iterable[str]] = "*",
                  tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
                  overwrite: bool = False, prompt: Any = None, kv_cache: Optional[str] = None) -> None:
+        if kv_cache not in (None, "float16", "bfloat16", "float32", "f16", "bf16", "f32"):
+            raise ValueError(f"kv_cache={kv_cache!r}: float16, bfloat16 or float32 (the dtype the "
+                             "cache stores K and V in; a quantized cache is not held to its rounding)")
         self.out_dir = os.fspath(out_dir)
         if os.path.exists(self.out_dir) and not overwrite:
             raise FileExistsError(f"{self.out_dir} exists: choose another folder or pass overwrite=True")
@@ -265,7 +268,7 @@ class Capture:
         t = self.current["tensors"]
         if _is_numpy(tensor):
             import numpy as np
-            # A copy, as for torch; float32 unless the engine computed in a wider type.
+            # A copy, as for torch (engines reuse their buffers), in f32.
             tensor = np.array(tensor, dtype=np.float32)
             if _is_numpy(key_positions):
                 key_positions = np.array(key_positions, dtype=np.int64)

@@ -39,7 +39,8 @@ rounding. The report says how it was set.
 EXIT CODES: 0 equivalent, 1 a tap or token diverged, 2 bad input or usage (a malformed dump
 names its file), 3 internal error. Many dumps: 1 if any diverged, else 2 if any could not be
 read (each named, the rest still diffed). With --bisect, 125 (git bisect's 'cannot test')
-wherever the others give 2 or 3.";
+wherever the dump cannot be tested (2 or 3 otherwise), and 128, which stops the bisect, for a
+wrong command line.";
 
 #[derive(Args)]
 pub struct DiffArgs {
@@ -104,8 +105,18 @@ pub struct DiffArgs {
 
 pub fn run(a: DiffArgs) -> Result<i32> {
     let bisect = a.bisect;
-    let code = match a.out.is_some() {
-        true => many(a),
+    if bisect && a.out.is_some() {
+        return Err(Error::usage(
+            "--bisect",
+            "it judges one commit's dump, and --out resumes what earlier runs wrote",
+            "give the commit's dump alone: kvdiff diff --bisect DUMP",
+        ));
+    }
+    // Under git bisect a panic is this commit's to skip, not a verdict on it.
+    let code = match bisect {
+        true => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(a)))
+            .unwrap_or_else(|_| Err(Error::Internal("kvdiff panicked".into()))),
+        false if a.out.is_some() => many(a),
         false => one(a),
     };
     if !bisect {
@@ -114,6 +125,12 @@ pub fn run(a: DiffArgs) -> Result<i32> {
     match code {
         Ok(c) if c == EXIT_OK || c == EXIT_DIVERGED => Ok(c),
         Ok(_) => Ok(EXIT_CANNOT_TEST),
+        // A wrong command line is wrong at every commit: stop the bisect rather than skip.
+        Err(e @ Error::Usage { .. }) => {
+            eprintln!("error: {e}");
+            eprintln!("kvdiff: exit {EXIT_ABORT_BISECT}: git bisect stops");
+            Ok(EXIT_ABORT_BISECT)
+        }
         Err(e) => {
             eprintln!("error: {e}");
             eprintln!("kvdiff: exit {EXIT_CANNOT_TEST}: git bisect skips this commit");
@@ -124,6 +141,8 @@ pub fn run(a: DiffArgs) -> Result<i32> {
 
 /// git bisect run's "this commit cannot be tested".
 const EXIT_CANNOT_TEST: i32 = 125;
+/// Any code above 127 stops `git bisect run`.
+const EXIT_ABORT_BISECT: i32 = 128;
 
 impl DiffArgs {
     fn request<'a>(
@@ -191,6 +210,9 @@ impl DiffArgs {
         }
         if self.no_replay {
             f += " --no-replay";
+        }
+        if let Some(s) = self.seq {
+            f += &format!(" --seq {s}");
         }
         f
     }
@@ -263,6 +285,16 @@ fn many(a: DiffArgs) -> Result<i32> {
         .map(parse_partition)
         .transpose()
         .map_err(|e| Error::usage("--partition", e, "e.g. --partition 2/8"))?;
+    // What every dump shares is checked once: a bad --model fails the run, not each dump.
+    if let Some(m) = &a.model {
+        kvdiff::io::model_source::ModelSource::from_arg(Some(m))?;
+    }
+    if let Some(p) = &a.tol.noise_profile {
+        kvdiff::compare::judge::noise::NoiseProfile::load(p)?;
+    }
+    if let Some(p) = &a.prompt {
+        kvdiff::io::prompt::Prompt::load(p)?;
+    }
     let dumps = dump_set::expand(&a.dumps)?;
     let template = a.request(&dumps[0], None)?;
     let judge = Judgement {

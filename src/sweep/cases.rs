@@ -50,9 +50,10 @@ pub fn parse_partition(s: &str) -> Result<(usize, usize), String> {
     Ok((k, n))
 }
 
-/// The cases partition `k` of `n` runs: every n-th, from the (k-1)-th (round robin, as
-/// cargo-nextest's `count:K/N`), so partitions are disjoint, cover every case and stay balanced.
-pub fn partition(cases: Vec<Case>, (k, n): (usize, usize)) -> Vec<Case> {
+/// The cases (or dumps) partition `k` of `n` runs: every n-th, from the (k-1)-th (round robin,
+/// as cargo-nextest's `count:K/N`), so partitions are disjoint, cover every case and stay
+/// balanced.
+pub fn partition<T>(cases: Vec<T>, (k, n): (usize, usize)) -> Vec<T> {
     cases
         .into_iter()
         .enumerate()

@@ -1,8 +1,9 @@
 //! `kvdiff diff --out results.jsonl DUMP...`: many engine dumps held to kvdiff's reference in
 //! one run, one JSON line per dump and sequence in `sweep`'s format, so `kvdiff sweep
-//! summarize` reads them. The model is loaded once per model the dumps name; a rerun with the
-//! same output skips the dumps it holds; `--partition K/N` takes every N-th dump from the K-th.
-//! A dump that cannot be read is named and skipped: the others still run.
+//! summarize` reads them. Consecutive dumps of one model share one load of it (and one upload
+//! to the GPU); a rerun with the same output skips the dumps it holds; `--partition K/N` takes
+//! every N-th dump from the K-th. A dump that cannot be read is named and skipped: the others
+//! still run.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -39,12 +40,11 @@ pub fn diff_many(
     reproduce_flags: &str,
     mut each: impl FnMut(&Path, &Report),
 ) -> Result<ManyOutcome> {
-    let todo: Vec<&PathBuf> = dumps
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| partition.is_none_or(|(k, n)| i % n == k - 1))
-        .map(|(_, d)| d)
-        .collect();
+    let all: Vec<&PathBuf> = dumps.iter().collect();
+    let todo = match partition {
+        Some(p) => crate::sweep::cases::partition(all, p),
+        None => all,
+    };
     let earlier = match out {
         Some(o) => resume(o)?,
         None => Vec::new(),
@@ -85,15 +85,17 @@ pub fn diff_many(
             ..*template
         };
         let mut lines = Vec::new();
-        let started = std::time::Instant::now();
+        let mut started = std::time::Instant::now();
         let ran = request.run_all_keeping(judge, &mut loaded, |seq, o| {
             let ms = started.elapsed().as_secs_f64() * 1e3;
+            started = std::time::Instant::now();
             lines.extend(lines_of(&o.report, dump, seq, ms, reproduce_flags));
             each(dump, &o.report);
             Ok(())
         });
         match ran {
-            Ok(_) => {}
+            // A prompt that parts from the template fails the dump as it fails `diff`.
+            Ok(code) => outcome.failed |= code == EXIT_DIVERGED,
             Err(e) if e.exit_code() == EXIT_BAD_INPUT => {
                 let why = e.to_string().lines().next().unwrap_or_default().to_string();
                 outcome.skipped.push((dump.clone(), why));
@@ -171,6 +173,10 @@ fn lines_of(r: &Report, dump: &Path, seq: Option<i64>, ms: f64, flags: &str) -> 
         .zip(&verdicts)
         .map(|(p, v)| {
             let mut l = Line::of(p, v, r.prompt_tokens, ms);
+            if let Some(c) = r.prompt_check.as_ref().filter(|c| c.parts()) {
+                l.failed = true;
+                l.verdict = format!("{v}; {}", c.describe());
+            }
             l.case = match seq {
                 Some(s) => format!("{input} seq {s}"),
                 None => input.clone(),

@@ -43,9 +43,10 @@ pub fn expand(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(out.into_iter().collect())
 }
 
-/// Whether a folder is one dump (it has its meta.json).
+/// Whether a folder is one dump (it has its meta.json, and is no capture still being
+/// written or one that failed: `NAME.partial`).
 pub fn is_dump(dir: &Path) -> bool {
-    dir.join("meta.json").is_file()
+    dir.join("meta.json").is_file() && dir.extension().is_none_or(|x| x != "partial")
 }
 
 fn is_glob(p: &Path) -> bool {
@@ -69,7 +70,6 @@ fn collect(dir: &Path, depth: usize, out: &mut BTreeSet<PathBuf>) -> Result<()> 
     })?;
     let mut subdirs: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        // A capture still being written (or one that failed) is not a dump yet.
         .filter(|p| p.is_dir() && p.extension().is_none_or(|x| x != "partial"))
         .collect();
     subdirs.sort();

@@ -77,6 +77,19 @@ impl KvCacheDtype {
             KvCacheDtype::Bf16 => "cpu-kv-bf16",
         }
     }
+
+    /// The cache a noise profile's backend name stands for (`backend`'s inverse).
+    pub fn from_backend(name: &str) -> Option<KvCacheDtype> {
+        name.strip_prefix("cpu-kv-").and_then(KvCacheDtype::parse)
+    }
+
+    /// "an f16" / "a bf16", for reports.
+    pub fn describe(self) -> &'static str {
+        match self {
+            KvCacheDtype::F16 => "an f16",
+            KvCacheDtype::Bf16 => "a bf16",
+        }
+    }
 }
 
 /// One file of a step.
@@ -632,6 +645,18 @@ fn read_meta(dir: &Path) -> Result<DumpMeta> {
         }
     }
     let s = |k: &str| raw.get(k).and_then(|v| v.as_str()).map(str::to_string);
+    if let Some(kv) = raw.get("kv_cache") {
+        let ok = kv
+            .as_str()
+            .is_some_and(|k| KvCacheDtype::parse(k).is_some() || matches!(k, "float32" | "f32"));
+        if !ok {
+            return Err(Error::input(
+                &path,
+                format!("\"kv_cache\" is {kv}, not float16, bfloat16 or float32"),
+                "declare the dtype the engine's cache stores K and V in (a quantized cache is not held to its rounding)",
+            ));
+        }
+    }
     Ok(DumpMeta {
         engine: s("engine").unwrap_or_else(|| "engine".into()),
         dtype: s("dtype").unwrap_or_else(|| "float32".into()),

@@ -1123,6 +1123,13 @@ fn many_dumps_are_diffed_to_one_jsonl_that_sweep_summarize_reads() {
             "git bisect skips",
         ),
         (vec!["diff", "--bisect", rs], 125, "meta.json"),
+        // A wrong command line is wrong at every commit: the bisect stops.
+        (
+            vec!["diff", "--bisect", "--precision", "bf16", ds],
+            128,
+            "git bisect stops",
+        ),
+        (vec!["diff", "--bisect", "--out", o, ds], 2, "--bisect"),
     ] {
         let r = kvdiff(&args);
         let err = String::from_utf8_lossy(&r.stderr);
@@ -1132,4 +1139,19 @@ fn many_dumps_are_diffed_to_one_jsonl_that_sweep_summarize_reads() {
     let b = root.join("b");
     let bad = kvdiff(&["diff", "-q", "--bisect", b.to_str().unwrap()]);
     assert_eq!(bad.status.code(), Some(1));
+
+    // A KV-cache dtype kvdiff cannot hold a run to is refused, naming meta.json.
+    let q = root.join("a");
+    let meta = q.join("meta.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&meta).unwrap()).unwrap();
+    m["kv_cache"] = "q8_0".into();
+    std::fs::write(&meta, m.to_string()).unwrap();
+    let r = kvdiff(&["diff", q.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("meta.json") && err.contains("\"q8_0\""),
+        "{err}"
+    );
 }

@@ -1,5 +1,5 @@
-"""Where the Python tests find the kvdiff binary: the installed package's (CI installs the
-wheel), else $KVDIFF_BIN, else a cargo build in target/."""
+"""Where the Python tests find the kvdiff binary: $KVDIFF_BIN, else the installed package's (CI
+installs the wheel), else a cargo build in target/."""
 import os
 import sys
 from pathlib import Path

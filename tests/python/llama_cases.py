@@ -49,6 +49,8 @@ class Llama:
                         prompt=prompt, kv_cache=kv if kv != self.dtype else None) as cap:
             hooks = LlamaCppHooks(cap, params)
             ctx = llama_cpp.llama_init_from_model(self.model, params)
+            if not ctx:
+                raise RuntimeError("llama.cpp could not make a context")
             try:
                 yield Run(self, ctx, hooks, cap)
             finally:

@@ -185,3 +185,21 @@ def test_git_bisect_run_finds_the_commit_that_broke_chunked_prefill(tmp_path):
                          cwd=repo, env=git_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert run.returncode == 0, run.stdout[-3000:]
     assert f"{planted} is the first bad commit" in run.stdout, run.stdout[-3000:]
+
+
+def test_bisect_and_the_assertion_refuse_what_cannot_be_tested_with_their_codes(tmp_path):
+    from kvdiff_capture import bisect
+    # No capture command: a usage error stops the bisect (above 127), not a verdict.
+    assert bisect.main(["--no-replay"]) == bisect.STOP
+    # A command that cannot start, or writes no dump: this commit is skipped (125).
+    assert bisect.main(["--", str(tmp_path / "no-such-program")]) == bisect.CANNOT_TEST
+    assert bisect.main(["--", sys.executable, "-c", "pass"]) == bisect.CANNOT_TEST
+    with pytest.raises(kc.KvdiffError, match="no prompt file"):
+        kc.prompt_ids(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="kv_cache"):
+        kc.Capture(tmp_path / "d", kv_cache="q8_0")
+    assert not (tmp_path / "d.partial").exists()
+    (tmp_path / "set.jsonl").write_text('{"messages": []}\nnot json\n')
+    from kvdiff_capture.strategies import load_prompt_set
+    with pytest.raises(ValueError, match=r"set.jsonl:2: not JSON"):
+        load_prompt_set(tmp_path / "set.jsonl")

@@ -68,7 +68,8 @@ def diff(dump, *args):
     p = subprocess.run([kc.check.kvdiff_binary(), "diff", "--json", str(out), *args, str(dump)],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.returncode in (0, 1), p.stderr
-    reports = [out] if out.exists() else sorted(out.parent.glob(out.stem + ".seq-*.json"))
+    reports = [out] if out.exists() else sorted(out.parent.glob(out.stem + ".seq-*.json"),
+                                                key=lambda f: int(f.name.rsplit("seq-", 1)[1].split(".")[0]))
     return p.returncode, [json.loads(r.read_text()) for r in reports], p.stdout
 
 

@@ -1,7 +1,10 @@
 """llama.cpp, through llama-cpp-python's low-level API: the graph eval callback (`cb_eval` in the
 context parameters) reads each named tensor of every micro-batch as llama.cpp computes it, and
-each row is placed by the batch the application declared (its sequence and position), never by
-the order tokens reach the graph. docs/llama-cpp.md shows it end to end.
+each row is placed at the batch row the application declared (its sequence and position),
+found by the token and position the micro-batch's graph was fed, never by the order rows reach
+the graph. Rows of several sequences with the same token at the same position are told apart by
+their order in the batch, which llama.cpp keeps within each sequence. docs/llama-cpp.md shows it
+end to end.
 
     import llama_cpp, kvdiff_capture as kc
     from kvdiff_capture.adapters.llama_cpp import LlamaCppHooks
@@ -231,8 +234,11 @@ class LlamaCppHooks:
             fed = u.positions or []
             for r, tok in enumerate(u.tokens):
                 pos = fed[r] if r < len(fed) else None
-                match = next(i for i, (bt, bp, _, _) in enumerate(self.batch)
-                             if not used[i] and bt == tok and (pos is None or bp == pos))
+                match = next((i for i, (bt, bp, _, _) in enumerate(self.batch)
+                              if not used[i] and bt == tok and (pos is None or bp == pos)), None)
+                if match is None:
+                    raise RuntimeError(f"a micro-batch row (token {tok}, position {pos}) is no row of "
+                                       "the batch begin() declared: declare what llama_decode is fed")
                 used[match] = True
                 rows.append(match)
             outputs = [i for i in rows if self.batch[i][3]]

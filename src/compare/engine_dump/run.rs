@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::io::prompt::Prompt;
 use crate::support::progress;
-use crate::tap::read::DumpDir;
+use crate::tap::read::{DumpDir, KvCacheDtype};
 use crate::tap::TapFilter;
 
 /// What to diff.
@@ -147,7 +147,7 @@ impl DiffRequest<'_> {
         let mut code = crate::error::EXIT_OK;
         for seq in sequences {
             let request = DiffRequest { seq, ..*self };
-            let opened = request.open_with(loaded.take())?;
+            let opened = request.open_with(loaded)?;
             if opened.on_cuda() {
                 require_cuda()?;
             }
@@ -172,12 +172,12 @@ impl DiffRequest<'_> {
     /// Opens the dumps and loads the model where the run needs one: for kvdiff's own reference,
     /// or to calibrate the noise model.
     pub fn open(&self) -> Result<OpenedDiff<'_>> {
-        self.open_with(None)
+        self.open_with(&mut None)
     }
 
     /// `open`, with the model of an earlier diff of the same run (another sequence of one
     /// batched capture) instead of loading it again.
-    pub fn open_with(&self, loaded: Option<Loaded>) -> Result<OpenedDiff<'_>> {
+    pub fn open_with(&self, loaded: &mut Option<Loaded>) -> Result<OpenedDiff<'_>> {
         let (reference_dump, engine_dump) = match self.reference_dump {
             None => (None, DumpDir::open(self.engine_dump, self.seq)?),
             Some(r) => (
@@ -191,15 +191,19 @@ impl DiffRequest<'_> {
             || (auto && self.noise_profile.is_none())
             || conversation.is_some();
         let source = model_source(self.model, &engine_dump, needs_model)?;
-        let (engine, gpu_model) = match (loaded, source) {
-            (Some(l), Some(s)) if l.engine.source.describe() == s.describe() => {
+        // The model an earlier diff loaded is taken only where it is this one's: a dump that
+        // fails before here, or needs no model, leaves it for the next.
+        let same = |l: &Loaded, s: &ModelSource| l.engine.source.describe() == s.describe();
+        let (engine, gpu_model) = match source {
+            Some(s) if loaded.as_ref().is_some_and(|l| same(l, &s)) => {
+                let l = loaded.take().expect("checked just above");
                 (Some(l.engine), l.gpu_model)
             }
-            (_, Some(s)) => {
+            Some(s) => {
                 let _p = progress::Progress::spinner("loading the model");
                 (Some(Engine::load(s)?), None)
             }
-            (_, None) => (None, None),
+            None => (None, None),
         };
         Ok(OpenedDiff {
             request: self,
@@ -323,17 +327,17 @@ impl OpenedDiff<'_> {
             }
         };
         if req.policy == Policy::Auto {
-            let held = |s: &str| {
-                match s {
-                "cpu" => "float32, as kvdiff's f32 CPU backend",
-                "cpu-kv-f16" => "float32 with an f16 KV cache, as kvdiff's f32 CPU backend storing K and V in f16",
-                "cpu-kv-bf16" => "float32 with a bf16 KV cache, as kvdiff's f32 CPU backend storing K and V in bf16",
-                _ => "16-bit floats, as kvdiff's bf16 rounding",
-            }
+            let held = |s: &str| match (s, KvCacheDtype::from_backend(s)) {
+                ("cpu", _) => "float32, as kvdiff's f32 CPU backend".to_string(),
+                (_, Some(d)) => format!(
+                    "float32 with {} KV cache, as kvdiff's f32 CPU backend storing K and V so",
+                    d.describe()
+                ),
+                _ => "16-bit floats, as kvdiff's bf16 rounding".to_string(),
             };
             let src = info.source.take().unwrap_or_default();
             let reference = match f32_gpu.is_some() {
-                true => "float32, as kvdiff's f32 CPU backend (the f32 GPU reference)",
+                true => "float32, as kvdiff's f32 CPU backend (the f32 GPU reference)".to_string(),
                 false => held(ref_side),
             };
             info.source = Some(format!(
@@ -546,6 +550,18 @@ fn auto_tolerance(
             if let Some(e) = engine {
                 p.check_model(&e.model, f)?;
             }
+            if KvCacheDtype::from_backend(engine_side).is_some()
+                && !p.backends.contains_key(engine_side)
+            {
+                return Err(Error::usage(
+                    "--noise-profile",
+                    format!(
+                        "{} holds no {engine_side} backend, which the dump's kv_cache needs",
+                        f.display()
+                    ),
+                    "drop --noise-profile: the noise model is then calibrated for that cache",
+                ));
+            }
             let src = p.describe_pinned(f);
             (p, src, None)
         }
@@ -586,7 +602,11 @@ fn auto_tolerance(
                     }
                     let _p = progress::Progress::spinner("calibrating the noise model");
                     let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
-                    let on_gpu = gpu.map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
+                    // A narrower KV cache is emulated by the CPU engine, on host weights.
+                    let kv = KvCacheDtype::from_backend(engine_side).is_some();
+                    let on_gpu = gpu
+                        .filter(|_| !kv)
+                        .map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
                     let (cal, model) = match on_gpu {
                         Some(Ok(c)) => (c, gpu.expect("on_gpu came from it").0),
                         other => {

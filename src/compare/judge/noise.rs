@@ -431,12 +431,9 @@ impl NoiseProfile {
                 "cpu" if cal.on_gpu_oracle() => cal.f32_gpu_noise(cal.model)?,
                 "cpu" => cal.backend_noise(model, "the f32 CPU backend", "f32")?,
                 // An f32 engine whose KV cache is narrower (llama.cpp's default f16 cache).
-                b if b.starts_with("cpu-kv-") => {
-                    let d = match b {
-                        "cpu-kv-bf16" => KvCacheDtype::Bf16,
-                        _ => KvCacheDtype::F16,
-                    };
-                    let what = format!("the f32 CPU backend with a {} KV cache", &b[7..]);
+                b if KvCacheDtype::from_backend(b).is_some() => {
+                    let d = KvCacheDtype::from_backend(b).expect("the guard");
+                    let what = format!("the f32 CPU backend with {} KV cache", d.describe());
                     cal.backend_noise(&model.with_kv_cache(d), &what, "f32+kv")?
                 }
                 _ => cal.emulated_noise()?,
