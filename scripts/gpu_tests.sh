@@ -4,6 +4,7 @@
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
 #   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|nano|engine-ci|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
+#   scripts/gpu_tests.sh [tp|multi]                   (two or more GPUs: tensor-parallel capture, the reference across GPUs)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,6 +16,8 @@ export KVDIFF_ROOT=$root KVDIFF_BIN=$root/.out/bin/kvdiff KVDIFF_REQUIRE_CUDA=1
 export KVDIFF_CACHE_DIR=/tmp/kvdiff-cache
 out=${OUT:-/tmp}
 export KVDIFF_CONFORMANCE_OUT=$out
+# NVLink multicast stays off in every multi-GPU program (NCCL, PyTorch, NVSHMEM).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
   .out/bin/cuda-tests cuda:: --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
@@ -75,4 +78,23 @@ fi
 if [ "$stage" = all ] || [ "$stage" = devicemap ]; then
   # HF transformers spread over every GPU and the CPU (device_map="auto") as the reference dump.
   python3 scripts/capture_device_map_test.py .out/bin/kvdiff 2>&1 | tee "$out/devicemap.log" | grep -vE "^(Writing|Loading)"
+fi
+if [ "$stage" = tp ]; then
+  # Tensor-parallel engines captured whole: a real nano-vllm at tensor_parallel_size=2 (its
+  # worker hooked through the engine's own call channel), torchrun ranks each opening the
+  # capture; then the default model compared on GPU 0 alone and placed over GPUs 0 and 1: the
+  # JSON reports must be byte for byte alike.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nano-site .whl/nano_vllm_fork-*.whl
+  PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} python3 scripts/nano_vllm_tp_suite.py .out/bin/kvdiff /tmp/nano-tp 2>&1 |
+    tee "$out/nano-tp.log" | grep -vE "^(\[debug\]|Generating)"
+  python3 scripts/capture_torchrun_test.py .out/bin/kvdiff /tmp/torchrun 2>&1 | tee "$out/torchrun.log" | tail -n 8
+  for d in 0 0,1; do
+    .out/bin/kvdiff -v compare --backend cuda --devices $d --json /tmp/placed-$d.json fixtures/prompts/no-system.json \
+      > /tmp/placed-$d.out 2> /tmp/placed-$d.err || true
+    grep -E "placed|verdict" /tmp/placed-$d.err /tmp/placed-$d.out | head -4
+  done
+  cmp /tmp/placed-0.json /tmp/placed-0,1.json && echo "default model: one GPU and --devices 0,1 reports alike"
+fi
+if [ "$stage" = multi ]; then
+  scripts/bench_multi_gpu.sh .out/bin/kvdiff 2>&1 | tee "$out/multi.log"
 fi

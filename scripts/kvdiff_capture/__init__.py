@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, List, Optional, Union
 
 from . import writer
 from .adapters import ADAPTERS, Adapter, Hooks, detect, register_adapter
@@ -54,6 +54,28 @@ def _model_name(model: Any) -> Optional[str]:
     cfg = getattr(model, "config", None)
     name = getattr(cfg, "_name_or_path", None) or getattr(cfg, "model", None)
     return name if isinstance(name, str) and name else None
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    dist.barrier()
+
+
+def _all_ranks_ok(ok: bool, cap: Capture) -> bool:
+    """Every rank's files written (each rank ran the block itself): rank 0 keeps the dump only if
+    every rank got through its block, and says which did not."""
+    import torch.distributed as dist
+    if cap.joined:
+        cap.close(ok)
+    flags: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(ok))
+    failed = [r for r, f in enumerate(flags) if not f]
+    if not cap.joined:
+        cap.close(not failed)
+        if failed and ok:
+            raise RuntimeError(f"tensor-parallel ranks {failed} raised inside the capture block: "
+                               f"no dump written to {cap.out_dir}")
+    return not failed
 
 
 @contextmanager
@@ -89,11 +111,24 @@ def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] 
     runner, inner = runner_and_model(model) if model is not None else (None, None)
     # nano-vllm's model has no config of its own: its runner's config names the folder.
     named = (_model_name(inner) if inner is not None else None) or _model_name(runner)
+    # Ranks that each run this block themselves (torchrun) meet at its start and end, so that
+    # rank 0 opens the folder first and renames it last. An engine whose rank 0 drives workers
+    # it spawned (nano-vllm) is captured from rank 0 alone: its adapter hooks the workers.
+    engine_workers = (kind == "nano-vllm" and runner is not None
+                      and int(getattr(runner, "world_size", 1)) > 1)
+    ranks_meet = tp_size is not None and not engine_workers
+    if engine_workers:
+        tp_rank, tp_size = 0, int(runner.world_size)
+    joined = ranks_meet and tp_rank != 0
+    if joined:
+        _barrier()
     cap = Capture(out_dir, engine=engine or kind or "engine",
                   dtype=dtype or (_dtype_name(inner) if inner is not None else None),
                   model=model_name or named,
                   prompt_len=prompt_len, taps=taps, tp_rank=tp_rank, tp_size=tp_size,
-                  overwrite=overwrite, prompt=prompt, kv_cache=kv_cache)
+                  overwrite=overwrite, prompt=prompt, kv_cache=kv_cache, joined=joined)
+    if ranks_meet and not joined:
+        _barrier()
     hooks: Optional[Any] = None
     ok = False
     try:
@@ -103,6 +138,11 @@ def capture(model: Any, out_dir: Union[str, os.PathLike], engine: Optional[str] 
         ok = True
     finally:
         writer.set_active(None)
-        if hooks is not None:
-            hooks.remove()
-        cap.close(ok)
+        try:
+            if hooks is not None:
+                hooks.remove()
+        finally:
+            if ranks_meet:
+                ok = _all_ranks_ok(ok, cap)
+            else:
+                cap.close(ok)

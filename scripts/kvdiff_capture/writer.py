@@ -138,17 +138,25 @@ class Capture:
                  dtype: Optional[str] = None, model: Optional[str] = None,
                  prompt_len: Optional[int] = None, taps: Union[str, Iterable[str]] = "*",
                  tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-                 overwrite: bool = False, prompt: Any = None, kv_cache: Optional[str] = None) -> None:
+                 overwrite: bool = False, prompt: Any = None, kv_cache: Optional[str] = None,
+                 joined: bool = False) -> None:
         if kv_cache not in (None, "float16", "bfloat16", "float32", "f16", "bf16", "f32"):
             raise ValueError(f"kv_cache={kv_cache!r}: float16, bfloat16 or float32 (the dtype the "
                              "cache stores K and V in; a quantized cache is not held to its rounding)")
         self.out_dir = os.fspath(out_dir)
-        if os.path.exists(self.out_dir) and not overwrite:
-            raise FileExistsError(f"{self.out_dir} exists: choose another folder or pass overwrite=True")
         self.prompt = prompt_meta(prompt) if prompt is not None else None
         self.partial = self.out_dir + ".partial"
-        shutil.rmtree(self.partial, ignore_errors=True)
-        os.makedirs(self.partial)
+        # A tensor-parallel rank other than the one that owns the dump writes its files into the
+        # owner's folder, and leaves meta.json and the final rename to it.
+        self.joined = joined
+        if joined:
+            if not os.path.isdir(self.partial):
+                raise FileNotFoundError(f"{self.partial} does not exist: rank 0's capture must open it first")
+        else:
+            if os.path.exists(self.out_dir) and not overwrite:
+                raise FileExistsError(f"{self.out_dir} exists: choose another folder or pass overwrite=True")
+            shutil.rmtree(self.partial, ignore_errors=True)
+            os.makedirs(self.partial)
         self.engine, self.dtype, self.model = engine, dtype, model
         # The dtype the engine's KV cache holds K and V in, where narrower than `dtype`
         # (llama.cpp's default f16 cache): kvdiff holds attention to that rounding.
@@ -392,10 +400,23 @@ class Capture:
                 plain[k] = ("I64" if is_int else "F32", shape, flat)
             save_plain(path, plain, meta)
 
+    def marker(self, state: str) -> str:
+        """The file a joined rank leaves in the dump's folder when it opened, closed or failed."""
+        return os.path.join(self.partial, f".rank-{self.tp_rank}.{state}")
+
     def close(self, ok: bool = True) -> None:
+        if self.joined:
+            # Rank 0 waits for this, then writes meta.json and renames the folder (or drops it).
+            if os.path.isdir(self.partial):
+                with open(self.marker("closed" if ok else "failed"), "w") as f:
+                    f.write("" if ok else "the block raised in this rank")
+            return
         if not ok:
             shutil.rmtree(self.partial, ignore_errors=True)
             return
+        for name in os.listdir(self.partial):
+            if name.startswith(".rank-"):
+                os.remove(os.path.join(self.partial, name))
         meta: Dict[str, Any] = {"format": FORMAT, "version": VERSION, "engine": self.engine,
                                 "dtype": self.dtype or "float32"}
         if self.model is not None:

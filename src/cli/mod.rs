@@ -39,6 +39,11 @@ pub struct Cli {
     /// -vv adds each path's and each calibration step's time as it ends.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// GPUs a model may be placed across with --backend cuda, e.g. 0,1: every kernel runs on
+    /// the first, and the layers are spread evenly, the other GPUs' read through peer access
+    /// (NVLink). Default: GPU 0, and every visible GPU only where the model does not fit it.
+    #[arg(long, global = true, value_name = "LIST", value_parser = parse_devices)]
+    devices: Option<Vec<usize>>,
     #[command(subcommand)]
     command: Command,
 }
@@ -78,6 +83,25 @@ enum Command {
     Tokens(tokens::TokensArgs),
 }
 
+/// `--devices 0,1`: distinct GPU ordinals, at least one.
+fn parse_devices(s: &str) -> std::result::Result<Vec<usize>, String> {
+    let list = s
+        .split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("{x:?} is not a GPU number: give ordinals such as 0,1"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut seen = list.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != list.len() {
+        return Err(format!("{s:?} names a GPU twice"));
+    }
+    Ok(list)
+}
+
 /// Runs the parsed command; returns the exit code.
 pub fn run(cli: Cli) -> Result<i32> {
     let level = if cli.quiet {
@@ -86,6 +110,9 @@ pub fn run(cli: Cli) -> Result<i32> {
         cli.verbose.min(2) as i8
     };
     kvdiff::support::progress::set_verbosity(level);
+    if let Some(d) = cli.devices {
+        kvdiff::cuda::set_devices(d);
+    }
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Dump(a) => dump::run(a),

@@ -319,6 +319,16 @@ impl DumpDir {
         Ok(())
     }
 
+    /// How many tensor-parallel ranks wrote the dump (1 where it is not split).
+    pub fn tp_size(&self) -> usize {
+        self.steps
+            .values()
+            .flatten()
+            .map(|p| p.tp_size)
+            .max()
+            .unwrap_or(1)
+    }
+
     /// The steps the selected sequence has rows in (sequences of a batched engine start and
     /// end at different times; each counts its own steps from its prompt).
     pub fn steps(&self) -> Vec<usize> {
@@ -376,9 +386,9 @@ impl DumpDir {
                          rank {r}'s process ran without the capture, such as a worker the engine \
                          started before the capture block opened"
                     ),
-                    "capture in every rank's process: open kvdiff_capture.capture in each worker \
-                     (under torchrun each rank runs it), or open it before the engine starts its \
-                     workers; docs/engine-debugging.md#the-capture-module",
+                    "capture in every rank's process: hand kvdiff_capture.capture the engine \
+                     object that drives the workers (nano-vllm: the LLM, whose workers it hooks), \
+                     or open the capture in each rank (torchrun); docs/engine-debugging.md#tensor-parallel-engines",
                 ));
             }
         }

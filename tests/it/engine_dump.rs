@@ -628,6 +628,20 @@ fn tensor_parallel_shards_are_joined_by_rank() {
         kv_heads / 2,
         "the first head of rank 1"
     );
+    assert_eq!(
+        r["paths"][0]["first_divergence"]["tp_rank"],
+        serde_json::json!({"rank": 1, "of": 2}),
+        "the report says which rank holds the head"
+    );
+    let o = kvdiff(&["diff", e.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains(&format!(
+            "head {} (tensor-parallel rank 1 of 2)",
+            kv_heads / 2
+        )),
+        "{text}"
+    );
     // A rank whose process ran without the capture: refused, naming the rank, the likely cause
     // and the fix.
     std::fs::remove_file(e.join("step-0001.rank-1.safetensors")).unwrap();

@@ -105,15 +105,22 @@ def rows_from_context(n: int, ctx: Any) -> Tuple[Optional[List[int]], Optional[L
     return [x - 1 for x in lens], list(range(n))
 
 
-def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
+def nano_vllm_adapter(cap: Capture, target: Any, worker: bool = False) -> Hooks:
     """Hooks nano-vllm's model; with its runner, also `run` for the scheduler's sequences.
     Decode steps must run eagerly (`enforce_eager=True`): hooks do not fire inside CUDA graphs.
-    Under tensor parallelism each rank writes its own files with its heads; kvdiff joins them."""
+    Under tensor parallelism each rank writes its own files with its heads; kvdiff joins them.
+    Given rank 0's runner of an engine with `tensor_parallel_size` > 1, the workers the engine
+    spawned are hooked too (`nano_vllm_workers.py`); `worker` is set in those."""
     h = Hooks()
     runner, model = runner_and_model(target)
     if runner is not None and not getattr(runner, "enforce_eager", True):
         raise ValueError("nano-vllm replays decode steps as CUDA graphs, where hooks do not fire: "
                          "build the LLM with enforce_eager=True to capture it")
+    spawned = (runner is not None and not worker and int(getattr(runner, "world_size", 1)) > 1
+               and int(getattr(runner, "rank", 0)) == 0)
+    if spawned:
+        from .nano_vllm_workers import start_workers
+        start_workers(cap, runner, h.undo)
     inner = model.model
     add = h.handles.append
     batch = _Batch()
@@ -124,11 +131,19 @@ def nano_vllm_adapter(cap: Capture, target: Any) -> Hooks:
         original_run = runner.run
 
         def run(seqs: Any, is_prefill: bool, *args: Any, **kwargs: Any) -> Any:
-            batch.seqs = [(int(s.seq_id), int(s.num_cached_tokens), len(s),
-                           int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs]
+            from .nano_vllm_workers import RunInfo
+            info = args[-1] if args and isinstance(args[-1], RunInfo) else None
+            if info is not None:
+                # Rank 0's batch, sent with the call: a worker's copies of the sequences carry
+                # no ids, and a decode step's carry only their last token.
+                args = args[:-1]
+                batch.seqs, batch.cached = info.seqs, info.cached
+            else:
+                batch.seqs = [(int(s.seq_id), int(s.num_cached_tokens), len(s),
+                               int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs]
+                batch.cached = {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
+                                for s in seqs if is_prefill and s.num_cached_tokens > 0}
             batch.is_prefill = bool(is_prefill)
-            batch.cached = {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
-                            for s in seqs if is_prefill and s.num_cached_tokens > 0}
             try:
                 return original_run(seqs, is_prefill, *args, **kwargs)
             finally:

@@ -176,6 +176,7 @@ impl Comparator<'_> {
                 .map(|t| t.decode(&[token], false))
                 .unwrap_or_default(),
             head: per_head.map(|w| index / w),
+            tp_rank: None,
             index: per_head.map_or(index, |w| index % w),
             kind: if d.non_finite.is_some() {
                 "non_finite"

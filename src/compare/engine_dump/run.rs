@@ -23,7 +23,7 @@ use crate::io::model_source::ModelSource;
 use crate::io::prompt::Prompt;
 use crate::support::progress;
 use crate::tap::read::{DumpDir, KvCacheDtype};
-use crate::tap::TapFilter;
+use crate::tap::{TapFilter, TapId};
 
 /// What to diff.
 pub struct DiffRequest<'a> {
@@ -390,6 +390,9 @@ impl OpenedDiff<'_> {
         let steps = diff.info.steps;
         let mut report = assemble(engine_dump, engine, diff, reference_label, info);
         report.prompt_check = prompt_check;
+        if let Some(e) = engine {
+            name_ranks(&mut report, &e.model.config, engine_dump.tp_size());
+        }
         Ok(DiffOutcome {
             report,
             steps,
@@ -679,6 +682,27 @@ fn assemble(
         outcome: None,
         engine: Some(diff.info),
         prompt_check: None,
+    }
+}
+
+/// Says which tensor-parallel rank holds each diverged head, where the dump was split.
+fn name_ranks(report: &mut Report, c: &crate::engine::config::Config, tp: usize) {
+    use crate::tap::LayerTap as T;
+    for d in report
+        .paths
+        .iter_mut()
+        .filter_map(|p| p.first_divergence.as_mut())
+    {
+        let heads = match TapId::from_name(&d.tap) {
+            Some(TapId::Layer(_, T::Q | T::QRope | T::AttnOut | T::AttnProbs)) => {
+                c.num_attention_heads
+            }
+            Some(TapId::Layer(_, T::K | T::V | T::KRope)) => c.num_key_value_heads,
+            _ => continue,
+        };
+        d.tp_rank = d
+            .head
+            .and_then(|h| crate::compare::judge::finding::TpRank::holding(h, heads, tp));
     }
 }
 

@@ -102,6 +102,7 @@ impl Verdict<'_> {
                 .map(|t| t.decode(&[token], false))
                 .unwrap_or_default(),
             head: per_head.then_some(r.index / hd),
+            tp_rank: None,
             index: if per_head { r.index % hd } else { r.index },
             kind: "value",
             reference: r.replay,

@@ -45,6 +45,9 @@ pub struct Divergence {
     pub token: u32,
     pub token_text: String,
     pub head: Option<usize>,
+    /// The tensor-parallel rank whose shard holds `head`, in an engine dump split over ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_rank: Option<TpRank>,
     pub index: usize,
     /// `value` (over tolerance) or `non_finite` (NaN/Inf seen, never compared as a number).
     pub kind: &'static str,
@@ -69,6 +72,24 @@ pub struct Divergence {
     pub systematic: Option<SystematicInfo>,
     #[serde(skip)]
     pub(crate) order: (usize, TapId, usize),
+}
+
+/// Which rank of a tensor-parallel engine computed a head: its shard of the heads.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct TpRank {
+    pub rank: usize,
+    pub of: usize,
+}
+
+impl TpRank {
+    /// The rank holding `head` of a tap with `heads` heads split evenly over `of` ranks; None
+    /// where the heads are not split (fewer heads than ranks: each rank holds a copy).
+    pub fn holding(head: usize, heads: usize, of: usize) -> Option<TpRank> {
+        (of > 1 && heads >= of && heads % of == 0 && head < heads).then(|| TpRank {
+            rank: head / (heads / of),
+            of,
+        })
+    }
 }
 
 /// An op rerun on the engine's own inputs (`compare/judge/replay.rs`): what it adds, in units `u`

@@ -268,7 +268,13 @@ fn divergence_text(s: &mut String, d: Option<&Divergence>, colour: bool) {
             let _ = writeln!(s, "  no tap diverged");
         }
         Some(d) => {
-            let head = d.head.map(|h| format!(", head {h}")).unwrap_or_default();
+            let head = match (d.head, d.tp_rank) {
+                (Some(h), Some(r)) => {
+                    format!(", head {h} (tensor-parallel rank {} of {})", r.rank, r.of)
+                }
+                (Some(h), None) => format!(", head {h}"),
+                _ => String::new(),
+            };
             let line = format!(
                 "first divergence: step {}{}, {}, position {} (token {:?}){head}, index {}",
                 d.step,

@@ -20,7 +20,7 @@ pub fn driver_missing() -> Option<String> {
 pub fn device_name() -> Option<String> {
     use cudarc::driver::result;
     result::init().ok()?;
-    result::device::get_name(result::device::get(0).ok()?).ok()
+    result::device::get_name(result::device::get(super::home_ordinal() as i32).ok()?).ok()
 }
 
 /// Says why CUDA cannot be used here, without touching anything that would abort.

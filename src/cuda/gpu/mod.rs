@@ -42,6 +42,27 @@ use memory::{keep_freed_memory, PinnedPool, Staging, WordSlots, STAGING_DEPTH};
 /// second reference) each get one of their own, and the next comparison's take the next ones.
 const SIDE_STREAMS: usize = 3;
 
+/// The GPUs `--devices` named, home first (unset: GPU 0, and others only where a model does
+/// not fit it).
+static DEVICES: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+
+/// Sets the GPUs of `--devices` (once, before any GPU opens).
+pub fn set_devices(list: Vec<usize>) {
+    let _ = DEVICES.set(list);
+}
+
+/// The GPUs `--devices` named, if it was given.
+pub fn devices_asked() -> Option<&'static [usize]> {
+    DEVICES.get().map(Vec::as_slice)
+}
+
+/// The GPU every kernel runs on: the first of `--devices`, else GPU 0.
+pub fn home_ordinal() -> usize {
+    devices_asked()
+        .and_then(|d| d.first().copied())
+        .unwrap_or(0)
+}
+
 /// A device, its streams, cuBLAS and the compiled kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -193,7 +214,8 @@ impl Gpu {
         }
         // The kernels compile (or load from the cache) beside the context's creation: NVRTC
         // needs only the device's architecture.
-        let image = device_capability(0).map(|(major, minor)| {
+        let home = home_ordinal();
+        let image = device_capability(home as i32).map(|(major, minor)| {
             let image = std::thread::spawn(move || {
                 // Without NVRTC cudarc would panic here; `missing` below says what to install.
                 if !nvrtc_loads() {
@@ -203,10 +225,10 @@ impl Gpu {
             });
             (major, minor, image)
         });
-        let ctx = CudaContext::new(0).map_err(|e| {
+        let ctx = CudaContext::new(home).map_err(|e| {
             Error::usage(
                 "--backend cuda",
-                format!("cannot open GPU 0: {e}"),
+                format!("cannot open GPU {home}: {e}"),
                 CUDA_FIX,
             )
         })?;

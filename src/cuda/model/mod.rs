@@ -17,6 +17,8 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::tap::Device;
 
+mod peers;
+pub mod placement;
 mod stream_load;
 
 pub(super) struct Layer {
@@ -149,9 +151,20 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                         Ok(gpu)
                     })
                 };
-                let (buffers, staging) = stream_load::stream(ckpt, &files, &plan, |free, name| {
-                    check_fits(free, name, config)
-                })?;
+                check_head_dim(config)?;
+                let bytes: Vec<u64> = plan
+                    .iter()
+                    .map(|names| {
+                        names
+                            .iter()
+                            .filter_map(|n| ckpt.segment(n))
+                            .map(|s| s.2 as u64)
+                            .sum()
+                    })
+                    .collect();
+                let (devs, placement) = peers::Devices::place(config, &plan, &bytes)?;
+                let (buffers, staging) =
+                    stream_load::stream(ckpt, &files, &plan, &devs, &placement)?;
                 let gpu = {
                     let _span =
                         crate::support::timing::span("startup: waiting for the GPU to open");
@@ -304,9 +317,19 @@ fn read_and_upload(
     // The first failure in plan order, as a sequential read would report it.
     let host = host.into_iter().collect::<Result<Vec<_>>>()?;
     let gpu = Gpu::open()?;
-    check_fits(gpu.memory().0, &gpu.name, config)?;
+    check_head_dim(config)?;
+    let bytes: Vec<u64> = host.iter().map(|h| 2 * h.len() as u64).collect();
+    let (devs, placement) = peers::Devices::place(config, &plan(config), &bytes)?;
     let _span = crate::support::timing::span("startup: weights uploaded");
-    let buffers = host.iter().map(|h| gpu.upload(h)).collect();
+    let buffers = host
+        .iter()
+        .zip(&placement.of_buffer)
+        .map(|(h, &d)| match d {
+            0 => Ok(gpu.upload(h)),
+            _ => devs.upload(d, h),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    devs.synchronize()?;
     Ok((gpu, buffers))
 }
 
@@ -332,9 +355,9 @@ pub fn weight_bytes(c: &Config) -> u64 {
     2 * (v * h + head + h + layers)
 }
 
-/// Fails before any allocation where the weights cannot fit, or the head size is beyond the
-/// kernels.
-fn check_fits(free: usize, device: &str, config: &Config) -> Result<()> {
+/// Fails before any allocation where the head size is beyond the kernels (whether the
+/// weights fit is `peers::Devices::place`'s to say).
+fn check_head_dim(config: &Config) -> Result<()> {
     if config.head_dim > 1024 {
         return Err(Error::usage(
             "--backend cuda",
@@ -343,22 +366,6 @@ fn check_fits(free: usize, device: &str, config: &Config) -> Result<()> {
                 config.head_dim
             ),
             "use --backend cpu for this model",
-        ));
-    }
-    let need = weight_bytes(config);
-    // Room for activations and caches on top of the weights.
-    let headroom = 512u64 << 20;
-    if need + headroom > free as u64 {
-        return Err(Error::usage(
-            "--backend cuda",
-            format!(
-                "the weights need {} in bf16 (plus {} of working memory) but {} has {} free",
-                crate::support::resources::human(need),
-                crate::support::resources::human(headroom),
-                device,
-                crate::support::resources::human(free as u64)
-            ),
-            "free GPU memory, use a smaller model, or use --backend cpu",
         ));
     }
     Ok(())

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use safetensors::Dtype;
 
+use super::peers::Devices;
+use super::placement::Placement;
 use crate::cuda::gpu::{ptr, Arg, Gpu};
 use crate::engine::config::Config;
 use crate::engine::weights::{Checkpoint, TensorSource};
@@ -44,6 +46,8 @@ pub(super) fn streamable(
 
 /// One read and copy: `len` bytes at `offset` of file `file`, to device address `dst`.
 struct Piece {
+    /// Which of the devices in use holds the destination.
+    device: usize,
     file: usize,
     offset: u64,
     len: usize,
@@ -51,37 +55,27 @@ struct Piece {
 }
 
 /// Fills one device buffer per entry of `plan` (its tensors stacked in order) from the files
-/// of `ckpt`; refuses Inf and NaN with the message the host reader gives.
+/// of `ckpt`, each on the GPU `placement` gives it; refuses Inf and NaN with the message the
+/// host reader gives.
 ///
-/// Needs only the device's context, not the rest of `Gpu` (cuBLAS, kernels): the primary
-/// context is shared, so this runs while another thread finishes opening the GPU. `fits`
-/// checks the free memory before anything is allocated.
+/// Needs only the devices' contexts, not the rest of `Gpu` (cuBLAS, kernels): the primary
+/// context is shared, so this runs while another thread finishes opening the GPU.
 pub(super) fn stream(
     ckpt: &Checkpoint<'_>,
     files: &[PathBuf],
     plan: &[Vec<String>],
-    fits: impl FnOnce(usize, &str) -> Result<()>,
+    devs: &Devices,
+    placement: &Placement,
 ) -> Result<Streamed> {
     let cuda = |e: cudarc::driver::DriverError| {
         Error::Internal(format!("CUDA while loading weights: {e}"))
     };
-    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| {
-        Error::usage(
-            "--backend cuda",
-            format!("cannot open GPU 0: {e}"),
-            crate::cuda::gpu::CUDA_FIX,
-        )
-    })?;
-    // Buffers are used by raw address on the GPU's own streams: no per-buffer events.
-    unsafe { ctx.disable_event_tracking() };
-    let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
-    fits(free, &ctx.name().unwrap_or_else(|_| "GPU 0".into()))?;
-    let stream = ctx.new_stream().map_err(cuda)?;
+    let ctx = &devs.ctxs[0];
     let span = crate::support::timing::span("startup: weights read into place on the GPU");
     let alloc = crate::support::timing::span("startup: weights: device buffers allocated");
     let mut buffers = Vec::with_capacity(plan.len());
     let mut pieces = Vec::new();
-    for names in plan {
+    for (names, &device) in plan.iter().zip(&placement.of_buffer) {
         let segs: Vec<_> = names
             .iter()
             .map(|n| {
@@ -91,12 +85,13 @@ pub(super) fn stream(
             .collect();
         let bytes: usize = segs.iter().map(|s| s.2).sum();
         // Safety: every byte is written by the copies below before any kernel reads it.
-        let buf = unsafe { stream.alloc::<u16>((bytes / 2).max(1)) }.map_err(cuda)?;
-        let (mut at, _) = buf.device_ptr(&stream);
+        let buf = unsafe { devs.alloc(device, bytes / 2) }?;
+        let (mut at, _) = buf.device_ptr(&devs.streams[device]);
         for (file, offset, len, _) in segs {
             for start in (0..len).step_by(PIECE) {
                 let n = PIECE.min(len - start);
                 pieces.push(Piece {
+                    device,
                     file,
                     offset: offset + start as u64,
                     len: n,
@@ -107,8 +102,8 @@ pub(super) fn stream(
         }
         buffers.push(buf);
     }
-    // The copies below are not on the allocating stream.
-    stream.synchronize().map_err(cuda)?;
+    // The copies below are not on the allocating streams.
+    devs.synchronize()?;
     drop(alloc);
     let handles = files
         .iter()
@@ -122,10 +117,15 @@ pub(super) fn stream(
     let readers = READERS.min(pieces.len()).max(1);
     let pin = crate::support::timing::span("startup: weights: staging pinned");
     // Safety: only the first `len` bytes of a piece are copied, after being read.
+    // Portable: pinned for every GPU's copies, not only the home one's.
+    let flags = match devs.ctxs.len() {
+        1 => 0,
+        _ => cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+    };
     let mut staging =
-        unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, 0) }.map_err(cuda)?;
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, flags) }.map_err(cuda)?;
     drop(pin);
-    let (pieces, next, handles, ctx) = (&pieces, &next, &handles, &ctx);
+    let (pieces, next, handles, ctxs) = (&pieces, &next, &handles, &devs.ctxs);
     // Reading the pinned buffer's host side checks its event, in the current context.
     ctx.bind_to_thread().map_err(cuda)?;
     let results: Vec<Result<()>> = std::thread::scope(|s| {
@@ -138,12 +138,18 @@ pub(super) fn stream(
                     let cuda = |e: cudarc::driver::DriverError| {
                         Error::Internal(format!("CUDA while loading weights: {e}"))
                     };
-                    // The raw copies below use the thread's current context.
-                    ctx.bind_to_thread().map_err(cuda)?;
+                    // The raw copies below use the thread's current context: the
+                    // destination's.
+                    let mut bound = 0;
+                    ctxs[bound].bind_to_thread().map_err(cuda)?;
                     loop {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             return Ok(());
                         };
+                        if p.device != bound {
+                            bound = p.device;
+                            ctxs[bound].bind_to_thread().map_err(cuda)?;
+                        }
                         let read = crate::support::timing::span("startup: weights: file reads");
                         handles[p.file]
                             .read_exact_at(&mut host[..p.len], p.offset)
