@@ -43,7 +43,7 @@ pub struct Cli {
     /// the first, and the layers are spread evenly, the other GPUs' read through peer access
     /// (NVLink). Default: GPU 0, and every visible GPU only where the model does not fit it.
     #[arg(long, global = true, value_name = "LIST", value_parser = parse_devices)]
-    devices: Option<Vec<usize>>,
+    devices: Option<DeviceList>,
     #[command(subcommand)]
     command: Command,
 }
@@ -83,8 +83,12 @@ enum Command {
     Tokens(tokens::TokensArgs),
 }
 
+/// GPU ordinals, as `--devices` lists them.
+#[derive(Clone)]
+struct DeviceList(Vec<usize>);
+
 /// `--devices 0,1`: distinct GPU ordinals, at least one.
-fn parse_devices(s: &str) -> std::result::Result<Vec<usize>, String> {
+fn parse_devices(s: &str) -> std::result::Result<DeviceList, String> {
     let list = s
         .split(',')
         .map(|x| {
@@ -99,7 +103,7 @@ fn parse_devices(s: &str) -> std::result::Result<Vec<usize>, String> {
     if seen.len() != list.len() {
         return Err(format!("{s:?} names a GPU twice"));
     }
-    Ok(list)
+    Ok(DeviceList(list))
 }
 
 /// Runs the parsed command; returns the exit code.
@@ -110,7 +114,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         cli.verbose.min(2) as i8
     };
     kvdiff::support::progress::set_verbosity(level);
-    if let Some(d) = cli.devices {
+    if let Some(DeviceList(d)) = cli.devices {
         kvdiff::cuda::set_devices(d);
     }
     match cli.command {

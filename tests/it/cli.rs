@@ -832,3 +832,25 @@ fn a_reference_run_kept_for_the_next_path_reports_what_a_fresh_one_reports() {
         );
     }
 }
+
+/// `--devices` lists GPUs for `--backend cuda`: distinct ordinals, refused with exit 2
+/// otherwise; a CPU run takes it and is unchanged.
+#[test]
+fn devices_lists_distinct_gpus_and_leaves_a_cpu_run_alone() {
+    let prompt = fixture("prompts/no-system.json");
+    let p = prompt.to_str().unwrap();
+    let args = ["compare", "--paths", "prefix-cache", "--max-new-tokens", "2"];
+    let plain = kvdiff(&[&args[..], &[p]].concat());
+    let placed = kvdiff(&[&args[..], &["--devices", "0,1", p]].concat());
+    assert_eq!(placed.status.code(), Some(0), "{}", stderr(&placed));
+    assert_eq!(plain.stdout, placed.stdout);
+    for (bad, says) in [
+        ("0,0", "\"0,0\" names a GPU twice"),
+        ("a", "\"a\" is not a GPU number"),
+        ("", "is not a GPU number"),
+    ] {
+        let o = kvdiff(&[&args[..], &["--devices", bad, p]].concat());
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{bad}: {}", stderr(&o));
+    }
+}

@@ -201,7 +201,13 @@ impl DiffRequest<'_> {
             }
             Some(s) => {
                 let _p = progress::Progress::spinner("loading the model");
-                (Some(Engine::load(s)?), None)
+                let gpu_only = self.backend == Backend::Cuda
+                    && reference_dump.is_none()
+                    && !host_copy_fits(&s)?;
+                match gpu_only {
+                    true => (Some(load_engine_on(s, Backend::Cuda)?), None),
+                    false => (Some(Engine::load(s)?), None),
+                }
             }
             None => (None, None),
         };
@@ -266,10 +272,15 @@ impl OpenedDiff<'_> {
         let cuda = self.on_cuda();
         self.check_precision()?;
         let gpu_model = match (engine, cuda, reused) {
+            // Loaded straight onto the GPU (`open_with`): it is the GPU model.
+            (Some(e), true, _) if e.model.device().is_some() => None,
             (Some(_), true, Some(g)) => Some(g),
             (Some(e), true, None) => Some(crate::cuda::to_cuda(&e.model)?),
             _ => None,
         };
+        let on_gpu: Option<&Model> = gpu_model
+            .as_ref()
+            .or(engine.map(|e| &e.model).filter(|m| m.device().is_some()));
         let layers = engine
             .map(|e| e.model.config.num_hidden_layers)
             .unwrap_or_else(|| {
@@ -290,7 +301,7 @@ impl OpenedDiff<'_> {
             (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
             _ => None,
         };
-        let f32_gpu = match &gpu_model {
+        let f32_gpu = match on_gpu {
             Some(g) => self.f32_gpu_reference(g, &taps)?,
             None => None,
         };
@@ -319,7 +330,7 @@ impl OpenedDiff<'_> {
                 auto_tolerance(
                     req.noise_profile,
                     engine,
-                    gpu_model.as_ref().map(|g| (g, f32_gpu.is_none())),
+                    on_gpu.map(|g| (g, f32_gpu.is_none())),
                     &prompt_ids,
                     steps,
                     sides,
@@ -348,6 +359,12 @@ impl OpenedDiff<'_> {
         }
         let label = format!("engine:{}", engine_dump.meta.engine);
         let replay_on = req.replay && req.policy == Policy::Auto;
+        if replay_on && engine.is_some_and(|e| !e.model.has_host_weights()) && !progress::quiet() {
+            eprintln!(
+                "kvdiff: no replay: the model was loaded straight onto the GPU (its f32 copy would not \
+                 fit the host's memory), and replay reruns ops on the host"
+            );
+        }
         let rounded = engine.filter(|_| replay_on).and_then(|e| {
             crate::compare::judge::replay::weights_for(&e.model, &engine_dump.meta.dtype)
         });
@@ -377,7 +394,7 @@ impl OpenedDiff<'_> {
             }
             None => {
                 let e = engine.expect("loaded for the one-folder form");
-                let model = gpu_model.as_ref().unwrap_or(&e.model);
+                let model = on_gpu.unwrap_or(&e.model);
                 let mut run =
                     ReferenceRun::new(model).following_routes(tolerance.bounds("router_logits"));
                 (
@@ -487,6 +504,31 @@ impl OpenedDiff<'_> {
 }
 
 /// What meta.json's `model` names, when it names something loadable here.
+/// Whether the model's f32 copy fits the host's memory with room to spare (a model at 70B takes
+/// 280 GB): where it does not, a diff on the GPU loads it straight there, as `compare --backend
+/// cuda` does. `KVDIFF_DIFF_GPU_ONLY=1` asks for that at any size.
+fn host_copy_fits(src: &ModelSource) -> Result<bool> {
+    if std::env::var("KVDIFF_DIFF_GPU_ONLY").is_ok_and(|v| v == "1") {
+        return Ok(false);
+    }
+    let config = crate::engine::config::Config::load(src)?;
+    let f32_bytes = 2 * crate::cuda::weight_bytes(&config);
+    Ok(match crate::support::resources::available_memory()? {
+        Some(free) => f32_bytes.saturating_mul(10) <= free.saturating_mul(6),
+        None => true,
+    })
+}
+
+fn load_engine_on(src: ModelSource, on: Backend) -> Result<Engine> {
+    Engine::load_with(src, |s| {
+        let config = crate::engine::config::Config::load(s)?;
+        match on {
+            Backend::Cuda => crate::cuda::load_on_cuda(s, &config),
+            Backend::Cpu => Model::load(s),
+        }
+    })
+}
+
 fn model_of(meta_model: Option<&str>) -> Option<ModelSource> {
     let m = meta_model?;
     if m == ModelSource::Embedded.describe() {
