@@ -839,7 +839,13 @@ fn a_reference_run_kept_for_the_next_path_reports_what_a_fresh_one_reports() {
 fn devices_lists_distinct_gpus_and_leaves_a_cpu_run_alone() {
     let prompt = fixture("prompts/no-system.json");
     let p = prompt.to_str().unwrap();
-    let args = ["compare", "--paths", "prefix-cache", "--max-new-tokens", "2"];
+    let args = [
+        "compare",
+        "--paths",
+        "prefix-cache",
+        "--max-new-tokens",
+        "2",
+    ];
     let plain = kvdiff(&[&args[..], &[p]].concat());
     let placed = kvdiff(&[&args[..], &["--devices", "0,1", p]].concat());
     assert_eq!(placed.status.code(), Some(0), "{}", stderr(&placed));

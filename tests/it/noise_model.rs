@@ -450,7 +450,7 @@ fn an_f16_kv_cache_is_calibrated_as_its_own_backend() {
     // An f16-cache engine against the f32 reference is held to both sides' rounding.
     let wide = p.tolerance("cpu", "cpu-kv-f16").unwrap();
     let narrow = p.tolerance("cpu", "cpu").unwrap();
-    let (Tolerance::Auto { rtol: w }, Tolerance::Auto { rtol: n }) = (wide, narrow) else {
+    let (Tolerance::Auto { rtol: w, .. }, Tolerance::Auto { rtol: n, .. }) = (wide, narrow) else {
         panic!("auto tolerances")
     };
     assert!(w["attn_out"] > 10.0 * n["attn_out"]);

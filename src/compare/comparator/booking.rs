@@ -94,7 +94,7 @@ impl Comparator<'_> {
         rows: impl IntoIterator<Item = (usize, RowDiff, bool, usize)>,
     ) {
         let grid = &mut self.grid;
-        let t = TapStats::of(rows, self.tol.bounds(id.kind()), |pos, d, diverged| {
+        let t = TapStats::of(rows, self.tol.bounds_of(id), |pos, d, diverged| {
             grid.add(id, grid_row(pos, d, diverged))
         });
         self.book_stats(step, id, t);
@@ -110,7 +110,7 @@ impl Comparator<'_> {
             .into_par_iter()
             .map(|(step, id, rows)| {
                 let mut cells = Vec::with_capacity(rows.len());
-                let t = TapStats::of(rows, tol.bounds(id.kind()), |pos, d, diverged| {
+                let t = TapStats::of(rows, tol.bounds_of(id), |pos, d, diverged| {
                     cells.push(grid_row(pos, d, diverged))
                 });
                 (step, id, t, cells)
@@ -188,7 +188,7 @@ impl Comparator<'_> {
             max_abs: d.max_abs,
             rel_l2: d.rel_l2,
             cosine: d.cosine,
-            tolerance: self.tol.describe(kind),
+            tolerance: self.tol.describe_of(id),
             policy: self.tol.policy(),
             attn_rows: None,
             test: "row",

@@ -13,8 +13,13 @@ pub enum Tolerance {
     /// A row diverges when max|a − b| > atol + rtol · max|b|.
     Fixed { atol: f32, rtol: f32 },
     /// As `Fixed` with atol 0 and, per tap kind, rtol from the noise model (`noise.rs`); a
-    /// kind it has no value for is held to `AUTO_FLOOR`.
-    Auto { rtol: BTreeMap<String, f32> },
+    /// kind it has no value for is held to `AUTO_FLOOR`. `per_layer` holds, per layer tap
+    /// kind, each layer's own rtol (the noise measured up to that depth, never above the
+    /// kind's): a layer it has no value for is held to the kind's.
+    Auto {
+        rtol: BTreeMap<String, f32>,
+        per_layer: BTreeMap<String, Vec<f32>>,
+    },
 }
 
 /// The threshold of a tap kind the noise model has no value for: a few f32 roundings of
@@ -39,25 +44,58 @@ impl Tolerance {
         match self {
             Tolerance::Exact => None,
             Tolerance::Fixed { atol, rtol } => Some((*atol, *rtol)),
-            Tolerance::Auto { rtol } => Some((0.0, rtol.get(kind).copied().unwrap_or(AUTO_FLOOR))),
+            Tolerance::Auto { rtol, .. } => {
+                Some((0.0, rtol.get(kind).copied().unwrap_or(AUTO_FLOOR)))
+            }
         }
+    }
+
+    /// (atol, rtol) for one tap: its layer's own bound where the noise model has one, else
+    /// its kind's.
+    pub fn bounds_of(&self, id: crate::tap::TapId) -> Option<(f32, f32)> {
+        let kind = id.kind();
+        if let (Tolerance::Auto { per_layer, .. }, Some(l)) = (self, id.layer()) {
+            if let Some(&r) = per_layer.get(kind).and_then(|v| v.get(l)) {
+                return self.bounds(kind).map(|_| (0.0, r));
+            }
+        }
+        self.bounds(kind)
     }
 
     /// The same policy with every `auto` threshold `factor` times wider (fixed and exact stay).
     pub fn widened(&self, factor: f32) -> Tolerance {
         match self {
-            Tolerance::Auto { rtol } => Tolerance::Auto {
+            Tolerance::Auto { rtol, per_layer } => Tolerance::Auto {
                 rtol: rtol.iter().map(|(k, v)| (k.clone(), v * factor)).collect(),
+                per_layer: per_layer
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.iter().map(|x| x * factor).collect()))
+                    .collect(),
             },
             other => other.clone(),
         }
     }
 
     pub fn describe(&self, kind: &str) -> String {
-        match self.bounds(kind) {
+        self.describe_bounds(self.bounds(kind), "")
+    }
+
+    /// `describe` for one tap, with its layer's own bound where there is one.
+    pub fn describe_of(&self, id: crate::tap::TapId) -> String {
+        let own = matches!(self, Tolerance::Auto { per_layer, .. }
+            if id.layer().is_some_and(|l| per_layer.get(id.kind()).is_some_and(|v| l < v.len())));
+        let at = match (own, id.layer()) {
+            (true, Some(l)) => format!(", layer {l}'s own"),
+            _ => String::new(),
+        };
+        self.describe_bounds(self.bounds_of(id), &at)
+    }
+
+    fn describe_bounds(&self, b: Option<(f32, f32)>, at: &str) -> String {
+        match b {
             None => "bitwise equality (exact)".into(),
             Some((a, r)) => format!(
-                "max|diff| <= {a:.1e} + {r:.1e}·max|ref| ({})",
+                "max|diff| <= {a:.1e} + {r:.1e}·max|ref| ({}{at})",
                 self.policy()
             ),
         }
@@ -376,6 +414,7 @@ mod tests {
         ));
         let auto = Tolerance::Auto {
             rtol: [("q".to_string(), 1e-8)].into(),
+            per_layer: BTreeMap::new(),
         };
         assert!(diverged(false, &d, &auto, "q"));
         assert!(

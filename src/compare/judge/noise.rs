@@ -53,6 +53,10 @@ pub struct BackendNoise {
     pub measured: String,
     /// Per tap kind, the largest row error.
     pub per_kind: BTreeMap<String, f32>,
+    /// Per layer tap kind, each layer's largest row error (index: the layer). Profiles written
+    /// before it have none: their thresholds are per kind.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub per_layer: BTreeMap<String, Vec<f32>>,
 }
 
 /// What `kvdiff calibrate` writes and `--noise-profile` reads.
@@ -354,7 +358,34 @@ fn gated(per_tap: BTreeMap<TapId, f32>, what: &str, dtype: &str) -> Result<Backe
         dtype: dtype.into(),
         measured: what.into(),
         per_kind: per_kind(&per_tap),
+        per_layer: per_layer(&per_tap),
     })
+}
+
+/// Each layer's largest row error, per layer tap kind.
+pub fn per_layer(per_tap: &BTreeMap<TapId, f32>) -> BTreeMap<String, Vec<f32>> {
+    let mut out: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    for (id, &e) in per_tap {
+        if let Some(l) = id.layer() {
+            let v = out.entry(id.kind().to_string()).or_default();
+            if v.len() <= l {
+                v.resize(l + 1, 0.0);
+            }
+            v[l] = v[l].max(e);
+        }
+    }
+    out
+}
+
+/// What layer `l` is held to of a backend's per-layer noise `v`: the largest measured at any
+/// layer up to one past it. Error accumulates with depth, so a layer is held to what the
+/// rounding of the layers before it (and one more, against a calibration's luck at one layer)
+/// leaves, never to the deepest layer's.
+pub fn band(v: &[f32], l: usize) -> f32 {
+    v[..(l + 2).min(v.len())]
+        .iter()
+        .copied()
+        .fold(0.0, f32::max)
 }
 
 /// `--tolerance auto` for a comparison on the CPU backend alone: calibrated on `prompt_ids`
@@ -496,7 +527,7 @@ impl NoiseProfile {
                 .ok_or_else(|| Error::Calibration(format!("the noise profile has no {x} backend")))
         };
         let (na, nb) = (get(a)?, get(b)?);
-        let rtol = na
+        let rtol: BTreeMap<String, f32> = na
             .per_kind
             .iter()
             .map(|(k, &ea)| {
@@ -504,7 +535,30 @@ impl NoiseProfile {
                 (k.clone(), (self.safety * (ea + eb)).max(FLOOR))
             })
             .collect();
-        Ok(Tolerance::Auto { rtol })
+        // Per layer only where both sides measured every layer (a profile from before per-layer
+        // noise has none: its kinds' thresholds hold at every depth); `KVDIFF_LAYER_TOLERANCE=0`
+        // holds every layer to its kind's, for measuring what per-layer thresholds change.
+        let by_layer = std::env::var("KVDIFF_LAYER_TOLERANCE").map_or(true, |v| v != "0");
+        let per_layer = na
+            .per_layer
+            .iter()
+            .filter(|_| by_layer)
+            .filter_map(|(k, va)| {
+                let vb = nb.per_layer.get(k)?;
+                let kind_rtol = *rtol.get(k)?;
+                (va.len() == vb.len()).then(|| {
+                    let v = (0..va.len())
+                        .map(|l| {
+                            (self.safety * (band(va, l) + band(vb, l)))
+                                .max(FLOOR)
+                                .min(kind_rtol)
+                        })
+                        .collect();
+                    (k.clone(), v)
+                })
+            })
+            .collect();
+        Ok(Tolerance::Auto { rtol, per_layer })
     }
 
     /// Reads a profile written by `kvdiff calibrate`.
@@ -598,6 +652,7 @@ mod tests {
             dtype: dtype.into(),
             measured: String::new(),
             per_kind: [("q".to_string(), e), ("embed".to_string(), 0.0)].into(),
+            per_layer: BTreeMap::new(),
         };
         let p = NoiseProfile {
             schema: PROFILE_SCHEMA,
@@ -619,5 +674,51 @@ mod tests {
         // A kind both compute exactly still gets a few f32 roundings.
         assert_eq!(t.bounds("embed").unwrap().1, FLOOR);
         assert!(p.tolerance("cpu", "tpu").is_err());
+    }
+
+    #[test]
+    fn each_layer_is_held_to_the_noise_up_to_its_depth() {
+        use crate::tap::LayerTap;
+        // Error growing 10x a layer over four layers, as bf16 rounding accumulates.
+        let grows = vec![1e-4f32, 1e-3, 1e-2, 1e-1];
+        let per_tap: BTreeMap<TapId, f32> = (0..4)
+            .map(|l| (TapId::Layer(l, LayerTap::QRope), grows[l]))
+            .chain([(TapId::Embed, 1e-6)])
+            .collect();
+        let noise = gated(per_tap, "x", "bf16").unwrap();
+        assert_eq!(noise.per_layer["q_rope"], grows);
+        assert!(!noise.per_layer.contains_key("embed"));
+        let p = NoiseProfile {
+            schema: PROFILE_SCHEMA,
+            model: String::new(),
+            fingerprint: String::new(),
+            calibration_tokens: 4,
+            rope_positions: (0, 4),
+            safety: 16.0,
+            backends: [("cuda".to_string(), noise)].into(),
+        };
+        let t = p.tolerance("cuda", "cuda").unwrap();
+        let at = |l| t.bounds_of(TapId::Layer(l, LayerTap::QRope)).unwrap().1;
+        // Layer l is held to the noise up to layer l + 1; the deepest to the kind's bound.
+        let kind = t.bounds("q_rope").unwrap().1;
+        assert!((at(0) - 32.0 * 1e-3).abs() < 1e-9, "{}", at(0));
+        assert!((at(1) - 32.0 * 1e-2).abs() < 1e-7, "{}", at(1));
+        assert_eq!(at(3), kind);
+        assert!(
+            at(0) < kind / 50.0,
+            "L0 held 100x tighter than the deepest layer"
+        );
+        // A layer past the measured ones, and taps without a layer, keep the kind's bound.
+        assert_eq!(at(7), kind);
+        assert_eq!(t.bounds_of(TapId::Embed), t.bounds("embed"));
+        assert!(t
+            .describe_of(TapId::Layer(0, LayerTap::QRope))
+            .contains("layer 0's own"));
+        // Widened thresholds widen every layer's.
+        let w = t.widened(2.0);
+        assert_eq!(
+            w.bounds_of(TapId::Layer(0, LayerTap::QRope)).unwrap().1,
+            2.0 * at(0)
+        );
     }
 }

@@ -146,6 +146,10 @@ pub struct ToleranceInfo {
     pub policy: &'static str,
     /// Per tap kind, the relative threshold (auto) or the single one (fixed).
     pub rtol: std::collections::BTreeMap<String, f32>,
+    /// Per layer tap kind, each layer's own relative threshold (auto), where the noise model
+    /// measured every layer: `rtol` is then the deepest layer's.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub per_layer: BTreeMap<String, Vec<f32>>,
     pub atol: f32,
     /// Where `auto`'s thresholds come from.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -189,6 +193,7 @@ impl ToleranceInfo {
             Tolerance::Exact => ToleranceInfo {
                 policy: "exact",
                 rtol: Default::default(),
+                per_layer: BTreeMap::new(),
                 atol: 0.0,
                 source: None,
                 safety: None,
@@ -198,15 +203,17 @@ impl ToleranceInfo {
             Tolerance::Fixed { atol, rtol } => ToleranceInfo {
                 policy: "fixed",
                 rtol: [("*".to_string(), *rtol)].into(),
+                per_layer: BTreeMap::new(),
                 atol: *atol,
                 source: None,
                 safety: None,
                 noise: BTreeMap::new(),
                 cross_backend: None,
             },
-            Tolerance::Auto { rtol } => ToleranceInfo {
+            Tolerance::Auto { rtol, per_layer } => ToleranceInfo {
                 policy: "auto",
                 rtol: rtol.clone(),
+                per_layer: per_layer.clone(),
                 atol: 0.0,
                 source: None,
                 safety: None,

@@ -33,6 +33,34 @@ pub fn noise_table(r: &Report) -> String {
         }
         let _ = writeln!(s, " {rtol:>12.2e}");
     }
+    if !t.per_layer.is_empty() {
+        // Each layer's own thresholds: the noise up to its depth, not the deepest layer's.
+        let kinds: Vec<&String> = t.per_layer.keys().collect();
+        let layers = t.per_layer.values().map(Vec::len).max().unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "  rtol per layer (the rtol column above is the deepest layer's):"
+        );
+        let _ = write!(s, "  {:<6}", "layer");
+        for k in &kinds {
+            let _ = write!(s, " {k:>11}");
+        }
+        let _ = writeln!(s);
+        for l in 0..layers {
+            let _ = write!(s, "  {:<6}", format!("L{l}"));
+            for k in &kinds {
+                match t.per_layer[*k].get(l) {
+                    Some(v) => {
+                        let _ = write!(s, " {v:>11.2e}");
+                    }
+                    None => {
+                        let _ = write!(s, " {:>11}", "-");
+                    }
+                }
+            }
+            let _ = writeln!(s);
+        }
+    }
     s
 }
 
