@@ -354,8 +354,13 @@ impl Model {
     ) -> Array2<f32> {
         let c = &self.config;
         let (n, heads) = (batch.tokens.len(), c.num_attention_heads);
-        // A sink that rebuilds the rows from the queries and keys gets those instead.
-        let by_parts = tap.wants(LayerTap::AttnProbs) && tap.sink.host_probs_by_parts();
+        // A sink that rebuilds the rows from the queries and keys gets those instead, where
+        // they are the smaller: parts copy the layer's keys, rows are `n · heads` rows, which a
+        // decode step's attention writes as it goes (rebuilding them would compute its scores
+        // twice, and copying the keys grows with the context every step).
+        let few_rows = n * heads <= c.num_key_value_heads * c.head_dim;
+        let by_parts =
+            tap.wants(LayerTap::AttnProbs) && tap.sink.host_probs_by_parts() && !few_rows;
         let want_probs = tap.wants(LayerTap::AttnProbs) && !by_parts;
         let span = if want_probs || by_parts {
             cache.positions.iter().max().map_or(0, |m| m + 1)
