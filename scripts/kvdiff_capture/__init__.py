@@ -13,7 +13,9 @@ Hugging Face transformers (any family kvdiff runs; eager attention for `attn_pro
     # then: kvdiff diff dump/      (kvdiff's reference on the same tokens, the prompt checked)
 
 nano-vllm: `kc.capture(llm, "dump/")` with the `LLM` built with `enforce_eager=True`; the
-scheduler's sequences give each row its sequence and position.
+scheduler's sequences give each row its sequence and position. With `tensor_parallel_size` > 1
+the workers the engine spawned are hooked too, through its own call channel; under torchrun each
+rank opens the capture itself (docs/engine-debugging.md#tensor-parallel-engines).
 
 Any other engine: one call per tensor, anywhere in its code::
 

@@ -408,8 +408,10 @@ class Capture:
         if self.joined:
             # Rank 0 waits for this, then writes meta.json and renames the folder (or drops it).
             if os.path.isdir(self.partial):
-                with open(self.marker("closed" if ok else "failed"), "w") as f:
+                marker = self.marker("closed" if ok else "failed")
+                with open(marker + ".tmp", "w") as f:
                     f.write("" if ok else "the block raised in this rank")
+                os.replace(marker + ".tmp", marker)
             return
         if not ok:
             shutil.rmtree(self.partial, ignore_errors=True)

@@ -31,7 +31,11 @@ pub fn require_cuda() -> Result<()> {
 /// as bf16 with no f32 copy on the host (for commands that run nothing on the CPU).
 pub fn load_engine(model: Option<&Path>, on: Backend) -> Result<Engine> {
     let _progress = crate::support::progress::Progress::spinner("loading the model");
-    let source = ModelSource::from_arg(model)?;
+    load_source(ModelSource::from_arg(model)?, on)
+}
+
+/// `load_engine` of a model source already resolved.
+pub fn load_source(source: ModelSource, on: Backend) -> Result<Engine> {
     match on {
         Backend::Cpu => Engine::load(source),
         Backend::Cuda => Engine::load_with(source, |src| {

@@ -45,6 +45,16 @@ def _context() -> Any:
         return None
 
 
+def batch_of(seqs: Any, is_prefill: bool) -> Tuple[List[Tuple[int, int, int, int]], Dict[int, List[int]]]:
+    """The scheduler's sequences of a `run` call as the capture keeps them: (id, cached tokens,
+    length, prompt length) each, and the tokens a prefill found in the prefix cache, by id."""
+    rows = [(int(s.seq_id), int(s.num_cached_tokens), len(s),
+             int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs]
+    cached = {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
+              for s in seqs if is_prefill and s.num_cached_tokens > 0}
+    return rows, cached
+
+
 class _Batch:
     """The sequences of the `run` call in flight: (id, cached tokens, length, prompt length)."""
 
@@ -139,10 +149,7 @@ def nano_vllm_adapter(cap: Capture, target: Any, worker: bool = False) -> Hooks:
                 args = args[:-1]
                 batch.seqs, batch.cached = info.seqs, info.cached
             else:
-                batch.seqs = [(int(s.seq_id), int(s.num_cached_tokens), len(s),
-                               int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs]
-                batch.cached = {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
-                                for s in seqs if is_prefill and s.num_cached_tokens > 0}
+                batch.seqs, batch.cached = batch_of(seqs, bool(is_prefill))
             batch.is_prefill = bool(is_prefill)
             try:
                 return original_run(seqs, is_prefill, *args, **kwargs)

@@ -69,9 +69,12 @@ class _Arrived:
             self.action(runner)
             open(os.path.join(self.where, f".rank-{rank}.{self.token}"), "w").close()
         except Exception:
+            # Written whole, then renamed: rank 0 reads the reason as soon as the name appears.
+            failed = os.path.join(self.where, f".rank-{rank}.{self.token}.failed")
             try:
-                with open(os.path.join(self.where, f".rank-{rank}.{self.token}.failed"), "w") as f:
+                with open(failed + ".tmp", "w") as f:
                     f.write(traceback.format_exc())
+                os.replace(failed + ".tmp", failed)
             except OSError:
                 pass
 
@@ -174,13 +177,10 @@ def start_workers(cap: Any, runner: Any, undo: List[Any]) -> None:
 
     def call(method_name: str, *args: Any) -> Any:
         if method_name == "run" and len(args) >= 2:
-            seqs, is_prefill = args[0], bool(args[1])
-            info = RunInfo([(int(s.seq_id), int(s.num_cached_tokens), len(s),
-                             int(getattr(s, "num_prompt_tokens", len(s)))) for s in seqs],
-                           is_prefill,
-                           {int(s.seq_id): list(s.token_ids[:s.num_cached_tokens])
-                            for s in seqs if is_prefill and s.num_cached_tokens > 0})
-            return original_call(method_name, *args, info)
+            from .nano_vllm import batch_of
+            is_prefill = bool(args[1])
+            rows, cached = batch_of(args[0], is_prefill)
+            return original_call(method_name, *args, RunInfo(rows, is_prefill, cached))
         return original_call(method_name, *args)
 
     def close() -> None:

@@ -14,7 +14,7 @@ use crate::compare::judge::noise_cache;
 use crate::compare::report::Judgement;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
 use crate::compare::run::Policy;
-use crate::compare::target::{require_cuda, Backend};
+use crate::compare::target::{load_source, require_cuda, Backend};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
@@ -205,7 +205,7 @@ impl DiffRequest<'_> {
                     && reference_dump.is_none()
                     && !host_copy_fits(&s)?;
                 match gpu_only {
-                    true => (Some(load_engine_on(s, Backend::Cuda)?), None),
+                    true => (Some(load_source(s, Backend::Cuda)?), None),
                     false => (Some(Engine::load(s)?), None),
                 }
             }
@@ -516,16 +516,6 @@ fn host_copy_fits(src: &ModelSource) -> Result<bool> {
     Ok(match crate::support::resources::available_memory()? {
         Some(free) => f32_bytes.saturating_mul(10) <= free.saturating_mul(6),
         None => true,
-    })
-}
-
-fn load_engine_on(src: ModelSource, on: Backend) -> Result<Engine> {
-    Engine::load_with(src, |s| {
-        let config = crate::engine::config::Config::load(s)?;
-        match on {
-            Backend::Cuda => crate::cuda::load_on_cuda(s, &config),
-            Backend::Cpu => Model::load(s),
-        }
     })
 }
 
