@@ -43,25 +43,13 @@ def worker(dtype, kvdiff, out):
     from transformers import AutoTokenizer
     import nanovllm.engine.model_runner as mr
     import nanovllm.layers.layernorm as ln
-    import nanovllm.models.qwen3 as q3
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.block_manager import BlockManager
     from nanovllm.utils.context import get_context, set_context
     import kvdiff_capture as kc
 
-    # transformers 5 hands the model `rope_scaling` as its `rope_parameters` dict (with the
-    # theta in it), which nano-vllm-fork's cached get_rope can neither hash nor read: a plain
-    # RoPE passes as before, with its theta.
-    get_rope = q3.get_rope
-
-    def rope_compat(head_size, rotary_dim, max_position, base, rope_scaling=None):
-        if isinstance(rope_scaling, dict):
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind != "default":
-                raise ValueError(f"nano-vllm-fork runs only default RoPE, not {kind}")
-            base, rope_scaling = rope_scaling.get("rope_theta", base), None
-        return get_rope(head_size, rotary_dim, max_position, base, rope_scaling)
-    q3.get_rope = rope_compat
+    import rope_compat
+    rope_compat.install()
 
     model = MODEL
     if dtype == "float32":

@@ -36,20 +36,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import nanovllm.engine.model_runner as mr  # noqa: E402
-import nanovllm.models.qwen3 as q3  # noqa: E402
+import rope_compat  # noqa: E402  (scripts/nano_vllm/, on the path above)
 
-# transformers 5 hands the model `rope_scaling` as its `rope_parameters` dict (with the theta in
-# it), which nano-vllm-fork's cached get_rope can neither hash nor read.
-_get_rope = q3.get_rope
-
-
-def _rope_compat(head_size, rotary_dim, max_position, base, rope_scaling=None):
-    if isinstance(rope_scaling, dict):
-        base, rope_scaling = rope_scaling.get("rope_theta", base), None
-    return _get_rope(head_size, rotary_dim, max_position, base, rope_scaling)
-
-
-q3.get_rope = _rope_compat
+rope_compat.install()
 
 SYSTEM = "Always answer in uppercase."
 FACTS = ("Anna's color is blue. Sam's city is lima. Mia's pet is a cat. Leo's food is rice. "

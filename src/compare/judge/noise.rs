@@ -646,6 +646,19 @@ mod tests {
         assert!(check_growth(&tiny, "x").is_ok());
     }
 
+    /// A profile of a 4-token calibration with these backends.
+    fn profile(safety: f32, backends: BTreeMap<String, BackendNoise>) -> NoiseProfile {
+        NoiseProfile {
+            schema: PROFILE_SCHEMA,
+            model: String::new(),
+            fingerprint: String::new(),
+            calibration_tokens: 4,
+            rope_positions: (0, 4),
+            safety,
+            backends,
+        }
+    }
+
     #[test]
     fn thresholds_sum_both_sides() {
         let side = |e: f32, dtype: &str| BackendNoise {
@@ -654,19 +667,14 @@ mod tests {
             per_kind: [("q".to_string(), e), ("embed".to_string(), 0.0)].into(),
             per_layer: BTreeMap::new(),
         };
-        let p = NoiseProfile {
-            schema: PROFILE_SCHEMA,
-            model: String::new(),
-            fingerprint: String::new(),
-            calibration_tokens: 4,
-            rope_positions: (0, 4),
-            safety: 8.0,
-            backends: [
+        let p = profile(
+            8.0,
+            [
                 ("cpu".to_string(), side(1e-6, "f32")),
                 ("cuda".to_string(), side(1e-3, "bf16")),
             ]
             .into(),
-        };
+        );
         let t = p.tolerance("cpu", "cuda").unwrap();
         let (atol, rtol) = t.bounds("q").unwrap();
         assert_eq!(atol, 0.0);
@@ -688,15 +696,7 @@ mod tests {
         let noise = gated(per_tap, "x", "bf16").unwrap();
         assert_eq!(noise.per_layer["q_rope"], grows);
         assert!(!noise.per_layer.contains_key("embed"));
-        let p = NoiseProfile {
-            schema: PROFILE_SCHEMA,
-            model: String::new(),
-            fingerprint: String::new(),
-            calibration_tokens: 4,
-            rope_positions: (0, 4),
-            safety: 16.0,
-            backends: [("cuda".to_string(), noise)].into(),
-        };
+        let p = profile(16.0, [("cuda".to_string(), noise)].into());
         let t = p.tolerance("cuda", "cuda").unwrap();
         let at = |l| t.bounds_of(TapId::Layer(l, LayerTap::QRope)).unwrap().1;
         // Layer l is held to the noise up to layer l + 1; the deepest to the kind's bound.

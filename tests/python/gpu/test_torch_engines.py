@@ -71,15 +71,9 @@ def nano():
     if not os.environ.get("KVDIFF_REQUIRE_NANO"):
         pytest.importorskip("nanovllm", reason="nano-vllm is not installed (scripts/gpu_tests.sh installs it)")
     import nanovllm.engine.model_runner as mr
-    import nanovllm.models.qwen3 as q3
     from nanovllm import LLM, SamplingParams
-    get_rope = q3.get_rope
-
-    def rope_compat(head_size, rotary_dim, max_position, base, rope_scaling=None):
-        if isinstance(rope_scaling, dict):
-            base, rope_scaling = rope_scaling.get("rope_theta", base), None
-        return get_rope(head_size, rotary_dim, max_position, base, rope_scaling)
-    q3.get_rope = rope_compat
+    import rope_compat
+    rope_compat.install()
     # bf16, the checkpoint's own: nano-vllm's f32 RMSNorm updates its residual in place, which
     # a capture sees as a divergence (scripts/nano_vllm_suite.py measures that case apart).
     llm = LLM(str(MODEL), enforce_eager=True, max_model_len=512, max_num_batched_tokens=2048,
