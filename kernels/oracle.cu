@@ -45,6 +45,29 @@ __device__ void oracle_embed(const W* table, const unsigned int* tokens, T* out,
   }
 }
 
+// `out[r] = sum_i w[r, i]^2` for each of `rows` rows of `k`, one block a row, over a fixed tree:
+// the scale of a product's rows that blame by replay (src/cuda/oracle/replay.rs) measures by.
+template <typename T, typename W>
+__device__ void oracle_row_sumsq(const W* w, T* out, int rows, int k) {
+  pdl_wait();
+  __shared__ T part[256];
+  int r = blockIdx.x;
+  if (r >= rows) return;
+  const W* row = w + (long long)r * k;
+  T s = 0;
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    T v = (T)oracle_weight(row[j]);
+    s += v * v;
+  }
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int h = blockDim.x / 2; h > 0; h /= 2) {
+    if (threadIdx.x < h) part[threadIdx.x] += part[threadIdx.x + h];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[r] = part[0];
+}
+
 // One block per row; the sum of squares reduced over a fixed tree.
 template <typename T, typename W>
 __device__ void oracle_rms_norm(const T* x, const W* w, T* out, int rows, int dim, float eps) {
@@ -175,6 +198,9 @@ __device__ void oracle_attention(const T* q, const T* k, const T* v, T* probs, T
   extern "C" __global__ void oracle_rms_norm_##WS##S(const T* x, const W* w, T* out, int rows,  \
                                                      int dim, float eps) {                      \
     oracle_rms_norm<T, W>(x, w, out, rows, dim, eps);                                           \
+  }                                                                                             \
+  extern "C" __global__ void oracle_row_sumsq_##WS##S(const W* w, T* out, int rows, int k) {    \
+    oracle_row_sumsq<T, W>(w, out, rows, k);                                                    \
   }
 
 ORACLE_WEIGHT_INSTANCES(double, f64, unsigned short, )

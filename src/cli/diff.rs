@@ -243,7 +243,7 @@ fn one(a: DiffArgs) -> Result<i32> {
             outcome.steps,
             outcome.took.as_secs_f64() * 1e3
         );
-        print_timings(outcome.gpu_model.as_ref());
+        print_timings(outcome.gpu());
         let report = &outcome.report;
         match seq {
             Some(s) => per_sequence(&a.files, s).write(report)?,

@@ -12,7 +12,8 @@
 //! - `launch.rs`: launch wrappers shared with the kernel tests; `taps.rs`: taps offered;
 //! - `oracle/`: the noise model's f64 oracle and bf16 emulation, on its own kernels
 //!   (`gemm.rs`: its matrix products; `meter.rs`: its taps kept on the GPU, and passes
-//!   measured against them there; `weights.rs`: the weights it reads);
+//!   measured against them there; `weights.rs`: the weights it reads; `replay.rs`: blame by
+//!   replay's products on the GPU);
 //! - `host_ops.rs`: each kernel on host data, for the tests; `trace.rs`: the main stream's
 //!   timeline (`KVDIFF_CUDA_TRACE`).
 
@@ -52,7 +53,7 @@ pub use memo::MemoAct;
 pub use model::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
 };
-pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle};
+pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle, ReplayOnGpu};
 pub use oracle::{
     keep as oracle_keep, prefill as oracle_prefill, unavailable as oracle_unavailable,
     Precision as OraclePrecision,

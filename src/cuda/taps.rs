@@ -292,7 +292,8 @@ pub(super) fn offer_at(
     };
     if !sink.record_device(step, &tap) {
         let _span = crate::support::timing::span("cuda taps: copied to the host for the sink");
-        let data = gpu.download_rows(at, rows, width, stride);
-        emit(sink, step, id, positions, shape, &data);
+        gpu.read_rows(at, (rows, width, stride), |data| {
+            emit(sink, step, id, positions, shape, data)
+        });
     }
 }

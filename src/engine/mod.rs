@@ -18,6 +18,7 @@ pub mod ops;
 pub mod oracle;
 pub mod pass;
 pub mod prompt_check;
+pub mod replay_weights;
 pub mod rope;
 pub mod tokenizer;
 mod tokenizer_load;

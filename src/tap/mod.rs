@@ -198,6 +198,8 @@ pub struct TapFilter {
     /// Only taps whose group (embed = 0, layer i = i + 1, final_norm and logits = layers + 1)
     /// lies in this range, when set.
     groups: Option<std::ops::Range<usize>>,
+    /// Only these taps, when set (`only`).
+    ids: Option<std::sync::Arc<std::collections::BTreeSet<TapId>>>,
     /// A prefill's `logits` tap for every position (true), or only for its last position, the
     /// one that picks the next token (and the only one a prefill computes otherwise).
     pub all_prompt_logits: bool,
@@ -208,6 +210,7 @@ impl TapFilter {
         TapFilter {
             patterns: vec!["*".into()],
             groups: None,
+            ids: None,
             all_prompt_logits: true,
         }
     }
@@ -216,6 +219,7 @@ impl TapFilter {
         TapFilter {
             patterns: vec![],
             groups: None,
+            ids: None,
             all_prompt_logits: true,
         }
     }
@@ -249,11 +253,15 @@ impl TapFilter {
         Ok(TapFilter {
             patterns,
             groups: None,
+            ids: None,
             all_prompt_logits: true,
         })
     }
 
     pub fn matches(&self, id: TapId) -> bool {
+        if self.ids.as_ref().is_some_and(|s| !s.contains(&id)) {
+            return false;
+        }
         if let Some(g) = &self.groups {
             let group = match id {
                 TapId::Embed => 0,
@@ -275,6 +283,19 @@ impl TapFilter {
         TapFilter {
             patterns: self.patterns.clone(),
             groups: Some(range),
+            ids: self.ids.clone(),
+            all_prompt_logits: self.all_prompt_logits,
+        }
+    }
+
+    /// The taps of `ids` this selection matches, and no others (a reference asked only for the
+    /// taps an engine's dump holds).
+    pub fn only(&self, ids: impl IntoIterator<Item = TapId>) -> Self {
+        let ids = ids.into_iter().filter(|&id| self.matches(id)).collect();
+        TapFilter {
+            patterns: self.patterns.clone(),
+            groups: self.groups.clone(),
+            ids: Some(std::sync::Arc::new(ids)),
             all_prompt_logits: self.all_prompt_logits,
         }
     }

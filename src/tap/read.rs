@@ -349,6 +349,7 @@ impl DumpDir {
 
     /// Step `step`'s rows of the taps `filter` selects, pieces merged by position.
     pub fn load_step(&self, step: usize, filter: &TapFilter) -> Result<DumpStep> {
+        let _span = crate::support::timing::span("dump: a step read");
         let pieces: Vec<&Piece> = self
             .steps
             .get(&step)

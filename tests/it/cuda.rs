@@ -2319,3 +2319,82 @@ fn a_gpu_only_compare_replays_its_exact_paths() {
         );
     }
 }
+
+/// Blame by replay on the GPU (a bf16 engine's products rerun in f64 on the GPU's own bf16
+/// weights) finds what replay on the host's f32 copy of the weights finds: the same verdict,
+/// first divergence and test, on bf16 dumps with bugs planted below the row tolerance, and
+/// each op's largest addition within a small share of its bound of the host's. Qwen2's tiny
+/// model is an f32 checkpoint: both replays read the same rounding of it to bf16.
+#[test]
+fn replay_on_the_gpu_finds_what_replay_on_the_host_finds() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/two-contexts.txt");
+    let qwen2 = fixture("arch/qwen2");
+    let cases: [(&str, &[&str]); 5] = [
+        ("", &[]),
+        ("fused-norm-without-residual", &[]),
+        ("rope-frequencies-bf16", &[]),
+        ("decode-kv-slot-off-by-one", &[]),
+        (
+            "rope-frequencies-bf16",
+            &["--model", qwen2.to_str().unwrap()],
+        ),
+    ];
+    for (i, (fault, model)) in cases.iter().enumerate() {
+        let out = tmp.path().join(format!("dump-{i}"));
+        let mut args = vec!["dump", "-q", "--precision", "bf16", "--max-new-tokens", "4"];
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(model.iter().copied());
+        args.push(prompt.to_str().unwrap());
+        let o = kvdiff(&args, &[("KVDIFF_FAULT", fault)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let diff = |name: &str, env: &[(&str, &str)]| {
+            let json = tmp.path().join(format!("{name}-{i}.json"));
+            let mut args = vec!["diff", "-v", "--backend", "cuda", "--json"];
+            args.push(json.to_str().unwrap());
+            args.extend(model.iter().copied());
+            args.push(out.to_str().unwrap());
+            let o = kvdiff(&args, env);
+            let err = String::from_utf8_lossy(&o.stderr).to_string();
+            assert!(matches!(o.status.code(), Some(0 | 1)), "{err}");
+            let v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+            (o.status.code(), v, err)
+        };
+        let (gc, g, gerr) = diff("gpu", &[]);
+        let (hc, h, herr) = diff("host", &[("KVDIFF_REPLAY_ON_HOST", "1")]);
+        assert!(gerr.contains("ops replayed on the GPU"), "{fault}: {gerr}");
+        assert!(herr.contains("ops replayed on the host"), "{fault}: {herr}");
+        assert_eq!(gc, hc, "{fault} {model:?}: exit codes");
+        let (fg, fh) = (
+            &g["paths"][0]["first_divergence"],
+            &h["paths"][0]["first_divergence"],
+        );
+        for key in ["step", "tap", "position", "test"] {
+            assert_eq!(fg[key], fh[key], "{fault} {model:?}: {key}: {fg} vs {fh}");
+        }
+        if !fault.is_empty() {
+            assert_eq!(gc, Some(1), "{fault} {model:?}: not found: {g}");
+        }
+        let (rg, rh) = (&g["engine"]["replay"], &h["engine"]["replay"]);
+        assert_eq!(rg["rows"], rh["rows"], "{fault}: rows replayed");
+        let bound = rg["bound_max"].as_f64().unwrap() / rg["unit"].as_f64().unwrap();
+        for (og, oh) in rg["per_op"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(rh["per_op"].as_array().unwrap())
+        {
+            assert_eq!(og["op"], oh["op"]);
+            let (a, b) = (og["max"].as_f64().unwrap(), oh["max"].as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 0.05 * bound.max(a.max(b)),
+                "{fault} {model:?}: {}: {a} u on the GPU, {b} u on the host",
+                og["op"]
+            );
+        }
+    }
+}

@@ -11,12 +11,14 @@ use crate::compare::engine_dump::steps::{DumpDiff, EngineDiff, ReferenceRun, Ref
 use crate::compare::judge::diff::Tolerance;
 use crate::compare::judge::noise::{Calibration, NoiseProfile};
 use crate::compare::judge::noise_cache;
+use crate::compare::judge::replay;
 use crate::compare::report::Judgement;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
 use crate::compare::run::Policy;
 use crate::compare::target::{load_source, require_cuda, Backend};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
+use crate::engine::replay_weights::ReplayWeights;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
@@ -79,6 +81,9 @@ pub struct OpenedDiff<'a> {
     engine: Option<Engine>,
     /// The model on the GPU from an earlier diff of the same model, if any.
     gpu_model: Option<Model>,
+    /// The model on the host beside one loaded straight to the GPU, where the diff needs host
+    /// weights (`host_needed`).
+    host: Option<Model>,
     conversation: Option<Conversation>,
 }
 
@@ -87,6 +92,7 @@ pub struct OpenedDiff<'a> {
 pub struct Loaded {
     pub engine: Engine,
     pub gpu_model: Option<Model>,
+    pub host: Option<Model>,
 }
 
 /// What a diff found, and what it kept that the caller may still use.
@@ -101,6 +107,19 @@ pub struct DiffOutcome {
     /// The model on the CPU, when one was loaded; kept with the report rather than dropped
     /// inside the run, so that freeing it does not hold up the report.
     pub engine: Option<Engine>,
+    /// The host copy loaded beside a model on the GPU, if one was.
+    pub host: Option<Model>,
+}
+
+impl DiffOutcome {
+    /// The model the reference ran on, where that is a GPU.
+    pub fn gpu(&self) -> Option<&Model> {
+        self.gpu_model.as_ref().or(self
+            .engine
+            .as_ref()
+            .map(|e| &e.model)
+            .filter(|m| m.device().is_some()))
+    }
 }
 
 impl DiffRequest<'_> {
@@ -162,6 +181,7 @@ impl DiffRequest<'_> {
             *loaded = outcome.engine.take().map(|engine| Loaded {
                 engine,
                 gpu_model: outcome.gpu_model.take(),
+                host: outcome.host.take(),
             });
         }
         Ok(code)
@@ -194,31 +214,68 @@ impl DiffRequest<'_> {
         // The model an earlier diff loaded is taken only where it is this one's: a dump that
         // fails before here, or needs no model, leaves it for the next.
         let same = |l: &Loaded, s: &ModelSource| l.engine.source.describe() == s.describe();
-        let (engine, gpu_model) = match source {
+        let (engine, gpu_model, mut host) = match source {
             Some(s) if loaded.as_ref().is_some_and(|l| same(l, &s)) => {
                 let l = loaded.take().expect("checked just above");
-                (Some(l.engine), l.gpu_model)
+                (Some(l.engine), l.gpu_model, l.host)
             }
             Some(s) => {
                 let _p = progress::Progress::spinner("loading the model");
-                let gpu_only = self.backend == Backend::Cuda
-                    && reference_dump.is_none()
-                    && !host_copy_fits(&s)?;
-                match gpu_only {
-                    true => (Some(load_source(s, Backend::Cuda)?), None),
-                    false => (Some(Engine::load(s)?), None),
+                // kvdiff's reference on the GPU loads the model straight there, as `compare
+                // --backend cuda` does; a host copy follows only where the diff needs one.
+                match self.backend == Backend::Cuda && reference_dump.is_none() {
+                    true => (Some(load_source(s, Backend::Cuda)?), None, None),
+                    false => (Some(Engine::load(s)?), None, None),
                 }
             }
-            None => (None, None),
+            None => (None, None, None),
         };
+        if let (Some(e), None) = (&engine, &host) {
+            if let Some(why) = self.host_needed(e, &engine_dump) {
+                if host_copy_fits(&e.source)? {
+                    let what = format!("loading the model on the CPU {why}");
+                    let _p = progress::Progress::spinner(&what);
+                    host = Some(Model::load(&e.source)?);
+                }
+            }
+        }
         Ok(OpenedDiff {
             request: self,
             reference_dump,
             engine_dump,
             engine,
             gpu_model,
+            host,
             conversation,
         })
+    }
+
+    /// Why a diff whose model was loaded straight to the GPU needs its weights on the host
+    /// too, if it does: to replay an engine of another dtype than bf16 (the GPU's weights are
+    /// bf16), to run the f32 reference on the checkpoint's own values, or to calibrate where
+    /// the GPU oracle cannot.
+    fn host_needed(&self, e: &Engine, dump: &DumpDir) -> Option<&'static str> {
+        if e.model.has_host_weights() {
+            return None;
+        }
+        let auto = self.policy == Policy::Auto;
+        let exact = crate::cuda::oracle_unavailable(&e.model).is_none();
+        let bf16 = crate::compare::judge::replay::unit_of(&dump.meta.dtype) == 2f64.powi(-8);
+        let f32_reference = match self.precision {
+            RefPrecision::Bf16 => false,
+            RefPrecision::F32 => true,
+            RefPrecision::Auto => !dump.meta.half_precision(),
+        };
+        if self.replay && auto && (!bf16 || gpu_replay_off()) {
+            Some("to replay the engine's ops")
+        } else if f32_reference && !exact {
+            Some("for the f32 reference")
+        } else if auto && self.noise_profile.is_none() && (!exact || dump.meta.kv_cache().is_some())
+        {
+            Some("to calibrate")
+        } else {
+            None
+        }
     }
 
     /// `--prompt`, else the dump's own record of its conversation: meta.json's `prompts` for
@@ -269,6 +326,11 @@ impl OpenedDiff<'_> {
         let reference_dump = &self.reference_dump;
         let engine_dump = &self.engine_dump;
         let engine = self.engine.as_ref();
+        // The model's weights on the host, where it has them.
+        let host_model = engine
+            .map(|e| &e.model)
+            .filter(|m| m.has_host_weights())
+            .or(self.host.as_ref());
         let cuda = self.on_cuda();
         self.check_precision()?;
         let gpu_model = match (engine, cuda, reused) {
@@ -329,7 +391,7 @@ impl OpenedDiff<'_> {
                 let sides = (ref_side, engine_side);
                 auto_tolerance(
                     req.noise_profile,
-                    engine,
+                    engine.map(|e| (e, host_model)),
                     on_gpu.map(|g| (g, f32_gpu.is_none())),
                     &prompt_ids,
                     steps,
@@ -358,26 +420,45 @@ impl OpenedDiff<'_> {
             ));
         }
         let label = format!("engine:{}", engine_dump.meta.engine);
-        let replay_on = req.replay && req.policy == Policy::Auto;
-        if replay_on && engine.is_some_and(|e| !e.model.has_host_weights()) && !progress::quiet() {
+        let replay_on = req.replay && req.policy == Policy::Auto && engine.is_some();
+        let dtype = &engine_dump.meta.dtype;
+        // A bf16 engine replays on the GPU's own bf16 weights; any other on the host's.
+        let on_gpu_replay = on_gpu
+            .filter(|_| replay_on && replay::unit_of(dtype) == 2f64.powi(-8) && !gpu_replay_off())
+            .and_then(crate::cuda::ReplayOnGpu::of);
+        let rounded = host_model
+            .filter(|_| replay_on && on_gpu_replay.is_none())
+            .and_then(|m| replay::weights_for(m, dtype));
+        let replay: Option<&dyn ReplayWeights> = match (&on_gpu_replay, replay_on) {
+            (Some(g), _) => Some(g),
+            (None, true) => rounded
+                .as_ref()
+                .or(host_model)
+                .map(|m| m as &dyn ReplayWeights),
+            (None, false) => None,
+        };
+        if replay.is_some() && progress::verbosity() >= 1 {
             eprintln!(
-                "kvdiff: no replay: the model was loaded straight onto the GPU (its f32 copy would not \
-                 fit the host's memory), and replay reruns ops on the host"
+                "kvdiff: {}",
+                match on_gpu_replay.is_some() {
+                    true => "ops replayed on the GPU (its bf16 weights, products in f64)",
+                    false => "ops replayed on the host (its f32 weights)",
+                }
             );
         }
-        let rounded = engine.filter(|_| replay_on).and_then(|e| {
-            crate::compare::judge::replay::weights_for(&e.model, &engine_dump.meta.dtype)
-        });
+        if replay_on && replay.is_none() && !progress::quiet() {
+            eprintln!(
+                "kvdiff: no replay: the model was loaded straight onto the GPU and its f32 copy \
+                 would not fit the host's memory, which a {dtype} engine's replay reads"
+            );
+        }
         let d = DumpDiff {
             engine: engine_dump,
             taps: &taps,
             tolerance: &tolerance,
             tokenizer: engine.map(|e| &e.tokenizer),
             label,
-            replay: rounded
-                .as_ref()
-                .or(engine.map(|e| &e.model))
-                .filter(|_| replay_on),
+            replay,
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {
@@ -416,6 +497,7 @@ impl OpenedDiff<'_> {
             took,
             gpu_model,
             engine: self.engine,
+            host: self.host,
         })
     }
 }
@@ -469,8 +551,14 @@ impl OpenedDiff<'_> {
             Err(_) => return Ok(None),
         };
         // An f16 or f32 checkpoint: the pass reads an f32 copy of the host's weights.
-        let attached = match &self.engine {
-            Some(e) => crate::cuda::attach_f32_weights(gpu_model, &e.model)
+        let host = self
+            .engine
+            .as_ref()
+            .map(|e| &e.model)
+            .filter(|m| m.has_host_weights())
+            .or(self.host.as_ref());
+        let attached = match host {
+            Some(m) => crate::cuda::attach_f32_weights(gpu_model, m)
                 .err()
                 .map(|e| match e {
                     Error::Internal(m) => m,
@@ -503,7 +591,12 @@ impl OpenedDiff<'_> {
     }
 }
 
-/// What meta.json's `model` names, when it names something loadable here.
+/// `KVDIFF_REPLAY_ON_HOST=1`: a bf16 engine replayed on the host's f32 weights as other dtypes
+/// are, not on the GPU's (the peer of the GPU replay, for measuring it).
+fn gpu_replay_off() -> bool {
+    std::env::var("KVDIFF_REPLAY_ON_HOST").is_ok_and(|v| v == "1")
+}
+
 /// Whether the model's f32 copy fits the host's memory with room to spare (a model at 70B takes
 /// 280 GB): where it does not, a diff on the GPU loads it straight there, as `compare --backend
 /// cuda` does. `KVDIFF_DIFF_GPU_ONLY=1` asks for that at any size.
@@ -519,6 +612,7 @@ fn host_copy_fits(src: &ModelSource) -> Result<bool> {
     })
 }
 
+/// What meta.json's `model` names, when it names something loadable here.
 fn model_of(meta_model: Option<&str>) -> Option<ModelSource> {
     let m = meta_model?;
     if m == ModelSource::Embedded.describe() {
@@ -573,7 +667,7 @@ fn side(half: bool) -> &'static str {
 /// bf16 allows); where the GPU oracle can run there, the calibration runs there too.
 fn auto_tolerance(
     noise_profile: Option<&Path>,
-    engine: Option<&Engine>,
+    engine: Option<(&Engine, Option<&Model>)>,
     gpu: Option<(&Model, bool)>,
     prompt_ids: &[u32],
     steps: usize,
@@ -582,7 +676,7 @@ fn auto_tolerance(
     let (profile, source, gpu) = match noise_profile {
         Some(f) => {
             let p = NoiseProfile::load(f)?;
-            if let Some(e) = engine {
+            if let Some((e, _)) = engine {
                 p.check_model(&e.model, f)?;
             }
             if KvCacheDtype::from_backend(engine_side).is_some()
@@ -601,7 +695,7 @@ fn auto_tolerance(
             (p, src, None)
         }
         None => {
-            let e = engine.expect("auto without a profile loads the model");
+            let (e, host) = engine.expect("auto without a profile loads the model");
             // The same cache as `compare`, `sweep` and `calibrate`.
             let last = prompt_ids.len() + steps.max(1) - 1;
             let max = e.model.config.max_position_embeddings;
@@ -642,13 +736,24 @@ fn auto_tolerance(
                     let on_gpu = gpu
                         .filter(|_| !kv)
                         .map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
-                    let (cal, model) = match on_gpu {
-                        Some(Ok(c)) => (c, gpu.expect("on_gpu came from it").0),
-                        other => {
+                    let (cal, model) = match (on_gpu, host) {
+                        (Some(Ok(c)), _) => (c, gpu.expect("on_gpu came from it").0),
+                        (other, Some(host)) => {
                             if let (Some(Err(why)), true) = (other, progress::verbosity() >= 1) {
                                 eprintln!("kvdiff: noise model calibrated on the CPU: {why}");
                             }
-                            (Calibration::new(&e.model, prompt_ids, at), &e.model)
+                            (Calibration::new(host, prompt_ids, at), host)
+                        }
+                        (other, None) => {
+                            let why = match other {
+                                Some(Err(e)) => e.to_string(),
+                                _ => "the GPU oracle cannot run".into(),
+                            };
+                            return Err(Error::usage(
+                                "--noise-profile",
+                                format!("the noise model cannot be calibrated: {why}, and the model's f32 copy does not fit the host's memory"),
+                                "calibrate once on a larger host (`kvdiff calibrate`) and pass --noise-profile, or give --atol/--rtol",
+                            ));
                         }
                     };
                     let p = NoiseProfile::calibrate(&cal, model, e.source.describe(), &backends)?;

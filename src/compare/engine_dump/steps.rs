@@ -26,6 +26,13 @@ pub trait ReferenceSource {
     fn step(&mut self, step: usize, engine: &DumpStep, taps: &TapFilter) -> Result<RefStep>;
     /// Heads, KV heads and layers, when known without reading taps.
     fn dims(&self) -> Option<(usize, usize, usize)>;
+    /// Every tap of `taps` this reference can give, where it knows them without running: it
+    /// is then asked only for those the engine's dump holds (an engine without attention
+    /// weights spares a reference prefill its largest taps), and the others are listed as
+    /// not provided by the engine.
+    fn offers(&self, _taps: &TapFilter) -> Option<BTreeSet<TapId>> {
+        None
+    }
 }
 
 pub struct RefStep {
@@ -163,6 +170,11 @@ impl ReferenceSource for ReferenceRun<'_> {
             c.num_hidden_layers,
         ))
     }
+    fn offers(&self, taps: &TapFilter) -> Option<BTreeSet<TapId>> {
+        let c = &self.model.config;
+        let all = TapId::all_where(c.num_hidden_layers, |l| c.arch.sparse(l).is_some());
+        Some(all.into_iter().filter(|&id| taps.matches(id)).collect())
+    }
 }
 
 fn span(p: &[usize]) -> String {
@@ -191,9 +203,9 @@ pub struct DumpDiff<'a> {
     pub tokenizer: Option<&'a ChatTokenizer>,
     /// How the engine is named in the report.
     pub label: String,
-    /// The model on the host, whose ops are rerun on the engine's own inputs (blame by
-    /// replay); None to compare taps only.
-    pub replay: Option<&'a Model>,
+    /// The weights whose ops are rerun on the engine's own inputs (blame by replay), on the
+    /// host or the GPU; None to compare taps only.
+    pub replay: Option<&'a dyn crate::engine::replay_weights::ReplayWeights>,
 }
 
 impl DumpDiff<'_> {
@@ -229,6 +241,15 @@ impl DumpDiff<'_> {
         let mut engine_tokens: Vec<u32> = Vec::new();
         let mut rope_ids: BTreeMap<usize, i64> = BTreeMap::new();
         let mut stopped = None;
+        // The reference records only the taps the engine's dump holds, where it knows its own.
+        let offered = reference.offers(self.taps);
+        let ref_taps = match &offered {
+            Some(o) => self
+                .taps
+                .only(o.iter().copied().filter(|id| self.engine.taps.contains(id))),
+            None => self.taps.clone(),
+        };
+        ref_has.extend(offered.into_iter().flatten());
         let mut pending = Some(step0);
         let mut replayer = self.replay.map(|m| {
             let r = crate::compare::judge::replay::Replayer::new(m, &self.engine.meta.dtype, total);
@@ -255,7 +276,7 @@ impl DumpDiff<'_> {
                 cmp.tokens.extend(e.tokens.values().copied());
             }
             rope_ids.extend(e.rope_positions.iter().map(|(&p, &r)| (p, r)));
-            let r = reference.step(step, &e, self.taps)?;
+            let r = reference.step(step, &e, &ref_taps)?;
             if let Some(pos) = fed_differently(&r.taps, &e) {
                 // The two runs were fed different tokens from here on: rows no longer describe
                 // the same sequence.
@@ -330,7 +351,7 @@ impl DumpDiff<'_> {
             .as_ref()
             .map(|rp| crate::compare::judge::blame::Verdict {
                 replayer: rp,
-                head_dim: self.replay.map_or(0, |m| m.config.head_dim),
+                head_dim: self.replay.map_or(0, |m| m.config().head_dim),
                 dtype: &self.engine.meta.dtype,
                 side: "engine",
                 tokenizer: self.tokenizer,

@@ -18,15 +18,16 @@
 
 use std::collections::BTreeMap;
 
-use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
 use crate::compare::judge::systematic::{Mag, Systematic};
-use crate::engine::gemm::matmul_t;
-use crate::engine::model::{Mlp, Model};
+use crate::engine::model::Model;
 use crate::engine::oracle;
+use crate::engine::replay_weights::{Matrix, ReplayWeights, Vector};
 use crate::tap::read::DumpStep;
 use crate::tap::{LayerTap, Recorded, TapId};
+
+mod products;
 
 /// An op may add this many units of the engine's precision at one value, relative to its
 /// natural scale...
@@ -145,14 +146,14 @@ type KvRows = BTreeMap<usize, (Vec<f32>, Vec<f32>)>;
 
 /// Replays an engine's dump step by step.
 pub struct Replayer<'m> {
-    model: &'m Model,
+    weights: &'m dyn ReplayWeights,
     unit: f64,
     /// Per layer, the engine's `k_rope` and `v` rows by position (what its attention read).
     history: Vec<KvRows>,
     /// Every replayed row, by (step, position).
     rows: BTreeMap<(usize, usize), Vec<(TapId, RowReplay)>>,
-    /// Row norms of each weight matrix, by its address: the products' natural scale.
-    norms: BTreeMap<usize, Vec<f64>>,
+    /// The largest row norm of each weight matrix: the products' natural scale.
+    norms: BTreeMap<Matrix, f64>,
     /// Product rows waiting for `finish`, by op: each weight matrix is then read once for
     /// every step's rows (a decode step alone would read it all for one row).
     pending: BTreeMap<TapId, Vec<Pending>>,
@@ -223,12 +224,12 @@ fn silu(g: f64) -> f64 {
 
 impl<'m> Replayer<'m> {
     /// `total`: the sequence's length, prompt and decode steps.
-    pub fn new(model: &'m Model, dtype: &str, total: usize) -> Self {
+    pub fn new(weights: &'m dyn ReplayWeights, dtype: &str, total: usize) -> Self {
         Replayer {
-            model,
+            weights,
             unit: unit_of(dtype),
             systematic: Systematic::new(unit_of(dtype), total),
-            history: vec![BTreeMap::new(); model.config.num_hidden_layers],
+            history: vec![BTreeMap::new(); weights.config().num_hidden_layers],
             rows: BTreeMap::new(),
             norms: BTreeMap::new(),
             pending: BTreeMap::new(),
@@ -274,32 +275,6 @@ impl<'m> Replayer<'m> {
 
     pub fn unit(&self) -> f64 {
         self.unit
-    }
-
-    /// `‖w_j‖` of each output row of `w` (`[out, inp]`), computed once per matrix.
-    fn row_norms(&mut self, w: &[f32], inp: usize) -> &[f64] {
-        self.norms.entry(w.as_ptr() as usize).or_insert_with(|| {
-            w.chunks_exact(inp)
-                .map(|r| {
-                    r.iter()
-                        .map(|&v| (v as f64) * (v as f64))
-                        .sum::<f64>()
-                        .sqrt()
-                })
-                .collect()
-        })
-    }
-
-    /// The natural scale of `x · wᵀ` for the row `x`: what rounding its inputs moves it by.
-    fn product_scale(&mut self, x: &[f32], w: &[f32]) -> f64 {
-        let inp = x.len();
-        let xn = x
-            .iter()
-            .map(|&v| (v as f64) * (v as f64))
-            .sum::<f64>()
-            .sqrt();
-        let wn = self.row_norms(w, inp).iter().fold(0f64, |m, &v| m.max(v));
-        xn * wn / (inp as f64).sqrt()
     }
 
     fn book(
@@ -356,7 +331,7 @@ impl<'m> Replayer<'m> {
         // A row over its own bounds is replay's finding already: pooled, its large error
         // would pose as structure in the rows before it.
         if !self.exceeds(&row) {
-            let hd = self.model.config.head_dim;
+            let hd = self.weights.config().head_dim;
             self.systematic
                 .add((step, id, pos), engine, replay, mag, hd);
         }
@@ -366,11 +341,8 @@ impl<'m> Replayer<'m> {
     /// Replays every op of `engine`'s step whose inputs and output it holds; `reference` is the
     /// reference's step, for the error each op inherits.
     pub fn step(&mut self, step: usize, engine: &DumpStep, reference: Option<&DumpStep>) {
-        let model = self.model;
-        let c = &model.config;
-        if !model.has_host_weights() {
-            return; // no weights on the host (a model loaded straight to a GPU): nothing to rerun
-        }
+        let weights = self.weights;
+        let c = weights.config();
         let eps = c.rms_norm_eps as f64;
         let h = c.hidden_size;
         let tap = |id: TapId| engine.taps.get(&id).map(rows_of).unwrap_or_default();
@@ -382,31 +354,44 @@ impl<'m> Replayer<'m> {
         };
         // The products run on a sample of a long step's rows.
         let keep = product_rows(engine);
-        if let (Some(e), true) = (
-            engine.taps.get(&TapId::Embed),
-            !model.embed_tokens.is_empty(),
-        ) {
+        if let Some(e) = engine.taps.get(&TapId::Embed) {
             let r = refs(TapId::Embed);
-            for (&p, row) in &rows_of(e) {
-                let Some(&t) = engine.tokens.get(&p) else {
-                    continue;
-                };
-                let Some(want) = model.embed_tokens.get(t as usize * h..(t as usize + 1) * h)
-                else {
-                    continue;
-                };
-                let r = r.get(&p).copied();
-                self.book((step, TapId::Embed, p), row, want, 0.0, r, Mag::Own);
+            let rows: Vec<(usize, &[f32], u32)> = rows_of(e)
+                .into_iter()
+                .filter_map(|(p, row)| Some((p, row, *engine.tokens.get(&p)?)))
+                .filter(|r| (r.2 as usize) < c.vocab_size)
+                .collect();
+            let tokens: Vec<u32> = rows.iter().map(|r| r.2).collect();
+            if let Some(table) = weights.embed_rows(&tokens) {
+                for ((p, row, _), want) in rows.into_iter().zip(table.chunks_exact(h.max(1))) {
+                    let r = r.get(&p).copied();
+                    self.book((step, TapId::Embed, p), row, want, 0.0, r, Mag::Own);
+                }
             }
         }
-        for l in 0..c.num_hidden_layers {
-            self.layer(step, l, &tap, &refs, &keep, eps);
+        // Each layer on a worker: its ops, rows, history and aggregate statistics are its own
+        // (the statistics are kept per op), and each worker's rows are booked back in layer
+        // order, so the outcome is the serial one's to the bit.
+        let forks: Vec<Replayer<'m>> = (0..c.num_hidden_layers)
+            .map(|l| self.fork_layer(l))
+            .collect();
+        let done: Vec<Replayer<'m>> = forks
+            .into_par_iter()
+            .enumerate()
+            .map(|(l, mut f)| {
+                f.layer(step, l, &tap, &refs, &keep, eps);
+                f
+            })
+            .collect();
+        for (l, f) in done.into_iter().enumerate() {
+            self.join_layer(l, f);
         }
         let last = TapId::Layer(c.num_hidden_layers.saturating_sub(1), LayerTap::ResidOut);
         let (x, y, r) = (tap(last), tap(TapId::FinalNorm), refs(TapId::FinalNorm));
+        let final_norm = weights.vector(Vector::FinalNorm);
         for (&p, xr) in &x {
             if let Some(yr) = y.get(&p) {
-                let want = rms_norm(xr, &model.norm, eps);
+                let want = rms_norm(xr, &final_norm, eps);
                 self.book(
                     (step, TapId::FinalNorm, p),
                     yr,
@@ -450,164 +435,65 @@ impl<'m> Replayer<'m> {
         });
     }
 
-    /// Replays the products held back, each op's rows of every step at once.
-    pub fn finish(&mut self) {
-        let model = self.model;
-        let c = &model.config;
-        let eps = c.rms_norm_eps as f64;
-        for (id, rows) in std::mem::take(&mut self.pending) {
-            let inp = rows[0].x.len();
-            if rows.iter().any(|r| r.x.len() != inp) {
-                continue;
-            }
-            let x: BTreeMap<usize, &[f32]> = rows
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (i, r.x.as_slice()))
-                .collect();
-            let ps: Vec<usize> = (0..rows.len()).collect();
-            // (weights, bias, per-head norm) of a plain product; the MLP on its own.
-            let (wt, bias, norm): (&[f32], &[f32], &[f32]) = match id {
-                TapId::Logits => (
-                    model.lm_head.as_deref().unwrap_or(&model.embed_tokens),
-                    &[],
-                    &[],
-                ),
-                TapId::Layer(l, t) => {
-                    let w = &model.layers[l];
-                    let qk = |n: &'m [f32]| if c.arch.qk_norm { n } else { &[] };
-                    match t {
-                        LayerTap::Q => (&w.q_proj, &w.q_bias, qk(&w.q_norm)),
-                        LayerTap::K => (&w.k_proj, &w.k_bias, qk(&w.k_norm)),
-                        LayerTap::V => (&w.v_proj, &w.v_bias, &[]),
-                        LayerTap::OProj => (&w.o_proj, &w.o_bias, &[]),
-                        LayerTap::MlpOut => {
-                            if let Mlp::Dense(f) = &w.mlp {
-                                self.mlp_rows(id, f, &rows, &x, &ps);
-                            }
-                            continue;
-                        }
-                        _ => continue,
-                    }
-                }
-                TapId::Embed | TapId::FinalNorm => continue,
-            };
-            if wt.is_empty() || wt.len() % inp != 0 {
-                continue;
-            }
-            let out = self.product(&x, &ps, wt, bias);
-            for (i, row) in rows.iter().enumerate() {
-                let o = out.row(i);
-                let mut want = o.as_slice().expect("a standard-layout row").to_vec();
-                let mut scale = self.product_scale(&row.x, wt);
-                let mut mag = Mag::Row(scale);
-                if !norm.is_empty() && want.len() % norm.len() == 0 {
-                    want = rms_norm(&want, norm, eps);
-                    scale = 0.0; // a normalised row: its own size is the scale
-                    mag = Mag::Own;
-                }
-                if id == TapId::Logits {
-                    mag = Mag::Skip;
-                }
-                self.book(
-                    (row.step, id, row.pos),
-                    &row.y,
-                    &want,
-                    scale,
-                    row.r.as_deref(),
-                    mag,
-                );
-            }
+    /// A replayer for layer `l` alone, holding that layer's history, held products and
+    /// aggregate statistics (taken from this one until `join_layer` gives them back).
+    fn fork_layer(&mut self, l: usize) -> Replayer<'m> {
+        let mine = |id: &TapId| id.layer() == Some(l);
+        let mut history = vec![KvRows::new(); self.history.len()];
+        history[l] = std::mem::take(&mut self.history[l]);
+        let pending = crate::compare::judge::systematic::take_keys(&mut self.pending, mine);
+        Replayer {
+            weights: self.weights,
+            unit: self.unit,
+            history,
+            rows: BTreeMap::new(),
+            norms: BTreeMap::new(),
+            pending,
+            systematic: self.systematic.take_where(mine),
+            every_op: self.every_op,
+            bf16_inputs: self.bf16_inputs,
+            kv_cache: self.kv_cache,
         }
     }
 
-    /// The dense SwiGLU MLP's rows.
-    fn mlp_rows(
-        &mut self,
-        id: TapId,
-        f: &crate::engine::model::Ffn,
-        rows: &[Pending],
-        x: &BTreeMap<usize, &[f32]>,
-        ps: &[usize],
-    ) {
-        if rows[0].x.len() != self.model.config.hidden_size {
-            return;
-        }
-        let gate = self.product(x, ps, &f.gate_proj, &f.gate_bias);
-        let up = self.product(x, ps, &f.up_proj, &f.up_bias);
-        let act: Vec<f32> = gate
-            .iter()
-            .zip(up.iter())
-            .map(|(&g, &u)| (silu(g as f64) * u as f64) as f32)
-            .collect();
-        let inter = gate.ncols();
-        let acts: BTreeMap<usize, &[f32]> = ps
-            .iter()
-            .map(|&i| (i, &act[i * inter..(i + 1) * inter]))
-            .collect();
-        let out = self.product(&acts, ps, &f.down_proj, &f.down_bias);
-        for (i, row) in rows.iter().enumerate() {
-            let scale = self.product_scale(acts[&i], &f.down_proj);
-            let o = out.row(i);
-            let want = o.as_slice().expect("a standard-layout row");
-            self.book(
-                (row.step, id, row.pos),
-                &row.y,
-                want,
-                scale,
-                row.r.as_deref(),
-                Mag::Skip,
-            );
+    /// Takes back what `fork_layer` lent, and the rows the layer's replayer booked, after the
+    /// rows of the layers before it.
+    fn join_layer(&mut self, l: usize, f: Replayer<'m>) {
+        let Replayer {
+            mut history,
+            rows,
+            pending,
+            systematic,
+            ..
+        } = f;
+        self.history[l] = std::mem::take(&mut history[l]);
+        self.pending.extend(pending);
+        self.systematic.put(systematic);
+        for (at, v) in rows {
+            self.rows.entry(at).or_default().extend(v);
         }
     }
 
-    /// `x[ps] · wᵀ + bias`, one row per position in `ps`.
-    fn product(
-        &self,
-        x: &BTreeMap<usize, &[f32]>,
-        ps: &[usize],
-        w: &[f32],
-        bias: &[f32],
-    ) -> Array2<f32> {
-        let inp = x[&ps[0]].len();
-        let round = |v: f32| match self.bf16_inputs {
-            true => half::bf16::from_f32(v).to_f32(),
-            false => v,
-        };
-        let flat: Vec<f32> = ps
-            .iter()
-            .flat_map(|p| x[p].iter().map(|&v| round(v)))
-            .collect();
-        let xs = ArrayView2::from_shape((ps.len(), inp), &flat).expect("rows of one width");
-        let ws = ArrayView2::from_shape((w.len() / inp, inp), w).expect("[out, inp] weights");
-        let mut y = matmul_t(xs, ws);
-        if !bias.is_empty() {
-            for mut row in y.rows_mut() {
-                row.iter_mut().zip(bias).for_each(|(v, &b)| *v += b);
-            }
-        }
-        y
-    }
-
+    #[allow(clippy::type_complexity)]
     fn layer<'t>(
         &mut self,
         step: usize,
         l: usize,
-        tap: &dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]>,
-        refs: &dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]>,
-        keep: &dyn Fn(usize) -> bool,
+        tap: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+        refs: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+        keep: &(dyn Fn(usize) -> bool + Sync),
         eps: f64,
     ) {
-        let model = self.model;
-        let c = &model.config;
-        let w = &model.layers[l];
+        let weights = self.weights;
+        let c = weights.config();
         let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let id = |t| TapId::Layer(l, t);
-        let norm_op = |me: &mut Self, from: LayerTap, to: LayerTap, weight: &[f32]| {
+        let norm_op = |me: &mut Self, from: LayerTap, to: LayerTap, weight: Vector| {
             let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
+            let weight = weights.vector(weight);
             for (&p, xr) in &x {
                 if let Some(yr) = y.get(&p) {
-                    let want = rms_norm(xr, weight, eps);
+                    let want = rms_norm(xr, &weight, eps);
                     let r = r.get(&p).copied();
                     me.book((step, id(to), p), yr, &want, 0.0, r, Mag::Own);
                 }
@@ -642,7 +528,7 @@ impl<'m> Replayer<'m> {
             self,
             LayerTap::ResidIn,
             LayerTap::AttnNorm,
-            &w.input_layernorm,
+            Vector::InputNorm(l),
         );
         for to in [LayerTap::Q, LayerTap::K, LayerTap::V] {
             hold_op(self, LayerTap::AttnNorm, to);
@@ -751,9 +637,9 @@ impl<'m> Replayer<'m> {
             self,
             LayerTap::ResidMid,
             LayerTap::MlpNorm,
-            &w.post_attention_layernorm,
+            Vector::PostNorm(l),
         );
-        if let (Mlp::Dense(_), None) = (&w.mlp, c.arch.sparse(l)) {
+        if weights.dense_mlp(l) {
             hold_op(self, LayerTap::MlpNorm, LayerTap::MlpOut);
         }
         add_op(

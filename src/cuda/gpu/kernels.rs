@@ -55,6 +55,7 @@ pub(super) const KERNELS: &[&str] = &[
     "oracle_widen_f64",
     "oracle_embed_f64",
     "oracle_rms_norm_f64",
+    "oracle_row_sumsq_f64",
     "oracle_add_bias_f64",
     "oracle_add_f64",
     "oracle_swiglu_f64",

@@ -120,6 +120,8 @@ pub struct Gpu {
     pdl: bool,
     /// Pinned buffers that `upload_staged` copies from, each with the event of its last copy.
     staging: std::sync::Mutex<Vec<Staging>>,
+    /// A pinned buffer `read_rows` copies taps through, grown to the largest asked for.
+    read_staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Pinned words for `read_u32_soon`, made at its first use.
     word_slots: std::sync::OnceLock<Option<Arc<WordSlots>>>,
     /// Pinned host memory the weights were streamed through, lent out afterwards in pieces
@@ -316,6 +318,7 @@ impl Gpu {
             trace: trace.map(std::sync::Mutex::new),
             pdl: major >= 9 && std::env::var("KVDIFF_CUDA_PDL").as_deref() != Ok("0"),
             staging: Default::default(),
+            read_staging: Default::default(),
             word_slots: Default::default(),
             pinned_pool: Default::default(),
             tensor_core_shared: (major >= 8

@@ -25,9 +25,11 @@ use weights::{Weights, W};
 
 mod gemm;
 mod meter;
+mod replay;
 mod weights;
 
 pub use meter::{DeviceMeter, DeviceOracle};
+pub use replay::ReplayOnGpu;
 pub use weights::attach_f32_weights;
 
 /// What the pass computes.

@@ -1,0 +1,187 @@
+//! Blame by replay's weights on the GPU (`compare/judge/replay_weights.rs`): the bf16 buffers
+//! the model holds there, its products summed in f64 by the oracle's own GEMM (`gemm.rs`).
+//! At 8B a replay's products are several TFLOP of f32 on the host, and the host's f32 copy
+//! of the weights (32 GB) is no longer needed to replay a bf16 engine, whose weights those
+//! buffers are exactly.
+
+use cudarc::driver::CudaSlice;
+
+use super::gemm;
+use super::weights::{Weights, W};
+use crate::cuda::gpu::{ptr, Arg};
+use crate::cuda::model::{cuda_model_of, CudaModel};
+use crate::engine::config::Config;
+use crate::engine::model::Model;
+use crate::engine::replay_weights::{in_width, out_width, Matrix, ReplayWeights, Vector};
+
+/// Rows a product takes at once: bounds its output (an LM head's rows are 1.2 MB each in f64).
+const ROWS_AT_ONCE: usize = 256;
+
+/// The weights of a model on the GPU, for blame by replay.
+pub struct ReplayOnGpu<'a> {
+    cm: &'a CudaModel,
+}
+
+impl<'a> ReplayOnGpu<'a> {
+    /// The model's GPU weights where replay can read them: dense layers, and bf16 buffers
+    /// (the rounding a bf16 engine computes with, whatever the checkpoint's dtype).
+    pub fn of(model: &'a Model) -> Option<Self> {
+        let cm = cuda_model_of(model)?;
+        cm.config.arch.moe.is_none().then_some(ReplayOnGpu { cm })
+    }
+
+    fn weights(&self) -> Weights<'a> {
+        Weights::new(self.cm, false)
+    }
+
+    /// A matrix's buffer, and the row its values start at.
+    fn matrix(&self, m: Matrix) -> Option<(W, usize)> {
+        let c = &self.cm.config;
+        let w = self.weights();
+        let layer = |l: usize| (l < c.num_hidden_layers).then(|| w.layer(l));
+        Some(match m {
+            Matrix::LmHead => (w.lm_head(), 0),
+            Matrix::Q(l) => (layer(l)?.qkv, 0),
+            Matrix::K(l) => (layer(l)?.qkv, c.q_dim()),
+            Matrix::V(l) => (layer(l)?.qkv, c.q_dim() + c.kv_dim()),
+            Matrix::O(l) => (layer(l)?.o, 0),
+            Matrix::Gate(l) => (layer(l)?.gate_up, 0),
+            Matrix::Up(l) => (layer(l)?.gate_up, c.intermediate_size),
+            Matrix::Down(l) => (layer(l)?.down, 0),
+        })
+    }
+
+    /// `len` values of a bf16 weight from element `at`, widened to f32.
+    fn widened(&self, w: W, at: usize, len: usize) -> Vec<f32> {
+        let g = &self.cm.gpu;
+        let out: CudaSlice<f32> = g.alloc(len);
+        let args = [
+            Arg::Ptr(w.at(at)),
+            Arg::Ptr(ptr(g, &out, 0)),
+            Arg::I64(len as i64),
+        ];
+        g.launch("oracle_widen_f32", super::blocks(len), 256, 0, &args);
+        g.download(&out, len)
+    }
+}
+
+impl ReplayWeights for ReplayOnGpu<'_> {
+    fn config(&self) -> &Config {
+        &self.cm.config
+    }
+
+    fn product(&self, m: Matrix, x: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let c = &self.cm.config;
+        let (w, row0) = self.matrix(m)?;
+        let (k, out) = (in_width(c, m), out_width(c, m));
+        if rows == 0 || x.len() != rows * k {
+            return None;
+        }
+        let g = &self.cm.gpu;
+        let part: CudaSlice<f64> = g.alloc(gemm::scratch_len(g.sm_count()));
+        let mut y = Vec::with_capacity(rows * out);
+        for block in x.chunks(ROWS_AT_ONCE * k) {
+            let n = block.len() / k;
+            let wide: Vec<f64> = block.iter().map(|&v| v as f64).collect();
+            let xd = g.upload(&wide);
+            let yd: CudaSlice<f64> = g.alloc(n * out);
+            let weights = gemm::Weights {
+                ptr: w.at(row0 * k),
+                bf16: true,
+            };
+            let at = |s: &CudaSlice<f64>| ptr(g, s, 0);
+            gemm::gemm(
+                g,
+                true,
+                (at(&xd), weights, at(&yd)),
+                (n, k, out),
+                out,
+                at(&part),
+            );
+            y.extend(g.download(&yd, n * out).into_iter().map(|v| v as f32));
+        }
+        Some(y)
+    }
+
+    fn largest_row_norm(&self, m: Matrix, inp: usize) -> f64 {
+        let c = &self.cm.config;
+        let Some((w, row0)) = self.matrix(m) else {
+            return 0.0;
+        };
+        if inp != in_width(c, m) {
+            return 0.0;
+        }
+        let _span = crate::support::timing::span("replay: weight row norms (GPU)");
+        let (g, rows) = (&self.cm.gpu, out_width(c, m));
+        let out: CudaSlice<f64> = g.alloc(rows);
+        let args = [
+            Arg::Ptr(w.at(row0 * inp)),
+            Arg::Ptr(ptr(g, &out, 0)),
+            Arg::I32(rows as i32),
+            Arg::I32(inp as i32),
+        ];
+        g.launch("oracle_row_sumsq_f64", rows as u32, 256, 0, &args);
+        g.download(&out, rows)
+            .into_iter()
+            .fold(0f64, f64::max)
+            .sqrt()
+    }
+
+    fn vector(&self, v: Vector) -> Vec<f32> {
+        let c = &self.cm.config;
+        let w = self.weights();
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let layer = |l: usize| (l < c.num_hidden_layers).then(|| w.layer(l));
+        let (weight, len) = match v {
+            Vector::FinalNorm => (Some(w.norm()), h),
+            Vector::InputNorm(l) => (layer(l).map(|w| w.input_norm), h),
+            Vector::PostNorm(l) => (layer(l).map(|w| w.post_norm), h),
+            Vector::QNorm(l) => (layer(l).and_then(|w| w.q_norm), hd),
+            Vector::KNorm(l) => (layer(l).and_then(|w| w.k_norm), hd),
+            Vector::Bias(m) => {
+                // The GPU holds q/k/v biases only (f32, stacked); it refuses the others.
+                let (l, at, len) = match m {
+                    Matrix::Q(l) => (l, 0, c.q_dim()),
+                    Matrix::K(l) => (l, c.q_dim(), c.kv_dim()),
+                    Matrix::V(l) => (l, c.q_dim() + c.kv_dim(), c.kv_dim()),
+                    _ => return Vec::new(),
+                };
+                let Some(bias) = layer(l).and_then(|w| w.qkv_bias) else {
+                    return Vec::new();
+                };
+                return self.cm.gpu.download_rows(bias + 4 * at as u64, 1, len, len);
+            }
+        };
+        match weight {
+            Some(w) => self.widened(w, 0, len),
+            None => Vec::new(),
+        }
+    }
+
+    fn embed_rows(&self, tokens: &[u32]) -> Option<Vec<f32>> {
+        let c = &self.cm.config;
+        if tokens.iter().any(|&t| t as usize >= c.vocab_size) {
+            return None;
+        }
+        let (g, h, n) = (&self.cm.gpu, c.hidden_size, tokens.len());
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        let ids = g.upload(tokens);
+        let out: CudaSlice<f32> = g.alloc(n * h);
+        let args = [
+            Arg::Ptr(self.weights().embed().ptr),
+            Arg::Ptr(ptr(g, &ids, 0)),
+            Arg::Ptr(ptr(g, &out, 0)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+        ];
+        g.launch("oracle_embed_f32", super::blocks(n * h), 256, 0, &args);
+        Some(g.download(&out, n * h))
+    }
+
+    fn dense_mlp(&self, l: usize) -> bool {
+        let c = &self.cm.config;
+        l < c.num_hidden_layers && c.arch.sparse(l).is_none()
+    }
+}
