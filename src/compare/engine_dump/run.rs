@@ -598,8 +598,8 @@ fn gpu_replay_off() -> bool {
 }
 
 /// Whether the model's f32 copy fits the host's memory with room to spare (a model at 70B takes
-/// 280 GB): where it does not, a diff on the GPU loads it straight there, as `compare --backend
-/// cuda` does. `KVDIFF_DIFF_GPU_ONLY=1` asks for that at any size.
+/// 280 GB), for a diff on the GPU that needs one beside it (`host_needed`).
+/// `KVDIFF_DIFF_GPU_ONLY=1` answers no at any size.
 fn host_copy_fits(src: &ModelSource) -> Result<bool> {
     if std::env::var("KVDIFF_DIFF_GPU_ONLY").is_ok_and(|v| v == "1") {
         return Ok(false);
