@@ -456,6 +456,28 @@ mod tests {
     }
 
     #[test]
+    fn only_keeps_the_taps_both_select() {
+        let f = TapFilter::parse("L*.q,L*.k,logits", 3).unwrap();
+        let held = [
+            TapId::Layer(0, LayerTap::Q),
+            TapId::Layer(2, LayerTap::K),
+            TapId::Layer(1, LayerTap::AttnProbs),
+            TapId::Embed,
+        ];
+        let o = f.only(held);
+        for id in TapId::all(3) {
+            assert_eq!(o.matches(id), held.contains(&id) && f.matches(id), "{id}");
+        }
+        let later = o.restrict(2..usize::MAX);
+        assert!(later.matches(TapId::Layer(2, LayerTap::K)));
+        assert!(!later.matches(TapId::Layer(0, LayerTap::Q)));
+        assert!(
+            !later.matches(TapId::Logits),
+            "logits are not among the held taps"
+        );
+    }
+
+    #[test]
     fn names_in_forward_order() {
         let names: Vec<String> = TapId::all(1).iter().map(|t| t.to_string()).collect();
         assert_eq!(names.first().unwrap(), "embed");
