@@ -11,7 +11,7 @@ use crate::engine::gemm::matmul_t;
 use crate::engine::model::{Mlp, Model};
 
 /// A weight matrix replay multiplies rows by, `[out, in]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Matrix {
     Q(usize),
     K(usize),
@@ -24,7 +24,7 @@ pub enum Matrix {
 }
 
 /// A weight vector: a norm's scale, or a product's bias.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Vector {
     InputNorm(usize),
     PostNorm(usize),

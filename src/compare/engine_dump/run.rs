@@ -260,13 +260,12 @@ impl DiffRequest<'_> {
         }
         let auto = self.policy == Policy::Auto;
         let exact = crate::cuda::oracle_unavailable(&e.model).is_none();
-        let bf16 = crate::compare::judge::replay::unit_of(&dump.meta.dtype) == 2f64.powi(-8);
         let f32_reference = match self.precision {
             RefPrecision::Bf16 => false,
             RefPrecision::F32 => true,
             RefPrecision::Auto => !dump.meta.half_precision(),
         };
-        if self.replay && auto && (!bf16 || gpu_replay_off()) {
+        if self.replay && auto && !replays_on_gpu(&e.model, &dump.meta.dtype) {
             Some("to replay the engine's ops")
         } else if f32_reference && !exact {
             Some("for the f32 reference")
@@ -326,11 +325,7 @@ impl OpenedDiff<'_> {
         let reference_dump = &self.reference_dump;
         let engine_dump = &self.engine_dump;
         let engine = self.engine.as_ref();
-        // The model's weights on the host, where it has them.
-        let host_model = engine
-            .map(|e| &e.model)
-            .filter(|m| m.has_host_weights())
-            .or(self.host.as_ref());
+        let host_model = self.host_model();
         let cuda = self.on_cuda();
         self.check_precision()?;
         let gpu_model = match (engine, cuda, reused) {
@@ -422,9 +417,8 @@ impl OpenedDiff<'_> {
         let label = format!("engine:{}", engine_dump.meta.engine);
         let replay_on = req.replay && req.policy == Policy::Auto && engine.is_some();
         let dtype = &engine_dump.meta.dtype;
-        // A bf16 engine replays on the GPU's own bf16 weights; any other on the host's.
         let on_gpu_replay = on_gpu
-            .filter(|_| replay_on && replay::unit_of(dtype) == 2f64.powi(-8) && !gpu_replay_off())
+            .filter(|g| replay_on && replays_on_gpu(g, dtype))
             .and_then(crate::cuda::ReplayOnGpu::of);
         let rounded = host_model
             .filter(|_| replay_on && on_gpu_replay.is_none())
@@ -503,6 +497,16 @@ impl OpenedDiff<'_> {
 }
 
 impl OpenedDiff<'_> {
+    /// The model's weights on the host, where it has them: the model itself, or the copy
+    /// loaded beside one on the GPU.
+    fn host_model(&self) -> Option<&Model> {
+        self.engine
+            .as_ref()
+            .map(|e| &e.model)
+            .filter(|m| m.has_host_weights())
+            .or(self.host.as_ref())
+    }
+
     /// `--precision` where it means something: kvdiff's own reference, bf16 only on the GPU.
     fn check_precision(&self) -> Result<()> {
         let p = self.request.precision;
@@ -551,13 +555,7 @@ impl OpenedDiff<'_> {
             Err(_) => return Ok(None),
         };
         // An f16 or f32 checkpoint: the pass reads an f32 copy of the host's weights.
-        let host = self
-            .engine
-            .as_ref()
-            .map(|e| &e.model)
-            .filter(|m| m.has_host_weights())
-            .or(self.host.as_ref());
-        let attached = match host {
+        let attached = match self.host_model() {
             Some(m) => crate::cuda::attach_f32_weights(gpu_model, m)
                 .err()
                 .map(|e| match e {
@@ -591,10 +589,12 @@ impl OpenedDiff<'_> {
     }
 }
 
-/// `KVDIFF_REPLAY_ON_HOST=1`: a bf16 engine replayed on the host's f32 weights as other dtypes
-/// are, not on the GPU's (the peer of the GPU replay, for measuring it).
-fn gpu_replay_off() -> bool {
-    std::env::var("KVDIFF_REPLAY_ON_HOST").is_ok_and(|v| v == "1")
+/// Whether a `dtype` engine's ops replay on `model`'s GPU weights, which are its own: a bf16
+/// engine's, on a dense model on the GPU, unless `KVDIFF_REPLAY_ON_HOST=1` asks for the host's
+/// f32 weights (the peer of the GPU replay, for measuring it). Other dtypes replay on the host.
+fn replays_on_gpu(model: &Model, dtype: &str) -> bool {
+    let off = std::env::var("KVDIFF_REPLAY_ON_HOST").is_ok_and(|v| v == "1");
+    replay::unit_of(dtype) == 2f64.powi(-8) && !off && crate::cuda::ReplayOnGpu::reads(model)
 }
 
 /// Whether the model's f32 copy fits the host's memory with room to spare (a model at 70B takes

@@ -4,6 +4,8 @@
 //! of the weights (32 GB) is no longer needed to replay a bf16 engine, whose weights those
 //! buffers are exactly.
 
+use std::collections::HashMap;
+
 use cudarc::driver::CudaSlice;
 
 use super::gemm;
@@ -20,14 +22,40 @@ const ROWS_AT_ONCE: usize = 256;
 /// The weights of a model on the GPU, for blame by replay.
 pub struct ReplayOnGpu<'a> {
     cm: &'a CudaModel,
+    /// Every norm and bias, read once: replay's layers run on workers, which then touch
+    /// nothing on the GPU.
+    vectors: HashMap<Vector, Vec<f32>>,
 }
 
 impl<'a> ReplayOnGpu<'a> {
     /// The model's GPU weights where replay can read them: dense layers, and bf16 buffers
     /// (the rounding a bf16 engine computes with, whatever the checkpoint's dtype).
     pub fn of(model: &'a Model) -> Option<Self> {
+        if !Self::reads(model) {
+            return None;
+        }
         let cm = cuda_model_of(model)?;
-        cm.config.arch.moe.is_none().then_some(ReplayOnGpu { cm })
+        let mut r = ReplayOnGpu {
+            cm,
+            vectors: HashMap::new(),
+        };
+        let mut all = vec![Vector::FinalNorm];
+        for l in 0..cm.config.num_hidden_layers {
+            all.extend([
+                Vector::InputNorm(l),
+                Vector::PostNorm(l),
+                Vector::QNorm(l),
+                Vector::KNorm(l),
+            ]);
+            all.extend([Matrix::Q(l), Matrix::K(l), Matrix::V(l)].map(Vector::Bias));
+        }
+        r.vectors = all.into_iter().map(|v| (v, r.read_vector(v))).collect();
+        Some(r)
+    }
+
+    /// Whether `of` can read `model`'s weights, without reading any.
+    pub fn reads(model: &Model) -> bool {
+        cuda_model_of(model).is_some_and(|cm| cm.config.arch.moe.is_none())
     }
 
     fn weights(&self) -> Weights<'a> {
@@ -49,6 +77,38 @@ impl<'a> ReplayOnGpu<'a> {
             Matrix::Up(l) => (layer(l)?.gate_up, c.intermediate_size),
             Matrix::Down(l) => (layer(l)?.down, 0),
         })
+    }
+
+    /// A vector's values from the GPU; empty where the model has none.
+    fn read_vector(&self, v: Vector) -> Vec<f32> {
+        let c = &self.cm.config;
+        let w = self.weights();
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let layer = |l: usize| (l < c.num_hidden_layers).then(|| w.layer(l));
+        let (weight, len) = match v {
+            Vector::FinalNorm => (Some(w.norm()), h),
+            Vector::InputNorm(l) => (layer(l).map(|w| w.input_norm), h),
+            Vector::PostNorm(l) => (layer(l).map(|w| w.post_norm), h),
+            Vector::QNorm(l) => (layer(l).and_then(|w| w.q_norm), hd),
+            Vector::KNorm(l) => (layer(l).and_then(|w| w.k_norm), hd),
+            Vector::Bias(m) => {
+                // The GPU holds q/k/v biases only (f32, stacked); it refuses the others.
+                let (l, at, len) = match m {
+                    Matrix::Q(l) => (l, 0, c.q_dim()),
+                    Matrix::K(l) => (l, c.q_dim(), c.kv_dim()),
+                    Matrix::V(l) => (l, c.q_dim() + c.kv_dim(), c.kv_dim()),
+                    _ => return Vec::new(),
+                };
+                let Some(bias) = layer(l).and_then(|w| w.qkv_bias) else {
+                    return Vec::new();
+                };
+                return self.cm.gpu.download_rows(bias + 4 * at as u64, 1, len, len);
+            }
+        };
+        match weight {
+            Some(w) => self.widened(w, 0, len),
+            None => Vec::new(),
+        }
     }
 
     /// `len` values of a bf16 weight from element `at`, widened to f32.
@@ -128,34 +188,7 @@ impl ReplayWeights for ReplayOnGpu<'_> {
     }
 
     fn vector(&self, v: Vector) -> Vec<f32> {
-        let c = &self.cm.config;
-        let w = self.weights();
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let layer = |l: usize| (l < c.num_hidden_layers).then(|| w.layer(l));
-        let (weight, len) = match v {
-            Vector::FinalNorm => (Some(w.norm()), h),
-            Vector::InputNorm(l) => (layer(l).map(|w| w.input_norm), h),
-            Vector::PostNorm(l) => (layer(l).map(|w| w.post_norm), h),
-            Vector::QNorm(l) => (layer(l).and_then(|w| w.q_norm), hd),
-            Vector::KNorm(l) => (layer(l).and_then(|w| w.k_norm), hd),
-            Vector::Bias(m) => {
-                // The GPU holds q/k/v biases only (f32, stacked); it refuses the others.
-                let (l, at, len) = match m {
-                    Matrix::Q(l) => (l, 0, c.q_dim()),
-                    Matrix::K(l) => (l, c.q_dim(), c.kv_dim()),
-                    Matrix::V(l) => (l, c.q_dim() + c.kv_dim(), c.kv_dim()),
-                    _ => return Vec::new(),
-                };
-                let Some(bias) = layer(l).and_then(|w| w.qkv_bias) else {
-                    return Vec::new();
-                };
-                return self.cm.gpu.download_rows(bias + 4 * at as u64, 1, len, len);
-            }
-        };
-        match weight {
-            Some(w) => self.widened(w, 0, len),
-            None => Vec::new(),
-        }
+        self.vectors.get(&v).cloned().unwrap_or_default()
     }
 
     fn embed_rows(&self, tokens: &[u32]) -> Option<Vec<f32>> {
