@@ -1,5 +1,6 @@
 //! What every layer uses and none is about: phase timings, interrupt cleanup, memory checks.
 
+pub mod bulk;
 pub mod cache;
 pub mod exit;
 pub mod fault;

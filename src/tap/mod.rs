@@ -11,6 +11,7 @@
 use std::fmt;
 
 pub mod dump;
+mod dump_rows;
 pub mod dump_set;
 pub mod read;
 mod sink;

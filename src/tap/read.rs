@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
+use crate::tap::dump_rows::{bad, decode_rows, pack, value_bytes, Block, RankRows};
 use crate::tap::{LayerTap, Recorded, TapFilter, TapId};
 
 pub const FORMAT: &str = "kvdiff-dump";
@@ -128,14 +129,6 @@ pub struct DumpStep {
     pub piece_starts: BTreeSet<usize>,
 }
 
-fn bad(path: &Path, what: impl Into<String>) -> Error {
-    Error::input(
-        path,
-        what,
-        "rewrite the dump with kvdiff dump or the capture module (the kvdiff_capture package); docs/dump-format.md is the spec",
-    )
-}
-
 impl TapId {
     /// The tap a tensor name names (`L3.q_rope`), if any.
     pub fn from_name(name: &str) -> Option<TapId> {
@@ -151,14 +144,6 @@ impl TapId {
             .iter()
             .find(|t| t.name() == kind)
             .map(|&t| TapId::Layer(layer, t))
-    }
-
-    /// Taps a tensor-parallel engine splits by head (joined in rank order when read).
-    fn sharded_by_head(&self) -> bool {
-        matches!(
-            self.kind(),
-            "q" | "k" | "v" | "q_rope" | "k_rope" | "attn_probs" | "attn_out"
-        )
     }
 }
 
@@ -472,8 +457,8 @@ impl DumpDir {
                 filter.matches(id).then_some((id, name, view))
             })
             .collect();
-        // Each tap's rows decoded on its own core: a 0.6B-sized prefill step is ~1 GB.
-        let decoded: Vec<Result<(TapId, Vec<DecodedRow>)>> = wanted_taps
+        // Each tap's kept rows decoded once, into the block they are packed from.
+        let decoded: Vec<Result<(TapId, Block)>> = wanted_taps
             .par_iter()
             .map(|(id, name, view)| {
                 let (tap_pos, tap_seq) = match st.tensor(&format!("{name}.positions")) {
@@ -488,7 +473,7 @@ impl DumpDir {
                     Err(_) => (positions.clone(), seq.clone()),
                 };
                 let shape = view.shape();
-                if shape.len() < 2 || shape[0] != tap_pos.len() {
+                if shape.len() < 2 || shape[0] != tap_pos.len() || tap_seq.len() != tap_pos.len() {
                     return Err(bad(
                         path,
                         format!(
@@ -497,134 +482,48 @@ impl DumpDir {
                         ),
                     ));
                 }
-                let data = floats(view, name, path)?;
-                let width = data.len() / shape[0].max(1);
-                let mut out = Vec::with_capacity(tap_pos.len());
-                for (r, &pos) in tap_pos.iter().enumerate() {
-                    if !keep(tap_seq[r]) {
-                        continue;
-                    }
-                    let row = &data[r * width..(r + 1) * width];
-                    if let Some(j) = row.iter().position(|x| !x.is_finite()) {
-                        return Err(Error::input(
-                            path,
-                            format!("tap {name} holds {} at position {pos} (element {j})", row[j]),
-                            "the engine produced a non-finite value there: that is where to look; a dump compared must be finite",
-                        ));
-                    }
-                    out.push((pos, shape[1..].to_vec(), row.to_vec()));
+                let size = value_bytes(view.dtype(), name, path)?;
+                let width: usize = shape[1..].iter().product();
+                if view.data().len() != shape[0] * width * size {
+                    return Err(bad(path, format!("tap {name} holds {} bytes, not the {} its shape {shape:?} says", view.data().len(), shape[0] * width * size)));
                 }
-                Ok((*id, out))
+                let kept: Vec<usize> = (0..tap_pos.len()).filter(|&r| keep(tap_seq[r])).collect();
+                let (data, finite) = decode_rows(view.data(), view.dtype(), width, &kept);
+                if !finite {
+                    let (r, j) = data
+                        .chunks(width.max(1))
+                        .enumerate()
+                        .find_map(|(r, row)| Some((r, row.iter().position(|x| !x.is_finite())?)))
+                        .expect("a value is not finite");
+                    let pos = tap_pos[kept[r]];
+                    return Err(Error::input(
+                        path,
+                        format!("tap {name} holds {} at position {pos} (element {j})", data[r * width + j]),
+                        "the engine produced a non-finite value there: that is where to look; a dump compared must be finite",
+                    ));
+                }
+                let block = Block {
+                    positions: kept.iter().map(|&r| tap_pos[r]).collect(),
+                    tail: shape[1..].to_vec(),
+                    data,
+                };
+                Ok((*id, block))
             })
             .collect();
         for d in decoded {
-            let (id, tap_rows) = d?;
-            let entry = rows.taps.entry(id).or_default();
-            for (pos, shape, row) in tap_rows {
-                if entry.insert(pos, (shape, row)).is_some() {
-                    return Err(bad(
-                        path,
-                        format!("tap {id} has position {pos} twice in step {} (in this file or another)", out.step),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// One row of a step file: its position, its shape after the token axis, its values.
-type DecodedRow = (usize, Vec<usize>, Vec<f32>);
-
-/// A tap's rows by position: each row's shape (after the token axis) and values.
-type Rows = BTreeMap<usize, (Vec<usize>, Vec<f32>)>;
-
-/// One rank's rows of a step, per tap.
-#[derive(Default)]
-struct RankRows {
-    taps: BTreeMap<TapId, Rows>,
-}
-
-impl RankRows {
-    /// Appends rank `r`'s head shards to these rows; taps no rank splits keep rank 0's copy.
-    fn join_heads(&mut self, other: RankRows, r: usize, dir: &Path, step: usize) -> Result<()> {
-        for (id, theirs) in other.taps {
-            if !id.sharded_by_head() {
-                continue;
-            }
-            let ours = self.taps.entry(id).or_default();
-            if ours.len() != theirs.len() || !ours.keys().eq(theirs.keys()) {
+            let (id, block) = d?;
+            if let Err(pos) = rows.taps.entry(id).or_default().add(block) {
                 return Err(bad(
-                    dir,
-                    format!("step {step}: tensor-parallel rank {r}'s {id} rows are at other positions than rank 0's"),
+                    path,
+                    format!(
+                        "tap {id} has position {pos} twice in step {} (in this file or another)",
+                        out.step
+                    ),
                 ));
             }
-            for (pos, (shape, row)) in theirs {
-                let (s, v) = ours.get_mut(&pos).expect("same keys");
-                if s[1..] != shape[1..] {
-                    return Err(bad(
-                        dir,
-                        format!("step {step}: rank {r}'s {id} rows are {shape:?} per token, rank 0's {s:?}"),
-                    ));
-                }
-                s[0] += shape[0];
-                v.extend(row);
-            }
         }
         Ok(())
     }
-}
-
-/// A tap's rows as one tensor, by increasing position. Attention rows of pieces that saw fewer
-/// keys are zero-padded per head to the longest.
-fn pack(step: usize, id: TapId, rows: Rows, dir: &Path) -> Result<Recorded> {
-    let attn = id.kind() == "attn_probs";
-    let first_shape = rows
-        .values()
-        .next()
-        .map(|r| r.0.clone())
-        .unwrap_or_default();
-    let keys = rows
-        .values()
-        .map(|r| *r.0.last().unwrap_or(&0))
-        .max()
-        .unwrap_or(0);
-    let mut data = Vec::new();
-    let mut positions = Vec::with_capacity(rows.len());
-    for (pos, (shape, row)) in rows {
-        if attn && shape.len() == 2 && shape[0] == first_shape[0] {
-            let have = shape[1];
-            for h in 0..shape[0] {
-                data.extend_from_slice(&row[h * have..(h + 1) * have]);
-                data.extend(std::iter::repeat_n(0.0, keys - have));
-            }
-        } else if shape == first_shape {
-            data.extend_from_slice(&row);
-        } else {
-            return Err(bad(
-                dir,
-                format!("step {step}: {id} rows are {first_shape:?} per token at one position, {shape:?} at position {pos}"),
-            ));
-        }
-        positions.push(pos);
-    }
-    let mut shape = vec![positions.len()];
-    shape.extend_from_slice(&first_shape);
-    if attn {
-        if let Some(last) = shape.last_mut() {
-            *last = keys;
-        }
-    }
-    if id.kind() == "experts" {
-        crate::tap::sort_expert_rows(&mut data, first_shape.iter().product());
-    }
-    Ok(Recorded {
-        step,
-        id,
-        positions,
-        shape,
-        data,
-    })
 }
 
 fn read_meta(dir: &Path) -> Result<DumpMeta> {
@@ -702,32 +601,4 @@ fn positions_of(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<Vec<usi
         .into_iter()
         .map(|p| usize::try_from(p).map_err(|_| bad(path, format!("`{name}` holds {p}"))))
         .collect()
-}
-
-fn floats(v: &safetensors::tensor::TensorView<'_>, name: &str, path: &Path) -> Result<Vec<f32>> {
-    let b = v.data();
-    Ok(match v.dtype() {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect(),
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
-            .collect(),
-        d => {
-            return Err(bad(
-                path,
-                format!("tap {name} is {d:?}; taps are F32, BF16, F16 or F64"),
-            ))
-        }
-    })
 }

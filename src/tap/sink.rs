@@ -338,7 +338,7 @@ impl TapSink for Recorder {
             id: v.id,
             positions: v.positions.to_vec(),
             shape: v.shape,
-            data: v.data.to_vec(),
+            data: crate::support::bulk::to_vec(v.data),
         });
     }
 }

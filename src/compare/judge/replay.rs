@@ -489,6 +489,7 @@ impl<'m> Replayer<'m> {
         let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let id = |t| TapId::Layer(l, t);
         let norm_op = |me: &mut Self, from: LayerTap, to: LayerTap, weight: Vector| {
+            let _span = crate::support::timing::span("replay: norms");
             let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
             let weight = weights.vector(weight);
             for (&p, xr) in &x {
@@ -500,6 +501,7 @@ impl<'m> Replayer<'m> {
             }
         };
         let add_op = |me: &mut Self, a: LayerTap, b: LayerTap, to: LayerTap| {
+            let _span = crate::support::timing::span("replay: residual adds");
             let (xa, xb, y, r) = (tap(id(a)), tap(id(b)), tap(id(to)), refs(id(to)));
             for (&p, ar) in &xa {
                 if let (Some(br), Some(yr)) = (xb.get(&p), y.get(&p)) {
@@ -517,6 +519,7 @@ impl<'m> Replayer<'m> {
         };
         // A product: held for `finish`, which replays every step's rows at once.
         let hold_op = |me: &mut Self, from: LayerTap, to: LayerTap| {
+            let _span = crate::support::timing::span("replay: product rows held");
             let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
             for (&p, xr) in &x {
                 if let (Some(yr), true) = (y.get(&p), keep(p)) {
@@ -534,6 +537,7 @@ impl<'m> Replayer<'m> {
             hold_op(self, LayerTap::AttnNorm, to);
         }
         let rope = c.rope_table();
+        let rope_span = crate::support::timing::span("replay: rope");
         for (from, to, n) in [
             (LayerTap::Q, LayerTap::QRope, heads),
             (LayerTap::K, LayerTap::KRope, kvh),
@@ -558,7 +562,9 @@ impl<'m> Replayer<'m> {
                 );
             }
         }
+        drop(rope_span);
         // Attention reads the keys and values the engine computed, this step's and before.
+        let kv_span = crate::support::timing::span("replay: keys and values kept");
         let (k, v) = (tap(id(LayerTap::KRope)), tap(id(LayerTap::V)));
         for (&p, kr) in &k {
             if let Some(vr) = v.get(&p) {
@@ -571,6 +577,7 @@ impl<'m> Replayer<'m> {
                 }
             }
         }
+        drop(kv_span);
         let (q, y, r) = (
             tap(id(LayerTap::QRope)),
             tap(id(LayerTap::AttnOut)),
@@ -578,7 +585,7 @@ impl<'m> Replayer<'m> {
         );
         // Each query row on a worker: a long prefill's rows over every key are the replay's
         // largest cost.
-        let _span = crate::support::timing::span("replay: attention");
+        let attn_span = crate::support::timing::span("replay: attention");
         let hist = &self.history[l];
         let rows: Vec<(usize, &[f32], &[f32])> = q
             .iter()
@@ -631,6 +638,7 @@ impl<'m> Replayer<'m> {
                 Mag::Skip,
             );
         }
+        drop(attn_span);
         hold_op(self, LayerTap::AttnOut, LayerTap::OProj);
         add_op(self, LayerTap::ResidIn, LayerTap::OProj, LayerTap::ResidMid);
         norm_op(
