@@ -299,13 +299,39 @@ fn causal_attention(
     (out, probs)
 }
 
+/// A key and value row of the cache as attention replay reads it, with what every query
+/// row over it needs of its values: per KV head, Σ v² and max |v| (worked out once per row
+/// instead of once per query row and head).
+#[derive(Clone, Debug)]
+pub struct KvEntry {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    v_sq: Vec<f64>,
+    v_max: Vec<f64>,
+}
+
+impl KvEntry {
+    /// `k` and `v` hold `v.len() / hd` heads of `hd` values each.
+    pub fn new(k: Vec<f32>, v: Vec<f32>, hd: usize) -> Self {
+        let heads = v.chunks(hd.max(1));
+        let v_sq = heads
+            .clone()
+            .map(|h| h.iter().map(|&x| (x as f64) * (x as f64)).sum())
+            .collect();
+        let v_max = heads
+            .map(|h| h.iter().fold(0f64, |m, &x| m.max((x as f64).abs())))
+            .collect();
+        KvEntry { k, v, v_sq, v_max }
+    }
+}
+
 /// One head of one query row over the keys and values `kv` (GQA group `g`), in f64: the head's
 /// output, its natural scale (the attended values' size, widened by how far rounded scores can
-/// move the weights), and Σ p_j·v_j² over its dimensions (what its squared norm would be had
-/// its terms not cancelled).
+/// move the weights), and Σ p_j·|v_j|² (what its squared norm would be had its terms not
+/// cancelled).
 pub fn attend_head(
     q: &[f32],
-    kv: &[&(Vec<f32>, Vec<f32>)],
+    kv: &[&KvEntry],
     g: usize,
     hd: usize,
     narrow: Option<crate::engine::model::KvCacheDtype>,
@@ -317,7 +343,7 @@ pub fn attend_head(
     let q: Vec<f64> = q.iter().map(|&x| round(x) as f64).collect();
     let s: Vec<f64> = kv
         .iter()
-        .map(|(k, _)| dot_wide(&q, &k[g * hd..(g + 1) * hd]) * scale)
+        .map(|e| dot_wide(&q, &e.k[g * hd..(g + 1) * hd]) * scale)
         .collect();
     let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let smax = s.iter().fold(0f64, |a, &b| a.max(b.abs()));
@@ -325,17 +351,16 @@ pub fn attend_head(
     let sum: f64 = e.iter().sum();
     let mut acc = vec![0f64; hd];
     let (mut vmax, mut p2, mut spread) = (0f64, 0f64, 0f64);
-    for ((_, v), &ej) in kv.iter().zip(&e) {
+    for (kv, &ej) in kv.iter().zip(&e) {
         let pj = match narrow {
             Some(d) => d.round((ej / sum) as f32) as f64,
             None => ej / sum,
         };
         p2 += pj * pj;
-        for (a, &x) in acc.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
-            let x = x as f64;
-            *a += pj * x;
-            vmax = vmax.max(x.abs());
-            spread += pj * x * x;
+        spread += pj * kv.v_sq[g];
+        vmax = vmax.max(kv.v_max[g]);
+        for (a, &x) in acc.iter_mut().zip(&kv.v[g * hd..(g + 1) * hd]) {
+            *a += pj * x as f64;
         }
     }
     let out = acc.iter().map(|&a| a as f32).collect();

@@ -142,7 +142,7 @@ pub fn op_name(id: TapId) -> &'static str {
 }
 
 /// An engine's `k_rope` and `v` rows of one layer, by position.
-type KvRows = BTreeMap<usize, (Vec<f32>, Vec<f32>)>;
+type KvRows = BTreeMap<usize, oracle::KvEntry>;
 
 /// Replays an engine's dump step by step.
 pub struct Replayer<'m> {
@@ -573,7 +573,7 @@ impl<'m> Replayer<'m> {
                         Some(d) => x.iter().map(|&y| d.round(y)).collect(),
                         None => x.to_vec(),
                     };
-                    self.history[l].insert(p, (stored(kr), stored(vr)));
+                    self.history[l].insert(p, oracle::KvEntry::new(stored(kr), stored(vr), hd));
                 }
             }
         }
@@ -599,7 +599,7 @@ impl<'m> Replayer<'m> {
             })
             .collect();
         let window = c.arch.window(l);
-        let keys: Vec<Vec<&(Vec<f32>, Vec<f32>)>> = rows
+        let keys: Vec<Vec<&oracle::KvEntry>> = rows
             .iter()
             .map(|&(p, _, _)| {
                 let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));

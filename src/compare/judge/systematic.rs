@@ -243,20 +243,28 @@ impl Systematic {
             }
         }
         let bound = UNITS * UNITS;
-        for (c, ((&e, &r), &s)) in engine.iter().zip(replay).zip(&m).enumerate() {
-            let x = (e as f64 - r as f64) / (self.unit * s);
-            let sq = (x * x).min(CLIP);
-            if sq > bound && op.first_over[c].is_none_or(|f| (step, pos) < f) {
-                op.first_over[c] = Some((step, pos));
-            }
-            op.values[0].add(c, sq);
-            if let Some(hd) = op.hd {
-                op.dims[0].add(c % hd, sq);
-            }
-            if late {
-                op.values[1].add(c, sq);
-                if let Some(hd) = op.hd {
-                    op.dims[1].add(c % hd, sq);
+        // Head by head, each value's dimension counted along (a remainder per value was most
+        // of this loop's time).
+        let head = op.hd.unwrap_or(width).max(1);
+        let windows = if late { 2 } else { 1 };
+        for (h, ((e, r), m)) in engine
+            .chunks(head)
+            .zip(replay.chunks(head))
+            .zip(m.chunks(head))
+            .enumerate()
+        {
+            for (d, ((&e, &r), &s)) in e.iter().zip(r).zip(m).enumerate() {
+                let c = h * head + d;
+                let x = (e as f64 - r as f64) / (self.unit * s);
+                let sq = (x * x).min(CLIP);
+                if sq > bound && op.first_over[c].is_none_or(|f| (step, pos) < f) {
+                    op.first_over[c] = Some((step, pos));
+                }
+                for w in 0..windows {
+                    op.values[w].add(c, sq);
+                    if op.hd.is_some() {
+                        op.dims[w].add(d, sq);
+                    }
                 }
             }
         }
