@@ -104,6 +104,7 @@ struct Piece {
 }
 
 /// An opened dump folder: its meta, and which files hold which step (read on demand).
+#[derive(Clone)]
 pub struct DumpDir {
     pub dir: PathBuf,
     pub meta: DumpMeta,

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::io::prompt::Prompt;
 use crate::support::progress;
-use crate::tap::read::{DumpDir, KvCacheDtype};
+use crate::tap::read::{DumpDir, DumpStep, KvCacheDtype};
 use crate::tap::{TapFilter, TapId};
 
 /// What to diff.
@@ -85,6 +85,44 @@ pub struct OpenedDiff<'a> {
     /// weights (`host_needed`).
     host: Option<Model>,
     conversation: Option<Conversation>,
+    /// The engine's step 0, read on a thread of its own while the model loads.
+    first_step: Option<FirstStep>,
+}
+
+/// The engine's step 0 being read with the taps `--taps` selects over `layers` layers (the
+/// dump's): used where the model has as many.
+struct FirstStep {
+    layers: usize,
+    read: std::thread::JoinHandle<Result<DumpStep>>,
+}
+
+impl FirstStep {
+    fn start(dump: &DumpDir, taps: &str) -> Option<FirstStep> {
+        let layers = dump_layers(dump);
+        let filter = TapFilter::from_flag(taps, layers).ok()?;
+        let (dump, first) = (dump.clone(), *dump.steps().first()?);
+        let read = std::thread::Builder::new()
+            .name("kvdiff-dump-step-0".into())
+            .spawn(move || dump.load_step(first, &filter))
+            .ok()?;
+        Some(FirstStep { layers, read })
+    }
+
+    /// The step read, where it was read with the filter the diff uses.
+    fn take(self, layers: usize) -> Option<Result<DumpStep>> {
+        (self.layers == layers)
+            .then(|| self.read.join().ok())
+            .flatten()
+    }
+}
+
+/// Layers the dump's taps name.
+fn dump_layers(dump: &DumpDir) -> usize {
+    dump.taps
+        .iter()
+        .filter_map(|t| t.layer())
+        .max()
+        .map_or(0, |l| l + 1)
 }
 
 /// A model loaded by one diff and handed to the next: on the host, and on the GPU where the
@@ -206,6 +244,8 @@ impl DiffRequest<'_> {
             ),
         };
         let conversation = self.conversation(&engine_dump)?;
+        // Its largest step read while the model loads.
+        let first_step = FirstStep::start(&engine_dump, self.taps);
         let auto = self.policy == Policy::Auto;
         let needs_model = reference_dump.is_none()
             || (auto && self.noise_profile.is_none())
@@ -247,6 +287,7 @@ impl DiffRequest<'_> {
             gpu_model,
             host,
             conversation,
+            first_step,
         })
     }
 
@@ -321,6 +362,7 @@ impl OpenedDiff<'_> {
     /// Holds the engine's dump to the reference, step by step, and assembles the report.
     pub fn run(mut self) -> Result<DiffOutcome> {
         let reused = self.gpu_model.take();
+        let first_read = self.first_step.take();
         let req = self.request;
         let reference_dump = &self.reference_dump;
         let engine_dump = &self.engine_dump;
@@ -340,15 +382,12 @@ impl OpenedDiff<'_> {
             .or(engine.map(|e| &e.model).filter(|m| m.device().is_some()));
         let layers = engine
             .map(|e| e.model.config.num_hidden_layers)
-            .unwrap_or_else(|| {
-                engine_dump
-                    .taps
-                    .iter()
-                    .filter_map(|t| t.layer())
-                    .max()
-                    .map_or(0, |l| l + 1)
-            });
+            .unwrap_or_else(|| dump_layers(engine_dump));
         let taps = TapFilter::from_flag(req.taps, layers)?;
+        let first_step = match first_read.and_then(|f| f.take(layers)) {
+            Some(s) => Some(s?),
+            None => None,
+        };
         let prompt_ids = engine_dump
             .load_step(0, &TapFilter::none())?
             .tokens
@@ -453,6 +492,7 @@ impl OpenedDiff<'_> {
             tokenizer: engine.map(|e| &e.tokenizer),
             label,
             replay,
+            first_step: std::cell::Cell::new(first_step),
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {

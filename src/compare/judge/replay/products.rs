@@ -2,8 +2,6 @@
 //! over the run, replayed op by op on the weights (`engine/replay_weights.rs`: the host's GEMM
 //! or the GPU's f64 products), then booked layer by layer on workers.
 
-use rayon::prelude::*;
-
 use super::{rms_norm, silu, Pending, Replayer};
 use crate::compare::judge::systematic::Mag;
 use crate::engine::replay_weights::{Matrix, Vector};
@@ -39,79 +37,91 @@ impl<'m> Replayer<'m> {
     }
 
     /// Replays the products held back, each op's rows of every step at once: the products
-    /// one op after another (on the GPU, or with the host's GEMM), then their rows booked, each
-    /// layer's on a worker (as `step` books them).
+    /// one op after another (on the GPU, or with the host's GEMM), each layer's rows booked on
+    /// a thread of their own (as `step` books them) while the next layers' products run, and
+    /// given back in layer order.
     pub fn finish(&mut self) {
         let weights = self.weights;
         let c = weights.config();
         let eps = c.rms_norm_eps as f64;
-        let mut ready: Vec<Ready> = Vec::new();
-        for (id, rows) in std::mem::take(&mut self.pending) {
-            let inp = rows[0].x.len();
-            if rows.iter().any(|r| r.x.len() != inp) {
-                continue;
-            }
-            // The matrix of a plain product, and its per-head norm; the MLP on its own.
-            let (m, norm) = match id {
-                TapId::Logits => (Matrix::LmHead, Vec::new()),
-                TapId::Layer(l, t) => match t {
-                    LayerTap::Q => (Matrix::Q(l), weights.vector(Vector::QNorm(l))),
-                    LayerTap::K => (Matrix::K(l), weights.vector(Vector::KNorm(l))),
-                    LayerTap::V => (Matrix::V(l), Vec::new()),
-                    LayerTap::OProj => (Matrix::O(l), Vec::new()),
-                    LayerTap::MlpOut => {
-                        if weights.dense_mlp(l) {
-                            self.mlp_rows(id, l, rows, &mut ready);
-                        }
-                        continue;
-                    }
-                    _ => continue,
-                },
-                TapId::Embed | TapId::FinalNorm => continue,
-            };
-            let xs: Vec<&[f32]> = rows.iter().map(|r| r.x.as_slice()).collect();
-            let Some((out, width)) = self.product(&xs, m) else {
-                continue;
-            };
-            let norm = std::sync::Arc::new(norm);
-            for (i, row) in rows.into_iter().enumerate() {
-                let scale = self.product_scale(&row.x, m);
-                let normed = !norm.is_empty() && width % norm.len() == 0;
-                ready.push(Ready {
-                    id,
-                    want: out[i * width..(i + 1) * width].to_vec(),
-                    scale,
-                    norm: normed.then(|| norm.clone()),
-                    skip: id == TapId::Logits,
-                    row,
-                });
-            }
-        }
-        // Booked as `step` books a layer's rows: each layer's on a worker, given back in layer
-        // order, then the LM head's.
         let layers = c.num_hidden_layers;
-        let mut by_layer: Vec<Vec<Ready>> = (0..=layers).map(|_| Vec::new()).collect();
-        for r in ready {
-            let at = r.id.layer().unwrap_or(layers).min(layers);
-            by_layer[at].push(r);
+        let mut by_layer: std::collections::BTreeMap<usize, Vec<(TapId, Vec<Pending>)>> =
+            Default::default();
+        for (id, rows) in std::mem::take(&mut self.pending) {
+            let at = id.layer().unwrap_or(layers).min(layers);
+            by_layer.entry(at).or_default().push((id, rows));
         }
-        let last = by_layer.pop().unwrap_or_default();
-        let forks: Vec<(Replayer<'m>, Vec<Ready>)> = by_layer
-            .into_iter()
-            .enumerate()
-            .map(|(l, rows)| (self.fork_layer(l), rows))
-            .collect();
-        let done: Vec<Replayer<'m>> = forks
-            .into_par_iter()
-            .map(|(mut f, rows)| {
-                rows.into_iter().for_each(|r| f.book_ready(r, eps));
-                f
-            })
-            .collect();
-        for (l, f) in done.into_iter().enumerate() {
-            self.join_layer(l, f);
-        }
+        let mut last = Vec::new();
+        std::thread::scope(|scope| {
+            let mut booking = Vec::new();
+            for (l, ops) in by_layer {
+                let mut ready: Vec<Ready> = Vec::new();
+                for (id, rows) in ops {
+                    self.replay_products(id, rows, &mut ready);
+                }
+                if l == layers {
+                    last = ready;
+                    continue;
+                }
+                let mut f = self.fork_layer(l);
+                let worker = move || {
+                    ready.into_iter().for_each(|r| f.book_ready(r, eps));
+                    f
+                };
+                booking.push((l, scope.spawn(worker)));
+            }
+            for (l, worker) in booking {
+                let f = worker
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                self.join_layer(l, f);
+            }
+        });
         last.into_iter().for_each(|r| self.book_ready(r, eps));
+    }
+
+    /// The rows of one held op replayed, ready to book.
+    fn replay_products(&mut self, id: TapId, rows: Vec<Pending>, ready: &mut Vec<Ready>) {
+        let weights = self.weights;
+        let inp = rows[0].x.len();
+        if rows.iter().any(|r| r.x.len() != inp) {
+            return;
+        }
+        // The matrix of a plain product, and its per-head norm; the MLP on its own.
+        let (m, norm) = match id {
+            TapId::Logits => (Matrix::LmHead, Vec::new()),
+            TapId::Layer(l, t) => match t {
+                LayerTap::Q => (Matrix::Q(l), weights.vector(Vector::QNorm(l))),
+                LayerTap::K => (Matrix::K(l), weights.vector(Vector::KNorm(l))),
+                LayerTap::V => (Matrix::V(l), Vec::new()),
+                LayerTap::OProj => (Matrix::O(l), Vec::new()),
+                LayerTap::MlpOut => {
+                    if weights.dense_mlp(l) {
+                        self.mlp_rows(id, l, rows, ready);
+                    }
+                    return;
+                }
+                _ => return,
+            },
+            TapId::Embed | TapId::FinalNorm => return,
+        };
+        let xs: Vec<&[f32]> = rows.iter().map(|r| r.x.as_slice()).collect();
+        let Some((out, width)) = self.product(&xs, m) else {
+            return;
+        };
+        let norm = std::sync::Arc::new(norm);
+        for (i, row) in rows.into_iter().enumerate() {
+            let scale = self.product_scale(&row.x, m);
+            let normed = !norm.is_empty() && width % norm.len() == 0;
+            ready.push(Ready {
+                id,
+                want: out[i * width..(i + 1) * width].to_vec(),
+                scale,
+                norm: normed.then(|| norm.clone()),
+                skip: id == TapId::Logits,
+                row,
+            });
+        }
     }
 
     /// Books a product's row `finish` computed.
