@@ -1,19 +1,68 @@
 //! Copies of large buffers into fresh memory. Most of such a copy's time is the first touch of
 //! the pages it writes (the kernel zeroes and maps each one), not the bytes moved: spread over
-//! every core, a gigabyte-sized tap lands several times faster than on one.
+//! every core, a gigabyte-sized tap lands several times faster than on one; and buffers whose
+//! size is known early can have their pages touched before they are needed (`prepare`), while
+//! the process waits on something else.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 /// Values copied per worker at once: 1 MiB.
 const CHUNK: usize = 1 << 18;
+/// Buffers at least this long are copied on every core, and worth preparing.
+const LARGE: usize = 4 * CHUNK;
 
-/// `src.to_vec()`, its pages first touched on every core where `src` is large.
+/// Buffers `prepare` touched, by length, waiting for `to_vec`.
+static READY: Mutex<BTreeMap<usize, Vec<Vec<f32>>>> = Mutex::new(BTreeMap::new());
+
+/// Touches the pages of one buffer of each length now, on every core, for `to_vec` to copy
+/// into: the copies of a reference's taps whose sizes the engine's dump already says.
+pub fn prepare(lens: impl IntoIterator<Item = usize>) {
+    let lens: Vec<usize> = lens.into_iter().filter(|&n| n >= LARGE).collect();
+    let made: Vec<Vec<f32>> = lens
+        .into_par_iter()
+        .map(|n| {
+            let mut v = vec![0f32; n];
+            // One store a page; `black_box` keeps the zero stores that the zeroed allocation
+            // would otherwise let the compiler drop.
+            for x in v.iter_mut().step_by(1024) {
+                *x = std::hint::black_box(0.0);
+            }
+            v
+        })
+        .collect();
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    for v in made {
+        ready.entry(v.len()).or_default().push(v);
+    }
+}
+
+/// Drops the prepared buffers no copy took.
+pub fn release() {
+    let left = std::mem::take(&mut *READY.lock().unwrap_or_else(|e| e.into_inner()));
+    drop(left);
+}
+
+fn take_prepared(len: usize) -> Option<Vec<f32>> {
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    let bufs = ready.get_mut(&len)?;
+    let v = bufs.pop();
+    if bufs.is_empty() {
+        ready.remove(&len);
+    }
+    v
+}
+
+/// `src.to_vec()`: into a prepared buffer of its length if there is one, else fresh memory,
+/// its pages first touched on every core where `src` is large.
 pub fn to_vec(src: &[f32]) -> Vec<f32> {
-    if src.len() < 4 * CHUNK {
+    if src.len() < LARGE {
         return src.to_vec();
     }
     // Zeroed by the allocator without touching the pages (a fresh mapping).
-    let mut out = vec![0f32; src.len()];
+    let mut out = take_prepared(src.len()).unwrap_or_else(|| vec![0f32; src.len()]);
     out.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(o, s)| o.copy_from_slice(s));
@@ -22,11 +71,23 @@ pub fn to_vec(src: &[f32]) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// Copies hold every value, small or large, prepared buffer or fresh; a prepared buffer
+    /// serves one copy of its length only.
     #[test]
     fn copies_every_value_small_or_large() {
-        for n in [0, 7, 4 * super::CHUNK + 3] {
-            let src: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
-            assert_eq!(super::to_vec(&src), src);
+        let n = LARGE + 3;
+        prepare([n, 7]);
+        assert_eq!(READY.lock().unwrap().get(&n).map(Vec::len), Some(1));
+        assert!(!READY.lock().unwrap().contains_key(&7), "too small to prepare");
+        for len in [0, 7, n, n] {
+            let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.25).collect();
+            assert_eq!(to_vec(&src), src);
         }
+        assert!(!READY.lock().unwrap().contains_key(&n), "taken by the first copy");
+        prepare([n]);
+        release();
+        assert!(READY.lock().unwrap().is_empty());
     }
 }

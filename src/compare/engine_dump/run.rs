@@ -103,7 +103,12 @@ impl FirstStep {
         let (dump, first) = (dump.clone(), *dump.steps().first()?);
         let read = std::thread::Builder::new()
             .name("kvdiff-dump-step-0".into())
-            .spawn(move || dump.load_step(first, &filter))
+            .spawn(move || {
+                let step = dump.load_step(first, &filter)?;
+                // The reference's copies of the same taps land in pages touched now.
+                crate::support::bulk::prepare(step.taps.values().map(|t| t.data.len()));
+                Ok(step)
+            })
             .ok()?;
         Some(FirstStep { layers, read })
     }
@@ -519,6 +524,7 @@ impl OpenedDiff<'_> {
             }
         };
         let took = start.elapsed();
+        crate::support::bulk::release();
         let steps = diff.info.steps;
         let mut report = assemble(engine_dump, engine, diff, reference_label, info);
         report.prompt_check = prompt_check;

@@ -2,6 +2,8 @@
 //! over the run, replayed op by op on the weights (`engine/replay_weights.rs`: the host's GEMM
 //! or the GPU's f64 products), then booked layer by layer on workers.
 
+use rayon::prelude::*;
+
 use super::{rms_norm, silu, Pending, Replayer};
 use crate::compare::judge::systematic::Mag;
 use crate::engine::replay_weights::{Matrix, Vector};
@@ -155,8 +157,9 @@ impl<'m> Replayer<'m> {
         ) else {
             return;
         };
+        // A row's width of exponentials each: on every core.
         let act: Vec<f32> = gate
-            .iter()
+            .par_iter()
             .zip(&up)
             .map(|(&g, &u)| (silu(g as f64) * u as f64) as f32)
             .collect();
