@@ -55,6 +55,22 @@ fn take_prepared(len: usize) -> Option<Vec<f32>> {
     v
 }
 
+/// Drops `v` on a thread of its own where it holds at least `LARGE_BYTES`: giving a step's
+/// gigabytes of taps back to the system takes longer than anything done with them after the
+/// comparison.
+pub fn drop_later<T: Send + 'static>(v: T, bytes: usize) {
+    if bytes < LARGE_BYTES {
+        return;
+    }
+    // Where no thread can be started, it is dropped here.
+    let _ = std::thread::Builder::new()
+        .name("kvdiff-free".into())
+        .spawn(move || drop(v));
+}
+
+/// Bytes of values worth dropping on a thread of their own.
+const LARGE_BYTES: usize = 64 << 20;
+
 /// `src.to_vec()`: into a prepared buffer of its length if there is one, else fresh memory,
 /// its pages first touched on every core where `src` is large.
 pub fn to_vec(src: &[f32]) -> Vec<f32> {
@@ -80,12 +96,18 @@ mod tests {
         let n = LARGE + 3;
         prepare([n, 7]);
         assert_eq!(READY.lock().unwrap().get(&n).map(Vec::len), Some(1));
-        assert!(!READY.lock().unwrap().contains_key(&7), "too small to prepare");
+        assert!(
+            !READY.lock().unwrap().contains_key(&7),
+            "too small to prepare"
+        );
         for len in [0, 7, n, n] {
             let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.25).collect();
             assert_eq!(to_vec(&src), src);
         }
-        assert!(!READY.lock().unwrap().contains_key(&n), "taken by the first copy");
+        assert!(
+            !READY.lock().unwrap().contains_key(&n),
+            "taken by the first copy"
+        );
         prepare([n]);
         release();
         assert!(READY.lock().unwrap().is_empty());

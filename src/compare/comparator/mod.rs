@@ -495,7 +495,9 @@ impl Comparator<'_> {
         self.ref_layout = rec.layout.filter(|_| {
             rec.by_address && rec.borrow && rec.device.is_some() && rec.host.taps.is_empty()
         });
-        self.reference = HashMap::new();
+        let before = std::mem::take(&mut self.reference);
+        let bytes = before.values().map(|t| 4 * t.data.len()).sum();
+        crate::support::bulk::drop_later(before, bytes);
         for t in rec.host.taps {
             match self.reference.remove(&t.id) {
                 None => {

@@ -344,6 +344,8 @@ impl DumpDiff<'_> {
                 }
             }
             progress.advance("");
+            let bytes = e.taps.values().map(|t| 4 * t.data.len()).sum();
+            crate::support::bulk::drop_later(e, bytes);
         }
         cmp.flush();
         let all_tokens = std::mem::take(&mut cmp.tokens);
