@@ -1,8 +1,10 @@
 //! `kvdiff diff`: an engine's dump held to a reference. `run.rs` is the whole command (dumps
 //! opened, the model loaded where needed, tolerances set, the report); `steps.rs` holds the
 //! dump to its reference step by step with the comparator `compare` uses; `f32_reference.rs`
-//! is the f32 reference on the GPU.
+//! is the f32 reference on the GPU; `first_step.rs` reads the engine's first step while the
+//! model loads.
 
 pub mod f32_reference;
+mod first_step;
 pub mod run;
 pub mod steps;

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::compare::engine_dump::f32_reference::F32GpuReference;
+use crate::compare::engine_dump::first_step::{dump_layers, FirstStep};
 use crate::compare::engine_dump::steps::{DumpDiff, EngineDiff, ReferenceRun, ReferenceSource};
 use crate::compare::judge::diff::Tolerance;
 use crate::compare::judge::noise::{Calibration, NoiseProfile};
@@ -24,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::io::prompt::Prompt;
 use crate::support::progress;
-use crate::tap::read::{DumpDir, DumpStep, KvCacheDtype};
+use crate::tap::read::{DumpDir, KvCacheDtype};
 use crate::tap::{TapFilter, TapId};
 
 /// What to diff.
@@ -87,47 +88,6 @@ pub struct OpenedDiff<'a> {
     conversation: Option<Conversation>,
     /// The engine's step 0, read on a thread of its own while the model loads.
     first_step: Option<FirstStep>,
-}
-
-/// The engine's step 0 being read with the taps `--taps` selects over `layers` layers (the
-/// dump's): used where the model has as many.
-struct FirstStep {
-    layers: usize,
-    read: std::thread::JoinHandle<Result<DumpStep>>,
-}
-
-impl FirstStep {
-    fn start(dump: &DumpDir, taps: &str) -> Option<FirstStep> {
-        let layers = dump_layers(dump);
-        let filter = TapFilter::from_flag(taps, layers).ok()?;
-        let (dump, first) = (dump.clone(), *dump.steps().first()?);
-        let read = std::thread::Builder::new()
-            .name("kvdiff-dump-step-0".into())
-            .spawn(move || {
-                let step = dump.load_step(first, &filter)?;
-                // The reference's copies of the same taps land in pages touched now.
-                crate::support::bulk::prepare(step.taps.values().map(|t| t.data.len()));
-                Ok(step)
-            })
-            .ok()?;
-        Some(FirstStep { layers, read })
-    }
-
-    /// The step read, where it was read with the filter the diff uses.
-    fn take(self, layers: usize) -> Option<Result<DumpStep>> {
-        (self.layers == layers)
-            .then(|| self.read.join().ok())
-            .flatten()
-    }
-}
-
-/// Layers the dump's taps name.
-fn dump_layers(dump: &DumpDir) -> usize {
-    dump.taps
-        .iter()
-        .filter_map(|t| t.layer())
-        .max()
-        .map_or(0, |l| l + 1)
 }
 
 /// A model loaded by one diff and handed to the next: on the host, and on the GPU where the
