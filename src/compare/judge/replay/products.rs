@@ -40,8 +40,8 @@ impl<'m> Replayer<'m> {
 
     /// Replays the products held back, each op's rows of every step at once: the products
     /// one op after another (on the GPU, or with the host's GEMM), each layer's rows booked on
-    /// a thread of their own (as `step` books them) while the next layers' products run, and
-    /// given back in layer order.
+    /// a worker (as `step` books them) while the next layers' products run, and given back in
+    /// layer order.
     pub fn finish(&mut self) {
         let weights = self.weights;
         let c = weights.config();
@@ -54,8 +54,11 @@ impl<'m> Replayer<'m> {
             by_layer.entry(at).or_default().push((id, rows));
         }
         let mut last = Vec::new();
-        std::thread::scope(|scope| {
-            let mut booking = Vec::new();
+        let slots: Vec<std::sync::Mutex<Option<Replayer<'m>>>> =
+            (0..layers).map(|_| Default::default()).collect();
+        // The products stay on this thread (it holds the GPU); the bookings go to the pool's
+        // workers, never more threads than cores.
+        rayon::in_place_scope(|scope| {
             for (l, ops) in by_layer {
                 let mut ready: Vec<Ready> = Vec::new();
                 for (id, rows) in ops {
@@ -66,19 +69,19 @@ impl<'m> Replayer<'m> {
                     continue;
                 }
                 let mut f = self.fork_layer(l);
-                let worker = move || {
+                let slot = &slots[l];
+                scope.spawn(move |_| {
+                    let _span = crate::support::timing::span("replay: product rows booked");
                     ready.into_iter().for_each(|r| f.book_ready(r, eps));
-                    f
-                };
-                booking.push((l, scope.spawn(worker)));
-            }
-            for (l, worker) in booking {
-                let f = worker
-                    .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
-                self.join_layer(l, f);
+                    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+                });
             }
         });
+        for (l, slot) in slots.into_iter().enumerate() {
+            if let Some(f) = slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                self.join_layer(l, f);
+            }
+        }
         last.into_iter().for_each(|r| self.book_ready(r, eps));
     }
 
