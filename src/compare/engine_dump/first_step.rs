@@ -14,7 +14,10 @@ pub(super) struct FirstStep {
 }
 
 impl FirstStep {
-    pub(super) fn start(dump: &DumpDir, taps: &str) -> Option<FirstStep> {
+    /// `copies_ahead`: touch the pages of the reference's copies of the same taps too (a
+    /// reference kvdiff runs now, whose taps are copied to the host; a reference dump is
+    /// decoded as this one is).
+    pub(super) fn start(dump: &DumpDir, taps: &str, copies_ahead: bool) -> Option<FirstStep> {
         let layers = dump_layers(dump);
         let filter = TapFilter::from_flag(taps, layers).ok()?;
         let (dump, first) = (dump.clone(), *dump.steps().first()?);
@@ -22,8 +25,9 @@ impl FirstStep {
             .name("kvdiff-dump-step-0".into())
             .spawn(move || {
                 let step = dump.load_step(first, &filter)?;
-                // The reference's copies of the same taps land in pages touched now.
-                crate::support::bulk::prepare(step.taps.values().map(|t| t.data.len()));
+                if copies_ahead {
+                    crate::support::bulk::prepare(step.taps.values().map(|t| t.data.len()));
+                }
                 Ok(step)
             })
             .ok()?;

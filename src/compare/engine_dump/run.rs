@@ -210,7 +210,7 @@ impl DiffRequest<'_> {
         };
         let conversation = self.conversation(&engine_dump)?;
         // Its largest step read while the model loads.
-        let first_step = FirstStep::start(&engine_dump, self.taps);
+        let first_step = FirstStep::start(&engine_dump, self.taps, reference_dump.is_none());
         let auto = self.policy == Policy::Auto;
         let needs_model = reference_dump.is_none()
             || (auto && self.noise_profile.is_none())
