@@ -190,34 +190,36 @@ fn rows_per_job(width: usize) -> usize {
     ((1 << 16) / width.max(1)).max(1)
 }
 
-/// Bytes of one value of a tap's dtype; an error for dtypes taps never have.
-pub(super) fn value_bytes(dtype: Dtype, name: &str, path: &Path) -> Result<usize> {
+/// Bytes of one value of a dtype taps may have.
+fn size_of(dtype: Dtype) -> Option<usize> {
     match dtype {
-        Dtype::F32 => Ok(4),
-        Dtype::BF16 | Dtype::F16 => Ok(2),
-        Dtype::F64 => Ok(8),
-        d => Err(bad(
-            path,
-            format!("tap {name} is {d:?}; taps are F32, BF16, F16 or F64"),
-        )),
+        Dtype::F32 => Some(4),
+        Dtype::BF16 | Dtype::F16 => Some(2),
+        Dtype::F64 => Some(8),
+        _ => None,
     }
 }
 
+/// Bytes of one value of a tap's dtype; an error for dtypes taps never have.
+pub(super) fn value_bytes(dtype: Dtype, name: &str, path: &Path) -> Result<usize> {
+    size_of(dtype).ok_or_else(|| {
+        bad(
+            path,
+            format!("tap {name} is {dtype:?}; taps are F32, BF16, F16 or F64"),
+        )
+    })
+}
+
 /// Rows `kept` (indices into the tensor's rows of `width` values) of a tap's raw little-endian
-/// `bytes`, decoded to f32 side by side, each row on whichever core is free; and whether every
-/// value is finite.
+/// `bytes` (a dtype `value_bytes` accepts), decoded to f32 side by side, each row on whichever
+/// core is free; and whether every value is finite.
 pub(super) fn decode_rows(
     bytes: &[u8],
     dtype: Dtype,
     width: usize,
     kept: &[usize],
 ) -> (Vec<f32>, bool) {
-    let size = match dtype {
-        Dtype::F32 => 4,
-        Dtype::F64 => 8,
-        _ => 2,
-    };
-    let row_bytes = width * size;
+    let row_bytes = width * size_of(dtype).unwrap_or(0);
     // Zeroed by the allocator, untouched until a worker writes its rows: the first touch of
     // fresh memory is spread over the cores too.
     let mut out = vec![0f32; kept.len() * width];
