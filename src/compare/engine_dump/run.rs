@@ -349,15 +349,15 @@ impl OpenedDiff<'_> {
             .map(|e| e.model.config.num_hidden_layers)
             .unwrap_or_else(|| dump_layers(engine_dump));
         let taps = TapFilter::from_flag(req.taps, layers)?;
-        let first_step = match first_read.and_then(|f| f.take(layers)) {
-            Some(s) => Some(s?),
-            None => None,
+        let first_step = first_read.and_then(|f| f.take(layers)).transpose()?;
+        let prompt_ids: Vec<u32> = match first_step.as_ref().filter(|s| s.step == 0) {
+            Some(s) => s.tokens.values().copied().collect(),
+            None => engine_dump
+                .load_step(0, &TapFilter::none())?
+                .tokens
+                .into_values()
+                .collect(),
         };
-        let prompt_ids = engine_dump
-            .load_step(0, &TapFilter::none())?
-            .tokens
-            .into_values()
-            .collect::<Vec<u32>>();
         let prompt_check = match (&self.conversation, engine) {
             (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
             _ => None,
@@ -457,20 +457,22 @@ impl OpenedDiff<'_> {
             tokenizer: engine.map(|e| &e.tokenizer),
             label,
             replay,
-            first_step: std::cell::Cell::new(first_step),
         };
         let start = std::time::Instant::now();
         let (diff, reference_label) = match reference_dump {
             Some(r) => {
                 let mut src = r;
                 (
-                    d.run(&mut src as &mut dyn ReferenceSource)?,
+                    d.run(&mut src as &mut dyn ReferenceSource, first_step)?,
                     format!("{} ({})", r.dir.display(), r.meta.engine),
                 )
             }
             None if f32_gpu.is_some() => {
                 let mut run = f32_gpu.expect("checked by the guard");
-                (d.run(&mut run)?, "kvdiff standard@cuda (f32)".to_string())
+                (
+                    d.run(&mut run, first_step)?,
+                    "kvdiff standard@cuda (f32)".to_string(),
+                )
             }
             None => {
                 let e = engine.expect("loaded for the one-folder form");
@@ -478,7 +480,7 @@ impl OpenedDiff<'_> {
                 let mut run =
                     ReferenceRun::new(model).following_routes(tolerance.bounds("router_logits"));
                 (
-                    d.run(&mut run)?,
+                    d.run(&mut run, first_step)?,
                     format!("kvdiff standard@{}", if cuda { "cuda" } else { "cpu" }),
                 )
             }

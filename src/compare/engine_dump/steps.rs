@@ -206,15 +206,18 @@ pub struct DumpDiff<'a> {
     /// The weights whose ops are rerun on the engine's own inputs (blame by replay), on the
     /// host or the GPU; None to compare taps only.
     pub replay: Option<&'a dyn crate::engine::replay_weights::ReplayWeights>,
-    /// The engine's first step, where it was read already (while the model loaded).
-    pub first_step: std::cell::Cell<Option<DumpStep>>,
 }
 
 impl DumpDiff<'_> {
-    /// Steps through the engine's dump against `reference`.
-    pub fn run(&self, reference: &mut dyn ReferenceSource) -> Result<EngineDiff> {
+    /// Steps through the engine's dump against `reference`; `first`: the engine's first step,
+    /// where it was read already (while the model loaded).
+    pub fn run(
+        &self,
+        reference: &mut dyn ReferenceSource,
+        first: Option<DumpStep>,
+    ) -> Result<EngineDiff> {
         let steps = self.engine.steps();
-        let step0 = match self.first_step.take() {
+        let step0 = match first {
             Some(s) if s.step == steps[0] => s,
             _ => self.engine.load_step(steps[0], self.taps)?,
         };
