@@ -35,8 +35,10 @@ const FLOOR: f64 = 1.0 / 16.0;
 pub enum Mag<'a> {
     /// The value's own size (the top of its binade).
     Own,
-    /// RoPE's: the norm of the value's rotation pair (`hd` per head), which the rotation keeps.
-    Pairs(usize),
+    /// RoPE's: the norm of the value's rotation pair (`hd` per head), which the rotation keeps;
+    /// `slack`, per value (or empty), what the engine's own rounding of the angle may move it
+    /// by, taken off its error first (`replay::angle_slack`).
+    Rope { hd: usize, slack: &'a [f64] },
     /// Given per value (a sum's: its terms' sizes).
     Given(&'a [f32]),
     /// A product's: the row's natural scale (what rounding its inputs moves each output by),
@@ -167,7 +169,7 @@ fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
         Mag::Own => Some(floored(replay.iter().map(|&x| binade(x as f64)).collect())),
         Mag::Given(g) => (g.len() == replay.len())
             .then(|| floored(g.iter().map(|&x| (x as f64).abs()).collect())),
-        Mag::Pairs(hd) => {
+        Mag::Rope { hd, .. } => {
             let (hd, half) = (*hd, hd / 2);
             if hd < 2 || replay.len() % hd != 0 {
                 return None;
@@ -182,6 +184,24 @@ fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
                 .collect();
             Some(floored(v))
         }
+    }
+}
+
+impl<'a> Mag<'a> {
+    /// What each value's error is allowed before it counts (empty: nothing).
+    pub fn slack(&self) -> &'a [f64] {
+        match self {
+            Mag::Rope { slack, .. } => slack,
+            _ => &[],
+        }
+    }
+}
+
+/// `d` moved toward zero by `slack` (not past it).
+pub fn beyond(d: f64, slack: Option<&f64>) -> f64 {
+    match slack {
+        Some(&s) => d.signum() * (d.abs() - s).max(0.0),
+        None => d,
     }
 }
 
@@ -222,6 +242,7 @@ impl Systematic {
         let Some(m) = scales(replay, &mag) else {
             return;
         };
+        let slack = mag.slack();
         let width = replay.len();
         let hd = (per_head(id) && head_dim > 0 && width % head_dim == 0).then_some(head_dim);
         let op = self.ops.entry(id).or_insert_with(|| OpStats {
@@ -255,7 +276,7 @@ impl Systematic {
         {
             for (d, ((&e, &r), &s)) in e.iter().zip(r).zip(m).enumerate() {
                 let c = h * head + d;
-                let x = (e as f64 - r as f64) / (self.unit * s);
+                let x = beyond(e as f64 - r as f64, slack.get(c)) / (self.unit * s);
                 let sq = (x * x).min(CLIP);
                 if sq > bound && op.first_over[c].is_none_or(|f| (step, pos) < f) {
                     op.first_over[c] = Some((step, pos));
@@ -471,8 +492,20 @@ mod tests {
                     bug[h * hd + d] *= 1.0 + (2.5 * U) as f32;
                 }
             }
-            clean.add((0, id(), p), &noisy, &replay, Mag::Pairs(hd), hd);
-            buggy.add((0, id(), p), &bug, &replay, Mag::Pairs(hd), hd);
+            clean.add(
+                (0, id(), p),
+                &noisy,
+                &replay,
+                Mag::Rope { hd, slack: &[] },
+                hd,
+            );
+            buggy.add(
+                (0, id(), p),
+                &bug,
+                &replay,
+                Mag::Rope { hd, slack: &[] },
+                hd,
+            );
         }
         assert!(clean.finding().is_none(), "{:?}", clean.worst());
         assert!(clean.worst().unwrap().0 < 0.6);
