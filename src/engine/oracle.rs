@@ -325,49 +325,103 @@ impl KvEntry {
     }
 }
 
-/// One head of one query row over the keys and values `kv` (GQA group `g`), in f64: the head's
-/// output, its natural scale (the attended values' size, widened by how far rounded scores can
-/// move the weights), and Σ p_j·|v_j|² (what its squared norm would be had its terms not
-/// cancelled).
-pub fn attend_head(
-    q: &[f32],
+/// The query heads `qs` of one row that share GQA group `g`, over the keys and values `kv`,
+/// in f64: per head its output, its natural scale (the attended values' size, widened by how
+/// far rounded scores can move the weights), and Σ p_j·|v_j|² (what its squared norm would be
+/// had its terms not cancelled). The group's heads go through each key together, so each key
+/// and value row is read once for all of them; each head's sums run as they would alone.
+pub fn attend_group(
+    qs: &[&[f32]],
     kv: &[&KvEntry],
     g: usize,
     hd: usize,
     narrow: Option<crate::engine::model::KvCacheDtype>,
-) -> (Vec<f32>, f64, f64) {
+) -> Vec<(Vec<f32>, f64, f64)> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Same operations in the same order, on 256-bit registers: bitwise the same.
+        return unsafe { attend_group_avx2(qs, kv, g, hd, narrow) };
+    }
+    attend_group_in(qs, kv, g, hd, narrow)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_group_avx2(
+    qs: &[&[f32]],
+    kv: &[&KvEntry],
+    g: usize,
+    hd: usize,
+    narrow: Option<crate::engine::model::KvCacheDtype>,
+) -> Vec<(Vec<f32>, f64, f64)> {
+    attend_group_in(qs, kv, g, hd, narrow)
+}
+
+#[inline(always)]
+fn attend_group_in(
+    qs: &[&[f32]],
+    kv: &[&KvEntry],
+    g: usize,
+    hd: usize,
+    narrow: Option<crate::engine::model::KvCacheDtype>,
+) -> Vec<(Vec<f32>, f64, f64)> {
     let scale = 1.0 / (hd as f64).sqrt();
     // An engine with a narrower KV cache (`narrow`) multiplies in that dtype: llama.cpp's
     // products over an f16 cache round the query and the probabilities to f16 as well.
     let round = |x: f32| narrow.map_or(x, |d| d.round(x));
-    let q: Vec<f64> = q.iter().map(|&x| round(x) as f64).collect();
-    let s: Vec<f64> = kv
+    let heads = qs.len();
+    let q: Vec<Vec<f64>> = qs
         .iter()
-        .map(|e| dot_wide(&q, &e.k[g * hd..(g + 1) * hd]) * scale)
+        .map(|q| q.iter().map(|&x| round(x) as f64).collect())
         .collect();
-    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let smax = s.iter().fold(0f64, |a, &b| a.max(b.abs()));
-    let e: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
-    let sum: f64 = e.iter().sum();
-    let mut acc = vec![0f64; hd];
-    let (mut vmax, mut p2, mut spread) = (0f64, 0f64, 0f64);
-    for (kv, &ej) in kv.iter().zip(&e) {
-        let pj = match narrow {
-            Some(d) => d.round((ej / sum) as f32) as f64,
-            None => ej / sum,
-        };
-        p2 += pj * pj;
-        spread += pj * kv.v_sq[g];
-        vmax = vmax.max(kv.v_max[g]);
-        for (a, &x) in acc.iter_mut().zip(&kv.v[g * hd..(g + 1) * hd]) {
-            *a += pj * x as f64;
+    let mut s = vec![Vec::with_capacity(kv.len()); heads];
+    for e in kv {
+        let k = &e.k[g * hd..(g + 1) * hd];
+        for (s, q) in s.iter_mut().zip(&q) {
+            s.push(dot_wide(q, k) * scale);
         }
     }
-    let out = acc.iter().map(|&a| a as f32).collect();
-    (out, vmax * (1.0 + smax * p2.sqrt()), spread)
+    let mut p = Vec::with_capacity(heads);
+    let mut smax = Vec::with_capacity(heads);
+    for s in &s {
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        smax.push(s.iter().fold(0f64, |a, &b| a.max(b.abs())));
+        let e: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        p.push(
+            e.iter()
+                .map(|&ej| match narrow {
+                    Some(d) => d.round((ej / sum) as f32) as f64,
+                    None => ej / sum,
+                })
+                .collect::<Vec<f64>>(),
+        );
+    }
+    let mut acc = vec![vec![0f64; hd]; heads];
+    let (mut p2, mut spread) = (vec![0f64; heads], vec![0f64; heads]);
+    let mut vmax = 0f64;
+    for (j, e) in kv.iter().enumerate() {
+        vmax = vmax.max(e.v_max[g]);
+        let v = &e.v[g * hd..(g + 1) * hd];
+        for h in 0..heads {
+            let pj = p[h][j];
+            p2[h] += pj * pj;
+            spread[h] += pj * e.v_sq[g];
+            for (a, &x) in acc[h].iter_mut().zip(v) {
+                *a += pj * x as f64;
+            }
+        }
+    }
+    (0..heads)
+        .map(|h| {
+            let out = acc[h].iter().map(|&a| a as f32).collect();
+            (out, vmax * (1.0 + smax[h] * p2[h].sqrt()), spread[h])
+        })
+        .collect()
 }
 
 /// Σ a·b in f64 over eight running sums (a sum in one chain would not vectorise).
+#[inline(always)]
 fn dot_wide(a: &[f64], b: &[f32]) -> f64 {
     let mut acc = [0f64; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::compare::judge::systematic::{beyond, Mag, Systematic};
+use crate::compare::judge::systematic::{Mag, Systematic};
 use crate::engine::model::Model;
 use crate::engine::oracle;
 use crate::engine::replay_weights::{Matrix, ReplayWeights, Vector};
@@ -28,6 +28,8 @@ use crate::tap::read::DumpStep;
 use crate::tap::{LayerTap, Recorded, TapId};
 
 mod products;
+mod rope;
+mod rows;
 
 /// An op may add this many units of the engine's precision at one value, relative to its
 /// natural scale...
@@ -286,25 +288,16 @@ impl<'m> Replayer<'m> {
         reference: Option<&[f32]>,
         mag: Mag<'_>,
     ) {
-        if engine.len() != replay.len() || engine.iter().any(|v| !v.is_finite()) {
-            return; // a shape the model does not give, or a non-finite value: the row test's
+        if engine.len() != replay.len() {
+            return; // a shape the model does not give: the row test's
         }
+        let Some(st) = rows::RowStats::of(engine, replay, mag.slack()) else {
+            return; // a non-finite value: the row test's
+        };
         let scale: Scale = scale.into();
-        let max_scale = scale.max.max(max_abs(replay)).max(f64::MIN_POSITIVE);
-        let slack = mag.slack();
-        let (mut worst, mut index) = (0f64, 0usize);
-        let (mut dd, mut rr, mut ee, mut er) = (0f64, 0f64, 0f64, 0f64);
-        for (i, (&e, &r)) in engine.iter().zip(replay).enumerate() {
-            let (e, r) = (e as f64, r as f64);
-            let d = beyond(e - r, slack.get(i)).abs();
-            if d > worst {
-                (worst, index) = (d, i);
-            }
-            dd += d * d;
-            rr += r * r;
-            ee += e * e;
-            er += e * r;
-        }
+        let max_scale = scale.max.max(st.replay_max).max(f64::MIN_POSITIVE);
+        let (worst, index) = (st.worst, st.index);
+        let (dd, rr, ee, er) = (st.dd, st.rr, st.ee, st.er);
         let inherited = reference.filter(|r| r.len() == replay.len()).map(|r| {
             r.iter()
                 .zip(replay)
@@ -553,7 +546,7 @@ impl<'m> Replayer<'m> {
                 let mut wide: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
                 oracle::rotate(&mut wide, &[p], n, hd, &rope);
                 let want: Vec<f32> = wide.iter().map(|&v| v as f32).collect();
-                let slack = angle_slack(&wide, p, hd, &rope);
+                let slack = rope::angle_slack(&wide, p, hd, &rope);
                 self.book(
                     (step, id(to), p),
                     yr,
@@ -589,33 +582,32 @@ impl<'m> Replayer<'m> {
         // largest cost.
         let attn_span = crate::support::timing::span("replay: attention");
         let hist = &self.history[l];
+        let window = c.arch.window(l);
+        let mut keys: Vec<Vec<&oracle::KvEntry>> = Vec::new();
         let rows: Vec<(usize, &[f32], &[f32])> = q
             .iter()
             .filter_map(|(&p, qr)| {
                 let yr = *y.get(&p)?;
-                let first = c.arch.window(l).map_or(0, |wn| (p + 1).saturating_sub(wn));
-                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
-                let whole = (first..=p).all(|e| hist.contains_key(&e));
-                (qr.len() == heads * hd && yr.len() == heads * hd && keep(p) && whole)
-                    .then_some((p, *qr, yr))
-            })
-            .collect();
-        let window = c.arch.window(l);
-        let keys: Vec<Vec<&oracle::KvEntry>> = rows
-            .iter()
-            .map(|&(p, _, _)| {
+                if qr.len() != heads * hd || yr.len() != heads * hd || !keep(p) {
+                    return None;
+                }
                 let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));
-                (first..=p).map(|e| &hist[&e]).collect()
+                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
+                let seen: Vec<&oracle::KvEntry> = hist.range(first..=p).map(|(_, e)| e).collect();
+                (seen.len() == p + 1 - first).then(|| keys.push(seen))?;
+                Some((p, *qr, yr))
             })
             .collect();
-        // Every (row, head) on a worker: a decode step has one row, but many heads.
+        // Every (row, KV head) on a worker: a decode step has one row, but many heads.
         let group = (heads / kvh).max(1);
-        let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * heads)
+        let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * kvh)
             .into_par_iter()
-            .map(|i| {
-                let (row, head) = (i / heads, i % heads);
-                let q = &rows[row].1[head * hd..(head + 1) * hd];
-                oracle::attend_head(q, &keys[row], head / group, hd, self.kv_cache)
+            .flat_map_iter(|i| {
+                let (row, g) = (i / kvh, i % kvh);
+                let qs: Vec<&[f32]> = (g * group..(g + 1) * group)
+                    .map(|head| &rows[row].1[head * hd..(head + 1) * hd])
+                    .collect();
+                oracle::attend_group(&qs, &keys[row], g, hd, self.kv_cache)
             })
             .collect();
         let replayed: Vec<(Vec<f32>, f64, f64)> = per_head
@@ -729,44 +721,6 @@ impl<'m> Replayer<'m> {
     }
 }
 
-/// How much of its own size an angle an engine computes may be off by: engines take it in
-/// f32 as `position · inv_freq` (HF transformers, vLLM, SGLang), `inv_freq` itself from an f32
-/// power and division, so each angle carries up to a few units of f32's 2^-24 relative to
-/// itself: the inverse frequency's rounding (up to about two units) and the product's (half
-/// a unit). Four units of 2^-23 bound that.
-const ANGLE_ROUNDING: f64 = 1.0 / (1u64 << 21) as f64;
-
-/// Per value of a rotated row (`rotated`: the replay's, `hd` per head, at position `p`), what
-/// the engine's rounding of its angle may move it by: the pair's norm times the angle's
-/// rounding. Replay rotates by the exact angle; the engine's f32 angle is off by an amount
-/// that grows with the position, the same in every row and head. At position 5,000 a clean
-/// f32 engine's RoPE is 40 units of its precision from the exact rotation at one value, more
-/// than any bound on the op's own arithmetic, yet nothing a bug needs to hide in: a position
-/// off by one moves an angle by a whole `inv_freq`, a wrong theta by a share of it.
-fn angle_slack(
-    rotated: &[f64],
-    p: usize,
-    hd: usize,
-    rope: &crate::engine::rope::RopeTable,
-) -> Vec<f64> {
-    let half = hd / 2;
-    let mut slack = vec![0f64; rotated.len()];
-    if half == 0 {
-        return slack;
-    }
-    let angles: Vec<f64> = (0..half)
-        .map(|i| rope.angle(p as f64, i).abs() * ANGLE_ROUNDING)
-        .collect();
-    for (head, out) in rotated.chunks_exact(hd).zip(slack.chunks_exact_mut(hd)) {
-        for (i, &a) in angles.iter().enumerate() {
-            let s = head[i].hypot(head[i + half]) * a;
-            out[i] = s;
-            out[i + half] = s;
-        }
-    }
-    slack
-}
-
 /// Which positions' products are replayed in a step: all of a short one; of a long one, each
 /// piece's first rows, the last rows, and rows spread evenly between.
 fn product_rows(e: &DumpStep) -> impl Fn(usize) -> bool {
@@ -790,83 +744,6 @@ fn product_rows(e: &DumpStep) -> impl Fn(usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An f32 engine's `q_rope` at positions 3000..3128 of the default model, rotated by
-    /// `rotate` from the same `q` rows; what replay finds there: an op over its bounds, and
-    /// the aggregate test's finding.
-    fn replay_rope_far_out(
-        rotate: impl Fn(&mut [f32], usize, &[f32]),
-    ) -> (Option<String>, Option<String>) {
-        let model = Model::load(&crate::io::model_source::ModelSource::Embedded).unwrap();
-        let c = &model.config;
-        let width = c.num_attention_heads * c.head_dim;
-        let inv_freq = c.rope_table().inv_freq_f32;
-        let positions: Vec<usize> = (3000..3128).collect();
-        let mut seed = 11u64;
-        let mut rnd = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        };
-        let q: Vec<f32> = (0..positions.len() * width).map(|_| rnd()).collect();
-        let mut q_rope = q.clone();
-        for (row, &p) in q_rope.chunks_exact_mut(width).zip(&positions) {
-            rotate(row, p, &inv_freq);
-        }
-        let tap = |t, data: Vec<f32>| Recorded {
-            id: TapId::Layer(0, t),
-            step: 0,
-            positions: positions.clone(),
-            shape: vec![positions.len(), c.num_attention_heads, c.head_dim],
-            data,
-        };
-        let mut step = DumpStep::default();
-        step.tokens = positions.iter().map(|&p| (p, 5)).collect();
-        for t in [tap(LayerTap::Q, q), tap(LayerTap::QRope, q_rope)] {
-            step.taps.insert(t.id, t);
-        }
-        let mut rp = Replayer::new(&model, "float32", 3200);
-        rp.step(0, &step, None);
-        let fired = rp.first_fired(None).map(|(at, r)| format!("{at:?} {r:?}"));
-        (fired, rp.systematic.finding().map(|f| format!("{f:?}")))
-    }
-
-    /// The f32 engine's own rotation, as kvdiff's CPU backend and HF transformers compute it.
-    fn f32_rope(row: &mut [f32], p: usize, inv_freq: &[f32]) {
-        let hd = 2 * inv_freq.len();
-        let heads = row.len() / hd;
-        let view = ndarray::ArrayViewMut3::from_shape((1, heads, hd), row).unwrap();
-        crate::engine::ops::rope(view, &[p], inv_freq, 1.0);
-    }
-
-    #[test]
-    fn an_f32_engines_rope_far_out_is_clean_and_a_bug_there_is_not() {
-        // Its f32 angles are up to 40u from the exact ones at one value there, in every row.
-        assert_eq!(replay_rope_far_out(f32_rope), (None, None));
-        // Fed the next position.
-        let (fired, _) = replay_rope_far_out(|row, p, f| f32_rope(row, p + 1, f));
-        assert!(fired.is_some_and(|f| f.contains("QRope")));
-        // Its cos and sin rounded to bf16: 2^-9 of a pair at most, below the row's bound.
-        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
-        let rounded = |row: &mut [f32], p: usize, f: &[f32]| {
-            let half = f.len();
-            for head in row.chunks_exact_mut(2 * half) {
-                for (i, &fi) in f.iter().enumerate() {
-                    let (s, c) = (p as f32 * fi).sin_cos();
-                    let (s, c) = (bf16(s), bf16(c));
-                    let (a, b) = (head[i], head[i + half]);
-                    head[i] = a * c - b * s;
-                    head[i + half] = b * c + a * s;
-                }
-            }
-        };
-        let (fired, found) = replay_rope_far_out(rounded);
-        assert!(
-            fired.is_some() || found.is_some_and(|f| f.contains("QRope")),
-            "bf16 cos/sin"
-        );
-    }
 
     #[test]
     fn units_follow_the_dtype() {

@@ -56,9 +56,14 @@ struct Acc {
 }
 
 impl Acc {
-    fn add(&mut self, c: usize, s: f64) {
-        self.sums[c] += s;
-        self.n[c] += 1;
+    /// One sample for each of the first `row.len()` columns.
+    fn add_row(&mut self, row: &[f64]) {
+        for (s, &x) in self.sums.iter_mut().zip(row) {
+            *s += x;
+        }
+        for n in &mut self.n[..row.len()] {
+            *n += 1;
+        }
     }
 
     fn new(width: usize) -> Self {
@@ -264,28 +269,33 @@ impl Systematic {
             }
         }
         let bound = UNITS * UNITS;
-        // Head by head, each value's dimension counted along (a remainder per value was most
-        // of this loop's time).
-        let head = op.hd.unwrap_or(width).max(1);
-        let windows = if late { 2 } else { 1 };
-        for (h, ((e, r), m)) in engine
-            .chunks(head)
-            .zip(replay.chunks(head))
-            .zip(m.chunks(head))
-            .enumerate()
-        {
-            for (d, ((&e, &r), &s)) in e.iter().zip(r).zip(m).enumerate() {
-                let c = h * head + d;
-                let x = beyond(e as f64 - r as f64, slack.get(c)) / (self.unit * s);
-                let sq = (x * x).min(CLIP);
-                if sq > bound && op.first_over[c].is_none_or(|f| (step, pos) < f) {
+        // Each value's sample first, then the sums column by column: every column still gets
+        // its rows in order (the same sums to the bit), in loops that vectorise.
+        let unit = self.unit;
+        let sample = |x: f64| (x * x).min(CLIP);
+        let sq: Vec<f64> = match slack.is_empty() {
+            true => (engine.iter().zip(replay).zip(&m))
+                .map(|((&e, &r), &s)| sample((e as f64 - r as f64) / (unit * s)))
+                .collect(),
+            false => (engine.iter().zip(replay).zip(&m).zip(slack))
+                .map(|(((&e, &r), &s), &k)| {
+                    sample(beyond(e as f64 - r as f64, Some(&k)) / (unit * s))
+                })
+                .collect(),
+        };
+        if sq.iter().any(|&q| q > bound) {
+            for (c, _) in sq.iter().enumerate().filter(|(_, &q)| q > bound) {
+                if op.first_over[c].is_none_or(|f| (step, pos) < f) {
                     op.first_over[c] = Some((step, pos));
                 }
-                for w in 0..windows {
-                    op.values[w].add(c, sq);
-                    if op.hd.is_some() {
-                        op.dims[w].add(d, sq);
-                    }
+            }
+        }
+        let windows = if late { 2 } else { 1 };
+        for w in 0..windows {
+            op.values[w].add_row(&sq);
+            if let Some(hd) = op.hd {
+                for head in sq.chunks_exact(hd) {
+                    op.dims[w].add_row(head);
                 }
             }
         }
