@@ -2,7 +2,7 @@
 # Runs the CUDA tests and the CUDA benchmark on the GPU machine from binaries built elsewhere:
 #   cargo build --release && cargo test --no-run      (here)
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
-#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|nano|engine-ci|devicemap|profile|all]       (there, with .out/pack and .cache carried;
+#   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|positions|nano|engine-ci|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
 #   scripts/gpu_tests.sh [tp|multi]                   (two or more GPUs: tensor-parallel capture, the reference across GPUs)
 set -euo pipefail
@@ -55,6 +55,21 @@ if [ "$stage" = all ] || [ "$stage" = matrix ]; then
   # HF generate() as people configure it: caches, attention, padding, chunked prefill, compile;
   # every clean run EQUIVALENT, every planted fault named (docs/engine-debugging.md#measured).
   python3 scripts/capture_hf_matrix.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/matrix.log" | tail -n 120
+fi
+if [ "$stage" = all ] || [ "$stage" = positions ]; then
+  # Clean HF dumps far out in the positions, where an f32 angle's rounding is many units of the
+  # engine's precision: each must be EQUIVALENT with replay on, on either backend.
+  for spec in float32:4096 float32:8000 float16:8000 bfloat16:8000; do
+    dt=${spec%%:*} n=${spec##*:} d=/tmp/kvdiff-far/$dt-$n
+    rm -rf "$d" && mkdir -p "$d"
+    python3 scripts/replay_long_prompt.py fixtures/default-model "$d/model" "$d/dump" "$n" "$dt" > /dev/null
+    for b in cpu cuda; do
+      rc=0
+      .out/bin/kvdiff diff --backend "$b" --model "$d/model" --json "$d/$b.json" "$d/dump" > "$d/$b.txt" 2>&1 || rc=$?
+      echo "positions: HF $dt, $n tokens, --backend $b: $(grep -m1 -oE 'EQUIVALENT|DIVERGED' "$d/$b.txt" || echo none) (exit $rc)"
+      [ "$rc" = 0 ] || grep -E "first divergence|systematic|replay:|error" "$d/$b.txt" | head -4 || true
+    done
+  done 2>&1 | tee "$out/positions.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = engine-ci ]; then
   # The pytest plugin on torch engines (docs/engine-ci.md): the kvdiff wheel built here
