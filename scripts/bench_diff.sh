@@ -20,7 +20,7 @@ mkdir -p "$w"
 export KVDIFF_CACHE_DIR=$w/cache
 say() { echo "[$(date +%T)] $*" >&2; }
 m=$w/model-8b
-if [ ! -f "$m/config.json" ]; then
+if [ ! -f "$m/config.json" ] || [ ! -f "$w/prompt.json" ]; then
   say "build 8b"
   python3 scripts/bench_hf.py build .cache/qwen3-tokenizer "$m" "$w/prompt.json" 8b > /dev/null
 fi

@@ -2,9 +2,14 @@
 (head_dim 128, rope_theta 1e6: the angles of Qwen3's own RoPE) in DTYPE prefills TOKENS random
 token ids in one pass and decodes 4 greedy steps, captured with kvdiff_capture. A clean engine
 whose RoPE angles carry f32's rounding, which grows with the position: what
-`scripts/gpu_tests.sh long` holds to kvdiff's reference with replay on.
+`scripts/gpu_tests.sh positions` holds to kvdiff's reference with replay on.
 
-  replay_long_prompt.py DEFAULT_MODEL_DIR MODEL_OUT DUMP_OUT TOKENS [DTYPE]
+  replay_long_prompt.py DEFAULT_MODEL_DIR MODEL_OUT DUMP_OUT TOKENS [DTYPE] [cast]
+
+The model is saved in DTYPE and loaded with `from_pretrained(dtype=DTYPE)`, as a checkpoint is
+served. With `cast`, the model built in f32 is cast with `model.to(DTYPE)` instead: that casts
+RoPE's `inv_freq` buffer too, so every angle is off by up to 2^-9 of itself in bf16, a bug that
+grows with the position.
 """
 import json
 import os
@@ -12,7 +17,7 @@ import shutil
 import sys
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import kvdiff_capture as kc  # noqa: E402
@@ -20,6 +25,7 @@ import kvdiff_capture as kc  # noqa: E402
 src, model_dir, out, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
     sys.argv[5] if len(sys.argv) > 5 else "float32"]
+cast = len(sys.argv) > 6 and sys.argv[6] == "cast"
 os.makedirs(model_dir, exist_ok=True)
 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     if os.path.exists(os.path.join(src, name)):
@@ -36,6 +42,8 @@ with torch.no_grad():
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.3 * torch.randn_like(p))
 model.to(dtype).save_pretrained(model_dir)
+if not cast:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
 model = model.to(dtype).to("cuda").eval()
 g = torch.Generator().manual_seed(9)
 ids = torch.randint(0, vocab - 16, (1, tokens), generator=g).to("cuda")
@@ -47,4 +55,5 @@ with torch.no_grad(), kc.capture(model, out, model_name=model_dir):
         logits = model(input_ids=nxt, past_key_values=cache, use_cache=True,
                        position_ids=torch.full((1, 1), tokens + step, device="cuda")).logits
     torch.cuda.synchronize()
-print(json.dumps({"tokens": tokens, "dtype": str(dtype)}))
+print(json.dumps({"tokens": tokens, "dtype": str(dtype), "cast": cast,
+                  "inv_freq": str(model.model.rotary_emb.inv_freq.dtype)}))
