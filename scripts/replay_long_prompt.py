@@ -42,9 +42,11 @@ with torch.no_grad():
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.3 * torch.randn_like(p))
 model.to(dtype).save_pretrained(model_dir)
-if not cast:
+if cast:
+    model = model.to(dtype)
+else:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-model = model.to(dtype).to("cuda").eval()
+model = model.to("cuda").eval()
 g = torch.Generator().manual_seed(9)
 ids = torch.randint(0, vocab - 16, (1, tokens), generator=g).to("cuda")
 with torch.no_grad(), kc.capture(model, out, model_name=model_dir):

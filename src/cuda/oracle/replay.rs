@@ -140,10 +140,17 @@ impl ReplayWeights for ReplayOnGpu<'_> {
         let g = &self.cm.gpu;
         let part: CudaSlice<f64> = g.alloc(gemm::scratch_len(g.sm_count()));
         let mut y = Vec::with_capacity(rows * out);
+        // Rows cross the bus as f32, widened and narrowed on the GPU (exactly as the host's
+        // casts would): half the bytes each way, and no conversion pass on the host.
+        let cast = |kernel: &str, from: u64, to: u64, len: usize| {
+            let args = [Arg::Ptr(from), Arg::Ptr(to), Arg::I64(len as i64)];
+            g.launch(kernel, super::blocks(len), 256, 0, &args);
+        };
         for block in x.chunks(ROWS_AT_ONCE * k) {
             let n = block.len() / k;
-            let wide: Vec<f64> = block.iter().map(|&v| v as f64).collect();
-            let xd = g.upload(&wide);
+            let narrow_x = g.upload_staged(block);
+            let xd: CudaSlice<f64> = g.alloc(n * k);
+            cast("oracle_widen_w32_f64", ptr(g, &narrow_x, 0), ptr(g, &xd, 0), n * k);
             let yd: CudaSlice<f64> = g.alloc(n * out);
             let weights = gemm::Weights {
                 ptr: w.at(row0 * k),
@@ -158,7 +165,9 @@ impl ReplayWeights for ReplayOnGpu<'_> {
                 out,
                 at(&part),
             );
-            y.extend(g.download(&yd, n * out).into_iter().map(|v| v as f32));
+            let narrow_y: CudaSlice<f32> = g.alloc(n * out);
+            cast("oracle_narrow_f64", ptr(g, &yd, 0), ptr(g, &narrow_y, 0), n * out);
+            y.extend(g.download(&narrow_y, n * out));
         }
         Some(y)
     }
