@@ -150,7 +150,12 @@ impl ReplayWeights for ReplayOnGpu<'_> {
             let n = block.len() / k;
             let narrow_x = g.upload_staged(block);
             let xd: CudaSlice<f64> = g.alloc(n * k);
-            cast("oracle_widen_w32_f64", ptr(g, &narrow_x, 0), ptr(g, &xd, 0), n * k);
+            cast(
+                "oracle_widen_w32_f64",
+                ptr(g, &narrow_x, 0),
+                ptr(g, &xd, 0),
+                n * k,
+            );
             let yd: CudaSlice<f64> = g.alloc(n * out);
             let weights = gemm::Weights {
                 ptr: w.at(row0 * k),
@@ -166,7 +171,12 @@ impl ReplayWeights for ReplayOnGpu<'_> {
                 at(&part),
             );
             let narrow_y: CudaSlice<f32> = g.alloc(n * out);
-            cast("oracle_narrow_f64", ptr(g, &yd, 0), ptr(g, &narrow_y, 0), n * out);
+            cast(
+                "oracle_narrow_f64",
+                ptr(g, &yd, 0),
+                ptr(g, &narrow_y, 0),
+                n * out,
+            );
             y.extend(g.download(&narrow_y, n * out));
         }
         Some(y)
