@@ -583,8 +583,8 @@ impl<'m> Replayer<'m> {
         let attn_span = crate::support::timing::span("replay: attention");
         let hist = &self.history[l];
         let window = c.arch.window(l);
-        let mut keys: Vec<Vec<&oracle::KvEntry>> = Vec::new();
-        let rows: Vec<(usize, &[f32], &[f32])> = q
+        #[allow(clippy::type_complexity)]
+        let (rows, keys): (Vec<(usize, &[f32], &[f32])>, Vec<Vec<&oracle::KvEntry>>) = q
             .iter()
             .filter_map(|(&p, qr)| {
                 let yr = *y.get(&p)?;
@@ -592,12 +592,11 @@ impl<'m> Replayer<'m> {
                     return None;
                 }
                 let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));
-                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
                 let seen: Vec<&oracle::KvEntry> = hist.range(first..=p).map(|(_, e)| e).collect();
-                (seen.len() == p + 1 - first).then(|| keys.push(seen))?;
-                Some((p, *qr, yr))
+                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
+                (seen.len() == p + 1 - first).then_some(((p, *qr, yr), seen))
             })
-            .collect();
+            .unzip();
         // Every (row, KV head) on a worker: a decode step has one row, but many heads.
         let group = (heads / kvh).max(1);
         let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * kvh)

@@ -203,11 +203,8 @@ impl<'a> Mag<'a> {
 }
 
 /// `d` moved toward zero by `slack` (not past it).
-pub fn beyond(d: f64, slack: Option<&f64>) -> f64 {
-    match slack {
-        Some(&s) => d.signum() * (d.abs() - s).max(0.0),
-        None => d,
-    }
+fn beyond(d: f64, slack: f64) -> f64 {
+    d.signum() * (d.abs() - slack).max(0.0)
 }
 
 impl Systematic {
@@ -278,9 +275,7 @@ impl Systematic {
                 .map(|((&e, &r), &s)| sample((e as f64 - r as f64) / (unit * s)))
                 .collect(),
             false => (engine.iter().zip(replay).zip(&m).zip(slack))
-                .map(|(((&e, &r), &s), &k)| {
-                    sample(beyond(e as f64 - r as f64, Some(&k)) / (unit * s))
-                })
+                .map(|(((&e, &r), &s), &k)| sample(beyond(e as f64 - r as f64, k) / (unit * s)))
                 .collect(),
         };
         if sq.iter().any(|&q| q > bound) {

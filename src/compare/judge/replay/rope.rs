@@ -22,8 +22,13 @@ pub(super) fn angle_slack(rotated: &[f64], p: usize, hd: usize, rope: &RopeTable
     if half == 0 {
         return slack;
     }
+    // Each angle's size from the inverse frequencies: no power per row, as `angle` takes.
     let angles: Vec<f64> = (0..half)
-        .map(|i| rope.angle(p as f64, i).abs() * ANGLE_ROUNDING)
+        .map(|i| {
+            rope.inv_freq
+                .get(i)
+                .map_or(0.0, |f| (p as f64 * f).abs() * ANGLE_ROUNDING)
+        })
         .collect();
     for (head, out) in rotated.chunks_exact(hd).zip(slack.chunks_exact_mut(hd)) {
         for (i, &a) in angles.iter().enumerate() {
