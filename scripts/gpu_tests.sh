@@ -57,11 +57,13 @@ if [ "$stage" = all ] || [ "$stage" = matrix ]; then
   python3 scripts/capture_hf_matrix.py .out/bin/kvdiff "$out" 2>&1 | tee "$out/matrix.log" | tail -n 120
 fi
 if [ "$stage" = all ] || [ "$stage" = positions ]; then
-  # Clean HF dumps far out in the positions, where an f32 angle's rounding is many units of the
-  # engine's precision: each must be EQUIVALENT with replay on, on either backend.
+  # Clean HF dumps far out in the positions (a Qwen3, and a Llama with Llama 3's RoPE scaling),
+  # where an f32 angle's rounding is many units of the engine's precision: each must be
+  # EQUIVALENT with replay on, on either backend.
   # The last, `model.to(bfloat16)` after building in f32, rounds RoPE's inv_freq to bf16: it
   # must be DIVERGED at L0.q_rope.
-  for spec in float32:4096 float32:8000 float16:8000 bfloat16:8000 bfloat16:4096:cast; do
+  for spec in float32:4096 float32:8000 float16:8000 bfloat16:8000 float32:8000:llama3 \
+    bfloat16:8000:llama3 bfloat16:4096:cast; do
     IFS=: read -r dt n how <<< "$spec"
     d=/tmp/kvdiff-far/$dt-$n${how:+-$how}
     rm -rf "$d" && mkdir -p "$d"
