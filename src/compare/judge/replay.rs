@@ -326,8 +326,7 @@ impl<'m> Replayer<'m> {
         // would pose as structure in the rows before it.
         if !self.exceeds(&row) {
             let hd = self.weights.config().head_dim;
-            self.systematic
-                .add((step, id, pos), engine, replay, mag, hd);
+            self.systematic.add((step, id, pos), &st.d, replay, mag, hd);
         }
         self.rows.entry((step, pos)).or_default().push((id, row));
     }

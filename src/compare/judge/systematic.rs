@@ -37,7 +37,7 @@ pub enum Mag<'a> {
     Own,
     /// RoPE's: the norm of the value's rotation pair (`hd` per head), which the rotation keeps;
     /// `slack`, per value (or empty), what the engine's own rounding of the angle may move it
-    /// by, taken off its error first (`replay::angle_slack`).
+    /// by, taken off its error before the row test and this one (`replay/rope.rs`).
     Rope { hd: usize, slack: &'a [f64] },
     /// Given per value (a sum's: its terms' sizes).
     Given(&'a [f32]),
@@ -202,11 +202,6 @@ impl<'a> Mag<'a> {
     }
 }
 
-/// `d` moved toward zero by `slack` (not past it).
-fn beyond(d: f64, slack: f64) -> f64 {
-    d.signum() * (d.abs() - slack).max(0.0)
-}
-
 impl Systematic {
     /// `unit`: the engine's `u`; `total`: the sequence's length (prompt and decode steps).
     pub fn new(unit: f64, total: usize) -> Self {
@@ -232,11 +227,12 @@ impl Systematic {
         self.ops.extend(other.ops);
     }
 
-    /// Books one replayed row of `id`: the engine's values against the replay's.
+    /// Books one replayed row of `id`: `diff`, per value, |engine − replay| less the value's
+    /// slack (`RowStats::d`, the row test's own), against the replay's values.
     pub fn add(
         &mut self,
         (step, id, pos): (usize, TapId, usize),
-        engine: &[f32],
+        diff: &[f64],
         replay: &[f32],
         mag: Mag<'_>,
         head_dim: usize,
@@ -244,7 +240,6 @@ impl Systematic {
         let Some(m) = scales(replay, &mag) else {
             return;
         };
-        let slack = mag.slack();
         let width = replay.len();
         let hd = (per_head(id) && head_dim > 0 && width % head_dim == 0).then_some(head_dim);
         let op = self.ops.entry(id).or_insert_with(|| OpStats {
@@ -269,15 +264,12 @@ impl Systematic {
         // Each value's sample first, then the sums column by column: every column still gets
         // its rows in order (the same sums to the bit), in loops that vectorise.
         let unit = self.unit;
-        let sample = |x: f64| (x * x).min(CLIP);
-        let sq: Vec<f64> = match slack.is_empty() {
-            true => (engine.iter().zip(replay).zip(&m))
-                .map(|((&e, &r), &s)| sample((e as f64 - r as f64) / (unit * s)))
-                .collect(),
-            false => (engine.iter().zip(replay).zip(&m).zip(slack))
-                .map(|(((&e, &r), &s), &k)| sample(beyond(e as f64 - r as f64, k) / (unit * s)))
-                .collect(),
-        };
+        let sq: Vec<f64> = (diff.iter().zip(&m))
+            .map(|(&d, &s)| {
+                let x = d / (unit * s);
+                (x * x).min(CLIP)
+            })
+            .collect();
         if sq.iter().any(|&q| q > bound) {
             for (c, _) in sq.iter().enumerate().filter(|(_, &q)| q > bound) {
                 if op.first_over[c].is_none_or(|f| (step, pos) < f) {
@@ -467,6 +459,15 @@ mod tests {
 
     const U: f64 = 1.0 / 256.0;
 
+    /// |engine − replay| per value, as the row test hands it on.
+    fn diff(engine: &[f32], replay: &[f32]) -> Vec<f64> {
+        engine
+            .iter()
+            .zip(replay)
+            .map(|(&e, &r)| (e as f64 - r as f64).abs())
+            .collect()
+    }
+
     fn id() -> TapId {
         TapId::Layer(0, LayerTap::QRope)
     }
@@ -497,20 +498,9 @@ mod tests {
                     bug[h * hd + d] *= 1.0 + (2.5 * U) as f32;
                 }
             }
-            clean.add(
-                (0, id(), p),
-                &noisy,
-                &replay,
-                Mag::Rope { hd, slack: &[] },
-                hd,
-            );
-            buggy.add(
-                (0, id(), p),
-                &bug,
-                &replay,
-                Mag::Rope { hd, slack: &[] },
-                hd,
-            );
+            let rope = || Mag::Rope { hd, slack: &[] };
+            clean.add((0, id(), p), &diff(&noisy, &replay), &replay, rope(), hd);
+            buggy.add((0, id(), p), &diff(&bug, &replay), &replay, rope(), hd);
         }
         assert!(clean.finding().is_none(), "{:?}", clean.worst());
         assert!(clean.worst().unwrap().0 < 0.6);
@@ -536,7 +526,7 @@ mod tests {
             engine[5] += (6.0 * U * (p as f64 / rows as f64).powi(3)) as f32;
             s.add(
                 (0, TapId::Layer(1, LayerTap::OProj), p),
-                &engine,
+                &diff(&engine, &replay),
                 &replay,
                 Mag::Own,
                 0,
@@ -557,14 +547,26 @@ mod tests {
             if p == 10 {
                 engine[0] += (100.0 * U) as f32;
             }
-            s.add((0, TapId::Embed, p), &engine, &replay, Mag::Own, 0);
+            s.add(
+                (0, TapId::Embed, p),
+                &diff(&engine, &replay),
+                &replay,
+                Mag::Own,
+                0,
+            );
         }
         assert!(s.finding().is_none());
         let mut few = Systematic::new(U, 10);
         for p in 0..10 {
             let replay = vec![1.0f32; 4];
             let engine: Vec<f32> = replay.iter().map(|x| x + (3.0 * U) as f32).collect();
-            few.add((0, TapId::Embed, p), &engine, &replay, Mag::Own, 0);
+            few.add(
+                (0, TapId::Embed, p),
+                &diff(&engine, &replay),
+                &replay,
+                Mag::Own,
+                0,
+            );
         }
         assert!(few.finding().is_none(), "under MIN_SAMPLES rows");
     }

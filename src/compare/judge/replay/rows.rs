@@ -6,7 +6,10 @@
 const LANES: usize = 8;
 
 pub(super) struct RowStats {
-    /// max |engine − replay| (less the value's slack, where given), and its first index.
+    /// Per value, |engine − replay| less its slack (never below zero): what the aggregate test
+    /// pools.
+    pub d: Vec<f64>,
+    /// max of `d`, and its first index.
     pub worst: f64,
     pub index: usize,
     /// Σ d², Σ replay², Σ engine², Σ engine·replay.
@@ -81,6 +84,7 @@ fn of_in(engine: &[f32], replay: &[f32], slack: &[f64]) -> Option<RowStats> {
     Some(RowStats {
         worst,
         index: d.iter().position(|&x| x == worst).unwrap_or(0),
+        d,
         dd,
         rr,
         ee,
