@@ -1,141 +1,171 @@
 // y[m] (f32) = w[m, k] (bf16) · x[k] (bf16), f32 accumulation: the GEMMs of a decode step, where
-// one token makes every GEMM a matrix-vector product bound by reading the weights. One warp
-// per output row, 16-byte loads (8 bf16); needs k % 8 == 0 and
-// 16-byte aligned rows. Blocks of 256 threads (8 rows).
-__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
-    const unsigned int* pa = (const unsigned int*)&a;
-    const unsigned int* pb = (const unsigned int*)&b;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        acc += __uint_as_float(pa[j] << 16) * __uint_as_float(pb[j] << 16);
-        acc += __uint_as_float(pa[j] & 0xffff0000u) * __uint_as_float(pb[j] & 0xffff0000u);
-    }
-    return acc;
-}
+// one token makes every GEMM a matrix-vector product bound by reading the weights, and the
+// `_sides` kernels below, which do it for several decode steps at once from one read of w.
+//
+// A block of 256 threads takes a tile of 8 rows of w (rows 8b .. 8b + 7 for block b); its 8
+// warps split k into 8 slices, and warp 0 adds their sums in a fixed tree. On sm_80 and later a
+// warp sums its slice on the tensor cores with mma.m16n8k16 (bf16 operands, f32 accumulation):
+// the inputs are A (row i: input i, up to 16), the tile's rows are B. Lane (g, t) = (lane / 4,
+// lane % 4) loads 16 bytes of row g at column 32j + 8t for each 32-column segment j of its
+// slice (a load of the warp reads 64 contiguous bytes of each of the 8 rows, weights streamed
+// past L1) and the same 16 bytes of inputs g and g + 8: words 0-1 are one MMA's fragments,
+// words 2-3 the next's, a fixed permutation of k inside each segment, the same for both
+// operands. The order of every output's sum thus depends on k alone, never on the inputs beside
+// it or the kernel: each side of a `_sides` launch gets the single kernel's bits. Dotting on the
+// FP32 pipes instead took about 100 instructions per 16 weight bytes a lane at five sides, and
+// left the GEMVs issue-bound at half the weights' bandwidth (scripts/bench_gemv_sides.cu).
+// Before sm_80 a lane sums the same outputs of the same slice with FMAs, in column order.
+// Needs k % 8 == 0 and 16-byte aligned rows and inputs (the host falls back to GEMMs
+// otherwise). Blocks of 256 threads, m / 8 of them, rounded up.
+#define GEMV_WARPS 8
+// Segments a warp loads before it multiplies them: 2 was faster than 4 and 8 at both models'
+// shapes, alone and at five sides (scripts/bench_gemv_sides.cu).
+#ifndef GEMV_U
+#define GEMV_U 2
+#endif
 
-// A weight vector, streamed past L1: each is read once, and in L1 it would only evict what is
-// read again there (the `_sides` kernels' inputs: with ten sides, keeping them there made the
-// LM head 2.3x faster, see scripts/bench_gemv_sides.cu).
+// A weight vector, streamed past L1: each is read once, and in L1 it would only evict the
+// inputs, which every block reads again (with ten sides, keeping them there made the LM head
+// 2.3x faster). Not volatile: weights are never written, so the loads may move freely.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
     return v;
 }
 
-// a[j & 3] += d with j known only at run time, by branches: indexing a register array with a
-// run-time value moves it to local memory.
-__device__ __forceinline__ void add_at(float* a, int j, float d) {
-    if ((j & 3) == 0) a[0] += d;
-    else if ((j & 3) == 1) a[1] += d;
-    else if ((j & 3) == 2) a[2] += d;
-    else a[3] += d;
+#if __CUDA_ARCH__ >= 800
+// The segment's two MMAs: inputs g (a) and g + 8 (b) against row g's words (w).
+__device__ __forceinline__ void gemv_mma(float* c, uint4 a, uint4 b, uint4 w) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(b.x), "r"(a.y), "r"(b.y), "r"(w.x), "r"(w.y));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.z), "r"(b.z), "r"(a.w), "r"(b.w), "r"(w.z), "r"(w.w));
 }
+#endif
 
-// A warp's row of w, its first PRE * 32 16-byte vectors held in registers: loaded before
-// pdl_wait() (weights are never written), so the loads overlap the previous kernel's tail. The
-// rest of the row is asked into L2 at the same time. dot() then reads x and sums, lane l taking
-// vectors l, l + 32, ... into four accumulators.
-template <int PRE>
-struct Row {
-    uint4 w[PRE];
-    const uint4* wr;
-    int vecs;
-
-    __device__ __forceinline__ void load(const bf16_t* row, int k) {
-        wr = (const uint4*)row;
-        vecs = k >> 3;
-        int lane = threadIdx.x & 31;
+// Warp `warp`'s slice of T tiles (rows n0[i] .. n0[i] + 7 of w[i], m rows each) against inputs
+// xa (this lane's g) and xb (g + 8, read when TWO): c[i] gets, in lane (g, t), input g at rows
+// 2t and 2t + 1 of tile i, then input g + 8 at the same rows.
+template <int T, bool TWO>
+__device__ __forceinline__ void gemv_slice(const bf16_t* const* w, const int* n0, int m, int k,
+                                           const bf16_t* xa, const bf16_t* xb, float (*c)[4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    int segs = (k + 31) >> 5;
+    int s0 = warp * segs / GEMV_WARPS, s1 = (warp + 1) * segs / GEMV_WARPS;
 #pragma unroll
-        for (int j = 0; j < PRE; j++)
-            if (lane + 32 * j < vecs) w[j] = ld_stream(wr + lane + 32 * j);
-        for (int i = 32 * PRE + lane * 8; i < vecs; i += 256)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + i));
-    }
-
-    // The dot product with x, summed over the warp (every lane gets it).
-    __device__ __forceinline__ float dot(const bf16_t* __restrict__ x) const {
-        const uint4* xv = (const uint4*)x;
-        int lane = threadIdx.x & 31;
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < T; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+#if __CUDA_ARCH__ >= 800
+    const uint4* wr[T];
 #pragma unroll
-        for (int j = 0; j < PRE; j++)
-            if (lane + 32 * j < vecs) a[j & 3] += dot8_bf16(w[j], xv[lane + 32 * j]);
-        int i = lane + 32 * PRE;
-        for (; i + 96 < vecs; i += 128) {
-            uint4 w0 = ld_stream(wr + i), w1 = ld_stream(wr + i + 32);
-            uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
-            a[0] += dot8_bf16(w0, xv[i]);
-            a[1] += dot8_bf16(w1, xv[i + 32]);
-            a[2] += dot8_bf16(w2, xv[i + 64]);
-            a[3] += dot8_bf16(w3, xv[i + 96]);
+    for (int i = 0; i < T; i++) wr[i] = (const uint4*)(w[i] + (size_t)min(n0[i] + g, m - 1) * k);
+    const uint4* av = (const uint4*)xa;
+    const uint4* bv = (const uint4*)xb;
+    uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    int full = min(s1, k >> 5), j = s0;
+    for (; j + GEMV_U <= full; j += GEMV_U) {
+        uint4 wv[T][GEMV_U], a[GEMV_U], b[GEMV_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++)
+#pragma unroll
+            for (int i = 0; i < T; i++) wv[i][u] = ld_stream(wr[i] + 4 * (j + u) + t);
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++) {
+            a[u] = av[4 * (j + u) + t];
+            b[u] = TWO ? bv[4 * (j + u) + t] : zero;
         }
-        for (int j = 0; i < vecs; i += 32, j++) add_at(a, j, dot8_bf16(ld_stream(wr + i), xv[i]));
-        return warp_sum((a[0] + a[1]) + (a[2] + a[3]));
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++)
+#pragma unroll
+            for (int i = 0; i < T; i++) gemv_mma(c[i], a[u], b[u], wv[i][u]);
     }
-};
-
-// A row of the `_sides` kernels, whose every vector is dotted with several inputs:
-// dot_sides(xs, out) gives out[s] for xs[s], each summed in Row::dot's order (so with the single
-// kernel's bits), the row read once and the inputs' loads and sums interleaved. The weights
-// stream from the first vector in the loop's groups of four, with no preload held in registers
-// and no L2 prefetch: at Qwen3-8B's shapes and five sides 12-22% faster than Row<4>'s preload
-// (scripts/bench_gemv_sides.cu, "streamed" against "row_preloaded"), and the warm default
-// compare at 8B 5.06-5.15 s against 5.34-5.42 s.
-struct Streamed {
-    const uint4* wr;
-    int vecs;
-
-    __device__ __forceinline__ void load(const bf16_t* row, int k) {
-        wr = (const uint4*)row;
-        vecs = k >> 3;
+    for (; j < s1; j++) {
+        // The last segment may be short: its missing columns count as zeros on both sides.
+        bool in = (4 * j + t) * 8 < k;
+        uint4 a = in ? av[4 * j + t] : zero;
+        uint4 b = in && TWO ? bv[4 * j + t] : zero;
+#pragma unroll
+        for (int i = 0; i < T; i++) gemv_mma(c[i], a, b, in ? ld_stream(wr[i] + 4 * j + t) : zero);
     }
-
-    template <int S>
-    __device__ __forceinline__ void dot_sides(const bf16_t* const* xs, float* out) const {
-        const uint4* xv[S];
+#else
+    int c0 = s0 * 32, c1 = min(s1 * 32, k);
 #pragma unroll
-        for (int s = 0; s < S; s++) xv[s] = (const uint4*)xs[s];
-        float a[S][4];
+    for (int i = 0; i < T; i++)
 #pragma unroll
-        for (int s = 0; s < S; s++) a[s][0] = a[s][1] = a[s][2] = a[s][3] = 0.0f;
-        int i = threadIdx.x & 31;
-        for (; i + 96 < vecs; i += 128) {
-            uint4 w0 = ld_stream(wr + i), w1 = ld_stream(wr + i + 32);
-            uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
-#pragma unroll
-            for (int s = 0; s < S; s++) {
-                a[s][0] += dot8_bf16(w0, xv[s][i]);
-                a[s][1] += dot8_bf16(w1, xv[s][i + 32]);
-                a[s][2] += dot8_bf16(w2, xv[s][i + 64]);
-                a[s][3] += dot8_bf16(w3, xv[s][i + 96]);
+        for (int h = 0; h < 2; h++) {
+            const bf16_t* row = w[i] + (size_t)min(n0[i] + 2 * t + h, m - 1) * k;
+            for (int col = c0; col < c1; col++) {
+                float wv = bf16_to_f32(row[col]);
+                c[i][h] += bf16_to_f32(xa[col]) * wv;
+                if (TWO) c[i][2 + h] += bf16_to_f32(xb[col]) * wv;
             }
         }
-        for (int j = 0; i < vecs; i += 32, j++) {
-            uint4 wv = ld_stream(wr + i);
+#endif
+}
+
+// The block's sums of T tiles: every warp's slice (gemv_slice) added in a fixed tree. True in
+// warp 0, whose c then holds them; every thread of the block must call it.
+template <int T>
+__device__ __forceinline__ bool gemv_block_sum(float (*c)[4]) {
+    __shared__ float4 part[T][GEMV_WARPS][32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-            for (int s = 0; s < S; s++) add_at(a[s], j, dot8_bf16(wv, xv[s][i]));
-        }
+    for (int i = 0; i < T; i++) part[i][warp][lane] = make_float4(c[i][0], c[i][1], c[i][2], c[i][3]);
+    __syncthreads();
+    if (warp != 0) return false;
 #pragma unroll
-        for (int s = 0; s < S; s++) out[s] = (a[s][0] + a[s][1]) + (a[s][2] + a[s][3]);
-        for (int o = 16; o > 0; o >>= 1)
+    for (int i = 0; i < T; i++) {
+        float4 p[GEMV_WARPS];
 #pragma unroll
-            for (int s = 0; s < S; s++) out[s] += __shfl_xor_sync(0xffffffffu, out[s], o);
+        for (int q = 0; q < GEMV_WARPS; q++) p[q] = part[i][q][lane];
+#pragma unroll
+        for (int h = GEMV_WARPS / 2; h > 0; h >>= 1)
+#pragma unroll
+            for (int q = 0; q < h; q++) {
+                p[q].x = p[2 * q].x + p[2 * q + 1].x;
+                p[q].y = p[2 * q].y + p[2 * q + 1].y;
+                p[q].z = p[2 * q].z + p[2 * q + 1].z;
+                p[q].w = p[2 * q].w + p[2 * q + 1].w;
+            }
+        c[i][0] = p[0].x;
+        c[i][1] = p[0].y;
+        c[i][2] = p[0].z;
+        c[i][3] = p[0].w;
     }
-};
+    return true;
+}
+
+// The whole tile (rows n0 .. n0 + 7 of w) against input x alone: true in lanes 0-3 of warp 0,
+// where c[0] and c[1] are rows n0 + 2t and n0 + 2t + 1.
+template <int T>
+__device__ __forceinline__ bool gemv_tile_one(const bf16_t* const* w, const int* n0, int m, int k,
+                                              const bf16_t* x, float (*c)[4]) {
+    gemv_slice<T, false>(w, n0, m, k, x, x, c);
+    return gemv_block_sum<T>(c) && (threadIdx.x >> 2) == 0;
+}
+
+// The rows n0 + 2t and n0 + 2t + 1 a lane's first two sums belong to, where they exist.
+__device__ __forceinline__ void store_pair(float* y, int row, int m, float a, float b) {
+    if (row < m) y[row] = a;
+    if (row + 1 < m) y[row + 1] = b;
+}
 
 extern "C" __global__ void gemv_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                      float* __restrict__ y, int k, int m) {
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row >= m) return;
-    float acc = r.dot(x);
-    if ((threadIdx.x & 31) == 0) y[row] = acc;
+    float c[1][4];
+    if (gemv_tile_one<1>(ws, &n0, m, k, x, c))
+        store_pair(y, n0 + 2 * (threadIdx.x & 3), m, c[0][0], c[0][1]);
 }
 
 // The last layer's down_proj together with the residual add and the final RMSNorm after it
@@ -149,14 +179,12 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
                                               unsigned int* counter) {
     __shared__ float scratch[32];
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<8> r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row < m) {
-        float acc = r.dot(x);
-        if ((threadIdx.x & 31) == 0) y[row] = acc;
-    }
+    float c[1][4];
+    if (gemv_tile_one<1>(ws, &n0, m, k, x, c))
+        store_pair(y, n0 + 2 * (threadIdx.x & 3), m, c[0][0], c[0][1]);
     if (!last_block_done(counter, gridDim.x)) return;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
@@ -195,7 +223,7 @@ __device__ void rms_norm_to_shared(const float* resid, const bf16_t* weight, int
     __syncthreads();
 }
 
-// y[m] = w[m, k] · rmsnorm(resid) (f32 out). Blocks of 256 threads (8 rows).
+// y[m] = w[m, k] · rmsnorm(resid) (f32 out).
 extern "C" __global__ void gemv_norm_bf16(const float* resid, const bf16_t* norm_weight,
                                           float eps, const bf16_t* __restrict__ w,
                                           float* __restrict__ y, int k, int m,
@@ -203,18 +231,23 @@ extern "C" __global__ void gemv_norm_bf16(const float* resid, const bf16_t* norm
     __shared__ float scratch[32];
     extern __shared__ __align__(16) bf16_t xs[];
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
     rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch, blockIdx.x == 0);
-    if (row >= m) return;
-    float acc = r.dot(xs);
-    if ((threadIdx.x & 31) == 0) y[row] = acc;
+    float c[1][4];
+    if (gemv_tile_one<1>(ws, &n0, m, k, xs, c))
+        store_pair(y, n0 + 2 * (threadIdx.x & 3), m, c[0][0], c[0][1]);
+}
+
+// silu(gate) * up in bf16, the down projection's input.
+__device__ __forceinline__ bf16_t swiglu(float g, float u) {
+    return f32_to_bf16(g / (1.0f + expf(-g)) * u);
 }
 
 // The MLP's RMSNorm, gate/up projection and SwiGLU in one launch: w is gate_proj over up_proj
-// ([2 * inter, k]); output j is silu(gate_j) * up_j in bf16 (the down projection's input).
+// ([2 * inter, k]); output j is silu(gate_j) * up_j in bf16. A block takes gate rows j .. j + 7
+// and the up rows of the same j as two tiles.
 extern "C" __global__ void gemv_norm_swiglu_bf16(const float* resid, const bf16_t* norm_weight,
                                                  float eps, const bf16_t* __restrict__ w,
                                                  bf16_t* __restrict__ out, int k, int inter,
@@ -222,18 +255,17 @@ extern "C" __global__ void gemv_norm_swiglu_bf16(const float* resid, const bf16_
     __shared__ float scratch[32];
     extern __shared__ __align__(16) bf16_t xs[];
     pdl_trigger();
-    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<4> gate, up;
-    if (j < inter) {
-        gate.load(w + (size_t)j * k, k);
-        up.load(w + (size_t)(inter + j) * k, k);
-    }
+    int j0 = blockIdx.x * 8;
+    const bf16_t* ws[2] = {w, w + (size_t)inter * k};
+    int n0[2] = {j0, j0};
     pdl_wait();
     rms_norm_to_shared(resid, norm_weight, k, eps, xs, norm_out, scratch, blockIdx.x == 0);
-    if (j >= inter) return;
-    float g = gate.dot(xs);
-    float u = up.dot(xs);
-    if ((threadIdx.x & 31) == 0) out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    float c[2][4];
+    if (gemv_tile_one<2>(ws, n0, inter, k, xs, c)) {
+        int j = j0 + 2 * (threadIdx.x & 3);
+        if (j < inter) out[j] = swiglu(c[0][0], c[1][0]);
+        if (j + 1 < inter) out[j + 1] = swiglu(c[0][1], c[1][1]);
+    }
 }
 
 // A projection and the residual add after it (o_proj, down_proj), row by row: y = w · x,
@@ -242,29 +274,57 @@ extern "C" __global__ void gemv_add_bf16(const bf16_t* __restrict__ x,
                                          const bf16_t* __restrict__ w, float* y, int k, int m,
                                          const float* resid, float* resid_out) {
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Row<8> r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row >= m) return;
-    float acc = r.dot(x);
-    if ((threadIdx.x & 31) == 0) {
-        y[row] = acc;
-        resid_out[row] = resid[row] + acc;
+    float c[1][4];
+    if (gemv_tile_one<1>(ws, &n0, m, k, x, c)) {
+        int row = n0 + 2 * (threadIdx.x & 3);
+        store_pair(y, row, m, c[0][0], c[0][1]);
+        if (row < m) resid_out[row] = resid[row] + c[0][0];
+        if (row + 1 < m) resid_out[row + 1] = resid[row + 1] + c[0][1];
     }
 }
 
 // The same GEMVs for several decode steps at once (one per side, see `Sides`), in one launch:
-// a warp reads its weight row once and dots it with every side's input (Streamed::dot_sides, each
-// side in `dot`'s order, so with the single kernel's bits). The inputs stay in L1, the weights
-// stream past it. Interleaving one block of the single kernel per side instead read the
-// weights from DRAM once per side: a row was gone from L2 before the next side's block read it
+// the tile's rows are read once for every side, side s being A's row s (MAX_SIDES up to 16).
+// A launch for fewer sides pads with side 0's input (`padded_side`); its sums are dropped.
+// Interleaving one block of the single kernel per side instead read the weights from DRAM
+// once per side: a row was gone from L2 before the next side's block read it
 // (scripts/bench_gemv_sides.cu: Qwen3-8B's gate/up with ten sides 591 against 123 µs on an
-// H200). The fused RMSNorm of the single kernels runs before, in rms_norm_bf16_sides: each
-// block normalising every side's row again would read more than the weights.
-#define SIDES_PICK(T, arr, base, sides)                                                    \
-    const T* arr[S];                                                                       \
-    _Pragma("unroll") for (int s_ = 0; s_ < S; s_++) arr[s_] = padded_side<const T>(base, s_, sides)
+// H200, when a warp dotted a row with each side on the FP32 pipes). The fused RMSNorm of the
+// single kernels runs before, in rms_norm_bf16_sides: each block normalising every side's row
+// again would read more than the weights.
+#define GEMV_TWO (MAX_SIDES > 8)
+
+// A tile's T sums for every side: lane (g, t) of warp 0 holds sides g and g + 8 (true there).
+template <int T>
+__device__ __forceinline__ bool gemv_tile_sides(const bf16_t* const* w, const int* n0, int m,
+                                                int k, Sides x, int sides, float (*c)[4]) {
+    int g = (threadIdx.x & 31) >> 2;
+    gemv_slice<T, GEMV_TWO>(w, n0, m, k, padded_side<const bf16_t>(x, g, sides),
+                            padded_side<const bf16_t>(x, g + 8, sides), c);
+    return gemv_block_sum<T>(c);
+}
+
+// Tile sums c (gemv_tile_sides) into each side's y at rows n0 + 2t, n0 + 2t + 1, and, with
+// `resid`, resid_out = resid + y there.
+__device__ __forceinline__ void store_sides(Sides y, int n0, int m, int sides, const float* c,
+                                            bool add, Sides resid, Sides resid_out) {
+    int g = (threadIdx.x & 31) >> 2, row = n0 + 2 * (threadIdx.x & 3);
+#pragma unroll
+    for (int half = 0; half < (GEMV_TWO ? 2 : 1); half++) {
+        int s = g + 8 * half;
+        if (s >= sides) continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (row + h >= m) continue;
+            float v = c[2 * half + h];
+            at_side<float>(y, s)[row + h] = v;
+            if (add) at_side<float>(resid_out, s)[row + h] = at_side<const float>(resid, s)[row + h] + v;
+        }
+    }
+}
 
 // RMSNorm of each side's residual row (block s: side s), as the fused GEMVs' prologue does it
 // (rms_norm_to_shared, 256 threads): the bf16 row the projection reads, and the f32 tap.
@@ -280,67 +340,45 @@ extern "C" __global__ void rms_norm_bf16_sides(Sides resid, const bf16_t* weight
 extern "C" __global__ void gemv_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y, int k,
                                            int m, int sides) {
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Streamed r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row >= m) return;
-    WITH_SIDES(sides, {
-        SIDES_PICK(bf16_t, xs, x, sides);
-        float acc[S];
-        r.dot_sides<S>(xs, acc);
-        if ((threadIdx.x & 31) == 0)
-            _Pragma("unroll")
-            for (int s = 0; s < S; s++)
-                if (s < sides) at_side<float>(y, s)[row] = acc[s];
-    });
+    float c[1][4];
+    if (gemv_tile_sides<1>(ws, &n0, m, k, x, sides, c))
+        store_sides(y, n0, m, sides, c[0], false, y, y);
 }
 
 extern "C" __global__ void gemv_add_bf16_sides(Sides x, const bf16_t* __restrict__ w, Sides y,
                                                int k, int m, Sides resid, Sides resid_out,
                                                int sides) {
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Streamed r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row >= m) return;
-    WITH_SIDES(sides, {
-        SIDES_PICK(bf16_t, xs, x, sides);
-        float acc[S];
-        r.dot_sides<S>(xs, acc);
-        if ((threadIdx.x & 31) == 0)
-            _Pragma("unroll")
-            for (int s = 0; s < S; s++)
-                if (s < sides) {
-                    at_side<float>(y, s)[row] = acc[s];
-                    at_side<float>(resid_out, s)[row] = at_side<const float>(resid, s)[row] + acc[s];
-                }
-    });
+    float c[1][4];
+    if (gemv_tile_sides<1>(ws, &n0, m, k, x, sides, c))
+        store_sides(y, n0, m, sides, c[0], true, resid, resid_out);
 }
 
 // gemv_norm_swiglu_bf16's projection and SwiGLU for every side, x normalised before.
 extern "C" __global__ void gemv_swiglu_bf16_sides(Sides x, const bf16_t* __restrict__ w,
                                                   Sides out, int k, int inter, int sides) {
     pdl_trigger();
-    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Streamed gate, up;
-    if (j < inter) {
-        gate.load(w + (size_t)j * k, k);
-        up.load(w + (size_t)(inter + j) * k, k);
-    }
+    int j0 = blockIdx.x * 8;
+    const bf16_t* ws[2] = {w, w + (size_t)inter * k};
+    int n0[2] = {j0, j0};
     pdl_wait();
-    if (j >= inter) return;
-    WITH_SIDES(sides, {
-        SIDES_PICK(bf16_t, xs, x, sides);
-        float g[S], u[S];
-        gate.dot_sides<S>(xs, g);
-        up.dot_sides<S>(xs, u);
-        if ((threadIdx.x & 31) == 0)
-            _Pragma("unroll")
-            for (int s = 0; s < S; s++)
-                if (s < sides) at_side<bf16_t>(out, s)[j] = f32_to_bf16(g[s] / (1.0f + expf(-g[s])) * u[s]);
-    });
+    float c[2][4];
+    if (!gemv_tile_sides<2>(ws, n0, inter, k, x, sides, c)) return;
+    int g = (threadIdx.x & 31) >> 2, j = j0 + 2 * (threadIdx.x & 3);
+#pragma unroll
+    for (int half = 0; half < (GEMV_TWO ? 2 : 1); half++) {
+        int s = g + 8 * half;
+        if (s >= sides) continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            if (j + h < inter) at_side<bf16_t>(out, s)[j + h] = swiglu(c[0][2 * half + h], c[1][2 * half + h]);
+    }
 }
 
 // gemv_add_norm_bf16 for several sides: the last block to finish adds each side's residual and
@@ -352,21 +390,12 @@ extern "C" __global__ void gemv_add_norm_bf16_sides(Sides x, const bf16_t* __res
                                                     unsigned int* counter, int sides) {
     __shared__ float scratch[32];
     pdl_trigger();
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    Streamed r;
-    if (row < m) r.load(w + (size_t)row * k, k);
+    int n0 = blockIdx.x * 8;
+    const bf16_t* ws[1] = {w};
     pdl_wait();
-    if (row < m) {
-        WITH_SIDES(sides, {
-            SIDES_PICK(bf16_t, xs, x, sides);
-            float acc[S];
-            r.dot_sides<S>(xs, acc);
-            if ((threadIdx.x & 31) == 0)
-                _Pragma("unroll")
-                for (int s = 0; s < S; s++)
-                    if (s < sides) at_side<float>(y, s)[row] = acc[s];
-        });
-    }
+    float c[1][4];
+    if (gemv_tile_sides<1>(ws, &n0, m, k, x, sides, c))
+        store_sides(y, n0, m, sides, c[0], false, y, y);
     if (!last_block_done(counter, gridDim.x)) return;
     for (int s = 0; s < sides; s++) {
         const float* rs = at_side<const float>(resid, s);

@@ -2,10 +2,10 @@
 //! its paths decode the same token with the same weights each step; run one by one, every
 //! step reads all the weights again (16 GB a step for Qwen3-8B), and the GEMVs, which only
 //! stream weights, are most of a step. Together, each kernel takes every side in one launch
-//! (the `_sides` kernels): a GEMV warp reads its weight row once and dots it with every
-//! side's input, so a pass reads the weights once for all its sides (Qwen3-8B's gate/up GEMV
-//! for five sides 84 µs against 302 µs for five single launches, on an H200;
-//! scripts/bench_gemv_sides.cu). The decode attention is per side and grows with the sides
+//! (the `_sides` kernels): a GEMV block reads its tile of weight rows once and multiplies it
+//! with every side's input on the tensor cores, so a pass reads the weights once for all its
+//! sides (Qwen3-8B's gate/up GEMV for five sides 67 µs against 259 µs for five single launches,
+//! on an H200; scripts/bench_gemv_sides.cu). The decode attention is per side and grows with the sides
 //! (111 µs a layer for four at Qwen3-8B's shape, 565 µs for ten), so a compare of more sides
 //! runs them in passes of at most `KVDIFF_CUDA_MAX_SIDES` (5, or fewer where the compare has
 //! fewer sides: `expect_sides`), side by side on streams of their own.
