@@ -63,10 +63,12 @@ int main(int argc, char** argv) {
     {
         std::vector<bf16_t> h(wmax * copies);
         unsigned st = 1;
-        for (auto& v : h) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | 0x3c00); }
+        // Random signs, mantissas and exponents (2^-10 .. 2^-3): sums that round, so that
+        // another order shows in the bits.
+        for (auto& v : h) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | ((117 + ((st >> 8) & 7)) << 7)); }
         CHECK(cudaMemcpy(w, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
         std::vector<bf16_t> hx((size_t)2048 * 12288);
-        for (auto& v : hx) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | 0x3f00); }
+        for (auto& v : hx) { st = st * 1664525u + 1013904223u; v = (bf16_t)(((st >> 16) & 0x807f) | ((120 + ((st >> 8) & 7)) << 7)); }
         CHECK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     }
     for (auto& v : vs) {
