@@ -14,7 +14,7 @@
 // it or the kernel: each side of a `_sides` launch gets the single kernel's bits. Dotting on the
 // FP32 pipes instead took about 100 instructions per 16 weight bytes a lane at five sides, and
 // left the GEMVs issue-bound at half the weights' bandwidth (scripts/bench_gemv_sides.cu).
-// Before sm_80 a lane sums the same outputs of the same slice with FMAs, in column order.
+// Before sm_80 the same lanes load the same bytes and dot them on the FP32 pipes.
 // Needs k % 8 == 0 and 16-byte aligned rows and inputs (the host falls back to GEMMs
 // otherwise). Blocks of 256 threads, m / 8 of them, rounded up.
 #define GEMV_WARPS 8
@@ -35,7 +35,20 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     return v;
 }
 
-#if __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ < 800
+// The dot product of 8 bf16 pairs, in order.
+__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
+    const unsigned int* pa = (const unsigned int*)&a;
+    const unsigned int* pb = (const unsigned int*)&b;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        acc += __uint_as_float(pa[j] << 16) * __uint_as_float(pb[j] << 16);
+        acc += __uint_as_float(pa[j] & 0xffff0000u) * __uint_as_float(pb[j] & 0xffff0000u);
+    }
+    return acc;
+}
+#else
 // The segment's two MMAs: inputs g (a) and g + 8 (b) against row g's words (w).
 __device__ __forceinline__ void gemv_mma(float* c, uint4 a, uint4 b, uint4 w) {
     asm volatile(
@@ -51,10 +64,10 @@ __device__ __forceinline__ void gemv_mma(float* c, uint4 a, uint4 b, uint4 w) {
 }
 #endif
 
-// Warp `warp`'s slice of T tiles (rows n0[i] .. n0[i] + 7 of w[i], m rows each) against inputs
-// xa (this lane's g) and xb (g + 8, read when TWO): c[i] gets, in lane (g, t), input g at rows
-// 2t and 2t + 1 of tile i, then input g + 8 at the same rows.
-template <int T, bool TWO>
+// Warp `warp`'s slice of T tiles (rows n0[i] .. n0[i] + 7 of w[i], m rows each) against NS
+// inputs, input g at xa in lanes (g, t) and input g + 8 at xb (read when TWO): c[i] gets, in lane
+// (g, t), input g at rows 2t and 2t + 1 of tile i, then input g + 8 at the same rows.
+template <int T, bool TWO, int NS>
 __device__ __forceinline__ void gemv_slice(const bf16_t* const* w, const int* n0, int m, int k,
                                            const bf16_t* xa, const bf16_t* xb, float (*c)[4]) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
@@ -95,17 +108,41 @@ __device__ __forceinline__ void gemv_slice(const bf16_t* const* w, const int* n0
         for (int i = 0; i < T; i++) gemv_mma(c[i], a, b, in ? ld_stream(wr[i] + 4 * j + t) : zero);
     }
 #else
-    int c0 = s0 * 32, c1 = min(s1 * 32, k);
+    // Lane (g, t) reads the same 16 bytes of row g per segment and dots them with every input on
+    // the FP32 pipes (the inputs' addresses from the lanes that hold them); the row's 4 lanes are
+    // then added, and each sum moved to the lane the MMAs leave it in.
+    const bf16_t* wr[T];
+#pragma unroll
+    for (int i = 0; i < T; i++) wr[i] = w[i] + (size_t)min(n0[i] + g, m - 1) * k;
+    const uint4* xs[NS];
+#pragma unroll
+    for (int s = 0; s < NS; s++)
+        xs[s] = (const uint4*)__shfl_sync(0xffffffffu, (unsigned long long)(s < 8 ? xa : xb),
+                                          4 * (s & 7));
+    float acc[T][NS];
 #pragma unroll
     for (int i = 0; i < T; i++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const bf16_t* row = w[i] + (size_t)min(n0[i] + 2 * t + h, m - 1) * k;
-            for (int col = c0; col < c1; col++) {
-                float wv = bf16_to_f32(row[col]);
-                c[i][h] += bf16_to_f32(xa[col]) * wv;
-                if (TWO) c[i][2 + h] += bf16_to_f32(xb[col]) * wv;
-            }
+        for (int s = 0; s < NS; s++) acc[i][s] = 0.0f;
+    for (int j = s0; j < s1; j++) {
+        if ((4 * j + t) * 8 >= k) continue;
+#pragma unroll
+        for (int i = 0; i < T; i++) {
+            uint4 wv = ld_stream((const uint4*)wr[i] + 4 * j + t);
+#pragma unroll
+            for (int s = 0; s < NS; s++) acc[i][s] += dot8_bf16(wv, xs[s][4 * j + t]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int s = 0; s < NS; s++) {
+            float v = acc[i][s];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            float r0 = __shfl_sync(0xffffffffu, v, 8 * t), r1 = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+            if (s == g) c[i][0] = r0, c[i][1] = r1;
+            if (s == g + 8) c[i][2] = r0, c[i][3] = r1;
         }
 #endif
 }
@@ -147,7 +184,7 @@ __device__ __forceinline__ bool gemv_block_sum(float (*c)[4]) {
 template <int T>
 __device__ __forceinline__ bool gemv_tile_one(const bf16_t* const* w, const int* n0, int m, int k,
                                               const bf16_t* x, float (*c)[4]) {
-    gemv_slice<T, false>(w, n0, m, k, x, x, c);
+    gemv_slice<T, false, 1>(w, n0, m, k, x, x, c);
     return gemv_block_sum<T>(c) && (threadIdx.x >> 2) == 0;
 }
 
@@ -302,7 +339,7 @@ template <int T>
 __device__ __forceinline__ bool gemv_tile_sides(const bf16_t* const* w, const int* n0, int m,
                                                 int k, Sides x, int sides, float (*c)[4]) {
     int g = (threadIdx.x & 31) >> 2;
-    gemv_slice<T, GEMV_TWO>(w, n0, m, k, padded_side<const bf16_t>(x, g, sides),
+    gemv_slice<T, GEMV_TWO, MAX_SIDES>(w, n0, m, k, padded_side<const bf16_t>(x, g, sides),
                             padded_side<const bf16_t>(x, g + 8, sides), c);
     return gemv_block_sum<T>(c);
 }
