@@ -7,7 +7,8 @@
 # Per length, cold (empty kvdiff cache, kernels compiled) and warm (the same command again): in-process and wall
 # time, peak GPU memory, and the ratio to the floor of one path
 # (prefill FLOPs with attention over the measured bf16 GEMM rate, plus 16 tokens' weight reads
-# over the measured bandwidth). Prints a table last.
+# over the measured bandwidth) and to the floor of the whole job (three prefills, and the
+# scores the attn_probs comparisons recompute). Prints a table last.
 #   scripts/bench_long.sh [KVDIFF_BINARY] [LENGTHS...]
 set -uo pipefail
 bin=${1:-.out/bin/kvdiff}
@@ -60,14 +61,26 @@ weight_bytes = 2 * (L * params_layer + v * h)
 print(f"\nlong prompts, compare --backend cuda --paths chunk-reuse:rerotate --max-new-tokens 16 "
       f"(default taps and tolerance); bf16 GEMM {ceil['bf16_flops']/1e12:.0f} TFLOP/s, "
       f"bandwidth {ceil['bandwidth_Bps']/1e12:.2f} TB/s")
-print(f"{'tokens':>7} {'cache':>5} {'in-process s':>12} {'wall s':>8} {'peak GPU GiB':>12} {'floor s':>8} {'x floor':>8} {'exit':>5}")
+print(f"{'tokens':>7} {'cache':>5} {'in-process s':>12} {'wall s':>8} {'peak GPU GiB':>12} {'floor s':>8} {'x floor':>8} {'job floor s':>11} {'x job':>6} {'exit':>5}")
 for line in open(f"{w}/long.rows"):
     t, temp, ms, wall, peak, rc = line.split()
     t = int(t)
-    # One path: every layer's GEMMs per prompt token, causal attention (QK and PV), the last
-    # token's logits; then 16 decode steps reading every weight once.
-    flops = 2 * L * params_layer * t + L * 2 * qd * t * t + 2 * v * h
-    floor = flops / ceil["bf16_flops"] + 16 * weight_bytes / ceil["bandwidth_Bps"]
+    gemms = 2 * L * params_layer * t
+    # Causal attention over the whole prompt, QK and PV; the two documents' chunks (each about
+    # half the prompt) attend within themselves: half of it.
+    attention = L * 2 * qd * t * t
+    decode = 16 * weight_bytes / ceil["bandwidth_Bps"]
+    # One path: every layer's GEMMs per prompt token, causal attention, the last token's
+    # logits; then 16 decode steps reading every weight once.
+    floor = (gemms + attention + 2 * v * h) / ceil["bf16_flops"] + decode
+    # The whole job: the standard reference, the path and the invariant's chunk-reuse:global
+    # reference each prefill the prompt (the last two chunk by chunk: half the attention), and
+    # comparing attn_probs scores every path row on both sides (QK only, half of a causal
+    # attention's FLOPs): against the standard's whole prefix, and against the global
+    # reference's chunks with the path's own, once; the decode steps read the weights once for
+    # all sides.
+    scores = attention / 2 + attention / 4 + attention / 4
+    job = (3 * gemms + 2 * attention + scores + 3 * 2 * v * h) / ceil["bf16_flops"] + decode
     s = float(ms) / 1e3 if ms != "nan" else float("nan")
-    print(f"{t:7d} {temp:>5} {s:12.3f} {int(wall)/1e3:8.2f} {int(peak)/1024:12.1f} {floor:8.4f} {s/floor:8.1f} {rc:>5}")
+    print(f"{t:7d} {temp:>5} {s:12.3f} {int(wall)/1e3:8.2f} {int(peak)/1024:12.1f} {floor:8.4f} {s/floor:8.1f} {job:11.4f} {s/job:6.1f} {rc:>5}")
 PY
