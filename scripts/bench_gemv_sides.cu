@@ -18,7 +18,7 @@
 // The kernels before: a warp per row, lane l dotting vectors l, l + 32, ... of the row with
 // every side's input into four accumulators, then the warp's butterfly.
 namespace before {
-__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
+__device__ __forceinline__ float dot8_fp32(uint4 a, uint4 b) {
     const unsigned int* pa = (const unsigned int*)&a;
     const unsigned int* pb = (const unsigned int*)&b;
     float acc = 0.0f;
@@ -55,16 +55,16 @@ __global__ void gemv_sides(Sides x, const bf16_t* __restrict__ w, Sides y, int k
         uint4 w2 = ld_stream(wr + i + 64), w3 = ld_stream(wr + i + 96);
 #pragma unroll
         for (int s = 0; s < S; s++) {
-            a[s][0] += dot8_bf16(w0, xv[s][i]);
-            a[s][1] += dot8_bf16(w1, xv[s][i + 32]);
-            a[s][2] += dot8_bf16(w2, xv[s][i + 64]);
-            a[s][3] += dot8_bf16(w3, xv[s][i + 96]);
+            a[s][0] += dot8_fp32(w0, xv[s][i]);
+            a[s][1] += dot8_fp32(w1, xv[s][i + 32]);
+            a[s][2] += dot8_fp32(w2, xv[s][i + 64]);
+            a[s][3] += dot8_fp32(w3, xv[s][i + 96]);
         }
     }
     for (int j = 0; i < vecs; i += 32, j++) {
         uint4 wv = ld_stream(wr + i);
 #pragma unroll
-        for (int s = 0; s < S; s++) add_at(a[s], j, dot8_bf16(wv, xv[s][i]));
+        for (int s = 0; s < S; s++) add_at(a[s], j, dot8_fp32(wv, xv[s][i]));
     }
     float out[S];
 #pragma unroll
