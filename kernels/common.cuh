@@ -111,6 +111,10 @@ __device__ __forceinline__ void pdl_trigger() {
         pdl_wait();    \
     } while (0)
 
+// Elements a thread of a row-wise kernel (norms) loads before it uses the first: one round
+// trip to memory per NORM_BATCH of its elements, not one each.
+#define NORM_BATCH 8
+
 // Several caches' decode steps in one launch (the `_sides` kernels): each side has its own
 // buffers, so a kernel takes one address per side of every buffer it reads or writes, and the
 // weights once. Each side's arithmetic is the single kernel's, unchanged. MAX_SIDES is

@@ -245,17 +245,39 @@ extern "C" __global__ void gemv_add_norm_bf16(const bf16_t* __restrict__ x,
 // writes the normalised row in f32 (the norm's tap). Dynamic shared memory: k bf16.
 __device__ void rms_norm_to_shared(const float* resid, const bf16_t* weight, int k, float eps,
                                    bf16_t* xs, float* norm_out, float* scratch, bool first) {
+    // Loads batched as add_rms_norm's (NORM_BATCH), in the same order.
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        float v = resid[i];
-        ss += v * v;
+    for (int base = threadIdx.x; base < k; base += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            v[u] = i < k ? resid[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            if (base + u * blockDim.x >= k) break;
+            ss += v[u] * v[u];
+        }
     }
     ss = block_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / k + eps);
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        float o = bf16_to_f32(weight[i]) * (resid[i] * inv);
-        xs[i] = f32_to_bf16(o);
-        if (first) norm_out[i] = o;
+    for (int base = threadIdx.x; base < k; base += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH], w[NORM_BATCH];
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            v[u] = i < k ? resid[i] : 0.0f;
+            w[u] = i < k ? bf16_to_f32(weight[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            if (i >= k) break;
+            float o = w[u] * (v[u] * inv);
+            xs[i] = f32_to_bf16(o);
+            if (first) norm_out[i] = o;
+        }
     }
     __syncthreads();
 }

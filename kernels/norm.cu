@@ -9,20 +9,46 @@ extern "C" __global__ void add_rms_norm(const float* x, const float* add, float*
     __shared__ float scratch[32];
     size_t row = (size_t)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = x[row + i];
-        if (add) {
-            v += add[row + i];
-            resid[row + i] = v;
+    // A thread's elements i, i + 256, ... in that order, NORM_BATCH of them loaded before the
+    // first is used: its stores (resid may be x) otherwise kept each load from starting before
+    // the store before it, one round trip to memory per element.
+    for (int base = threadIdx.x; base < dim; base += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH], a[NORM_BATCH];
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            v[u] = i < dim ? x[row + i] : 0.0f;
+            a[u] = add && i < dim ? add[row + i] : 0.0f;
         }
-        ss += v * v;
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            if (i >= dim) break;
+            if (add) {
+                v[u] += a[u];
+                resid[row + i] = v[u];
+            }
+            ss += v[u] * v[u];
+        }
     }
     ss = block_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / dim + eps);
     const float* src = add ? resid : x;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float y = bf16_to_f32(weight[i]) * (src[row + i] * inv);
-        out[row + i] = y;
-        out_bf16[row + i] = f32_to_bf16(y);
+    for (int base = threadIdx.x; base < dim; base += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH], w[NORM_BATCH];
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            v[u] = i < dim ? src[row + i] : 0.0f;
+            w[u] = i < dim ? bf16_to_f32(weight[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) {
+            int i = base + u * blockDim.x;
+            if (i >= dim) break;
+            float y = w[u] * (v[u] * inv);
+            out[row + i] = y;
+            out_bf16[row + i] = f32_to_bf16(y);
+        }
     }
 }
