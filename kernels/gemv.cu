@@ -14,7 +14,7 @@
 // it or the kernel: each side of a `_sides` launch gets the single kernel's bits. Dotting on the
 // FP32 pipes instead took about 100 instructions per 16 weight bytes a lane at five sides, and
 // left the GEMVs issue-bound at half the weights' bandwidth (scripts/bench_gemv_sides.cu).
-// Before sm_80 the same lanes load the same bytes and dot them on the FP32 pipes.
+// Before sm_80 a warp dots a whole row with every input on the FP32 pipes (see gemv_slice).
 // Needs k % 8 == 0 and 16-byte aligned rows and inputs (the host falls back to GEMMs
 // otherwise). Blocks of 256 threads, m / 8 of them, rounded up.
 #define GEMV_WARPS 8
@@ -108,42 +108,67 @@ __device__ __forceinline__ void gemv_slice(const bf16_t* const* w, const int* n0
         for (int i = 0; i < T; i++) gemv_mma(c[i], a, b, in ? ld_stream(wr[i] + 4 * j + t) : zero);
     }
 #else
-    // Lane (g, t) reads the same 16 bytes of row g per segment and dots them with every input on
-    // the FP32 pipes (the inputs' addresses from the lanes that hold them); the row's 4 lanes are
-    // then added, and each sum moved to the lane the MMAs leave it in.
-    const bf16_t* wr[T];
-#pragma unroll
-    for (int i = 0; i < T; i++) wr[i] = w[i] + (size_t)min(n0[i] + g, m - 1) * k;
+    // Warp q takes row q of each tile whole, as the kernels before the tensor cores did: lane
+    // l dots vectors l, l + 32, l + 64, l + 96, ... of the row with every input into four
+    // sums, then the warp's butterfly. The rows' sums go to warp 0 in the MMAs' layout, every
+    // other warp's being zeros, so the block's tree leaves them as they are. Dotting the
+    // tensor-core path's lanes on the FP32 pipes instead took 1.1-1.4x as long at five sides
+    // (scripts/bench_gemv_sides.sh, as sm_75 PTX on an H200).
+    (void)s0;
+    (void)s1;
+    __shared__ float rows[T][NS][GEMV_WARPS];
     const uint4* xs[NS];
 #pragma unroll
     for (int s = 0; s < NS; s++)
         xs[s] = (const uint4*)__shfl_sync(0xffffffffu, (unsigned long long)(s < 8 ? xa : xb),
                                           4 * (s & 7));
-    float acc[T][NS];
+    int vecs = k >> 3;
 #pragma unroll
-    for (int i = 0; i < T; i++)
+    for (int i = 0; i < T; i++) {
+        const uint4* wr = (const uint4*)(w[i] + (size_t)min(n0[i] + warp, m - 1) * k);
+        float a[NS][4];
 #pragma unroll
-        for (int s = 0; s < NS; s++) acc[i][s] = 0.0f;
-    for (int j = s0; j < s1; j++) {
-        if ((4 * j + t) * 8 >= k) continue;
+        for (int s = 0; s < NS; s++) a[s][0] = a[s][1] = a[s][2] = a[s][3] = 0.0f;
+        int v = lane;
+        for (; v + 96 < vecs; v += 128) {
+            uint4 w0 = ld_stream(wr + v), w1 = ld_stream(wr + v + 32);
+            uint4 w2 = ld_stream(wr + v + 64), w3 = ld_stream(wr + v + 96);
 #pragma unroll
-        for (int i = 0; i < T; i++) {
-            uint4 wv = ld_stream((const uint4*)wr[i] + 4 * j + t);
-#pragma unroll
-            for (int s = 0; s < NS; s++) acc[i][s] += dot8_bf16(wv, xs[s][4 * j + t]);
+            for (int s = 0; s < NS; s++) {
+                a[s][0] += dot8_bf16(w0, xs[s][v]);
+                a[s][1] += dot8_bf16(w1, xs[s][v + 32]);
+                a[s][2] += dot8_bf16(w2, xs[s][v + 64]);
+                a[s][3] += dot8_bf16(w3, xs[s][v + 96]);
+            }
         }
-    }
+        for (int q = 0; v < vecs; v += 32, q++) {
+            uint4 wv = ld_stream(wr + v);
 #pragma unroll
-    for (int i = 0; i < T; i++)
+            for (int s = 0; s < NS; s++) {
+                float d = dot8_bf16(wv, xs[s][v]);
+                if (q == 0) a[s][0] += d;
+                else if (q == 1) a[s][1] += d;
+                else a[s][2] += d;
+            }
+        }
 #pragma unroll
         for (int s = 0; s < NS; s++) {
-            float v = acc[i][s];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            float r0 = __shfl_sync(0xffffffffu, v, 8 * t), r1 = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-            if (s == g) c[i][0] = r0, c[i][1] = r1;
-            if (s == g + 8) c[i][2] = r0, c[i][3] = r1;
+            float r = (a[s][0] + a[s][1]) + (a[s][2] + a[s][3]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            if (lane == 0) rows[i][s][warp] = r;
         }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+        if (warp != 0) continue;
+#pragma unroll
+        for (int s = 0; s < NS; s++) {
+            if (s == g) c[i][0] = rows[i][s][2 * t], c[i][1] = rows[i][s][2 * t + 1];
+            if (s == g + 8) c[i][2] = rows[i][s][2 * t], c[i][3] = rows[i][s][2 * t + 1];
+        }
+    }
 #endif
 }
 

@@ -4,7 +4,8 @@
 # the kernels before are from kvdiff's (scripts/bench_gemv_sides.cu). Built for the default
 # passes of five sides and for sixteen (one tensor-core tile's inputs), then as PTX for sm_75,
 # which the driver compiles for this GPU with the FP32-pipe path of GPUs before sm_80 (the
-# tensor cores left out). Needs nvcc and one GPU.
+# tensor cores left out; that path is the kernels before's, so its distance to them is 0).
+# Needs nvcc and one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${TMPDIR:-/tmp}/bench_gemv_sides
