@@ -66,7 +66,9 @@ __device__ __forceinline__ void gemv_mma(float* c, uint4 a, uint4 b, uint4 w) {
 
 // Warp `warp`'s slice of T tiles (rows n0[i] .. n0[i] + 7 of w[i], m rows each) against NS
 // inputs, input g at xa in lanes (g, t) and input g + 8 at xb (read when TWO): c[i] gets, in lane
-// (g, t), input g at rows 2t and 2t + 1 of tile i, then input g + 8 at the same rows.
+// (g, t), input g at rows 2t and 2t + 1 of tile i, then input g + 8 at the same rows. Before
+// sm_80, warp 0's c holds the whole rows' sums and every other warp's zeros, and the block
+// meets at a barrier inside: every thread of the block must call it.
 template <int T, bool TWO, int NS>
 __device__ __forceinline__ void gemv_slice(const bf16_t* const* w, const int* n0, int m, int k,
                                            const bf16_t* xa, const bf16_t* xb, float (*c)[4]) {
