@@ -10,13 +10,14 @@
 // computed alone, in a chunk or in a whole prompt (cuBLAS picks kernels, and with them
 // summation orders, by shape).
 //
-// Block tile BM x BN over GEMM_BK = 64 columns of k at a time, GEMM_STAGES tiles in flight
+// Block tile BM x BN over BK (GEMM_BK = 64) columns of k at a time, STAGES tiles in flight
 // (cp.async), warps WM x WN each computing (BM / WM) x (BN / WN) with ldmatrix fragments.
-// Shared rows are 128 bytes (eight 16-byte chunks); chunk c of row r sits at c ^ (r % 8), so
-// that the eight rows an ldmatrix phase reads fall in distinct bank groups (32 columns a stage
-// left the kernel at half cuBLAS's rate at 16k rows: a barrier every two MMA steps). VEC: rows of x and w are 16-byte aligned (k % 8 == 0, aligned
-// bases) and tiles arrive by cp.async; otherwise element by element, with zeros past k.
-// Dynamic shared memory: GEMM_STAGES * (BM + BN) * GEMM_BK * 2 bytes.
+// Shared rows are BK * 2 bytes; chunk c (16 bytes) of row r sits at c ^ (r % 8), so that the
+// eight rows an ldmatrix phase reads fall in distinct bank groups (32 columns a stage left the
+// kernel at half cuBLAS's rate at 16k rows: a barrier every two MMA steps). VEC: rows of x and
+// w are 16-byte aligned (k % 8 == 0, aligned bases) and tiles arrive by cp.async; otherwise
+// element by element, with zeros past k. Dynamic shared memory: STAGES * (BM + BN) * BK * 2
+// bytes.
 
 #define GEMM_BK 64
 #define GEMM_STAGES 3
@@ -28,43 +29,89 @@ __device__ __forceinline__ unsigned gemm_smem(const void* p) {
     return a;
 }
 
-// The shared offset (in bf16) of chunk c of row r of a tile.
-__device__ __forceinline__ int gemm_at(int r, int c) { return r * GEMM_BK + 8 * (c ^ (r & 7)); }
+// The shared offset (in bf16) of chunk c of row r of a tile BK columns wide: the swizzle
+// flips the chunk's low three bits, within its 128 bytes.
+template <int BK>
+__device__ __forceinline__ int gemm_at(int r, int c) { return r * BK + 8 * (c ^ (r & 7)); }
 
-// Rows row0.. of `src` (rows x k), columns k0 .. k0 + GEMM_BK, into tile `dst` (R rows);
-// zeros past `rows` and past k.
-template <int R, int THREADS, bool VEC>
-__device__ __forceinline__ void gemm_load(bf16_t* dst, const bf16_t* src, int row0, int rows,
-                                          int k, int k0) {
+// Rows row0.. of `src` (rows x k), columns k0 .. k0 + BK, into tile `dst` (R rows), element
+// by element (rows of any alignment); zeros past `rows` and past k.
+template <int R, int THREADS, int BK>
+__device__ __forceinline__ void gemm_load_any(bf16_t* dst, const bf16_t* src, int row0, int rows,
+                                              int k, int k0) {
+    constexpr int C = BK / 8;
 #pragma unroll
-    for (int it = 0; it < (R * 8 + THREADS - 1) / THREADS; it++) {
+    for (int it = 0; it < (R * C + THREADS - 1) / THREADS; it++) {
         int q = threadIdx.x + it * THREADS;
-        if (q >= R * 8) break;
-        int r = q >> 3, c = q & 7, gr = row0 + r, gk = k0 + 8 * c;
-        bf16_t* d = dst + gemm_at(r, c);
-        if (VEC) {
-            bool full = gr < rows && gk < k;
-            const bf16_t* s = full ? src + (size_t)gr * k + gk : src;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(gemm_smem(d)),
-                         "l"(s), "r"(full ? 16 : 0));
-        } else {
-            unsigned v[4];
+        if (q >= R * C) break;
+        int r = q / C, c = q % C, gr = row0 + r, gk = k0 + 8 * c;
+        unsigned v[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                unsigned lo = 0, hi = 0;
-                if (gr < rows && gk + 2 * e < k) lo = src[(size_t)gr * k + gk + 2 * e];
-                if (gr < rows && gk + 2 * e + 1 < k) hi = src[(size_t)gr * k + gk + 2 * e + 1];
-                v[e] = lo | (hi << 16);
-            }
-            *(uint4*)d = make_uint4(v[0], v[1], v[2], v[3]);
+        for (int e = 0; e < 4; e++) {
+            unsigned lo = 0, hi = 0;
+            if (gr < rows && gk + 2 * e < k) lo = src[(size_t)gr * k + gk + 2 * e];
+            if (gr < rows && gk + 2 * e + 1 < k) hi = src[(size_t)gr * k + gk + 2 * e + 1];
+            v[e] = lo | (hi << 16);
         }
+        *(uint4*)(dst + gemm_at<BK>(r, c)) = make_uint4(v[0], v[1], v[2], v[3]);
     }
 }
 
-__device__ __forceinline__ void gemm_ldmatrix(unsigned* r, const bf16_t* p) {
+// One thread's share of a tile's cp.async loads (rows 16-byte aligned): for each of its
+// 16-byte chunks, its row in global memory (rows past the operand's end keep its first row
+// and read nothing), its column and its byte offset in a stage. Worked out once, so that a
+// step along k costs an add and a cp.async a chunk: with the addresses recomputed every step,
+// a block of a few rows issued ten instructions for each MMA and ran at a quarter of the
+// weights' bandwidth.
+template <int R, int THREADS, int BK>
+struct GemmChunks {
+    static constexpr int C = BK / 8, L = (R * C + THREADS - 1) / THREADS;
+    const bf16_t* src[L];
+    int col[L];
+    unsigned dst[L];
+    bool row_in[L];
+
+    __device__ __forceinline__ GemmChunks(const bf16_t* base, int row0, int rows, int k) {
+#pragma unroll
+        for (int it = 0; it < L; it++) {
+            int q = threadIdx.x + it * THREADS, r = q / C, c = q % C;
+            row_in[it] = q < R * C && row0 + r < rows;
+            src[it] = base + (row_in[it] ? (size_t)(row0 + r) * k : 0);
+            col[it] = 8 * c;
+            dst[it] = 2 * gemm_at<BK>(r, c);
+        }
+    }
+
+    // Columns k0 .. k0 + BK into the stage at shared address `stage`; zeros past k.
+    __device__ __forceinline__ void load(unsigned stage, int k, int k0) const {
+#pragma unroll
+        for (int it = 0; it < L; it++) {
+            if ((R * C) % THREADS != 0 && threadIdx.x + it * THREADS >= R * C) break;
+            int gk = k0 + col[it];
+            bool full = row_in[it] && gk < k;
+            const bf16_t* s = full ? src[it] + gk : src[it];
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + dst[it]),
+                         "l"(s), "r"(full ? 16 : 0));
+        }
+    }
+};
+
+// The byte offset in a stage of the 16-byte chunk (2 ks + h) of row r, as `gemm_at` places it,
+// for ks = 0: the offset for ks is `gemm_frag_at<BK>(o, ks)`. The swizzle flips the chunk's
+// low three bits within its 128 bytes, so a step of ks flips bits 5 and 6 of the offset.
+template <int BK>
+__device__ __forceinline__ unsigned gemm_frag_base(int r, int h) {
+    return 2 * r * BK + 16 * (h ^ (r & 7));
+}
+template <int BK>
+__device__ __forceinline__ unsigned gemm_frag_at(unsigned base, int ks) {
+    return 128 * (ks / 4) + (base ^ (32 * (ks % 4)));
+}
+
+__device__ __forceinline__ void gemm_ldmatrix(unsigned* r, unsigned shared) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(gemm_smem(p)));
+                 : "r"(shared));
 }
 
 __device__ __forceinline__ void gemm_mma(float* d, const unsigned* a, const unsigned* b) {
@@ -75,14 +122,14 @@ __device__ __forceinline__ void gemm_mma(float* d, const unsigned* a, const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <int BM, int BN, int WM, int WN, bool VEC>
+template <int BM, int BN, int WM, int WN, bool VEC, int BK = GEMM_BK, int STAGES = GEMM_STAGES>
 __device__ __forceinline__ void gemm_tile(const bf16_t* x, const bf16_t* w, float* y, int n,
                                           int k, int m) {
     constexpr int THREADS = WM * WN * 32, TM = BM / WM, TN = BN / WN;
     constexpr int MT = TM / 16, NT = TN / 8;
     extern __shared__ uint4 gemm_shared[];
     bf16_t* as = (bf16_t*)gemm_shared;
-    bf16_t* bs = as + GEMM_STAGES * BM * GEMM_BK;
+    bf16_t* bs = as + STAGES * BM * BK;
     int tiles_m = (m + BN - 1) / BN;
     int bm0 = (blockIdx.x / tiles_m) * BM, bn0 = (blockIdx.x % tiles_m) * BN;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -94,45 +141,58 @@ __device__ __forceinline__ void gemm_tile(const bf16_t* x, const bf16_t* w, floa
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
-    int ktiles = (k + GEMM_BK - 1) / GEMM_BK;
-#pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; s++) {
-        if (s < ktiles) {
-            gemm_load<BM, THREADS, VEC>(as + s * BM * GEMM_BK, x, bm0, n, k, s * GEMM_BK);
-            gemm_load<BN, THREADS, VEC>(bs + s * BN * GEMM_BK, w, bn0, m, k, s * GEMM_BK);
+    int ktiles = (k + BK - 1) / BK, kpad = (k + GEMM_BK - 1) / GEMM_BK * GEMM_BK;
+    GemmChunks<BM, THREADS, BK> xa(x, bm0, n, k);
+    GemmChunks<BN, THREADS, BK> wb(w, bn0, m, k);
+    constexpr unsigned SA = BM * BK * 2, SB = BN * BK * 2;
+    const unsigned a0 = gemm_smem(as), b0 = gemm_smem(bs);
+    auto load = [&](int s, int kt) {
+        if (VEC) {
+            xa.load(a0 + s * SA, k, kt * BK);
+            wb.load(b0 + s * SB, k, kt * BK);
+        } else {
+            gemm_load_any<BM, THREADS, BK>(as + s * BM * BK, x, bm0, n, k, kt * BK);
+            gemm_load_any<BN, THREADS, BK>(bs + s * BN * BK, w, bn0, m, k, kt * BK);
         }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles) load(s, s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
-    for (int kt = 0; kt < ktiles; kt++) {
-        // Tile kt has landed (at most GEMM_STAGES - 2 younger groups are pending), and every
-        // warp is done with the buffer the next load overwrites (the one read at kt - 1).
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(GEMM_STAGES - 2));
-        __syncthreads();
-        int nk = kt + GEMM_STAGES - 1;
-        if (nk < ktiles) {
-            int s = nk % GEMM_STAGES;
-            gemm_load<BM, THREADS, VEC>(as + s * BM * GEMM_BK, x, bm0, n, k, nk * GEMM_BK);
-            gemm_load<BN, THREADS, VEC>(bs + s * BN * GEMM_BK, w, bn0, m, k, nk * GEMM_BK);
-        }
-        asm volatile("cp.async.commit_group;\n" ::);
-        const bf16_t* a = as + (kt % GEMM_STAGES) * BM * GEMM_BK;
-        const bf16_t* b = bs + (kt % GEMM_STAGES) * BN * GEMM_BK;
+    // This lane's ldmatrix rows: A's rows 0-15 at chunk 0 (lanes 0-15) and 1 (16-31); B's w
+    // rows 0-7 at chunks 0 and 1, then rows 8-15 alike.
+    unsigned fa[MT], fb[NT / 2];
 #pragma unroll
-        for (int ks = 0; ks < GEMM_BK / 16; ks++) {
+    for (int i = 0; i < MT; i++) fa[i] = gemm_frag_base<BK>(wr + 16 * i + (lane & 15), lane >> 4);
+#pragma unroll
+    for (int j = 0; j < NT / 2; j++) {
+        int q = lane >> 3;
+        fb[j] = gemm_frag_base<BK>(wc + 16 * j + (q >> 1) * 8 + (lane & 7), q & 1);
+    }
+    int rs = 0, ws = STAGES - 1;
+    for (int kt = 0; kt < ktiles; kt++) {
+        // Tile kt has landed (at most STAGES - 2 younger groups are pending), and every
+        // warp is done with the buffer the next load overwrites (the one read at kt - 1).
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+        __syncthreads();
+        if (kt + STAGES - 1 < ktiles) load(ws, kt + STAGES - 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        const unsigned a = a0 + rs * SA, b = b0 + rs * SB;
+        rs = rs + 1 == STAGES ? 0 : rs + 1;
+        ws = ws + 1 == STAGES ? 0 : ws + 1;
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ks++) {
+            // The MMAs of a GEMM_BK-wide tile, zeros past k included, and no more: a wider
+            // tile runs exactly the narrow one's (an MMA of zeros may still turn -0 into +0).
+            if (BK > GEMM_BK && kt * BK + ks * 16 >= kpad) break;
             unsigned af[MT][4], bf[NT][2];
 #pragma unroll
-            for (int i = 0; i < MT; i++) {
-                // Matrices: rows 0-7 and 8-15 at k 0-7, then both at k 8-15 (the A fragment).
-                int r = wr + 16 * i + (lane & 15);
-                gemm_ldmatrix(af[i], a + gemm_at(r, 2 * ks + (lane >> 4)));
-            }
+            for (int i = 0; i < MT; i++) gemm_ldmatrix(af[i], a + gemm_frag_at<BK>(fa[i], ks));
 #pragma unroll
             for (int j = 0; j < NT / 2; j++) {
-                // Matrices: w rows (n) 0-7 at k 0-7 and 8-15, then rows 8-15 alike: the B
-                // fragments of two n8 tiles.
-                int q = lane >> 3, r = wc + 16 * j + (q >> 1) * 8 + (lane & 7);
                 unsigned t[4];
-                gemm_ldmatrix(t, b + gemm_at(r, 2 * ks + (q & 1)));
+                gemm_ldmatrix(t, b + gemm_frag_at<BK>(fb[j], ks));
                 bf[2 * j][0] = t[0];
                 bf[2 * j][1] = t[1];
                 bf[2 * j + 1][0] = t[2];
@@ -166,21 +226,24 @@ __device__ __forceinline__ void gemm_tile(const bf16_t* x, const bf16_t* w, floa
 }
 #endif
 
-#define GEMM_KERNEL(name, threads, BM, BN, WM, WN, VEC)                                          \
+#define GEMM_KERNEL(name, threads, BM, BN, WM, WN, VEC, STAGES)                                  \
     extern "C" __global__ void __launch_bounds__(threads)                                       \
         name(const bf16_t* x, const bf16_t* w, float* y, int n, int k, int m) {                 \
         PDL_ENTER();                                                                            \
-        GEMM_BODY(BM, BN, WM, WN, VEC)                                                          \
+        GEMM_BODY(BM, BN, WM, WN, VEC, STAGES)                                                  \
     }
 #if __CUDA_ARCH__ >= 800
-#define GEMM_BODY(BM, BN, WM, WN, VEC) gemm_tile<BM, BN, WM, WN, VEC>(x, w, y, n, k, m);
+#define GEMM_BODY(BM, BN, WM, WN, VEC, STAGES) \
+    gemm_tile<BM, BN, WM, WN, VEC, GEMM_BK, STAGES>(x, w, y, n, k, m);
 #else
-#define GEMM_BODY(BM, BN, WM, WN, VEC)
+#define GEMM_BODY(BM, BN, WM, WN, VEC, STAGES)
 #endif
 
-// Large (n and m each span many tiles), medium, small; `any` for rows that are not 16-byte
-// aligned. The host picks the largest tile that still gives every SM work (`Gpu::gemm_own`).
-GEMM_KERNEL(gemm_bf16_l, 256, 128, 128, 2, 4, true)
-GEMM_KERNEL(gemm_bf16_m, 128, 64, 64, 2, 2, true)
-GEMM_KERNEL(gemm_bf16_s, 128, 32, 32, 2, 2, true)
-GEMM_KERNEL(gemm_bf16_any, 128, 64, 64, 2, 2, false)
+// Large (n and m each span many tiles), medium, small, tiny (at most 16 rows: two warps, six
+// steps of k in flight); `any` for rows that are not 16-byte aligned. The host picks the
+// largest tile that still gives every SM work (`GemmTile::pick`).
+GEMM_KERNEL(gemm_bf16_l, 256, 128, 128, 2, 4, true, 3)
+GEMM_KERNEL(gemm_bf16_m, 128, 64, 64, 2, 2, true, 3)
+GEMM_KERNEL(gemm_bf16_s, 128, 32, 32, 2, 2, true, 4)
+GEMM_KERNEL(gemm_bf16_t, 64, 16, 32, 1, 2, true, 6)
+GEMM_KERNEL(gemm_bf16_any, 128, 64, 64, 2, 2, false, 3)

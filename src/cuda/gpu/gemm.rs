@@ -30,27 +30,32 @@ pub enum GemmTile {
     Medium,
     /// 32 x 32, 4 warps.
     Small,
+    /// 16 x 32, 2 warps, six steps of k in flight.
+    Tiny,
     /// 64 x 64, loading element by element: any k, any alignment.
     Unaligned,
 }
 
 impl GemmTile {
-    pub const ALL: [GemmTile; 4] = [
+    pub const ALL: [GemmTile; 5] = [
         GemmTile::Large,
         GemmTile::Medium,
         GemmTile::Small,
+        GemmTile::Tiny,
         GemmTile::Unaligned,
     ];
 
-    /// The aligned tile for `n` rows of `m` outputs on `sms` SMs. A few rows (chunked prefill's
-    /// chunks) take the smallest square that holds them in one row of tiles while every SM
-    /// still gets a block, else the small one: a large tile there is mostly padding (Qwen3-8B's
-    /// gate/up at 16 rows took 141 µs on the large tile, 84 on the small one; H100,
-    /// scripts/bench_gemm_tiles.cu). More rows take the largest tile that still gives every SM
-    /// a block (the medium one at half that), else the small one.
+    /// The aligned tile for `n` rows of `m` outputs on `sms` SMs. At most 16 rows (chunked
+    /// prefill's chunks) take the tiny tile and at most 32 the small one: a larger tile there is
+    /// mostly padding, and a block's time is its walk along k, which the tiny tile's six steps
+    /// in flight shorten most (Qwen3-8B's down projection at 16 rows: 46 µs tiny, 74 small, 81
+    /// medium, 146 large; H200, scripts/bench_gemm_tiles.cu). More rows take the largest tile
+    /// that still gives every SM a block (the medium one at half that), else the small one.
     pub fn pick(n: usize, m: usize, sms: usize) -> GemmTile {
         let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
-        if n <= 32 {
+        if n <= 16 {
+            GemmTile::Tiny
+        } else if n <= 32 {
             GemmTile::Small
         } else if n <= 64 {
             if tiles(64) >= sms {
@@ -65,6 +70,20 @@ impl GemmTile {
         } else {
             GemmTile::Small
         }
+    }
+
+    /// The kernel, its rows and columns of a block, its threads and its shared memory in
+    /// bytes (`STAGES * (BM + BN) * 64 * 2`, as `kernels/gemm.cu` instantiates it).
+    fn kernel(self) -> (&'static str, usize, usize, u32, u32) {
+        let (name, bm, bn, threads, stages) = match self {
+            GemmTile::Large => ("gemm_bf16_l", 128, 128, 256, 3),
+            GemmTile::Medium => ("gemm_bf16_m", 64, 64, 128, 3),
+            GemmTile::Small => ("gemm_bf16_s", 32, 32, 128, 4),
+            GemmTile::Tiny => ("gemm_bf16_t", 16, 32, 64, 6),
+            GemmTile::Unaligned => ("gemm_bf16_any", 64, 64, 128, 3),
+        };
+        let shared = stages * (bm + bn) * 64 * 2;
+        (name, bm, bn, threads, shared as u32)
     }
 
     /// Whether the tile can take operands at `x` and `w` with rows `k` long: all but
@@ -189,22 +208,15 @@ impl Gpu {
             tile.takes(k, x, w),
             "{tile:?} tiles need 16-byte aligned rows"
         );
-        let (kernel, side, threads) = match tile {
-            GemmTile::Large => ("gemm_bf16_l", 128, 256),
-            GemmTile::Medium => ("gemm_bf16_m", 64, 128),
-            GemmTile::Small => ("gemm_bf16_s", 32, 128),
-            GemmTile::Unaligned => ("gemm_bf16_any", 64, 128),
-        };
-        let blocks = n.div_ceil(side) * m.div_ceil(side);
-        // GEMM_STAGES tiles of both operands, GEMM_BK bf16 columns each.
-        let shared = 3 * 2 * side * 64 * 2;
+        let (kernel, bm, bn, threads, shared) = tile.kernel();
+        let blocks = n.div_ceil(bm) * m.div_ceil(bn);
         let label = || format!("gemm n={n} {k}x{m}");
         self.launch_as(
             kernel,
             label,
             blocks as u32,
             threads,
-            shared as u32,
+            shared,
             &[
                 Arg::Ptr(x),
                 Arg::Ptr(w),
@@ -229,13 +241,15 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::GemmTile::{self, Large, Medium, Small};
+    use super::GemmTile::{self, Large, Medium, Small, Tiny};
 
     #[test]
     fn few_rows_take_a_tile_they_fill_and_many_rows_the_largest_that_fills_the_gpu() {
-        // Qwen3-8B's shapes on 132 SMs, each the fastest of the three tiles measured there.
+        // Qwen3-8B's shapes on 132 SMs, each the fastest of kvdiff's tiles measured there
+        // (scripts/bench_gemm_tiles.cu; at 16 rows of gate/up the tiny and small tiles tie).
         let h100 = |n, m| GemmTile::pick(n, m, 132);
-        assert_eq!(h100(16, 24576), Small);
+        assert_eq!(h100(16, 24576), Tiny);
+        assert_eq!(h100(16, 4096), Tiny);
         assert_eq!(h100(32, 6144), Small);
         assert_eq!(h100(64, 24576), Medium);
         assert_eq!(h100(64, 4096), Small);

@@ -37,6 +37,7 @@ pub(super) const KERNELS: &[&str] = &[
     "gemm_bf16_l",
     "gemm_bf16_m",
     "gemm_bf16_s",
+    "gemm_bf16_t",
     "gemm_bf16_any",
     "gemv_add_norm_bf16",
     "gemv_norm_bf16",
