@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
         {"M before", tile_before<64, 64, 2, 2>, 64, 64, 128, 3 * 128 * 64 * 2, 1 << 30},
         {"S before", tile_before<32, 32, 2, 2>, 32, 32, 128, 3 * 64 * 64 * 2, 1 << 30},
 #endif
-        variant<128, 128, 2, 4>("L"),
+        variant<128, 128, 2, 4, 128, 2>("L"),
         variant<64, 64, 2, 2>("M"),
         variant<32, 32, 2, 2, 64, 4>("S"),
         variant<16, 32, 1, 2, 64, 6>("T", 32),
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
         variant<64, 64, 2, 2, 64, 4>("64x64 s4"),
         variant<64, 64, 2, 2, 128, 3>("64x64 k128 s3"),
         variant<64, 128, 2, 4, 64, 3>("64x128"),
-        variant<128, 128, 2, 4, 128, 2>("128x128 k128 s2"),
+        variant<128, 128, 2, 4, 64, 3>("128x128 k64 s3"),
     };
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));

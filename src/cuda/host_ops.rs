@@ -281,7 +281,7 @@ pub fn gemm_bf16(gpu: &Gpu, x: &[f32], w: &[f32], n: usize, m: usize) -> Vec<f32
 
 /// `gemm_bf16` by one tile shape of `kernels/gemm.cu`, the product's rows starting `offset`
 /// bf16 values into their buffer (so that the rows may be misaligned); None where the tile
-/// cannot take them or the GPU has no tiled GEMM.
+/// cannot take them, the GPU has no tiled GEMM or too little shared memory for the tile.
 pub fn gemm_bf16_tiled(
     gpu: &Gpu,
     tile: GemmTile,
@@ -296,7 +296,7 @@ pub fn gemm_bf16_tiled(
     xb.extend(bits(x));
     let (dx, dw) = (gpu.upload(&xb), gpu.upload(&bits(w)));
     let (px, pw) = (ptr(gpu, &dx, offset), ptr(gpu, &dw, 0));
-    if !gpu.has_tiled_gemm() || !tile.takes(k, px, pw) {
+    if !gpu.has_tiled_gemm() || !tile.takes(k, px, pw) || !gpu.gemm_tile_fits(tile) {
         return None;
     }
     let y = poison_f32(gpu, n * m);

@@ -24,7 +24,7 @@ pub(super) enum Gemm {
 /// The tile shapes of `kernels/gemm.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmTile {
-    /// 128 x 128, 8 warps.
+    /// 128 x 128, 8 warps, 128 columns of k a step.
     Large,
     /// 64 x 64, 4 warps.
     Medium,
@@ -73,16 +73,16 @@ impl GemmTile {
     }
 
     /// The kernel, its rows and columns of a block, its threads and its shared memory in
-    /// bytes (`STAGES * (BM + BN) * 64 * 2`, as `kernels/gemm.cu` instantiates it).
+    /// bytes (`STAGES * (BM + BN) * BK * 2`, as `kernels/gemm.cu` instantiates it).
     fn kernel(self) -> (&'static str, usize, usize, u32, u32) {
-        let (name, bm, bn, threads, stages) = match self {
-            GemmTile::Large => ("gemm_bf16_l", 128, 128, 256, 3),
-            GemmTile::Medium => ("gemm_bf16_m", 64, 64, 128, 3),
-            GemmTile::Small => ("gemm_bf16_s", 32, 32, 128, 4),
-            GemmTile::Tiny => ("gemm_bf16_t", 16, 32, 64, 6),
-            GemmTile::Unaligned => ("gemm_bf16_any", 64, 64, 128, 3),
+        let (name, bm, bn, threads, bk, stages) = match self {
+            GemmTile::Large => ("gemm_bf16_l", 128, 128, 256, 128, 2),
+            GemmTile::Medium => ("gemm_bf16_m", 64, 64, 128, 64, 3),
+            GemmTile::Small => ("gemm_bf16_s", 32, 32, 128, 64, 4),
+            GemmTile::Tiny => ("gemm_bf16_t", 16, 32, 64, 64, 6),
+            GemmTile::Unaligned => ("gemm_bf16_any", 64, 64, 128, 64, 3),
         };
-        let shared = stages * (bm + bn) * 64 * 2;
+        let shared = stages * (bm + bn) * bk * 2;
         (name, bm, bn, threads, shared as u32)
     }
 
@@ -158,10 +158,14 @@ impl Gpu {
     pub(super) fn gemm_bf16_now(&self, x: u64, w: u64, y: u64, n: usize, k: usize, m: usize) {
         let blas = match &self.gemm {
             Gemm::Own => {
-                let tile = if GemmTile::Large.takes(k, x, w) {
-                    GemmTile::pick(n, m, self.sms)
-                } else {
-                    GemmTile::Unaligned
+                let tile = match GemmTile::Large.takes(k, x, w) {
+                    true => GemmTile::pick(n, m, self.sms),
+                    false => GemmTile::Unaligned,
+                };
+                // The large tile's 128 KiB of shared memory is more than sm_86/sm_89 lend.
+                let tile = match self.gemm_tile_fits(tile) {
+                    true => tile,
+                    false => GemmTile::Medium,
                 };
                 return self.gemm_tiled(tile, x, w, y, n, k, m);
             }
@@ -231,6 +235,11 @@ impl Gpu {
     /// The GPU's streaming multiprocessors.
     pub fn sm_count(&self) -> usize {
         self.sms
+    }
+
+    /// Whether a block of `tile` gets the shared memory it needs on this GPU.
+    pub fn gemm_tile_fits(&self, tile: GemmTile) -> bool {
+        tile.kernel().4 as usize <= self.shared_optin
     }
 
     /// Whether `kernels/gemm.cu` runs on this GPU.

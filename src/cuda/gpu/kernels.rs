@@ -179,7 +179,7 @@ pub(super) fn load_kernels(
     let mut shared = 0;
     if major >= 8 {
         // The tensor-core attention kernels hold more than the default 48 KiB of dynamic
-        // shared memory per block (up to 102 KiB at head_dim 128), the large GEMM tile 96 KiB;
+        // shared memory per block (up to 102 KiB at head_dim 128), the large GEMM tile 128 KiB;
         // sm_80 and later allow it on request, up to the device's limit.
         let limit = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)

@@ -131,6 +131,8 @@ pub struct Gpu {
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
     tensor_core_shared: Option<usize>,
+    /// Dynamic shared memory a block may hold on request, in bytes.
+    shared_optin: usize,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -324,6 +326,7 @@ impl Gpu {
             tensor_core_shared: (major >= 8
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
+            shared_optin,
         });
         if !gpu.gemm_needs_warm_up() {
             return Ok(gpu);
