@@ -10,7 +10,7 @@
 // computed alone, in a chunk or in a whole prompt (cuBLAS picks kernels, and with them
 // summation orders, by shape).
 //
-// Block tile BM x BN over BK (GEMM_BK = 64) columns of k at a time, STAGES tiles in flight
+// Block tile BM x BN over BK columns of k at a time (64, the large tile 128), STAGES in flight
 // (cp.async), warps WM x WN each computing (BM / WM) x (BN / WN) with ldmatrix fragments.
 // Shared rows are BK * 2 bytes; chunk c (16 bytes) of row r sits at c ^ (r % 8), so that the
 // eight rows an ldmatrix phase reads fall in distinct bank groups (32 columns a stage left the
@@ -97,13 +97,12 @@ struct GemmChunks {
 };
 
 // The byte offset in a stage of the 16-byte chunk (2 ks + h) of row r, as `gemm_at` places it,
-// for ks = 0: the offset for ks is `gemm_frag_at<BK>(o, ks)`. The swizzle flips the chunk's
+// for ks = 0: the offset for ks is `gemm_frag_at(o, ks)`. The swizzle flips the chunk's
 // low three bits within its 128 bytes, so a step of ks flips bits 5 and 6 of the offset.
 template <int BK>
 __device__ __forceinline__ unsigned gemm_frag_base(int r, int h) {
     return 2 * r * BK + 16 * (h ^ (r & 7));
 }
-template <int BK>
 __device__ __forceinline__ unsigned gemm_frag_at(unsigned base, int ks) {
     return 128 * (ks / 4) + (base ^ (32 * (ks % 4)));
 }
@@ -188,11 +187,11 @@ __device__ __forceinline__ void gemm_tile(const bf16_t* x, const bf16_t* w, floa
             if (BK > GEMM_BK && kt * BK + ks * 16 >= kpad) break;
             unsigned af[MT][4], bf[NT][2];
 #pragma unroll
-            for (int i = 0; i < MT; i++) gemm_ldmatrix(af[i], a + gemm_frag_at<BK>(fa[i], ks));
+            for (int i = 0; i < MT; i++) gemm_ldmatrix(af[i], a + gemm_frag_at(fa[i], ks));
 #pragma unroll
             for (int j = 0; j < NT / 2; j++) {
                 unsigned t[4];
-                gemm_ldmatrix(t, b + gemm_frag_at<BK>(fb[j], ks));
+                gemm_ldmatrix(t, b + gemm_frag_at(fb[j], ks));
                 bf[2 * j][0] = t[0];
                 bf[2 * j][1] = t[1];
                 bf[2 * j + 1][0] = t[2];
@@ -239,7 +238,7 @@ __device__ __forceinline__ void gemm_tile(const bf16_t* x, const bf16_t* w, floa
 #define GEMM_BODY(BM, BN, WM, WN, VEC, BK, STAGES)
 #endif
 
-// Large (n and m each span many tiles: 128 columns of k a step, two steps in flight, 5-10%
+// Large (n and m each span many tiles: 128 columns of k a step, two steps in flight, 3-7%
 // faster than 64 and three at 368-2048 rows of Qwen3-8B's shapes), medium, small, tiny (at
 // most 16 rows: two warps, six steps of k in flight); `any` for rows that are not 16-byte
 // aligned. The host picks the largest tile that still gives every SM work (`GemmTile::pick`).

@@ -266,4 +266,35 @@ mod tests {
         assert_eq!(h100(176, 24576), Large);
         assert_eq!(h100(2048, 4096), Large);
     }
+
+    #[test]
+    fn each_tile_launches_as_kernels_gemm_cu_instantiates_it() {
+        // A block launched with other threads or less shared memory than its kernel was built
+        // for computes garbage or nothing, and only a GPU would show it: the launch table is
+        // held to the instantiations, `GEMM_KERNEL(name, threads, BM, BN, WM, WN, VEC, BK,
+        // STAGES)`.
+        let src = include_str!("../../../kernels/gemm.cu");
+        let built: Vec<Vec<&str>> = src
+            .lines()
+            .filter_map(|l| l.strip_prefix("GEMM_KERNEL(")?.strip_suffix(')'))
+            .map(|args| args.split(',').map(str::trim).collect())
+            .collect();
+        assert_eq!(built.len(), GemmTile::ALL.len(), "{built:?}");
+        for tile in GemmTile::ALL {
+            let (name, bm, bn, threads, shared) = tile.kernel();
+            let a = built
+                .iter()
+                .find(|a| a[0] == name)
+                .unwrap_or_else(|| panic!("{name} is not instantiated"));
+            let int = |i: usize| a[i].parse::<usize>().expect("a number");
+            assert_eq!(
+                (int(1), int(2), int(3)),
+                (threads as usize, bm, bn),
+                "{name}"
+            );
+            assert_eq!(int(4) * int(5) * 32, threads as usize, "{name}: warps");
+            assert_eq!(int(8) * (bm + bn) * int(7) * 2, shared as usize, "{name}");
+            assert_eq!(a[6] == "true", tile != GemmTile::Unaligned, "{name}: VEC");
+        }
+    }
 }
