@@ -51,7 +51,17 @@ impl GemmTile {
     /// in flight shorten most (Qwen3-8B's down projection at 16 rows: 46 µs tiny, 74 small, 81
     /// medium, 146 large; H200, scripts/bench_gemm_tiles.cu). More rows take the largest tile
     /// that still gives every SM a block (the medium one at half that), else the small one.
-    pub fn pick(n: usize, m: usize, sms: usize) -> GemmTile {
+    /// A tile needing more dynamic shared memory than a block may hold (`shared_limit` bytes:
+    /// the large tile's 128 KiB on sm_86 and sm_89) gives way to the medium one.
+    pub fn pick(n: usize, m: usize, sms: usize, shared_limit: usize) -> GemmTile {
+        let tile = Self::by_shape(n, m, sms);
+        match tile.shared_bytes() <= shared_limit {
+            true => tile,
+            false => GemmTile::Medium,
+        }
+    }
+
+    fn by_shape(n: usize, m: usize, sms: usize) -> GemmTile {
         let tiles = |t: usize| n.div_ceil(t) * m.div_ceil(t);
         if n <= 16 {
             GemmTile::Tiny
@@ -84,6 +94,11 @@ impl GemmTile {
         };
         let shared = stages * (bm + bn) * bk * 2;
         (name, bm, bn, threads, shared as u32)
+    }
+
+    /// The dynamic shared memory a block of the tile holds, in bytes.
+    pub fn shared_bytes(self) -> usize {
+        self.kernel().4 as usize
     }
 
     /// Whether the tile can take operands at `x` and `w` with rows `k` long: all but
@@ -159,13 +174,8 @@ impl Gpu {
         let blas = match &self.gemm {
             Gemm::Own => {
                 let tile = match GemmTile::Large.takes(k, x, w) {
-                    true => GemmTile::pick(n, m, self.sms),
+                    true => GemmTile::pick(n, m, self.sms, self.shared_optin),
                     false => GemmTile::Unaligned,
-                };
-                // The large tile's 128 KiB of shared memory is more than sm_86/sm_89 lend.
-                let tile = match self.gemm_tile_fits(tile) {
-                    true => tile,
-                    false => GemmTile::Medium,
                 };
                 return self.gemm_tiled(tile, x, w, y, n, k, m);
             }
@@ -239,7 +249,7 @@ impl Gpu {
 
     /// Whether a block of `tile` gets the shared memory it needs on this GPU.
     pub fn gemm_tile_fits(&self, tile: GemmTile) -> bool {
-        tile.kernel().4 as usize <= self.shared_optin
+        tile.shared_bytes() <= self.shared_optin
     }
 
     /// Whether `kernels/gemm.cu` runs on this GPU.
@@ -256,7 +266,7 @@ mod tests {
     fn few_rows_take_a_tile_they_fill_and_many_rows_the_largest_that_fills_the_gpu() {
         // Qwen3-8B's shapes on 132 SMs, each the fastest of kvdiff's tiles measured there
         // (scripts/bench_gemm_tiles.cu; at 16 rows of gate/up the tiny and small tiles tie).
-        let h100 = |n, m| GemmTile::pick(n, m, 132);
+        let h100 = |n, m| GemmTile::pick(n, m, 132, 227 << 10);
         assert_eq!(h100(16, 24576), Tiny);
         assert_eq!(h100(16, 4096), Tiny);
         assert_eq!(h100(32, 6144), Small);
@@ -265,6 +275,12 @@ mod tests {
         assert_eq!(h100(176, 6144), Medium);
         assert_eq!(h100(176, 24576), Large);
         assert_eq!(h100(2048, 4096), Large);
+        // An RTX 4090 (sm_89: 128 SMs, 99 KiB a block) has no room for the large tile.
+        let ada = |n, m| GemmTile::pick(n, m, 128, 99 << 10);
+        assert_eq!(ada(2048, 4096), Medium);
+        assert_eq!(ada(176, 24576), Medium);
+        assert_eq!(ada(16, 4096), Tiny);
+        assert_eq!(ada(32, 6144), Small);
     }
 
     #[test]
