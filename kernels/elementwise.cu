@@ -108,3 +108,21 @@ extern "C" __global__ void any_nonfinite_bf16(const unsigned short* x, int n, in
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         if ((x[i] & 0x7f80) == 0x7f80) *flag = 1;
 }
+
+// flags[job's flag] = 1 when the job's two word ranges differ in any bit. Jobs are four u64
+// each (a, b, words, flag); `per` blocks share a job, each striding over its words. A block
+// whose flag is already set leaves at once: ranges that differ are told apart after a few
+// blocks, ranges that match are read whole. Whether two KV caches hold the same bits.
+extern "C" __global__ void words_differ(const unsigned long long* jobs, int per, int* flags) {
+    PDL_ENTER();
+    const unsigned long long* j = jobs + 4 * (blockIdx.x / per);
+    volatile int* flag = flags + j[3];
+    if (*flag) return;
+    const unsigned* a = (const unsigned*)j[0];
+    const unsigned* b = (const unsigned*)j[1];
+    long long n = (long long)j[2], stride = (long long)per * blockDim.x;
+    int differ = 0;
+    for (long long i = (long long)(blockIdx.x % per) * blockDim.x + threadIdx.x; i < n; i += stride)
+        differ |= a[i] != b[i];
+    if (__syncthreads_or(differ) && threadIdx.x == 0) *flag = 1;
+}

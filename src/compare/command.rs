@@ -104,6 +104,17 @@ fn check(o: &CompareOptions) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of one layer's bf16 weights (attention and MLP), from the model's config alone, read
+/// before the GPU opens; 0 where it cannot be read (loading the model then says why).
+fn layer_bytes(model: Option<&Path>) -> usize {
+    let source = crate::io::model_source::ModelSource::from_arg(model);
+    let Ok(c) = source.and_then(|s| crate::engine::config::Config::load(&s)) else {
+        return 0;
+    };
+    let h = c.hidden_size;
+    2 * (h * (2 * c.q_dim() + 2 * c.kv_dim()) + 3 * h * c.intermediate_size)
+}
+
 /// Runs a whole comparison and judges it.
 pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
     check(o)?;
@@ -114,7 +125,7 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
         // Every path in one lockstep: the paths, the reference, and chunk-reuse:global or
         // blend:1 = standard where an invariant needs one (the kernels, compiled as the GPU
         // opens, take passes of up to that many sides).
-        crate::cuda::expect_sides(targets.len() + 2);
+        crate::cuda::expect_sides(targets.len() + 2, layer_bytes(o.model));
         require_cuda()?;
     }
     let profile = match o.noise_profile {

@@ -273,8 +273,22 @@ impl CompareSpec<'_> {
         let mut run = Lockstep {
             refs: ref_runs,
             lanes: lane_runs,
+            twins: Vec::new(),
         };
         run.decode(self, taps, &mut dumps, &mut memo);
+        if crate::support::progress::verbosity() >= 2 {
+            for (lane, twin) in lanes.iter().zip(&run.twins) {
+                let of = match twin {
+                    Some(Twin::Reference(r)) => run.refs[*r].spec.reference.to_string(),
+                    Some(Twin::Lane(j)) => lanes[*j].name.clone(),
+                    None => continue,
+                };
+                eprintln!(
+                    "kvdiff: {}: decode steps are {of}'s (the same cache bits after the prefills)",
+                    lane.name
+                );
+            }
+        }
         memo.finish();
         let mut replay = dumps.replay.take();
         let reference = self.reference.to_string();
@@ -332,10 +346,27 @@ fn hand_over(mut held: Vec<&mut Comparator<'_>>, rec: ReferenceRecorder) {
     }
 }
 
-/// The decode loop's state: the references' runs and the paths'.
+/// The decode loop's state: the references' runs and the paths', and per path the side
+/// whose decode steps stand for its own.
 struct Lockstep<'s, 'c> {
     refs: Vec<RefRun<'s>>,
     lanes: Vec<LaneRun<'s, 'c>>,
+    twins: Vec<Option<Twin>>,
+}
+
+/// A side whose cache held the same bits as a path's when the prefills were done: fed the
+/// same token at the same position under the same cascade split each step, through the same
+/// model, its decode steps compute what the path's would, bit for bit, so they are run once
+/// and their taps offered to both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Twin {
+    Reference(usize),
+    Lane(usize),
+}
+
+/// Whether paths may share a twin's decode steps (`KVDIFF_SHARED_STEPS=0` runs every side's).
+fn shared_steps() -> bool {
+    std::env::var("KVDIFF_SHARED_STEPS").as_deref() != Ok("0")
 }
 
 impl Lockstep<'_, '_> {
@@ -353,6 +384,10 @@ impl Lockstep<'_, '_> {
         let model = spec.path_model;
         let together = self.refs.iter().all(|r| std::ptr::eq(r.spec.model, model))
             && self.lanes.iter().all(|l| std::ptr::eq(l.model, model));
+        self.twins = match together && shared_steps() {
+            true => self.find_twins(model),
+            false => vec![None; self.lanes.len()],
+        };
         let mut step = 0;
         while step < spec.max_new_tokens {
             if together && step + 1 < spec.max_new_tokens {
@@ -402,7 +437,7 @@ impl Lockstep<'_, '_> {
                 ..Batch::new(&fed, &pos)
             };
             let ref_span = span("compare: reference decode step");
-            let Lockstep { refs, lanes } = &mut *self;
+            let Lockstep { refs, lanes, twins } = &mut *self;
             for (i, r) in refs.iter_mut().enumerate() {
                 let rec = match memo.replayed(step).filter(|_| i == 0) {
                     Some((rec, l)) => {
@@ -442,15 +477,83 @@ impl Lockstep<'_, '_> {
             }
             drop(ref_span);
             let _span = span("compare: path decode step");
-            for lane in &mut self.lanes {
+            for (i, twin) in twins.iter().enumerate() {
+                let (earlier, rest) = lanes.split_at_mut(i);
+                let lane = &mut rest[0];
                 let mut fan = Fan::new(&mut lane.cmps);
                 let sink = &mut *dumps.path_sink(&mut fan);
-                let l = lane
-                    .model
-                    .forward_step(batch(lane.split), &mut lane.cache, step, sink);
-                lane.logits = l;
+                lane.logits = match *twin {
+                    None => lane
+                        .model
+                        .forward_step(batch(lane.split), &mut lane.cache, step, sink),
+                    Some(twin) => {
+                        let (cache, logits) = match twin {
+                            Twin::Reference(r) => {
+                                let r = &mut refs[r];
+                                (&mut r.cache, &r.logits)
+                            }
+                            Twin::Lane(j) => {
+                                let l = &mut earlier[j];
+                                (&mut l.cache, &l.logits)
+                            }
+                        };
+                        let offered =
+                            lane.model
+                                .offer_last_step(batch(lane.split), cache, step, sink);
+                        match (offered, logits.again()) {
+                            (true, Some(l)) => l,
+                            _ => unreachable!("a twin's step is offered where it ran"),
+                        }
+                    }
+                };
             }
         }
+    }
+
+    /// Per path, an earlier side (a reference, else a path) whose cache holds the same bits
+    /// as the path's, fed the same way (`Twin`); none where the device cannot tell. Equal
+    /// bits are transitive, so a path whose match is itself a twin also matches that one's
+    /// twin, which comes earlier among its candidates.
+    fn find_twins(&mut self, model: &Model) -> Vec<Option<Twin>> {
+        let _span = span("compare: twins found (caches compared on the GPU)");
+        let refs = self.refs.len();
+        let key = |cache: &KvCache, split: usize| (split, cache.positions.clone());
+        let sides: Vec<_> = (self.refs.iter().map(|r| key(&r.cache, r.split)))
+            .chain(self.lanes.iter().map(|l| key(&l.cache, l.split)))
+            .collect();
+        let candidates: Vec<Vec<usize>> = (0..self.lanes.len())
+            .map(|i| {
+                (0..refs + i)
+                    .filter(|&side| sides[side] == sides[refs + i])
+                    .collect()
+            })
+            .collect();
+        let pairs: Vec<(usize, usize)> = candidates
+            .iter()
+            .enumerate()
+            .flat_map(|(i, c)| c.iter().map(move |&side| (side, refs + i)))
+            .collect();
+        let mut twins = vec![None; self.lanes.len()];
+        if pairs.is_empty() {
+            return twins;
+        }
+        let mut caches: Vec<&mut KvCache> = (self.refs.iter_mut().map(|r| &mut r.cache))
+            .chain(self.lanes.iter_mut().map(|l| &mut l.cache))
+            .collect();
+        let Some(same) = model.same_caches(&mut caches, &pairs) else {
+            return twins;
+        };
+        for (&(side, lane), same) in pairs.iter().zip(same) {
+            let i = lane - refs;
+            let free = side < refs || twins[side - refs].is_none();
+            if same && free && twins[i].is_none() {
+                twins[i] = Some(match side < refs {
+                    true => Twin::Reference(side),
+                    false => Twin::Lane(side - refs),
+                });
+            }
+        }
+        twins
     }
 
     /// Every side's step of `tokens` at `positions` (the references', then the paths'), each
@@ -464,13 +567,14 @@ impl Lockstep<'_, '_> {
             cascade_split: split,
             ..Batch::new(tokens, positions)
         };
+        // A path with a twin has no steps of its own.
+        let own = self.lanes.iter_mut().zip(&self.twins);
         self.refs
             .iter_mut()
             .map(|r| (batch(r.split), &mut r.cache))
             .chain(
-                self.lanes
-                    .iter_mut()
-                    .map(|l| (batch(l.split), &mut l.cache)),
+                own.filter(|(_, twin)| twin.is_none())
+                    .map(|(l, _)| (batch(l.split), &mut l.cache)),
             )
             .collect()
     }

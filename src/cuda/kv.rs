@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::gpu::{ptr, Gpu};
+use super::gpu::{ptr, Arg, Gpu};
 use crate::engine::kv_cache::{DeviceKv, KvCache};
 use crate::tap::{emit, Device, DeviceTap, LayerTap, TapId, TapSink};
 
@@ -305,4 +305,69 @@ impl DeviceKv for CudaKv {
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
+}
+
+/// Which of `pairs` (indices into `caches`) hold the same entries bit for bit: every layer's
+/// keys and values compared on the GPU in one launch, one flag a pair read back. A cache with
+/// no device copy, or one behind its host entries, matches nothing.
+pub(crate) fn same_entries(
+    gpu: &Gpu,
+    caches: &mut [&mut KvCache],
+    pairs: &[(usize, usize)],
+) -> Vec<bool> {
+    let buffers: Vec<Option<(Vec<u64>, usize)>> = caches
+        .iter_mut()
+        .map(|cache| {
+            let n = cache.len();
+            let kv = cache.device_mut::<CudaKv>()?;
+            let layers = kv.keys.len();
+            let bufs = (0..layers)
+                .flat_map(|l| [kv.key_ptr(l), kv.value_ptr(l)])
+                .collect();
+            (kv.len == n).then_some((bufs, n * kv.kv_dim))
+        })
+        .collect();
+    let comparable: Vec<bool> = pairs
+        .iter()
+        .map(|&(a, b)| match (&buffers[a], &buffers[b]) {
+            (Some((x, wa)), Some((y, wb))) => wa == wb && x.len() == y.len(),
+            _ => false,
+        })
+        .collect();
+    let mut jobs: Vec<u64> = Vec::new();
+    let mut most = 0;
+    for (p, &(a, b)) in pairs.iter().enumerate().filter(|(p, _)| comparable[*p]) {
+        let ((x, words), (y, _)) = (buffers[a].as_ref().unwrap(), buffers[b].as_ref().unwrap());
+        most = most.max(*words);
+        for (&pa, &pb) in x.iter().zip(y) {
+            jobs.extend([pa, pb, *words as u64, p as u64]);
+        }
+    }
+    let differ = match jobs.is_empty() || most == 0 {
+        true => vec![0; pairs.len()],
+        false => {
+            const THREADS: usize = 256;
+            // About 16 words a thread: enough blocks to fill the GPU, few enough to leave
+            // at once where the pair's flag is already set.
+            let per = most.div_ceil(THREADS * 16);
+            let (djobs, flags) = (gpu.upload(&jobs), gpu.zeros::<i32>(pairs.len()));
+            gpu.launch(
+                "words_differ",
+                (jobs.len() / 4 * per) as u32,
+                THREADS as u32,
+                0,
+                &[
+                    Arg::Ptr(ptr(gpu, &djobs, 0)),
+                    Arg::I32(per as i32),
+                    Arg::Ptr(ptr(gpu, &flags, 0)),
+                ],
+            );
+            gpu.download(&flags, pairs.len())
+        }
+    };
+    comparable
+        .iter()
+        .zip(differ)
+        .map(|(&c, d)| c && d == 0)
+        .collect()
 }

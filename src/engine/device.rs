@@ -49,5 +49,25 @@ pub trait DeviceModel: Send + Sync {
     /// (the batches' tokens are not read).
     fn prepare_decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) {}
     fn decode_on_side_stream(&self, cache: &mut KvCache);
+    /// Which of `pairs` (indices into `caches`) hold the same entries bit for bit, told in
+    /// one pass on the device; None where the device cannot tell.
+    fn same_caches(
+        &self,
+        _caches: &mut [&mut KvCache],
+        _pairs: &[(usize, usize)],
+    ) -> Option<Vec<bool>> {
+        None
+    }
+    /// Offers `sink` the taps of the decode step `cache` ran last (`batch` at `step`), from
+    /// where that step left them; false where the device cannot.
+    fn offer_last_step(
+        &self,
+        _batch: Batch<'_>,
+        _cache: &mut KvCache,
+        _step: usize,
+        _sink: &mut dyn TapSink,
+    ) -> bool {
+        false
+    }
     fn as_any(&self) -> &dyn Any;
 }

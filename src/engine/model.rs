@@ -592,4 +592,30 @@ impl Model {
             d.decode_on_side_stream(cache);
         }
     }
+
+    /// Which of `pairs` (indices into `caches`) hold the same entries bit for bit, where the
+    /// model's device can tell in one pass (None on the CPU).
+    pub fn same_caches(
+        &self,
+        caches: &mut [&mut KvCache],
+        pairs: &[(usize, usize)],
+    ) -> Option<Vec<bool>> {
+        self.device.as_ref()?.same_caches(caches, pairs)
+    }
+
+    /// Offers `sink` the taps of the decode step `cache` ran last (`batch` at `step`), as its
+    /// `forward_step` offered them, without running anything: a step over a cache that holds
+    /// the same bits, fed the same token at the same position under the same split, computes
+    /// the same taps. False where the model's device cannot (and on the CPU).
+    pub fn offer_last_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        self.device
+            .as_ref()
+            .is_some_and(|d| d.offer_last_step(batch, cache, step, sink))
+    }
 }

@@ -33,6 +33,15 @@ impl StepLogits {
         }
     }
 
+    /// The same logits for a second holder, left where they are; None where they cannot be
+    /// shared.
+    pub fn again(&self) -> Option<StepLogits> {
+        match self {
+            StepLogits::Host(v) => Some(StepLogits::Host(v.clone())),
+            StepLogits::Device(d) => d.again().map(StepLogits::Device),
+        }
+    }
+
     /// The logits on the host, downloaded if they are on a device.
     pub fn into_host(self) -> Vec<f32> {
         match self {
@@ -74,6 +83,11 @@ pub trait DeviceLogits {
     /// Starts reading the argmax, so that `argmax` later waits for the work queued before
     /// this call and not for what is queued after it.
     fn read_argmax_soon(&self) {}
+    /// The same logits, read where they are, for a second holder; None where they cannot be
+    /// shared (buffers of their own).
+    fn again(&self) -> Option<Box<dyn DeviceLogits>> {
+        None
+    }
     fn into_host(self: Box<Self>) -> Vec<f32>;
     fn to_host(&self) -> Vec<f32>;
     fn as_any(&self) -> &dyn Any;

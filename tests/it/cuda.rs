@@ -1253,6 +1253,18 @@ fn paths_run_together_report_what_each_run_alone_reports() {
                 together, per_head,
                 "a block per head ({fault:?}, {model:?})"
             );
+            // Paths whose caches hold the reference's bits after their prefills share its
+            // decode steps (the global path the rerotate invariant's global reference's, at
+            // least); every side running its own reports the same.
+            assert!(
+                err.contains("decode steps are"),
+                "{fault:?} {model:?}: {err}"
+            );
+            let (unshared, _) = run("unshared", &[("KVDIFF_SHARED_STEPS", "0")]);
+            assert_eq!(
+                together, unshared,
+                "every side's own steps ({fault:?}, {model:?})"
+            );
             for most in ["2", "16"] {
                 let (grouped, _) = run("grouped", &[("KVDIFF_CUDA_MAX_SIDES", most)]);
                 assert_eq!(
@@ -1261,6 +1273,110 @@ fn paths_run_together_report_what_each_run_alone_reports() {
                 );
             }
         }
+    }
+}
+
+/// Under `--tolerance exact` (bitwise) the paths whose rows keep one order of sums on the GPU
+/// (chunked prefill, a prefix cache) are EQUIVALENT, a chunk's attention rows over fewer keys
+/// than the whole prompt's being its reference's rows with zeros after them; a planted bug in
+/// the chunks' attention is still named.
+#[test]
+fn exact_paths_are_bitwise_their_reference_on_the_gpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let prompt = fixture("prompts/task.json");
+    for model in [None, Some(fixture("random-model"))] {
+        for fault in [None, Some("chunk-ignores-cache")] {
+            let mut args = vec![
+                "compare",
+                "--backend",
+                "cuda",
+                "--tolerance",
+                "exact",
+                "--paths",
+                "chunked-prefill:16,prefix-cache",
+                "--max-new-tokens",
+                "8",
+                prompt.to_str().unwrap(),
+            ];
+            if let Some(m) = &model {
+                args.extend(["--model", m.to_str().unwrap()]);
+            }
+            let env: Vec<(&str, &str)> = fault.map(|f| ("KVDIFF_FAULT", f)).into_iter().collect();
+            let out = kvdiff(&args, &env);
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            match fault {
+                None => {
+                    assert_eq!(out.status.code(), Some(0), "{model:?}: {text}");
+                    for path in ["chunked-prefill:16", "prefix-cache"] {
+                        let verdict = format!("== {path}@cuda (exact): EQUIVALENT");
+                        assert!(text.contains(&verdict), "{model:?}: {text}");
+                    }
+                }
+                Some(f) => {
+                    assert_eq!(out.status.code(), Some(1), "{model:?} {f}: {text}");
+                    assert!(
+                        text.contains("== chunked-prefill:16@cuda (exact): DIVERGED"),
+                        "{model:?} {f}: {text}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Caches prefilled alike hold the same bits and are told so in one pass; one token more, or
+/// one cache behind on the host, is told apart. A step's taps offered again from its cache's
+/// arena are the taps its own `forward_step` offered, bit for bit.
+#[test]
+fn caches_of_the_same_bits_are_found_and_their_steps_offered_again() {
+    if gpu().is_none() {
+        return;
+    }
+    for rel in ["default-model", "random-model"] {
+        let cpu = Model::load(&ModelSource::Dir(fixture(rel))).unwrap();
+        let m = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        let layers = m.config.num_hidden_layers;
+        let ids: Vec<u32> = (0..37).map(|i| (i * 11 + 5) % 300).collect();
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let prefill = |n: usize| {
+            let mut cache = m.new_cache();
+            let mut rec = Recorder::new(&TapFilter::none(), layers);
+            let batch = Batch::new(&ids[..n], &positions[..n]);
+            m.prefill(batch, &mut cache, 0, &mut rec);
+            cache
+        };
+        let (mut a, mut b, mut shorter) = (prefill(37), prefill(37), prefill(36));
+        // The same entries, but on the host only.
+        let mut host = prefill(37);
+        host.layers_mut();
+        let mut caches = vec![&mut a, &mut b, &mut shorter, &mut host];
+        let same = m
+            .same_caches(&mut caches, &[(0, 1), (1, 0), (0, 2), (0, 3)])
+            .expect("the GPU tells");
+        assert_eq!(same, [true, true, false, false], "{rel}");
+        // A decode step of `a`, its taps offered again from `a`'s arena.
+        let (tok, pos) = ([7u32], [37usize]);
+        let mut own = Recorder::new(&TapFilter::all(), layers);
+        let logits = m.forward_step(Batch::new(&tok, &pos), &mut a, 1, &mut own);
+        let mut again = Recorder::new(&TapFilter::all(), layers);
+        assert!(m.offer_last_step(Batch::new(&tok, &pos), &mut a, 1, &mut again));
+        assert_eq!(own.taps.len(), again.taps.len(), "{rel}");
+        for (x, y) in own.taps.iter().zip(&again.taps) {
+            assert_eq!(x.id, y.id, "{rel}");
+            assert!(x.data == y.data, "{rel}: {:?} differs", x.id);
+        }
+        let shared = logits.again().expect("a step's logits are shared");
+        assert_eq!(shared.argmax(), logits.argmax(), "{rel}");
+        assert_eq!(shared.to_host(), logits.to_host(), "{rel}");
+        // Not the step `b` ran last: nothing offered.
+        assert!(!m.offer_last_step(Batch::new(&tok, &pos), &mut b, 1, &mut again));
+        eprintln!("{rel}: {} taps offered again", own.taps.len());
     }
 }
 

@@ -238,7 +238,12 @@ impl PendingDiff {
             return None;
         }
         let (d, bits) = combine_rows(rows, w, 1);
-        let bitwise_equal = bits == 0.0 && self.path_width == self.ref_width;
+        // The summaries count differing bits over the wider row, the narrower one read as
+        // zeros past its end: an attention row over fewer keys (a chunk's, before the later
+        // keys exist) is its reference's row if the keys it lacks have probability zero there,
+        // as the host's comparison pads it. Other taps of unequal widths never match.
+        let same_width = self.path_width == self.ref_width || self.id.kind() == "attn_probs";
+        let bitwise_equal = bits == 0.0 && same_width;
         // A token's row is its heads' rows: the first divergence's head and index are read
         // from this length.
         Some((pos, d, bitwise_equal, w * rpt))
@@ -347,5 +352,35 @@ mod tests {
         let parallel = p.rows_par(&sums);
         assert!(serial.len() < tokens && serial.len() > tokens / 2);
         assert_eq!(parallel, serial);
+    }
+
+    /// A chunk's attention row over fewer keys than its reference's, with no bit differing
+    /// over the wider span, is bitwise its reference's row (the host pads it alike); a tap of
+    /// another kind with unequal widths, or a bit differing, is not.
+    #[test]
+    fn a_narrower_attention_row_without_differing_bits_is_bitwise_equal() {
+        let sums = |bits: f32| {
+            let mut r = [0f32; 12];
+            // max|diff| 0 at index 0, max|ref| 1, Σb² = Σab = Σa² = 1, no non-finite value.
+            r[2] = 1.0;
+            (r[4], r[5], r[6]) = (1.0, 1.0, 1.0);
+            r[7] = -1.0;
+            r[8] = bits;
+            vec![r]
+        };
+        let pending = |tap: LayerTap, path_width: usize| PendingDiff {
+            step: 0,
+            id: TapId::Layer(0, tap),
+            positions: vec![0],
+            rows_per_token: 1,
+            path_width,
+            ref_width: 512,
+            offset: 0,
+        };
+        let equal = |p: &PendingDiff, bits: f32| p.rows(&sums(bits)).next().unwrap().2;
+        assert!(equal(&pending(LayerTap::AttnProbs, 16), 0.0));
+        assert!(equal(&pending(LayerTap::AttnProbs, 512), 0.0));
+        assert!(!equal(&pending(LayerTap::AttnProbs, 16), 1.0));
+        assert!(!equal(&pending(LayerTap::QRope, 16), 0.0));
     }
 }

@@ -6,13 +6,14 @@
 
 use std::cell::OnceCell;
 
-use super::{CudaLogits, Pass};
+use super::{CudaLogits, EntryLayout, Pass};
 use crate::cuda::gpu::ptr;
 use crate::cuda::kv::CudaKv;
 use crate::cuda::model::CudaModel;
-use crate::cuda::taps::offer_at;
+use crate::cuda::taps::{offer_at, TapCtx};
 use crate::cuda::workspace::{DecodeState, Workspace};
-use crate::engine::pass::StepLogits;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::pass::{Batch, StepLogits};
 use crate::tap::{StepLayout, TapId, TapSink};
 
 impl CudaModel {
@@ -45,40 +46,7 @@ impl CudaModel {
         let offered = crate::support::timing::span("cuda decode: taps offered");
         let ws = &state.ws;
         let step = pass.taps.step;
-        // Every tap of a dense model's step lies in the arena (a sparse layer's routing is
-        // decided on the host), at addresses that hold while the cache keeps its arena.
-        let dense = self.config.arch.moe.is_none();
-        let layout = match (pass.taps.lead, dense && g.repeat_steps()) {
-            (Some(lead), true) => Some(StepLayout {
-                arena: ptr(g, &ws.f, 0),
-                capacity: ws.probs_stride,
-                entries: pass.taps.base + 1,
-                lead,
-            }),
-            _ => None,
-        };
-        match layout {
-            Some(l) if sink.can_repeat(&l) => sink.repeat_step(step, pass.taps.pos, &l),
-            _ => {
-                if let Some(l) = &layout {
-                    sink.offering_step(step, l);
-                }
-                self.offer_all(sink, &pass.taps, ws);
-                // The logits as a device tap: a comparing sink diffs them where they are.
-                offer_at(
-                    sink,
-                    step,
-                    &self.gpu,
-                    &self.device,
-                    TapId::Logits,
-                    pass.taps.pos,
-                    &[1, c.vocab_size],
-                    ws.logits_ptr(g),
-                    0,
-                    (true, None),
-                );
-            }
-        }
+        self.offer_step(sink, &pass.taps, ws);
         drop(offered);
         if keep_on_device {
             // Before waiting: what the sink does at the end of a pass (booking earlier
@@ -145,6 +113,91 @@ impl CudaModel {
             g.replay(&state.graph.as_ref().expect("captured").1, "decode graph");
         }
         None
+    }
+
+    /// Offers a decode step's taps from its arena: as a repeat of the sink's plan where the
+    /// sink can take the step that way, else one by one, the logits last.
+    fn offer_step(&self, sink: &mut dyn TapSink, taps: &TapCtx<'_>, ws: &Workspace) {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let step = taps.step;
+        // Every tap of a dense model's step lies in the arena (a sparse layer's routing is
+        // decided on the host), at addresses that hold while the cache keeps its arena.
+        let dense = self.config.arch.moe.is_none();
+        let layout = match (taps.lead, dense && g.repeat_steps()) {
+            (Some(lead), true) => Some(StepLayout {
+                arena: ptr(g, &ws.f, 0),
+                capacity: ws.probs_stride,
+                entries: taps.base + 1,
+                lead,
+            }),
+            _ => None,
+        };
+        match layout {
+            Some(l) if sink.can_repeat(&l) => sink.repeat_step(step, taps.pos, &l),
+            _ => {
+                if let Some(l) = &layout {
+                    sink.offering_step(step, l);
+                }
+                self.offer_all(sink, taps, ws);
+                // The logits as a device tap: a comparing sink diffs them where they are.
+                offer_at(
+                    sink,
+                    step,
+                    &self.gpu,
+                    &self.device,
+                    TapId::Logits,
+                    taps.pos,
+                    &[1, c.vocab_size],
+                    ws.logits_ptr(g),
+                    0,
+                    (true, None),
+                );
+            }
+        }
+    }
+
+    /// Offers `sink` the taps of the decode step `cache` ran last, `batch` at `step`, from its
+    /// arena (`Model::offer_last_step`); false where its last pass was not that step.
+    pub(in crate::cuda) fn offer_last_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        let n = cache.len();
+        if batch.tokens.len() != 1 || n == 0 || cache.positions[n - 1] != batch.positions[0] {
+            return false;
+        }
+        let layout = EntryLayout::of(&cache.positions);
+        let Some(kv) = cache.device_mut::<CudaKv>() else {
+            return false;
+        };
+        let kv = &*kv;
+        let Some(state) = kv.decode.as_ref().filter(|_| kv.len == n) else {
+            return false;
+        };
+        let _offered = crate::support::timing::span("cuda decode: taps offered again");
+        let base = n - 1;
+        let meta = self.pass_meta(batch, base);
+        sink.begin_step(step, batch.tokens, batch.positions);
+        let taps = TapCtx {
+            step,
+            pos: batch.positions,
+            base,
+            lead: layout.lead,
+            entry_positions: &layout.positions,
+            keys: (0..self.config.num_hidden_layers)
+                .map(|l| kv.key_ptr(l))
+                .collect(),
+            split: batch.cascade_split,
+            // A one-token pass's meta: token, RoPE and key positions, base, then this.
+            attn_base: meta[4] as usize,
+        };
+        self.offer_step(sink, &taps, &state.ws);
+        sink.end_pass(step);
+        true
     }
 
     /// The cache's decode arena, made anew when the cache's capacity changed.

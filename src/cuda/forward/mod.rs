@@ -134,6 +134,22 @@ impl DeviceLogits for CudaLogits {
         }
     }
 
+    fn again(&self) -> Option<Box<dyn DeviceLogits>> {
+        if self.own.is_some() {
+            return None;
+        }
+        Some(Box::new(CudaLogits {
+            argmax: self.argmax.clone(),
+            side: self.side,
+            pick: self.pick,
+            at: self.at,
+            len: self.len,
+            gpu: self.gpu.clone(),
+            own: None,
+            soon: Default::default(),
+        }))
+    }
+
     fn into_host(self: Box<Self>) -> Vec<f32> {
         self.to_host()
     }
@@ -210,6 +226,24 @@ impl DeviceModel for CudaModel {
         if let Some(kv) = cache.device_mut::<CudaKv>() {
             kv.side = Some(self.gpu.side_slot());
         }
+    }
+
+    fn same_caches(
+        &self,
+        caches: &mut [&mut KvCache],
+        pairs: &[(usize, usize)],
+    ) -> Option<Vec<bool>> {
+        Some(crate::cuda::kv::same_entries(&self.gpu, caches, pairs))
+    }
+
+    fn offer_last_step(
+        &self,
+        batch: Batch<'_>,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        CudaModel::offer_last_step(self, batch, cache, step, sink)
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -28,6 +28,7 @@ pub(super) const KERNELS: &[&str] = &[
     "scatter_add_rows",
     "zero_f32",
     "any_nonfinite_bf16",
+    "words_differ",
     "probs_from_stats",
     "argmax",
     "diff_rows",
@@ -95,39 +96,59 @@ pub(super) const KERNELS: &[&str] = &[
 pub(crate) const SIDE_SLOTS: usize = 16;
 
 /// Passes of at most this many sides unless a run needs fewer: the fastest at Qwen3-0.6B's
-/// and Qwen3-8B's shapes for a default compare's ten (3 to 10 measured; see
-/// docs/performance-history.md).
+/// shape for a default compare's ten (3 to 10 measured; see docs/performance-history.md),
+/// whose steps are chains of latency-bound kernels that two passes side by side overlap.
 pub(super) const DEFAULT_MAX_SIDES: usize = 5;
 
+/// The most sides a pass takes where a layer's weights are at least `WIDE_LAYER_BYTES`: there
+/// each pass streams every weight once, and one pass of a default compare's seven sides (its
+/// paths whose caches match a reference's share that side's steps) took 1.91–1.93 s of
+/// lockstep at Qwen3-8B's shape against 2.03–2.07 s for passes of four and three; at 0.6B's it
+/// took 0.77 s against 0.72–0.74 s.
+pub(super) const WIDE_MAX_SIDES: usize = 8;
+
+/// A layer's bf16 weights from which passes take up to `WIDE_MAX_SIDES` (Qwen3-8B's are
+/// 386 MB, Qwen3-0.6B's 31 MB).
+pub(super) const WIDE_LAYER_BYTES: usize = 128 << 20;
+
 /// The most caches a run's lockstep holds, as its command said before the GPU opened (0: not
-/// said).
+/// said), and the bytes of one of its model's layers.
 static SIDES_NEEDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static LAYER_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Says, before the GPU opens, how many caches a run's lockstep holds at most (references and
-/// paths), so that the kernels are compiled for no more sides than it has: a pass of three
-/// sides on kernels built for five pads two, and a 16k-token compare of one path took 4% longer.
-pub fn expect_sides(n: usize) {
+/// paths) and how many bytes of bf16 weights a layer of its model has, so that the kernels are
+/// compiled for no more sides than it has (a pass of three sides on kernels built for five
+/// pads two, and a 16k-token compare of one path took 4% longer) and for wide passes where
+/// the layers are large.
+pub fn expect_sides(n: usize, layer_bytes: usize) {
     SIDES_NEEDED.store(n, std::sync::atomic::Ordering::Relaxed);
+    LAYER_BYTES.store(layer_bytes, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Most caches one `_sides` launch takes: `KVDIFF_CUDA_MAX_SIDES` (2 to `SIDE_SLOTS`), else the
-/// sides the run said it needs (`expect_sides`) up to `DEFAULT_MAX_SIDES`. The kernels are
-/// compiled for it.
+/// sides the run said it needs (`expect_sides`) up to `DEFAULT_MAX_SIDES`, or `WIDE_MAX_SIDES`
+/// for large layers. The kernels are compiled for it.
 pub(crate) fn max_sides() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {
         sides_for(
             std::env::var("KVDIFF_CUDA_MAX_SIDES").ok().as_deref(),
             SIDES_NEEDED.load(std::sync::atomic::Ordering::Relaxed),
+            LAYER_BYTES.load(std::sync::atomic::Ordering::Relaxed),
         )
     })
 }
 
-fn sides_for(asked: Option<&str>, needed: usize) -> usize {
+fn sides_for(asked: Option<&str>, needed: usize, layer_bytes: usize) -> usize {
+    let most = match layer_bytes >= WIDE_LAYER_BYTES {
+        true => WIDE_MAX_SIDES,
+        false => DEFAULT_MAX_SIDES,
+    };
     match asked.and_then(|v| v.parse::<usize>().ok()) {
         Some(n) => n.clamp(2, SIDE_SLOTS),
         None if needed == 0 => DEFAULT_MAX_SIDES,
-        None => needed.clamp(2, DEFAULT_MAX_SIDES),
+        None => needed.clamp(2, most),
     }
 }
 
@@ -335,17 +356,25 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{sides_for, DEFAULT_MAX_SIDES, SIDE_SLOTS};
+    use super::{sides_for, DEFAULT_MAX_SIDES, SIDE_SLOTS, WIDE_LAYER_BYTES, WIDE_MAX_SIDES};
 
     #[test]
     fn passes_take_what_was_asked_else_what_the_run_needs_up_to_the_default() {
-        assert_eq!(sides_for(None, 0), DEFAULT_MAX_SIDES);
-        assert_eq!(sides_for(None, 3), 3);
-        assert_eq!(sides_for(None, 1), 2);
-        assert_eq!(sides_for(None, 9), DEFAULT_MAX_SIDES);
-        assert_eq!(sides_for(Some("10"), 3), 10);
-        assert_eq!(sides_for(Some("99"), 3), SIDE_SLOTS);
-        assert_eq!(sides_for(Some("many"), 3), 3);
+        let (small, large) = (31 << 20, 386 << 20);
+        assert_eq!(sides_for(None, 0, small), DEFAULT_MAX_SIDES);
+        assert_eq!(sides_for(None, 3, small), 3);
+        assert_eq!(sides_for(None, 1, small), 2);
+        assert_eq!(sides_for(None, 9, small), DEFAULT_MAX_SIDES);
+        assert_eq!(sides_for(Some("10"), 3, small), 10);
+        assert_eq!(sides_for(Some("99"), 3, small), SIDE_SLOTS);
+        assert_eq!(sides_for(Some("many"), 3, small), 3);
+        // Large layers: wider passes, still no wider than the run needs or than asked.
+        assert_eq!(sides_for(None, 10, large), WIDE_MAX_SIDES);
+        assert_eq!(sides_for(None, 7, large), 7);
+        assert_eq!(sides_for(None, 3, large), 3);
+        assert_eq!(sides_for(None, 10, WIDE_LAYER_BYTES - 1), DEFAULT_MAX_SIDES);
+        assert_eq!(sides_for(Some("4"), 10, large), 4);
+        assert_eq!(sides_for(None, 0, large), DEFAULT_MAX_SIDES);
     }
 
     /// A shipped cubin the driver refuses (as one older than the NVRTC that built it would) is

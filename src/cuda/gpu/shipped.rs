@@ -39,11 +39,13 @@ macro_rules! shipped {
 }
 
 /// sm_90 (H100, H200): every unit for the side counts runs compile for by default (2 to
-/// `DEFAULT_MAX_SIDES`; 1 for the units that take no `Sides`).
+/// `WIDE_MAX_SIDES`; 1 for the units that take no `Sides`).
 const SM_90: &[Shipped] = shipped!("sm_90":
     "attention" 2, "attention" 3, "attention" 4, "attention" 5,
-    "gemv" 2, "gemv" 3, "gemv" 4, "gemv" 5,
+    "attention" 6, "attention" 7, "attention" 8,
+    "gemv" 2, "gemv" 3, "gemv" 4, "gemv" 5, "gemv" 6, "gemv" 7, "gemv" 8,
     "agreement" 2, "agreement" 3, "agreement" 4, "agreement" 5,
+    "agreement" 6, "agreement" 7, "agreement" 8,
     "attention_mma" 1, "oracle" 1, "gemm" 1, "elementwise" 1,
 );
 
@@ -83,14 +85,14 @@ pub(super) fn cubin(arch: &str, unit: &str, sides: usize) -> Option<Found> {
 #[cfg(test)]
 mod tests {
     use super::super::compile::{source_hash, unit_sides, unit_source, UNITS, UNSIDED};
-    use super::super::kernels::DEFAULT_MAX_SIDES;
+    use super::super::kernels::WIDE_MAX_SIDES;
     use super::*;
 
     /// Every unit is shipped for sm_90 at every side count a run compiles it for by default.
     #[test]
     fn every_unit_is_shipped_for_sm_90_at_every_default_side_count() {
         for u in UNITS {
-            for sides in 2..=DEFAULT_MAX_SIDES {
+            for sides in 2..=WIDE_MAX_SIDES {
                 let sides = unit_sides(u, sides);
                 assert!(
                     all().any(|s| s.arch == "sm_90" && s.unit == u.name && s.sides == sides),
