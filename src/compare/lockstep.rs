@@ -3,7 +3,9 @@
 //! a time, each step fed the first reference's token (teacher forcing), every path tap
 //! compared with each of its references' as it arrives. Several paths in one run share the
 //! references' runs, and on a GPU their decode steps run as one pass (`decode_together`),
-//! each weight read once for all instead of once per path.
+//! each weight read once for all instead of once per path. A path whose cache holds a
+//! reference's (or an earlier path's) bits after the prefills runs no decode step of its own:
+//! it is offered that side's (`Twin`).
 
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::driver::{note_gpu_memory, CompareSpec, Lane};

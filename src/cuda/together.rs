@@ -7,8 +7,9 @@
 //! sides (Qwen3-8B's gate/up GEMV for five sides 67 µs against 259 µs for five single launches,
 //! on an H200; scripts/bench_gemv_sides.cu). The decode attention is per side and grows with the sides
 //! (111 µs a layer for four at Qwen3-8B's shape, 565 µs for ten), so a compare of more sides
-//! runs them in passes of at most `KVDIFF_CUDA_MAX_SIDES` (5, or fewer where the compare has
-//! fewer sides: `expect_sides`), side by side on streams of their own.
+//! runs them in passes of at most `KVDIFF_CUDA_MAX_SIDES` (5, or 8 where a layer's weights are
+//! large; fewer where the compare has fewer sides: `expect_sides`), side by side on streams of
+//! their own.
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic
