@@ -50,7 +50,8 @@ pub trait DeviceModel: Send + Sync {
     fn prepare_decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) {}
     fn decode_on_side_stream(&self, cache: &mut KvCache);
     /// Which of `pairs` (indices into `caches`) hold the same entries bit for bit, told in
-    /// one pass on the device; None where the device cannot tell.
+    /// one pass on the device; None where the device cannot tell, or could not offer those
+    /// caches' steps again (`offer_last_step`).
     fn same_caches(
         &self,
         _caches: &mut [&mut KvCache],

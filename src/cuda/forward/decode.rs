@@ -167,7 +167,12 @@ impl CudaModel {
         sink: &mut dyn TapSink,
     ) -> bool {
         let n = cache.len();
-        if batch.tokens.len() != 1 || n == 0 || cache.positions[n - 1] != batch.positions[0] {
+        let sparse = self.config.arch.moe.is_some();
+        if sparse
+            || batch.tokens.len() != 1
+            || n == 0
+            || cache.positions[n - 1] != batch.positions[0]
+        {
             return false;
         }
         let layout = EntryLayout::of(&cache.positions);

@@ -233,6 +233,12 @@ impl DeviceModel for CudaModel {
         caches: &mut [&mut KvCache],
         pairs: &[(usize, usize)],
     ) -> Option<Vec<bool>> {
+        // A sparse layer routes as its sink's hints say (a comparing sink offers its
+        // reference's near ties): a step there depends on more than its cache and token, so no
+        // other cache's step stands for it.
+        if self.config.arch.moe.is_some() {
+            return None;
+        }
         Some(crate::cuda::kv::same_entries(&self.gpu, caches, pairs))
     }
 
