@@ -1339,6 +1339,45 @@ fn exact_paths_are_bitwise_their_reference_on_the_gpu() {
     }
 }
 
+/// A model with experts keeps every side's decode steps: a sparse layer routes as its sink's
+/// hints say, and its expert taps are offered as the step runs, so another cache's step cannot
+/// stand for a path's. Its report is the one every side running its own gives.
+#[test]
+fn a_model_with_experts_shares_no_decode_step() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = fixture("prompts/task.json");
+    let model = fixture("arch/qwen3-moe");
+    let run = |shared: &str| {
+        let json = tmp.path().join(format!("moe-{shared}.json"));
+        let args = [
+            "-vv",
+            "compare",
+            "--backend",
+            "cuda",
+            "--model",
+            model.to_str().unwrap(),
+            "--max-new-tokens",
+            "12",
+            "--json",
+            json.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ];
+        let out = kvdiff(&args, &[("KVDIFF_SHARED_STEPS", shared)]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(matches!(out.status.code(), Some(0 | 1)), "{err}");
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        (report, err)
+    };
+    let (shared, err) = run("1");
+    assert!(!err.contains("decode steps are"), "{err}");
+    let (own, _) = run("0");
+    assert_eq!(shared, own);
+}
+
 /// Caches prefilled alike hold the same bits and are told so in one pass; one token more, or
 /// one cache behind on the host, is told apart. A step's taps offered again from its cache's
 /// arena are the taps its own `forward_step` offered, bit for bit.
