@@ -187,19 +187,9 @@ impl CudaModel {
         let base = n - 1;
         let meta = self.pass_meta(batch, base);
         sink.begin_step(step, batch.tokens, batch.positions);
-        let taps = TapCtx {
-            step,
-            pos: batch.positions,
-            base,
-            lead: layout.lead,
-            entry_positions: &layout.positions,
-            keys: (0..self.config.num_hidden_layers)
-                .map(|l| kv.key_ptr(l))
-                .collect(),
-            split: batch.cascade_split,
-            // A one-token pass's meta: token, RoPE and key positions, base, then this.
-            attn_base: meta[4] as usize,
-        };
+        // A one-token pass's meta: token, RoPE and key positions, base, then the base
+        // attention masks by.
+        let taps = self.tap_ctx(step, batch, base, &layout, kv, meta[4] as usize);
         self.offer_step(sink, &taps, &state.ws);
         sink.end_pass(step);
         true

@@ -291,18 +291,7 @@ impl CudaModel {
                 None => None,
             },
             meta_hash: std::cell::OnceCell::new(),
-            taps: TapCtx {
-                step,
-                pos: batch.positions,
-                base,
-                lead: layout.lead,
-                entry_positions: &layout.positions,
-                keys: (0..self.config.num_hidden_layers)
-                    .map(|l| kv.key_ptr(l))
-                    .collect(),
-                split: batch.cascade_split,
-                attn_base,
-            },
+            taps: self.tap_ctx(step, batch, base, &layout, kv, attn_base),
         };
         let logits = if n == 1 {
             self.decode_pass(kv, &pass, sink, to != LogitsTo::Host)
@@ -311,6 +300,31 @@ impl CudaModel {
         };
         kv.len += n;
         logits
+    }
+
+    /// Where a pass of `batch` at `step` over `kv` (entries `base..` its own) offers its taps
+    /// from: its positions, the cache's entries and keys, the masks' base.
+    fn tap_ctx<'a>(
+        &self,
+        step: usize,
+        batch: Batch<'a>,
+        base: usize,
+        layout: &'a EntryLayout,
+        kv: &CudaKv,
+        attn_base: usize,
+    ) -> TapCtx<'a> {
+        TapCtx {
+            step,
+            pos: batch.positions,
+            base,
+            lead: layout.lead,
+            entry_positions: &layout.positions,
+            keys: (0..self.config.num_hidden_layers)
+                .map(|l| kv.key_ptr(l))
+                .collect(),
+            split: batch.cascade_split,
+            attn_base,
+        }
     }
 
     /// Gives `cache` a device copy (from its host entries) with room for `n` more, if missing.
