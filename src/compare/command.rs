@@ -137,14 +137,12 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
     // oracle cannot (weights rounded on their way to the GPU, experts, no cuBLAS).
     let gpu_only = uses_cuda && !any_on(&reference, targets, backend, Backend::Cpu);
     let p = load_prompt(o.prompt, o.case)?;
-    let mut engine = load_engine(
-        o.model,
-        if gpu_only {
-            Backend::Cuda
-        } else {
-            Backend::Cpu
-        },
-    )?;
+    // A GPU-only run's first passes start while the weights still stream in (each layer
+    // waits for its own); `weights_loaded` is checked before anything is reported.
+    let mut engine = match gpu_only {
+        true => crate::compare::target::load_engine_streaming(o.model)?,
+        false => load_engine(o.model, Backend::Cpu)?,
+    };
     engine.allow_beyond_max_positions = o.allow_beyond_max_positions;
     let layers = engine.model.config.num_hidden_layers;
     let mut filter = TapFilter::from_flag(o.taps, layers)?;
@@ -217,6 +215,9 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
         replay: replay_models.as_ref(),
     }
     .run()?;
+    if let Some(g) = gpu_model {
+        crate::cuda::weights_loaded(g)?;
+    }
     if let (Some(folder), Some(out)) = (&staging, o.dump) {
         folder.commit(out)?;
     }

@@ -221,6 +221,9 @@ impl CompareSpec<'_> {
             cmp.size_readback();
         }
         drop(prefill_span);
+        // The references may have run while the weights still streamed in: a failed load
+        // or Inf or NaN in them stops the run here.
+        crate::cuda::weights_loaded(self.model)?;
         note_gpu_memory("references prefilled", self.model);
         let mut lane_runs = Vec::with_capacity(lanes.len());
         let lanes_with = lanes.iter().zip(cmps).zip(&which);

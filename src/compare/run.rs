@@ -325,6 +325,8 @@ impl<'a> Request<'a> {
         let ids = &self.prompt.ids;
         let on_device = self.engine.model.device().is_some();
         if let (Some(g), ["cuda"]) = (self.gpu_model, &self.backends()[..]) {
+            // Measured on the weights as loaded: any failure to load them is reported first.
+            crate::cuda::weights_loaded(g)?;
             match Calibration::on_gpu(g, ids, last) {
                 Ok(c) => return Ok(c),
                 Err(why) if on_device => {

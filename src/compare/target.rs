@@ -45,6 +45,17 @@ pub fn load_source(source: ModelSource, on: Backend) -> Result<Engine> {
     }
 }
 
+/// `load_engine` onto the GPU, the weights still streaming in when it returns
+/// (`crate::cuda::load_on_cuda_streaming`): `crate::cuda::weights_loaded` must be called
+/// before any result is trusted.
+pub fn load_engine_streaming(model: Option<&Path>) -> Result<Engine> {
+    let _progress = crate::support::progress::Progress::spinner("loading the model");
+    Engine::load_with(ModelSource::from_arg(model)?, |src| {
+        let config = crate::engine::config::Config::load(src)?;
+        crate::cuda::load_on_cuda_streaming(src, &config)
+    })
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Backend {
     /// The f32 reference engine.

@@ -51,7 +51,8 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 pub use launch::PrefillAttention;
 pub use memo::MemoAct;
 pub use model::{
-    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, to_cuda, weight_bytes, CudaModel,
+    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, load_on_cuda_streaming, to_cuda,
+    weight_bytes, weights_loaded, CudaModel,
 };
 pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle, ReplayOnGpu};
 pub use oracle::{

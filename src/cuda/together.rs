@@ -100,6 +100,7 @@ impl CudaModel {
     /// single step, a step of several tokens, a sparse model, sliding windows, or rows the
     /// vector loads of a side's own step would not take.
     pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        self.weights_for_all();
         let mut all = true;
         // The passes share only the weights: the first runs on the main stream, the others on
         // side streams beside it, each a chain of latency-bound kernels that leaves most of the
@@ -116,6 +117,7 @@ impl CudaModel {
     /// the captured graph) without running anything, so that the set-up overlaps the GPU's
     /// work (until then steps run without a graph). The batches' tokens are not read.
     pub(crate) fn prepare_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) {
+        self.weights_for_all();
         for group in groups(steps) {
             self.prepare_group(group);
         }

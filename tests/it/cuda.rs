@@ -796,6 +796,9 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         let src = ModelSource::Dir(fixture(rel));
         let cpu = Model::load(&src).unwrap();
         let uploaded = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        // Run at once, while its weights may still be streaming in: each layer waits for its
+        // own.
+        let streamed = kvdiff::cuda::load_on_cuda_streaming(&src, &cpu.config).unwrap();
         let direct = kvdiff::cuda::load_on_cuda(&src, &cpu.config).unwrap();
         let layers = cpu.config.num_hidden_layers;
         let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
@@ -810,12 +813,16 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
             );
             (logits, rec)
         };
+        let (ls, rs) = run(&streamed);
+        kvdiff::cuda::weights_loaded(&streamed).unwrap();
         let ((la, ra), (lb, rb)) = (run(&uploaded), run(&direct));
-        assert_eq!(la, lb, "{rel}: logits");
-        assert_eq!(ra.taps.len(), rb.taps.len(), "{rel}");
-        for (a, b) in ra.taps.iter().zip(&rb.taps) {
-            assert_eq!(a.id, b.id, "{rel}");
-            assert!(a.data == b.data, "{rel}: {:?} differs", a.id);
+        for (what, l, r) in [("direct", &lb, &rb), ("streamed", &ls, &rs)] {
+            assert_eq!(&la, l, "{rel} {what}: logits");
+            assert_eq!(ra.taps.len(), r.taps.len(), "{rel} {what}");
+            for (a, b) in ra.taps.iter().zip(&r.taps) {
+                assert_eq!(a.id, b.id, "{rel} {what}");
+                assert!(a.data == b.data, "{rel} {what}: {:?} differs", a.id);
+            }
         }
         eprintln!("{rel}: {} taps identical", ra.taps.len());
     }
@@ -843,6 +850,32 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         .to_string();
     assert_eq!(gpu_err, cpu_err);
     assert!(gpu_err.contains("flat index 7"), "{gpu_err}");
+    // Streamed beside the first passes: the load returns, and the check reports it.
+    let streamed = kvdiff::cuda::load_on_cuda_streaming(&src, &config).unwrap();
+    let late_err = kvdiff::cuda::weights_loaded(&streamed)
+        .err()
+        .expect("NaN refused")
+        .to_string();
+    assert_eq!(late_err, cpu_err);
+    // And a GPU compare (which streams) stops with that one line, exit code 2.
+    let dir_arg = dir.path().to_str().unwrap();
+    let prompt = fixture("prompts/task.json");
+    let out = kvdiff(
+        &[
+            "compare",
+            "--backend",
+            "cuda",
+            "--model",
+            dir_arg,
+            "--max-new-tokens",
+            "4",
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("flat index 7"), "{stderr}");
 }
 
 fn kvdiff(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {

@@ -17,6 +17,7 @@ use crate::cuda::workspace::Workspace;
 impl CudaModel {
     /// Embedding gather and the first layer's input norm.
     pub(super) fn embed_and_norm(&self, ws: &Workspace, n: usize) {
+        self.weights_for_embed();
         let g = &*self.gpu;
         let io = ws.io(g, 0);
         g.launch(
@@ -80,6 +81,7 @@ impl CudaModel {
     /// Enqueues one decoder layer: reads `io.x_in`/`io.attn_norm`, appends K/V at entry
     /// `meta[base]` of the layer's cache `kvp`, writes `io.x_out` and the next norm.
     pub(super) fn layer(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
+        self.weights_for_layer(l);
         self.attention_half(l, ws, kvp, pass);
         match &self.layers[l].moe {
             Some(sparse) => self.sparse_mlp(l, ws, sparse, pass),
@@ -400,6 +402,7 @@ impl CudaModel {
 
     /// Logits of rows `first..first + count` (their final-norm bf16 rows are in `xn_bf`).
     pub(super) fn lm_head_rows(&self, ws: &Workspace, first: usize, count: usize, out: u64) {
+        self.weights_for_head();
         let g = &*self.gpu;
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);

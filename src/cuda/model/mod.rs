@@ -2,7 +2,7 @@
 //! is one GEMM), checked against the free memory first, and, where cuBLAS computes the GEMMs,
 //! every GEMM shape run once so that it has chosen its kernels before the first pass.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::io::model_source::ModelSource;
 use crate::tap::Device;
 
+mod landing;
 mod peers;
 pub mod placement;
 mod stream_load;
@@ -65,6 +66,19 @@ pub struct CudaModel {
     /// An f32 copy of the checkpoint's weights for the oracle, where `exact_weights` is false
     /// and a command attached one (`oracle_weights::attach_f32_weights`).
     pub(super) f32_weights: std::sync::OnceLock<F32Weights>,
+    /// Weights still streaming in (`load_on_cuda_streaming`).
+    pub(super) landing: Option<Streaming>,
+    /// Per layer, its buffers' places in `plan(config)`.
+    pub(super) layer_buffers: Vec<std::ops::Range<usize>>,
+}
+
+/// A model's weights streaming in beside its first passes.
+pub(super) struct Streaming {
+    landing: Arc<landing::Landing>,
+    /// Where they come from, to word the error for a tensor holding Inf or NaN.
+    source: ModelSource,
+    /// Whether the readers' end was taken and the weights checked, and the outcome.
+    checked: Mutex<Option<bool>>,
 }
 
 /// The host model's weights in f32 on the GPU, in the engine's buffer layout (`plan`), for the
@@ -129,13 +143,26 @@ pub fn to_cuda(model: &Model) -> Result<Model> {
 /// rounded to bf16 on the host first. What a command that runs only on the GPU loads; the
 /// same weights, bit for bit, as `to_cuda` of the CPU model.
 pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
+    load(src, config, false)
+}
+
+/// `load_on_cuda`, returning as soon as the GPU is open and the weights' buffers exist: a
+/// bf16 checkpoint on one GPU goes on streaming in while the first passes run, each layer
+/// waiting on the host until its own weights have landed. The caller must call
+/// `weights_loaded` before it trusts any result (a failed read, or Inf or NaN in the
+/// weights, is reported there).
+pub fn load_on_cuda_streaming(src: &ModelSource, config: &Config) -> Result<Model> {
+    load(src, config, true)
+}
+
+fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
     refuse_unsupported(config)?;
     let cm = Checkpoint::with(src, config, |ckpt| {
         let exact = config.expected_tensors().iter().all(|(n, _)| {
             ckpt.segment(n)
                 .is_some_and(|s| s.3 == safetensors::Dtype::BF16)
         });
-        let (gpu, buffers, warmed) = match stream_load::streamable(src, ckpt, config) {
+        let (gpu, buffers, warmed, landing) = match stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
                 // cuBLAS meets every GEMM shape on the opened GPU while the weights stream in.
@@ -163,17 +190,40 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     })
                     .collect();
                 let (devs, placement) = peers::Devices::place(config, &plan, &bytes)?;
-                let (buffers, staging) =
-                    stream_load::stream(ckpt, &files, &plan, &devs, &placement)?;
+                // Several GPUs load as one piece of work: a layer may span them.
+                let (buffers, staging, landing) = match beside && devs.ctxs.len() == 1 {
+                    true => {
+                        let (b, l) =
+                            stream_load::stream_beside(ckpt, &files, &plan, &devs, &placement)?;
+                        (b, None, Some(l))
+                    }
+                    false => {
+                        let (b, s) = stream_load::stream(ckpt, &files, &plan, &devs, &placement)?;
+                        (b, Some(s), None)
+                    }
+                };
                 let gpu = {
                     let _span =
                         crate::support::timing::span("startup: waiting for the GPU to open");
                     warm.join()
-                        .map_err(|_| Error::Internal("opening the GPU panicked".into()))??
+                        .map_err(|_| Error::Internal("opening the GPU panicked".into()))?
                 };
-                stream_load::check_finite(&gpu, ckpt, &plan, &buffers)?;
-                gpu.keep_pinned(staging);
-                (gpu, buffers, true)
+                let gpu = match (gpu, &landing) {
+                    (Ok(g), _) => g,
+                    (Err(e), Some(l)) => {
+                        // The readers write into buffers dropped with this error.
+                        l.wait_all();
+                        let _ = l.join();
+                        return Err(e);
+                    }
+                    (Err(e), None) => return Err(e),
+                };
+                if let Some(staging) = staging {
+                    let all: Vec<&CudaSlice<u16>> = buffers.iter().collect();
+                    stream_load::check_finite(&gpu, ckpt, &plan, &all)?;
+                    gpu.keep_pinned(staging);
+                }
+                (gpu, buffers, true, landing)
             }
             None => {
                 crate::support::resources::check_memory(
@@ -182,14 +232,29 @@ pub fn load_on_cuda(src: &ModelSource, config: &Config) -> Result<Model> {
                     &ckpt.first_file(),
                 )?;
                 let (gpu, buffers) = read_and_upload(config, ckpt)?;
-                (gpu, buffers, false)
+                (gpu, buffers, false, None)
             }
         };
         let mut cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, ckpt)?, warmed);
         cm.exact_weights = exact;
+        cm.landing = landing.map(|l| Streaming {
+            landing: l,
+            source: src.clone(),
+            checked: Mutex::new(None),
+        });
         Ok(cm)
     })?;
     Ok(Model::on_device(config.clone(), Arc::new(cm)))
+}
+
+/// Waits for the weights of `model` still streaming in (`load_on_cuda_streaming`) and checks
+/// them: the first failed read, or Inf or NaN in a tensor, with the message the host reader
+/// gives. Nothing to wait for on any other model.
+pub fn weights_loaded(model: &Model) -> Result<()> {
+    match cuda_model_of(model) {
+        Some(cm) => cm.weights_loaded(),
+        None => Ok(()),
+    }
 }
 
 /// The GPU `model` runs on, if it runs on one.
@@ -382,15 +447,22 @@ impl CudaModel {
         warmed: bool,
     ) -> Self {
         let a = &config.arch;
-        let mut next = buffers.into_iter();
-        let mut take = || next.next().expect("one buffer per entry of the plan");
+        let mut next = buffers.into_iter().enumerate();
+        let taken = std::cell::Cell::new(0);
+        let mut take = || {
+            let (i, b) = next.next().expect("one buffer per entry of the plan");
+            taken.set(i + 1);
+            b
+        };
         let embed = take();
         let norm = take();
         let lm_head = (!config.tie_word_embeddings).then(&mut take);
+        let mut layer_buffers = Vec::with_capacity(config.num_hidden_layers);
         let layers = biases
             .into_iter()
             .enumerate()
             .map(|(l, bias)| {
+                let first = taken.get();
                 let input_norm = take();
                 let post_norm = take();
                 let (q_norm, k_norm) = match a.qk_norm {
@@ -404,6 +476,7 @@ impl CudaModel {
                     router: take(),
                     experts: (0..m.num_experts).map(|_| (take(), take())).collect(),
                 });
+                layer_buffers.push(first..taken.get());
                 Layer {
                     input_norm,
                     post_norm,
@@ -432,6 +505,8 @@ impl CudaModel {
             memo: Default::default(),
             exact_weights: false,
             f32_weights: Default::default(),
+            landing: None,
+            layer_buffers,
         };
         if !warmed && model.gpu.gemm_needs_warm_up() {
             let _span = crate::support::timing::span("startup: cuBLAS shape warm-up");

@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use safetensors::Dtype;
 
+use std::sync::Arc;
+
+use super::landing::{Landing, StopGuard};
 use super::peers::Devices;
 use super::placement::Placement;
 use crate::cuda::gpu::{ptr, Arg, Gpu};
@@ -48,10 +51,27 @@ pub(super) fn streamable(
 struct Piece {
     /// Which of the devices in use holds the destination.
     device: usize,
+    /// The plan's buffer it fills.
+    buffer: usize,
     file: usize,
     offset: u64,
     len: usize,
     dst: u64,
+}
+
+/// Everything the readers need, owned, so that they can also run on a thread of their own.
+struct Readers {
+    pieces: Vec<Piece>,
+    files: Vec<PathBuf>,
+    handles: Vec<File>,
+    ctxs: Vec<std::sync::Arc<cudarc::driver::CudaContext>>,
+    staging: cudarc::driver::PinnedHostSlice<u8>,
+    /// The whole load's timing span, closed when the last piece landed.
+    span: crate::support::timing::Span,
+}
+
+fn cuda(e: cudarc::driver::DriverError) -> Error {
+    Error::Internal(format!("CUDA while loading weights: {e}"))
 }
 
 /// Fills one device buffer per entry of `plan` (its tensors stacked in order) from the files
@@ -67,15 +87,55 @@ pub(super) fn stream(
     devs: &Devices,
     placement: &Placement,
 ) -> Result<Streamed> {
-    let cuda = |e: cudarc::driver::DriverError| {
-        Error::Internal(format!("CUDA while loading weights: {e}"))
-    };
+    let (buffers, readers) = prepare(ckpt, files, plan, devs, placement)?;
+    let staging = readers.run(&|_| {})?;
+    Ok((buffers, staging))
+}
+
+/// `stream`, the reads and copies left running on a thread of their own: returns the device
+/// buffers as soon as they are allocated, and the `Landing` that says which have been filled
+/// (its `join` hands back the staging memory, or the first failure).
+pub(super) fn stream_beside(
+    ckpt: &Checkpoint<'_>,
+    files: &[PathBuf],
+    plan: &[Vec<String>],
+    devs: &Devices,
+    placement: &Placement,
+) -> Result<(Vec<CudaSlice<u16>>, Arc<Landing>)> {
+    let (buffers, readers) = prepare(ckpt, files, plan, devs, placement)?;
+    let mut per_buffer = vec![0; buffers.len()];
+    for p in &readers.pieces {
+        per_buffer[p.buffer] += 1;
+    }
+    let landing = Arc::new(Landing::new(&per_buffer));
+    let gate = landing.clone();
+    let h = std::thread::Builder::new()
+        .name("kvdiff-weights".into())
+        .spawn(move || {
+            let _stop = StopGuard(&gate);
+            readers.run(&|p| gate.piece_landed(p.buffer))
+        })
+        .map_err(|e| Error::Internal(format!("starting the weights' readers: {e}")))?;
+    landing.set_readers(h);
+    Ok((buffers, landing))
+}
+
+/// The device buffers, allocated, and the reads and copies that fill them. Pieces go layer
+/// by layer, the embeddings first and the final norm and LM head last, in the order a pass
+/// needs them.
+fn prepare(
+    ckpt: &Checkpoint<'_>,
+    files: &[PathBuf],
+    plan: &[Vec<String>],
+    devs: &Devices,
+    placement: &Placement,
+) -> Result<(Vec<CudaSlice<u16>>, Readers)> {
     let ctx = &devs.ctxs[0];
     let span = crate::support::timing::span("startup: weights read into place on the GPU");
     let alloc = crate::support::timing::span("startup: weights: device buffers allocated");
     let mut buffers = Vec::with_capacity(plan.len());
     let mut pieces = Vec::new();
-    for (names, &device) in plan.iter().zip(&placement.of_buffer) {
+    for (b, (names, &device)) in plan.iter().zip(&placement.of_buffer).enumerate() {
         let segs: Vec<_> = names
             .iter()
             .map(|n| {
@@ -92,6 +152,7 @@ pub(super) fn stream(
                 let n = PIECE.min(len - start);
                 pieces.push(Piece {
                     device,
+                    buffer: b,
                     file,
                     offset: offset + start as u64,
                     len: n,
@@ -102,6 +163,11 @@ pub(super) fn stream(
         }
         buffers.push(buf);
     }
+    // The plan starts with the embeddings, the final norm and (untied) the LM head, then the
+    // layers: the LM head, which a pass needs last, goes after them (a stable sort keeps the
+    // rest in order).
+    let head = plan.get(2).is_some_and(|b| b[0] == "lm_head.weight");
+    pieces.sort_by_key(|p| head && p.buffer == 2);
     // The copies below are not on the allocating streams.
     devs.synchronize()?;
     drop(alloc);
@@ -113,72 +179,98 @@ pub(super) fn stream(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let next = AtomicUsize::new(0);
     let readers = READERS.min(pieces.len()).max(1);
     let pin = crate::support::timing::span("startup: weights: staging pinned");
-    // Safety: only the first `len` bytes of a piece are copied, after being read.
     // Portable: pinned for every GPU's copies, not only the home one's.
     let flags = match devs.ctxs.len() {
         1 => 0,
         _ => cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
     };
-    let mut staging =
+    // Safety: only the first `len` bytes of a piece are copied, after being read.
+    let staging =
         unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, flags) }.map_err(cuda)?;
     drop(pin);
-    let (pieces, next, handles, ctxs) = (&pieces, &next, &handles, &devs.ctxs);
-    // Reading the pinned buffer's host side checks its event, in the current context.
-    ctx.bind_to_thread().map_err(cuda)?;
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let workers: Vec<_> = staging
-            .as_mut_slice()
-            .map_err(cuda)?
-            .chunks_mut(PIECE)
-            .map(|host| {
-                s.spawn(move || -> Result<()> {
-                    let cuda = |e: cudarc::driver::DriverError| {
-                        Error::Internal(format!("CUDA while loading weights: {e}"))
-                    };
-                    // The raw copies below use the thread's current context: the
-                    // destination's.
-                    let mut bound = 0;
-                    ctxs[bound].bind_to_thread().map_err(cuda)?;
-                    loop {
-                        let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                            return Ok(());
-                        };
-                        if p.device != bound {
-                            bound = p.device;
-                            ctxs[bound].bind_to_thread().map_err(cuda)?;
-                        }
-                        let read = crate::support::timing::span("startup: weights: file reads");
-                        handles[p.file]
-                            .read_exact_at(&mut host[..p.len], p.offset)
-                            .map_err(|e| {
-                                Error::input(
-                                    &files[p.file],
-                                    format!("reading the weights failed: {e}"),
-                                    "check the file and the disk",
-                                )
-                            })?;
-                        drop(read);
-                        let _copy =
-                            crate::support::timing::span("startup: weights: copies to the GPU");
-                        // Safety: `dst` lies inside a live buffer `p.len` bytes from its end
-                        // or further; the copy completes before the call returns.
-                        unsafe { cudarc::driver::result::memcpy_htod_sync(p.dst, &host[..p.len]) }
+    Ok((
+        buffers,
+        Readers {
+            pieces,
+            files: files.to_vec(),
+            handles,
+            ctxs: devs.ctxs.clone(),
+            staging,
+            span,
+        },
+    ))
+}
+
+impl Readers {
+    /// Every piece read and copied by `READERS` threads, `landed` told of each copy done;
+    /// returns the staging memory.
+    fn run(
+        mut self,
+        landed: &(dyn Fn(&Piece) + Sync),
+    ) -> Result<cudarc::driver::PinnedHostSlice<u8>> {
+        let next = AtomicUsize::new(0);
+        let (pieces, handles, files, ctxs) = (&self.pieces, &self.handles, &self.files, &self.ctxs);
+        // Reading the pinned buffer's host side checks its event, in the current context.
+        ctxs[0].bind_to_thread().map_err(cuda)?;
+        let next = &next;
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let workers: Vec<_> = self
+                .staging
+                .as_mut_slice()
+                .map_err(cuda)?
+                .chunks_mut(PIECE)
+                .map(|host| {
+                    s.spawn(move || -> Result<()> {
+                        // The raw copies below use the thread's current context: the
+                        // destination's.
+                        let mut bound = 0;
+                        ctxs[bound].bind_to_thread().map_err(cuda)?;
+                        loop {
+                            let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                                return Ok(());
+                            };
+                            if p.device != bound {
+                                bound = p.device;
+                                ctxs[bound].bind_to_thread().map_err(cuda)?;
+                            }
+                            let read = crate::support::timing::span("startup: weights: file reads");
+                            handles[p.file]
+                                .read_exact_at(&mut host[..p.len], p.offset)
+                                .map_err(|e| {
+                                    Error::input(
+                                        &files[p.file],
+                                        format!("reading the weights failed: {e}"),
+                                        "check the file and the disk",
+                                    )
+                                })?;
+                            drop(read);
+                            let copy =
+                                crate::support::timing::span("startup: weights: copies to the GPU");
+                            // Safety: `dst` lies inside a live buffer `p.len` bytes from its
+                            // end or further; the copy completes before the call returns.
+                            unsafe {
+                                cudarc::driver::result::memcpy_htod_sync(p.dst, &host[..p.len])
+                            }
                             .map_err(cuda)?;
-                    }
+                            drop(copy);
+                            landed(p);
+                        }
+                    })
                 })
-            })
-            .collect();
-        Ok(workers
-            .into_iter()
-            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect())
-    })?;
-    results.into_iter().collect::<Result<()>>()?;
-    drop(span);
-    Ok((buffers, staging))
+                .collect();
+            Ok::<_, Error>(
+                workers
+                    .into_iter()
+                    .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect(),
+            )
+        })?;
+        results.into_iter().collect::<Result<()>>()?;
+        drop(self.span);
+        Ok(self.staging)
+    }
 }
 
 /// Refuses Inf and NaN in the streamed buffers, with the message the host reader gives.
@@ -186,7 +278,19 @@ pub(super) fn check_finite(
     gpu: &Gpu,
     ckpt: &Checkpoint<'_>,
     plan: &[Vec<String>],
-    buffers: &[CudaSlice<u16>],
+    buffers: &[&CudaSlice<u16>],
+) -> Result<()> {
+    check_finite_with(gpu, plan, buffers, |names| {
+        ckpt.bf16_bits(names).map(|_| ())
+    })
+}
+
+/// `check_finite`, the error worded by `word` (the host reader's check of the named tensors).
+pub(super) fn check_finite_with(
+    gpu: &Gpu,
+    plan: &[Vec<String>],
+    buffers: &[&CudaSlice<u16>],
+    word: impl FnOnce(&[&str]) -> Result<()>,
 ) -> Result<()> {
     let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
     let flags = gpu.zeros::<i32>(buffers.len());
@@ -211,7 +315,7 @@ pub(super) fn check_finite(
     if let Some(bad) = flags.iter().position(|&f| f != 0) {
         // The host reader finds the tensor and index and words the error.
         let names: Vec<&str> = plan[bad].iter().map(String::as_str).collect();
-        ckpt.bf16_bits(&names)?;
+        word(&names)?;
         return Err(Error::Internal(format!(
             "the GPU found Inf or NaN in {names:?} but the host reader did not"
         )));

@@ -56,6 +56,7 @@ pub(super) struct Weights<'a> {
 
 impl<'a> Weights<'a> {
     pub(super) fn new(cm: &'a CudaModel, exact: bool) -> Self {
+        cm.weights_for_all();
         Weights {
             cm,
             f32: cm.f32_weights.get().filter(|_| exact),
