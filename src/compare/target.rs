@@ -50,7 +50,12 @@ pub fn load_source(source: ModelSource, on: Backend) -> Result<Engine> {
 /// before any result is trusted.
 pub fn load_engine_streaming(model: Option<&Path>) -> Result<Engine> {
     let _progress = crate::support::progress::Progress::spinner("loading the model");
-    Engine::load_with(ModelSource::from_arg(model)?, |src| {
+    load_source_streaming(ModelSource::from_arg(model)?)
+}
+
+/// `load_engine_streaming` of a model source already resolved.
+pub fn load_source_streaming(source: ModelSource) -> Result<Engine> {
+    Engine::load_with(source, |src| {
         let config = crate::engine::config::Config::load(src)?;
         crate::cuda::load_on_cuda_streaming(src, &config)
     })

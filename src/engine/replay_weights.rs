@@ -49,6 +49,9 @@ pub trait ReplayWeights: Sync {
     fn embed_rows(&self, tokens: &[u32]) -> Option<Vec<f32>>;
     /// Whether layer `l`'s MLP is a dense SwiGLU whose rows replay reruns.
     fn dense_mlp(&self, l: usize) -> bool;
+    /// Reads what the weights keep ready for the workers, on the thread that replays: called
+    /// before each step's replay.
+    fn prepare(&self) {}
 }
 
 /// The host model's weights: f32 products.

@@ -853,8 +853,7 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
     // Streamed beside the first passes: the load returns, and the check reports it.
     let streamed = kvdiff::cuda::load_on_cuda_streaming(&src, &config).unwrap();
     let late_err = kvdiff::cuda::weights_loaded(&streamed)
-        .err()
-        .expect("NaN refused")
+        .expect_err("NaN refused")
         .to_string();
     assert_eq!(late_err, cpu_err);
     // And a GPU compare (which streams) stops with that one line, exit code 2.
@@ -873,6 +872,30 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         ],
         &[],
     );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("flat index 7"), "{stderr}");
+    // So does a GPU diff, whose first reference step runs while the weights stream in: a
+    // dump of the clean model, held to the one with the NaN.
+    let dump = dir.path().join("clean-dump");
+    let clean = fixture("default-model");
+    let o = kvdiff(
+        &[
+            "dump",
+            "-q",
+            "--max-new-tokens",
+            "2",
+            "--model",
+            clean.to_str().unwrap(),
+            "--out",
+            dump.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let args = ["diff", "--backend", "cuda", "--model", dir_arg];
+    let out = kvdiff(&[&args[..], &[dump.to_str().unwrap()]].concat(), &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("flat index 7"), "{stderr}");

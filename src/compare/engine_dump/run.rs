@@ -16,7 +16,7 @@ use crate::compare::judge::replay;
 use crate::compare::report::Judgement;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
 use crate::compare::run::Policy;
-use crate::compare::target::{load_source, require_cuda, Backend};
+use crate::compare::target::{load_source_streaming, require_cuda, Backend};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::replay_weights::ReplayWeights;
@@ -227,9 +227,11 @@ impl DiffRequest<'_> {
             Some(s) => {
                 let _p = progress::Progress::spinner("loading the model");
                 // kvdiff's reference on the GPU loads the model straight there, as `compare
-                // --backend cuda` does; a host copy follows only where the diff needs one.
+                // --backend cuda` does, its first step starting while the weights still
+                // stream in (`weights_loaded` is checked once that step has run); a host copy
+                // follows only where the diff needs one.
                 match self.backend == Backend::Cuda && reference_dump.is_none() {
-                    true => (Some(load_source(s, Backend::Cuda)?), None, None),
+                    true => (Some(load_source_streaming(s)?), None, None),
                     false => (Some(Engine::load(s)?), None, None),
                 }
             }
@@ -486,6 +488,9 @@ impl OpenedDiff<'_> {
             }
         };
         let took = start.elapsed();
+        if let Some(g) = on_gpu {
+            crate::cuda::weights_loaded(g)?;
+        }
         crate::support::bulk::release();
         let steps = diff.info.steps;
         let mut report = assemble(engine_dump, engine, diff, reference_label, info);
@@ -576,6 +581,7 @@ impl OpenedDiff<'_> {
             attached.or_else(|| F32GpuReference::unavailable(gpu_model, dump, taps, tokens.len()));
         match why {
             None => {
+                crate::cuda::weights_loaded(gpu_model)?;
                 let _p = progress::Progress::spinner("running the f32 reference on the GPU");
                 F32GpuReference::run(gpu_model, dump, taps, tokens).map(Some)
             }
@@ -736,6 +742,10 @@ fn auto_tolerance(
                 None => {
                     if let (Some(s), true) = (&slot, progress::verbosity() >= 1) {
                         eprintln!("kvdiff: noise model computed: {}", s.why_computed());
+                    }
+                    if let Some((g, _)) = gpu {
+                        // Measured on the weights as loaded: a failed load is reported first.
+                        crate::cuda::weights_loaded(g)?;
                     }
                     let _p = progress::Progress::spinner("calibrating the noise model");
                     let at = slot.as_ref().map_or(last, |s| s.calibrate_at);

@@ -335,6 +335,7 @@ impl<'m> Replayer<'m> {
     /// reference's step, for the error each op inherits.
     pub fn step(&mut self, step: usize, engine: &DumpStep, reference: Option<&DumpStep>) {
         let weights = self.weights;
+        weights.prepare();
         let c = weights.config();
         let eps = c.rms_norm_eps as f64;
         let h = c.hidden_size;

@@ -5,6 +5,7 @@
 //! buffers are exactly.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use cudarc::driver::CudaSlice;
 
@@ -22,9 +23,10 @@ const ROWS_AT_ONCE: usize = 256;
 /// The weights of a model on the GPU, for blame by replay.
 pub struct ReplayOnGpu<'a> {
     cm: &'a CudaModel,
-    /// Every norm and bias, read once: replay's layers run on workers, which then touch
-    /// nothing on the GPU.
-    vectors: HashMap<Vector, Vec<f32>>,
+    /// Every norm and bias, read once (`prepare`, before the first replay, on the thread that
+    /// runs it): replay's layers run on workers, which then touch nothing on the GPU. Not at
+    /// `of`, so that a model whose weights still stream in is not waited for there.
+    vectors: OnceLock<HashMap<Vector, Vec<f32>>>,
 }
 
 impl<'a> ReplayOnGpu<'a> {
@@ -35,22 +37,26 @@ impl<'a> ReplayOnGpu<'a> {
             return None;
         }
         let cm = cuda_model_of(model)?;
-        let mut r = ReplayOnGpu {
+        Some(ReplayOnGpu {
             cm,
-            vectors: HashMap::new(),
-        };
-        let mut all = vec![Vector::FinalNorm];
-        for l in 0..cm.config.num_hidden_layers {
-            all.extend([
-                Vector::InputNorm(l),
-                Vector::PostNorm(l),
-                Vector::QNorm(l),
-                Vector::KNorm(l),
-            ]);
-            all.extend([Matrix::Q(l), Matrix::K(l), Matrix::V(l)].map(Vector::Bias));
-        }
-        r.vectors = all.into_iter().map(|v| (v, r.read_vector(v))).collect();
-        Some(r)
+            vectors: OnceLock::new(),
+        })
+    }
+
+    fn vectors(&self) -> &HashMap<Vector, Vec<f32>> {
+        self.vectors.get_or_init(|| {
+            let mut all = vec![Vector::FinalNorm];
+            for l in 0..self.cm.config.num_hidden_layers {
+                all.extend([
+                    Vector::InputNorm(l),
+                    Vector::PostNorm(l),
+                    Vector::QNorm(l),
+                    Vector::KNorm(l),
+                ]);
+                all.extend([Matrix::Q(l), Matrix::K(l), Matrix::V(l)].map(Vector::Bias));
+            }
+            all.into_iter().map(|v| (v, self.read_vector(v))).collect()
+        })
     }
 
     /// Whether `of` can read `model`'s weights, without reading any.
@@ -207,7 +213,11 @@ impl ReplayWeights for ReplayOnGpu<'_> {
     }
 
     fn vector(&self, v: Vector) -> Vec<f32> {
-        self.vectors.get(&v).cloned().unwrap_or_default()
+        self.vectors().get(&v).cloned().unwrap_or_default()
+    }
+
+    fn prepare(&self) {
+        self.vectors();
     }
 
     fn embed_rows(&self, tokens: &[u32]) -> Option<Vec<f32>> {
