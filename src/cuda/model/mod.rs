@@ -20,6 +20,7 @@ use crate::tap::Device;
 mod landing;
 mod peers;
 pub mod placement;
+mod ready;
 mod stream_load;
 
 pub(super) struct Layer {
