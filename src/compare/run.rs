@@ -325,9 +325,11 @@ impl<'a> Request<'a> {
         let ids = &self.prompt.ids;
         let on_device = self.engine.model.device().is_some();
         if let (Some(g), ["cuda"]) = (self.gpu_model, &self.backends()[..]) {
-            // Measured on the weights as loaded: any failure to load them is reported first.
+            // Layer by layer as the weights land; a failure to load them (Inf or NaN among
+            // them) is reported before anything the calibration made of them.
+            let calibrated = Calibration::on_gpu(g, ids, last);
             crate::cuda::weights_loaded(g)?;
-            match Calibration::on_gpu(g, ids, last) {
+            match calibrated {
                 Ok(c) => return Ok(c),
                 Err(why) if on_device => {
                     return Err(Error::Calibration(format!(

@@ -743,17 +743,18 @@ fn auto_tolerance(
                     if let (Some(s), true) = (&slot, progress::verbosity() >= 1) {
                         eprintln!("kvdiff: noise model computed: {}", s.why_computed());
                     }
-                    if let Some((g, _)) = gpu {
-                        // Measured on the weights as loaded: a failed load is reported first.
-                        crate::cuda::weights_loaded(g)?;
-                    }
                     let _p = progress::Progress::spinner("calibrating the noise model");
                     let at = slot.as_ref().map_or(last, |s| s.calibrate_at);
                     // A narrower KV cache is emulated by the CPU engine, on host weights.
                     let kv = KvCacheDtype::from_backend(engine_side).is_some();
+                    // Layer by layer as the weights land; a failed load (Inf or NaN among
+                    // them) is reported before anything the calibration made of them.
                     let on_gpu = gpu
                         .filter(|_| !kv)
                         .map(|g| Calibration::on_gpu(g.0, prompt_ids, at));
+                    if let Some((g, _)) = gpu {
+                        crate::cuda::weights_loaded(g)?;
+                    }
                     let (cal, model) = match (on_gpu, host) {
                         (Some(Ok(c)), _) => (c, gpu.expect("on_gpu came from it").0),
                         (other, Some(host)) => {

@@ -36,6 +36,13 @@ impl super::CudaModel {
         }
     }
 
+    /// Waits until the final norm has landed.
+    pub(in crate::cuda) fn weights_for_final_norm(&self) {
+        if let Some(s) = &self.landing {
+            s.landing.wait([1]);
+        }
+    }
+
     /// Waits until every weight has landed.
     pub(in crate::cuda) fn weights_for_all(&self) {
         if let Some(s) = &self.landing {

@@ -55,8 +55,9 @@ pub(super) struct Weights<'a> {
 }
 
 impl<'a> Weights<'a> {
+    /// Each accessor below waits for its buffers where the weights still stream in, so an
+    /// oracle prefill follows the load layer by layer.
     pub(super) fn new(cm: &'a CudaModel, exact: bool) -> Self {
-        cm.weights_for_all();
         Weights {
             cm,
             f32: cm.f32_weights.get().filter(|_| exact),
@@ -85,6 +86,7 @@ impl<'a> Weights<'a> {
 
     /// Index in `plan` order of the model-wide buffers: embed, norm, lm_head.
     pub(super) fn embed(&self) -> W {
+        self.cm.weights_for_embed();
         match self.f32 {
             Some(_) => self.wide(0),
             None => self.bf16(&self.cm.embed),
@@ -92,6 +94,7 @@ impl<'a> Weights<'a> {
     }
 
     pub(super) fn norm(&self) -> W {
+        self.cm.weights_for_final_norm();
         match self.f32 {
             Some(_) => self.wide(1),
             None => self.bf16(&self.cm.norm),
@@ -100,6 +103,7 @@ impl<'a> Weights<'a> {
 
     /// The LM head, or the embedding where it is tied.
     pub(super) fn lm_head(&self) -> W {
+        self.cm.weights_for_head();
         match (self.f32, &self.cm.lm_head) {
             (_, None) => self.embed(),
             (Some(_), Some(_)) => self.wide(2),
@@ -108,6 +112,7 @@ impl<'a> Weights<'a> {
     }
 
     pub(super) fn layer(&self, l: usize) -> LayerW {
+        self.cm.weights_for_layer(l);
         let c = &self.cm.config;
         let w = &self.cm.layers[l];
         let Some(f) = self.f32 else {
