@@ -163,6 +163,9 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
             ckpt.segment(n)
                 .is_some_and(|s| s.3 == safetensors::Dtype::BF16)
         });
+        // Read before any copy starts: a failure after it would drop buffers the readers
+        // still write into.
+        let biases = read_biases(config, ckpt)?;
         let (gpu, buffers, warmed, landing) = match stream_load::streamable(src, ckpt, config) {
             Some(files) => {
                 let plan = plan(config);
@@ -236,7 +239,7 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
                 (gpu, buffers, false, None)
             }
         };
-        let mut cm = CudaModel::assemble(gpu, config, buffers, read_biases(config, ckpt)?, warmed);
+        let mut cm = CudaModel::assemble(gpu, config, buffers, biases, warmed);
         cm.exact_weights = exact;
         cm.landing = landing.map(|l| Streaming {
             landing: l,
