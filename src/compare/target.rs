@@ -36,13 +36,7 @@ pub fn load_engine(model: Option<&Path>, on: Backend) -> Result<Engine> {
 
 /// `load_engine` of a model source already resolved.
 pub fn load_source(source: ModelSource, on: Backend) -> Result<Engine> {
-    match on {
-        Backend::Cpu => Engine::load(source),
-        Backend::Cuda => Engine::load_with(source, |src| {
-            let config = crate::engine::config::Config::load(src)?;
-            crate::cuda::load_on_cuda(src, &config)
-        }),
-    }
+    load_onto(source, on, false)
 }
 
 /// `load_engine` onto the GPU, the weights still streaming in when it returns
@@ -55,10 +49,20 @@ pub fn load_engine_streaming(model: Option<&Path>) -> Result<Engine> {
 
 /// `load_engine_streaming` of a model source already resolved.
 pub fn load_source_streaming(source: ModelSource) -> Result<Engine> {
-    Engine::load_with(source, |src| {
-        let config = crate::engine::config::Config::load(src)?;
-        crate::cuda::load_on_cuda_streaming(src, &config)
-    })
+    load_onto(source, Backend::Cuda, true)
+}
+
+fn load_onto(source: ModelSource, on: Backend, streaming: bool) -> Result<Engine> {
+    match on {
+        Backend::Cpu => Engine::load(source),
+        Backend::Cuda => Engine::load_with(source, |src| {
+            let config = crate::engine::config::Config::load(src)?;
+            match streaming {
+                true => crate::cuda::load_on_cuda_streaming(src, &config),
+                false => crate::cuda::load_on_cuda(src, &config),
+            }
+        }),
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

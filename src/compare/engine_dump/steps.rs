@@ -135,6 +135,9 @@ impl ReferenceSource for ReferenceRun<'_> {
                     &mut rec,
                 );
                 self.cache = Some(cache);
+                // The prefill may have run while the weights still streamed in: a failed
+                // load, or Inf or NaN in them, stops the diff before anything is compared.
+                crate::cuda::weights_loaded(self.model)?;
                 logits.into_host()
             }
             Some(mut cache) => {
@@ -149,9 +152,6 @@ impl ReferenceSource for ReferenceRun<'_> {
             }
         };
         self.next += positions.len();
-        // The first step may have run while the weights still streamed in: a failed load, or
-        // Inf or NaN in them, stops the diff before anything is compared.
-        crate::cuda::weights_loaded(self.model)?;
         let mut out = DumpStep {
             step,
             tokens: engine.tokens.clone(),

@@ -216,7 +216,6 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
                     (Ok(g), _) => g,
                     (Err(e), Some(l)) => {
                         // The readers write into buffers dropped with this error.
-                        l.wait_all();
                         let _ = l.join();
                         return Err(e);
                     }

@@ -66,7 +66,6 @@ impl super::CudaModel {
             None => {}
         }
         *checked = Some(false);
-        s.landing.wait_all();
         if let Some(staging) = s.landing.join()? {
             self.gpu.keep_pinned(staging);
         }
@@ -106,7 +105,6 @@ impl Drop for super::CudaModel {
     fn drop(&mut self) {
         // The readers copy into this model's buffers: they stop before the buffers go.
         if let Some(s) = &self.landing {
-            s.landing.wait_all();
             let _ = s.landing.join();
         }
     }

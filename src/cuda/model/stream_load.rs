@@ -7,11 +7,10 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use safetensors::Dtype;
-
-use std::sync::Arc;
 
 use super::landing::{Landing, StopGuard};
 use super::peers::Devices;
@@ -64,7 +63,7 @@ struct Readers {
     pieces: Vec<Piece>,
     files: Vec<PathBuf>,
     handles: Vec<File>,
-    ctxs: Vec<std::sync::Arc<cudarc::driver::CudaContext>>,
+    ctxs: Vec<Arc<cudarc::driver::CudaContext>>,
     staging: cudarc::driver::PinnedHostSlice<u8>,
     /// The whole load's timing span, closed when the last piece landed.
     span: crate::support::timing::Span,
@@ -120,9 +119,9 @@ pub(super) fn stream_beside(
     Ok((buffers, landing))
 }
 
-/// The device buffers, allocated, and the reads and copies that fill them. Pieces go layer
-/// by layer, the embeddings first and the final norm and LM head last, in the order a pass
-/// needs them.
+/// The device buffers, allocated, and the reads and copies that fill them. Pieces go in the
+/// order a pass needs them: the embeddings and the final norm, layer by layer, the LM head
+/// last.
 fn prepare(
     ckpt: &Checkpoint<'_>,
     files: &[PathBuf],
