@@ -9,7 +9,8 @@
 # lockstep time per run and whether the JSON reports are byte for byte alike, the table last.
 # On the GPU machine, binaries built elsewhere and carried (scripts/stage_gpu_binaries.sh):
 #   scripts/bench_against.sh NEW_BINARY BASELINE_BINARY [SHAPES...]   (default: 8b 0.6b)
-#   env: ROUNDS (3), BENCH_OUT (where the runs' stderr go; default /tmp/kvdiff-against)
+#   env: ROUNDS (3), BENCH_OUT (where the runs' stderr go; default /tmp/kvdiff-against),
+#        BENCH_GAP (seconds between runs, 0.5)
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 NEW_BINARY BASELINE_BINARY [SHAPES...]" >&2; exit 2; }
 new=$1 base=$2
@@ -23,6 +24,8 @@ one() {  # label binary shape round [VAR=value...]: wall ms and lockstep ms of o
   local label=$1 b=$2 s=$3 r=$4 t0 t1 rc cache="$w/against-cache-$1"
   shift 4
   [ "$r" = calibration ] && cache="$w/against-cache-$label-calibration"
+  # A run's GPU teardown ends after its exit (an heir holds it): none overlaps the next run.
+  sleep "${BENCH_GAP:-0.5}"
   t0=$(date +%s%N)
   env "$@" KVDIFF_TIMING=1 KVDIFF_CACHE_DIR="$cache" "$b" -vv compare --backend cuda \
     --model "$w/model-$s" --max-new-tokens 64 --json "$out/$label-$s.json" "$w/prompt-$s.json" \

@@ -1,7 +1,8 @@
 //! Ending the process without tearing down what it holds. Freeing a model's GPU buffers, its
 //! streams and cuBLAS, and the driver's own exit handlers take hundreds of ms that change no
 //! result: the operating system reclaims all of it when the process ends. Commands hand their
-//! large values to `keep`; `main` ends with `now` once the output is flushed.
+//! large values to `keep`; `main` ends with `now` once the output is flushed, leaving the GPU
+//! context's teardown to an heir (`heir.rs`).
 
 use std::any::Any;
 use std::io::Write;
@@ -50,6 +51,9 @@ pub fn now(code: i32) -> ! {
     }
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    if std::env::var_os("KVDIFF_EXIT_TEARS_DOWN").is_none() {
+        super::heir::hand_over();
+    }
     // Safety: every file the command wrote is closed (written atomically and renamed); only
     // memory and device state remain, which the operating system reclaims.
     unsafe { libc::_exit(code) }

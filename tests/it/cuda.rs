@@ -990,6 +990,74 @@ fn a_first_run_on_sm_90_compiles_no_kernel() {
     assert_eq!(shipped, compiled);
 }
 
+/// A command that opened the GPU leaves the driver's teardown to an heir: the caller gets the
+/// exit code and every pipe's end at once, and the heir, which holds no other file, ends by
+/// itself once every thread of the command has. `KVDIFF_EXIT_TEARS_DOWN` keeps the teardown in the command.
+#[test]
+fn the_gpu_teardown_is_left_to_an_heir_that_ends() {
+    if gpu().is_none() {
+        return;
+    }
+    // Orphans are adopted by this process, so the heir can be found and reaped here.
+    // Safety: prctl with these arguments has no memory effects.
+    assert_eq!(
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) },
+        0
+    );
+    let prompt = fixture("prompts/task.json");
+    let args = [
+        "generate",
+        "--backend",
+        "cuda",
+        "--max-new-tokens",
+        "4",
+        prompt.to_str().unwrap(),
+    ];
+    let me = std::process::id() as i32;
+    let adopted = || -> Vec<i32> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid ...
+            let Some((comm, rest)) = stat.split_once(") ") else {
+                continue;
+            };
+            let ppid: i32 = rest.split(' ').nth(1).unwrap().parse().unwrap();
+            if ppid == me && comm.ends_with("(kvdiff") {
+                found.push(pid);
+            }
+        }
+        found
+    };
+    let run = |env: &[(&str, &str)]| {
+        let out = kvdiff(&args, env);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    let handed_over = run(&[]);
+    let heirs = adopted();
+    assert_eq!(heirs.len(), 1, "one heir expected, found {heirs:?}");
+    let mut status = 0;
+    // Safety: waitpid on a child of this process, with a valid status pointer.
+    let reaped = unsafe { libc::waitpid(heirs[0], &mut status, 0) };
+    assert_eq!(reaped, heirs[0]);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the heir's status {status:#x}"
+    );
+
+    let torn_down = run(&[("KVDIFF_EXIT_TEARS_DOWN", "1")]);
+    assert_eq!(adopted(), Vec::<i32>::new());
+    assert_eq!(handed_over, torn_down);
+}
+
 /// Every side on the GPU, on the embedded (bf16) model: a first run calibrates on the GPU oracle
 /// (its first GEMMs run ahead, not for an f32 checkpoint, which the oracle does not read) and
 /// stores it, with thresholds within 2x of the CPU oracle's; a run with another
