@@ -6,9 +6,23 @@
 //! tears the context down after the caller has the exit code and every pipe's end.
 
 use std::ffi::c_void;
+use std::os::fd::{AsRawFd, IntoRawFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 /// The files whose release is the driver's teardown.
 const DRIVER_FILES: &str = "/dev/nvidia";
+
+/// The cache entry heirs hold a shared lock on until they end: a later command waits for it
+/// before it sizes anything by the GPU memory free, which a teardown still running would hold.
+const LOCK: &str = "gpu-teardown.lock";
+
+/// The lowest descriptor the heir's lock is moved to: an exit closes descriptors in order, so
+/// the lock is released after the driver's files.
+const LOCK_FD: libc::c_int = 1000;
+
+/// Longest a command waits for earlier heirs: a teardown takes 0.13-0.15 s.
+const MOST_WAIT: Duration = Duration::from_secs(2);
 
 /// What the heir needs, read before it starts: it allocates nothing and reads no file.
 struct Inheritance {
@@ -18,9 +32,12 @@ struct Inheritance {
     close: Vec<libc::c_int>,
 }
 
-/// The descriptors an heir closes: all but the driver's. None when the driver holds no file,
-/// so there is no teardown to hand over.
-pub(crate) fn others(open: &[(libc::c_int, String)]) -> Option<Vec<libc::c_int>> {
+/// The descriptors an heir closes: all but the driver's and `keep`. None when the driver holds
+/// no file, so there is no teardown to hand over.
+pub(crate) fn others(
+    open: &[(libc::c_int, String)],
+    keep: Option<libc::c_int>,
+) -> Option<Vec<libc::c_int>> {
     if !open
         .iter()
         .any(|(_, target)| target.starts_with(DRIVER_FILES))
@@ -29,10 +46,66 @@ pub(crate) fn others(open: &[(libc::c_int, String)]) -> Option<Vec<libc::c_int>>
     }
     Some(
         open.iter()
-            .filter(|(_, target)| !target.starts_with(DRIVER_FILES))
+            .filter(|(fd, target)| !target.starts_with(DRIVER_FILES) && Some(*fd) != keep)
             .map(|&(fd, _)| fd)
             .collect(),
     )
+}
+
+fn lock_file(path: &Path) -> Option<std::fs::File> {
+    if let Some(d) = path.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .ok()
+}
+
+/// A shared lock on `path`, on a descriptor at `LOCK_FD` or above, for the heir to hold.
+fn hold_lock(path: &Path) -> Option<libc::c_int> {
+    let fd = lock_file(path)?.into_raw_fd();
+    // Safety: `fd` is this function's own open descriptor.
+    unsafe {
+        if libc::flock(fd, libc::LOCK_SH) != 0 {
+            libc::close(fd);
+            return None;
+        }
+        // The lock belongs to the open file, which the duplicate keeps open.
+        let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, LOCK_FD);
+        libc::close(fd);
+        (high >= 0).then_some(high)
+    }
+}
+
+/// Waits until no heir holds `path`'s lock, at most `most`; whether none did by then.
+fn wait_for(path: &Path, most: Duration) -> bool {
+    let Some(file) = lock_file(path) else {
+        return true;
+    };
+    let until = Instant::now() + most;
+    loop {
+        // Safety: flock on an open descriptor; the lock goes with `file`.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Waits for the heirs of earlier commands to end, so that the GPU memory their contexts held
+/// is free again before this process sizes anything by what is free. Commands started a few
+/// hundred ms apart find them gone already: the driver's own start takes longer.
+pub fn wait_for_heirs() {
+    if let Some(path) = crate::support::cache::path(LOCK) {
+        let _span = crate::support::timing::span("startup: earlier commands' GPU teardown");
+        wait_for(&path, MOST_WAIT);
+    }
 }
 
 fn open_files() -> Vec<(libc::c_int, String)> {
@@ -76,7 +149,8 @@ extern "C" fn heir(arg: *mut c_void) -> libc::c_int {
 /// Starts an heir to the driver's teardown, if the process holds the driver's files. The
 /// caller ends right after; on any failure it ends as before, tearing down itself.
 pub(crate) fn hand_over() {
-    let Some(close) = others(&open_files()) else {
+    let lock = crate::support::cache::path(LOCK).and_then(|p| hold_lock(&p));
+    let Some(close) = others(&open_files(), lock) else {
         return;
     };
     const STACK: usize = 64 * 1024;
@@ -102,7 +176,8 @@ pub(crate) fn hand_over() {
 
 #[cfg(test)]
 mod tests {
-    use super::others;
+    use super::{hold_lock, others, wait_for, LOCK_FD};
+    use std::time::Duration;
 
     fn table(entries: &[(i32, &str)]) -> Vec<(i32, String)> {
         entries.iter().map(|&(fd, t)| (fd, t.to_string())).collect()
@@ -111,7 +186,29 @@ mod tests {
     #[test]
     fn a_process_without_the_driver_hands_nothing_over() {
         let open = table(&[(0, "/dev/pts/0"), (1, "pipe:[12]"), (3, "/tmp/x")]);
-        assert_eq!(others(&open), None);
+        assert_eq!(others(&open, None), None);
+    }
+
+    /// A command waits while an heir holds the lock, and goes on once it is released; an heir's
+    /// lock is shared, so heirs do not wait for each other.
+    #[test]
+    fn a_command_waits_for_the_heirs_lock_and_no_longer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub").join("gpu-teardown.lock");
+        assert!(wait_for(&path, Duration::ZERO), "no heir: no wait");
+        let held = hold_lock(&path).expect("a lock");
+        assert!(held >= LOCK_FD);
+        let second = hold_lock(&path).expect("shared with the first");
+        assert!(
+            !wait_for(&path, Duration::from_millis(50)),
+            "held: the wait runs out"
+        );
+        // Safety: the descriptors are this test's own.
+        unsafe {
+            libc::close(held);
+            libc::close(second);
+        }
+        assert!(wait_for(&path, Duration::from_millis(50)), "released");
     }
 
     #[test]
@@ -125,6 +222,8 @@ mod tests {
             (5, "anon_inode:[eventfd]"),
             (6, "/dev/nvidia-uvm"),
         ]);
-        assert_eq!(others(&open), Some(vec![0, 1, 2, 5]));
+        assert_eq!(others(&open, None), Some(vec![0, 1, 2, 5]));
+        let with_lock = table(&[(1, "pipe:[12]"), (3, "/dev/nvidiactl"), (1000, "/c/lock")]);
+        assert_eq!(others(&with_lock, Some(1000)), Some(vec![1]));
     }
 }

@@ -4,7 +4,7 @@ pub mod bulk;
 pub mod cache;
 pub mod exit;
 pub mod fault;
-mod heir;
+pub mod heir;
 pub mod interrupt;
 pub mod progress;
 pub mod resources;

@@ -236,6 +236,9 @@ impl Gpu {
                 CUDA_FIX,
             )
         })?;
+        // Before anything is sized by the memory free: an earlier command's context may still
+        // be torn down by its heir.
+        crate::support::heir::wait_for_heirs();
         // The two streams are ordered explicitly (`stream()`, `replay_on_side`): cudarc's
         // per-buffer event tracking would only add overhead. Neither is the legacy default
         // stream, which cannot be captured into a graph.
