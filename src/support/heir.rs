@@ -32,12 +32,9 @@ struct Inheritance {
     close: Vec<libc::c_int>,
 }
 
-/// The descriptors an heir closes: all but the driver's and `keep`. None when the driver holds
-/// no file, so there is no teardown to hand over.
-pub(crate) fn others(
-    open: &[(libc::c_int, String)],
-    keep: Option<libc::c_int>,
-) -> Option<Vec<libc::c_int>> {
+/// The descriptors an heir closes: all but the driver's. None when the driver holds no file,
+/// so there is no teardown to hand over.
+pub(crate) fn others(open: &[(libc::c_int, String)]) -> Option<Vec<libc::c_int>> {
     if !open
         .iter()
         .any(|(_, target)| target.starts_with(DRIVER_FILES))
@@ -46,7 +43,7 @@ pub(crate) fn others(
     }
     Some(
         open.iter()
-            .filter(|(fd, target)| !target.starts_with(DRIVER_FILES) && Some(*fd) != keep)
+            .filter(|(_, target)| !target.starts_with(DRIVER_FILES))
             .map(|&(fd, _)| fd)
             .collect(),
     )
@@ -149,10 +146,13 @@ extern "C" fn heir(arg: *mut c_void) -> libc::c_int {
 /// Starts an heir to the driver's teardown, if the process holds the driver's files. The
 /// caller ends right after; on any failure it ends as before, tearing down itself.
 pub(crate) fn hand_over() {
-    let lock = crate::support::cache::path(LOCK).and_then(|p| hold_lock(&p));
-    let Some(close) = others(&open_files(), lock) else {
+    let Some(close) = others(&open_files()) else {
         return;
     };
+    // Taken after the listing, so the heir's copy of the table keeps it.
+    if let Some(path) = crate::support::cache::path(LOCK) {
+        hold_lock(&path);
+    }
     const STACK: usize = 64 * 1024;
     let stack = Box::leak(vec![0u8; STACK].into_boxed_slice());
     let inheritance = Box::leak(Box::new(Inheritance {
@@ -186,7 +186,7 @@ mod tests {
     #[test]
     fn a_process_without_the_driver_hands_nothing_over() {
         let open = table(&[(0, "/dev/pts/0"), (1, "pipe:[12]"), (3, "/tmp/x")]);
-        assert_eq!(others(&open, None), None);
+        assert_eq!(others(&open), None);
     }
 
     /// A command waits while an heir holds the lock, and goes on once it is released; an heir's
@@ -222,8 +222,6 @@ mod tests {
             (5, "anon_inode:[eventfd]"),
             (6, "/dev/nvidia-uvm"),
         ]);
-        assert_eq!(others(&open, None), Some(vec![0, 1, 2, 5]));
-        let with_lock = table(&[(1, "pipe:[12]"), (3, "/dev/nvidiactl"), (1000, "/c/lock")]);
-        assert_eq!(others(&with_lock, Some(1000)), Some(vec![1]));
+        assert_eq!(others(&open), Some(vec![0, 1, 2, 5]));
     }
 }
