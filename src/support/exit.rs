@@ -51,7 +51,7 @@ pub fn now(code: i32) -> ! {
     }
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    if std::env::var_os("KVDIFF_EXIT_TEARS_DOWN").is_none() {
+    if std::env::var("KVDIFF_EXIT_TEARS_DOWN").as_deref() != Ok("1") {
         super::heir::hand_over();
     }
     // Safety: every file the command wrote is closed (written atomically and renamed); only
