@@ -34,7 +34,7 @@ struct Inheritance {
 
 /// The descriptors an heir closes: all but the driver's. None when the driver holds no file,
 /// so there is no teardown to hand over.
-pub(crate) fn others(open: &[(libc::c_int, String)]) -> Option<Vec<libc::c_int>> {
+fn others(open: &[(libc::c_int, String)]) -> Option<Vec<libc::c_int>> {
     if !open
         .iter()
         .any(|(_, target)| target.starts_with(DRIVER_FILES))
