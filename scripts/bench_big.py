@@ -5,9 +5,12 @@
       512-token chat prompt. Its safetensors shards live in memory files (memfd) this process
       holds, linked from OUT_DIR, so a 141 GB model needs no disk: it writes OUT_DIR/ready and
       keeps the files until it is killed.
-  bench_big.py hf MODEL_DIR PROMPT_FILE NEW_TOKENS
+  bench_big.py hf MODEL_DIR PROMPT_FILE NEW_TOKENS [DUMP_DIR]
       HF transformers generate of the same tokens with device_map="auto" over every GPU: load
-      time, then a first and a second generate. JSON on stdout.
+      time, then a first and a second generate. With DUMP_DIR, the same model then prefills the
+      prompt in three chunks through its KV cache and takes 8 greedy decode steps, captured by
+      kvdiff_capture into DUMP_DIR (an engine's dump at this size, for `kvdiff diff`). JSON on
+      stdout.
   bench_big.py floor MODEL_DIR
       Measured: each GPU's memory bandwidth, the peer read bandwidth GPU 1 -> GPU 0, and pinned
       host -> device bandwidth. JSON on stdout.
@@ -77,6 +80,10 @@ def serve(shape, out, tok_dir, prompt_file):
     weight_map, total, fds = {}, 0, []
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # Headers first, each memory file sized whole; then every tensor drawn on the GPU, brought
+    # to the host and written at its offset by a pool of threads (a 141 GB model in tens of
+    # seconds rather than minutes: one writer thread fills memory files at about 0.5 GB/s).
+    jobs = []
     for k in sorted(shards):
         fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         header, off = {}, 0
@@ -89,22 +96,35 @@ def serve(shape, out, tok_dir, prompt_file):
         raw += b" " * (-len(raw) % 8)
         fd = os.memfd_create(fname)
         fds.append(fd)
-        os.write(fd, struct.pack("<Q", len(raw)) + raw)
+        os.ftruncate(fd, 8 + len(raw) + off)
+        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
         for name, dims in shards[k]:
-            if name.endswith("norm.weight"):
-                t = torch.ones(dims, dtype=torch.bfloat16, device="cuda")
-            else:
-                t = torch.randn(dims, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
-            b = t.view(torch.int16).cpu().numpy().tobytes()
-            view = memoryview(b)
-            while view:
-                w = os.write(fd, view)
-                view = view[w:]
-            total += len(b)
+            jobs.append((fd, 8 + len(raw) + header[name]["data_offsets"][0], name, dims))
+        total += off
         link = os.path.join(out, fname)
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(f"/proc/{os.getpid()}/fd/{fd}", link)
+
+    def write(fd, at, host):
+        view = memoryview(host.view(torch.int16).numpy()).cast("B")
+        while view:
+            w = os.pwrite(fd, view, at)
+            view, at = view[w:], at + w
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(16) as pool:
+        pending = []
+        for fd, at, name, dims in jobs:
+            if name.endswith("norm.weight"):
+                t = torch.ones(dims, dtype=torch.bfloat16, device="cuda")
+            else:
+                t = torch.randn(dims, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+            pending.append(pool.submit(write, fd, at, t.cpu()))
+            while len(pending) > 24:  # bounds the host copies in flight
+                pending.pop(0).result()
+        for f in pending:
+            f.result()
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
               open(os.path.join(out, "model.safetensors.index.json"), "w"))
     cfg = {"architectures": [s["arch"]], "model_type": s["model_type"], "hidden_size": s["hidden_size"],
@@ -133,7 +153,7 @@ def serve(shape, out, tok_dir, prompt_file):
         time.sleep(3600)
 
 
-def hf(model_dir, prompt_file, new_tokens):
+def hf(model_dir, prompt_file, new_tokens, dump_dir=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     new_tokens = int(new_tokens)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -147,14 +167,38 @@ def hf(model_dir, prompt_file, new_tokens):
     out = {"prompt_tokens": ids.shape[1], "hf_load_s": time.perf_counter() - t,
            "devices": sorted({str(p.device) for p in model.parameters()})}
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    for label in ("hf_generate_first_s", "hf_generate_s"):
+    for label in ("hf_generate_first_s", "hf_generate_s")[:0 if os.environ.get("BENCH_HF_GENERATE") == "0" else 2]:
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad():
             model.generate(ids, **kw)
         torch.cuda.synchronize()
         out[label] = time.perf_counter() - t
+    if dump_dir:
+        out["capture_s"] = capture_chunked(model, ids, dump_dir)
     print(json.dumps(out))
+
+
+def capture_chunked(model, ids, dump_dir, steps=8):
+    """The prompt prefilled in three chunks through the KV cache, then greedy steps, captured."""
+    from transformers import DynamicCache
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kvdiff_capture as kc
+    n = ids.shape[1]
+    cuts = [0, n // 3, 2 * n // 3, n]
+    cache = DynamicCache(config=model.config)
+    t = time.perf_counter()
+    with torch.no_grad(), kc.capture(model, dump_dir):
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b, device=ids.device)[None]
+            logits = model(input_ids=ids[:, a:b], past_key_values=cache, position_ids=pos,
+                           use_cache=True).logits
+        for k in range(steps):
+            nxt = logits[:, -1].argmax(-1).view(1, 1).to(ids.device)
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True,
+                           position_ids=torch.full((1, 1), n + k, device=ids.device)).logits
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def timed(fn, reps=10):
@@ -191,7 +235,7 @@ if __name__ == "__main__":
     if cmd == "serve":
         serve(*sys.argv[2:6])
     elif cmd == "hf":
-        hf(*sys.argv[2:5])
+        hf(*sys.argv[2:6])
     elif cmd == "floor":
         floor()
     else:

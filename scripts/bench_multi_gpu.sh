@@ -9,6 +9,8 @@
 #   70b             Llama-3-70B's shape (141 GB), which no single GPU holds: placed by kvdiff
 #                   over both; cold (empty kvdiff cache) and warm
 #   hf              HF transformers generate of the same 512 + 64 tokens, device_map="auto"
+#   diff            kvdiff diff --backend cuda of that HF model's dump (the prompt prefilled in
+#                   three chunks through its KV cache, 8 decode steps), wall and verdict
 #   floor           weights over measured bandwidths (HBM, peer, pinned host to device)
 #   scripts/bench_multi_gpu.sh [KVDIFF_BINARY] [SHAPES...]   (default: 32b 70b)
 set -uo pipefail
@@ -50,15 +52,27 @@ for shape in "${shapes[@]}"; do
     rows+=("32b one=$one two=$two reports-alike=$same")
   else
     say "$shape cold"; cold=$(run "$shape-cold" "$m")
+    if [ "${cold#* }" != 0 ] && grep -q "cannot be calibrated on the GPU" "$w/$shape-cold.err"; then
+      # GPU 0 kept too little free beside its layers: more of it kept free, as the error says.
+      export KVDIFF_HOME_RESERVE_GIB=${BENCH_HOME_RESERVE_GIB:-40}
+      say "$shape cold, KVDIFF_HOME_RESERVE_GIB=$KVDIFF_HOME_RESERVE_GIB"; cold=$(run "$shape-cold" "$m")
+    fi
     say "$shape warm"; warm=$(run "$shape-warm" "$m")
     say "$shape HF"
-    python3 scripts/bench_big.py hf "$m" "$w/prompt-$shape.json" 64 > "$w/hf-$shape.json" 2> "$w/hf-$shape.err" ||
-      tail -5 "$w/hf-$shape.err"
-    rows+=("$shape cold=$cold warm=$warm hf=$(cat "$w/hf-$shape.json" 2> /dev/null)")
+    python3 scripts/bench_big.py hf "$m" "$w/prompt-$shape.json" 64 "$w/dump-$shape" > "$w/hf-$shape.json" \
+      2> "$w/hf-$shape.err" || tail -5 "$w/hf-$shape.err"
+    say "$shape diff of the HF dump ($(du -sh "$w/dump-$shape" 2> /dev/null | cut -f1))"
+    t0=$(date +%s%N)
+    KVDIFF_TIMING=1 timeout 400 "$bin" -v diff --backend cuda --model "$m" --json "$w/$shape-diff.json" \
+      "$w/dump-$shape" > "$w/$shape-diff.out" 2> "$w/$shape-diff.err"
+    rc=$?
+    t1=$(date +%s%N)
+    rm -rf "$w/dump-$shape"
+    rows+=("$shape cold=$cold warm=$warm diff=\"$(( (t1 - t0) / 1000000 )) $rc\" hf=$(cat "$w/hf-$shape.json" 2> /dev/null)")
   fi
   for f in "$w/$shape"-*.err; do
     echo "--- $f" >&2
-    grep -E "placed|verdict|EQUIVALENT|DIVERGED|startup: (GPU|weights)|^kvdiff: |compare: (noise|lockstep|prefill|decode)|error|fix:" "$f" | head -20 >&2
+    grep -E "placed|kvdiff memory|verdict|EQUIVALENT|DIVERGED|startup: (GPU|weights)|^kvdiff: |compare: (noise|lockstep|prefill|decode)|error|fix:" "$f" | head -20 >&2
   done
   kill $server 2> /dev/null; wait $server 2> /dev/null
 done

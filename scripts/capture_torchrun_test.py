@@ -19,6 +19,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROMPT = os.path.join(ROOT, "fixtures", "prompts", "no-system.json")
+MODEL = os.path.join(ROOT, "fixtures", "default-model")
 SHARDED = ("q", "k", "v", "q_rope", "k_rope", "attn_probs", "attn_out")
 
 
@@ -75,7 +76,8 @@ def main():
             rows.append(("rank 1 raises inside its block", ok, "no dump left" if ok else "a dump was left"))
             continue
         files = sorted(os.listdir(dump))
-        o = subprocess.run([kvdiff, "diff", "--json", dump + ".json", dump], capture_output=True, text=True)
+        o = subprocess.run([kvdiff, "diff", "--model", MODEL, "--json", dump + ".json", dump],
+                           capture_output=True, text=True)
         d = json.load(open(dump + ".json"))["paths"][0]["first_divergence"]
         if fault == "none":
             ok = o.returncode == 0 and d is None

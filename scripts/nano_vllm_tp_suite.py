@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -39,6 +40,24 @@ import nanovllm.engine.model_runner as mr  # noqa: E402
 import rope_compat  # noqa: E402  (scripts/nano_vllm/, on the path above)
 
 rope_compat.install()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# nano-vllm-fork has each rank pick its rendezvous port alone (the first free one from 2333):
+# rank 0's store, already listening there, pushes the worker to the next port, and both ranks
+# wait forever. One port, chosen here and inherited by the worker through the environment.
+os.environ.setdefault("KVDIFF_TP_PORT", str(_free_port()))
+mr.find_available_port = lambda *_, **__: int(os.environ["KVDIFF_TP_PORT"])
+# Its Sequence pickles only what the model runs on, yet ModelRunner.run reads the sampling
+# fields in every rank: a worker's first call raises AttributeError. Class-level defaults (what
+# a plain request has) let the worker's unpickled copies run.
+mr.Sequence.cfg_scale, mr.Sequence.paired_seq = 1.0, None
+mr.Sequence.logits_processor = mr.Sequence.logits_processor_update_state = None
 
 SYSTEM = "Always answer in uppercase."
 FACTS = ("Anna's color is blue. Sam's city is lima. Mia's pet is a cat. Leo's food is rice. "

@@ -25,11 +25,13 @@ use crate::tap::{TapFilter, TapSink};
 /// With `-v`, the GPU memory in use (the allocator's pool of freed buffers included).
 pub(super) fn note_gpu_memory(what: &str, model: &Model) {
     if let Some(g) = crate::cuda::gpu_of(model).filter(|_| crate::support::timing::on()) {
-        let (free, total) = g.memory();
+        let (free, total) = g.driver_memory();
+        let idle = g.memory().0.saturating_sub(free);
         eprintln!(
-            "kvdiff memory: {what}: {} of {} MiB in use",
+            "kvdiff memory: {what}: {} of {} MiB in use ({} MiB of it unused in the allocator's pool)",
             (total - free) >> 20,
-            total >> 20
+            total >> 20,
+            idle >> 20
         );
     }
 }

@@ -327,14 +327,21 @@ impl<'a> Request<'a> {
         if let (Some(g), ["cuda"]) = (self.gpu_model, &self.backends()[..]) {
             // Layer by layer as the weights land; a failure to load them (Inf or NaN among
             // them) is reported before anything the calibration made of them.
+            super::driver::note_gpu_memory("before calibration", g);
             let calibrated = Calibration::on_gpu(g, ids, last);
             crate::cuda::weights_loaded(g)?;
             match calibrated {
                 Ok(c) => return Ok(c),
+                // No host copy of the weights to calibrate on instead: the user's to resolve.
                 Err(why) if on_device => {
-                    return Err(Error::Calibration(format!(
-                        "the noise model cannot be calibrated on the GPU ({why}); rerun with KVDIFF_GPU_ORACLE=0 to calibrate on the CPU, or pin a profile (kvdiff calibrate)"
-                    )))
+                    return Err(Error::usage(
+                        "--backend cuda",
+                        format!("the noise model cannot be calibrated on the GPU: {why}"),
+                        "free GPU memory, or keep more of GPU 0 free for working memory where the \
+                         model spans GPUs (KVDIFF_HOME_RESERVE_GIB); else pin a profile made where \
+                         it fits (kvdiff calibrate, then --noise-profile) or give --tolerance fixed \
+                         --atol A --rtol R",
+                    ))
                 }
                 Err(why) if progress::verbosity() >= 1 => {
                     eprintln!("kvdiff: noise model calibrated on the CPU: {why}");

@@ -21,8 +21,10 @@ const LOCK: &str = "gpu-teardown.lock";
 /// the lock is released after the driver's files.
 const LOCK_FD: libc::c_int = 1000;
 
-/// Longest a command waits for earlier heirs: a teardown takes 0.13-0.15 s.
-const MOST_WAIT: Duration = Duration::from_secs(2);
+/// Longest a command waits for earlier heirs: a teardown takes 0.13-0.15 s at 8B, longer for
+/// a model spread over GPUs (its memory unmapped on each); an heir holds the lock only while
+/// it tears down, so a long bound costs nothing.
+const MOST_WAIT: Duration = Duration::from_secs(30);
 
 /// What the heir needs, read before it starts: it allocates nothing and reads no file.
 struct Inheritance {

@@ -30,6 +30,41 @@ pub(super) fn keep_freed_memory(ctx: &CudaContext) {
     }
 }
 
+/// The bytes the allocator's pool holds that no buffer uses: free for the next allocation
+/// (`Gpu::allocating` hands them back to the driver where a buffer does not fit among them),
+/// though the driver counts them as used. 0 where the pool cannot be asked.
+pub(super) fn pool_idle(ctx: &CudaContext) -> usize {
+    use cudarc::driver::sys;
+    let attr = |pool: sys::CUmemoryPool, a: sys::CUmemPool_attribute| -> Option<u64> {
+        let mut v = 0u64;
+        // Safety: both attributes are cuuint64_t, written into `v`.
+        unsafe { sys::cuMemPoolGetAttribute(pool, a, &mut v as *mut u64 as *mut _) }
+            .result()
+            .ok()
+            .map(|_| v)
+    };
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // Safety: a plain query on the context's device.
+    if unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .is_err()
+    {
+        return 0;
+    }
+    let reserved = attr(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    );
+    let used = attr(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+    );
+    match (reserved, used) {
+        (Some(r), Some(u)) => r.saturating_sub(u) as usize,
+        _ => 0,
+    }
+}
+
 /// Waits for all work on the device, then hands the pool's free buffers back to the driver.
 fn release_pooled_memory(ctx: &CudaContext) {
     let _ = ctx.synchronize();
@@ -433,7 +468,7 @@ impl Gpu {
         }
         release_pooled_memory(&self.ctx);
         alloc(len).unwrap_or_else(|e| {
-            let free = self.memory().0;
+            let free = self.driver_memory().0;
             panic!(
                 "out of GPU memory: {} MiB asked for, {} MiB free ({e:?}); a shorter prompt, \
                  fewer taps (--taps) or a GPU with more memory",

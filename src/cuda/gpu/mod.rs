@@ -402,8 +402,16 @@ impl Gpu {
         self.tensor_core_shared
     }
 
-    /// Free and total device memory in bytes.
+    /// Free and total device memory in bytes, the allocator's pool's unused buffers counted
+    /// as free: what sizes work by the room left.
     pub fn memory(&self) -> (usize, usize) {
+        let (free, total) = self.driver_memory();
+        (free.saturating_add(memory::pool_idle(&self.ctx)), total)
+    }
+
+    /// Free and total device memory in bytes as the driver counts them (the pool's unused
+    /// buffers as used).
+    pub fn driver_memory(&self) -> (usize, usize) {
         self.ctx.mem_get_info().unwrap_or((usize::MAX, usize::MAX))
     }
 

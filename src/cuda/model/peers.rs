@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 
-use super::placement::{layer_of_entry, place, Placement, Spread};
+use super::placement::{beyond_home, layer_of_entry, place, Placement, Spread};
 use crate::cuda::gpu::{devices_asked, home_ordinal, CUDA_FIX};
 use crate::engine::config::Config;
 use crate::error::{Error, Result};
@@ -16,6 +16,8 @@ use crate::support::resources::human;
 const ONE_GPU_HEADROOM: u64 = 512 << 20;
 /// Kept free on a GPU that only holds weights.
 const PEER_HEADROOM: u64 = 1 << 30;
+/// Longest a placement waits for memory being handed back to grow enough.
+const FREEING_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The GPUs in use, home first, each with a stream to allocate and copy on.
 pub(in crate::cuda) struct Devices {
@@ -53,8 +55,8 @@ fn home_reserve(total: u64) -> u64 {
 
 impl Devices {
     /// Opens the GPUs the weights of `plan` (buffer by buffer, with its bytes) go on and says
-    /// which buffer each holds: the home GPU alone where they fit it (and `--devices` names no
-    /// other), else the GPUs `--devices` names (layers spread evenly) or every visible GPU
+    /// which buffer each holds: the home GPU alone where they fit it with its working memory
+    /// kept free (and `--devices` names no other), else the GPUs `--devices` names (layers spread evenly) or every visible GPU
     /// (the home GPU filled first).
     pub fn place(
         config: &Config,
@@ -70,64 +72,73 @@ impl Devices {
             streams: vec![stream],
         };
         let total: u64 = bytes.iter().sum();
+        // Placement is sized by the memory free: an earlier command's heir may still be
+        // tearing its context down (`Gpu::open`, on another thread, waits too late for this).
+        crate::support::heir::wait_for_heirs();
         let (free, whole) = home_ctx.mem_get_info().map_err(cuda)?;
         let (free, whole) = (free as u64, whole as u64);
         let asked = devices_asked();
+        let count = CudaContext::device_count().map_err(cuda)? as usize;
+        let reserve = home_reserve(whole);
         let others: Vec<usize> = match asked {
             Some(list) => list[1..].to_vec(),
-            None if total + ONE_GPU_HEADROOM <= free => Vec::new(),
-            None => (0..CudaContext::device_count().map_err(cuda)? as usize)
-                .filter(|&o| o != home)
-                .collect(),
+            None if beyond_home(total, free, reserve, count) => {
+                (0..count).filter(|&o| o != home).collect()
+            }
+            None => Vec::new(),
         };
         if others.is_empty() {
-            if total + ONE_GPU_HEADROOM > free {
-                let name = home_ctx.name().unwrap_or_else(|_| format!("GPU {home}"));
-                return Err(Error::usage(
-                    "--backend cuda",
-                    format!(
-                        "the weights need {} in bf16 (plus {} of working memory) but {name} has {} free",
-                        human(total),
-                        human(ONE_GPU_HEADROOM),
-                        human(free)
-                    ),
-                    "free GPU memory, use a smaller model, place it over several GPUs \
-                     (--devices 0,1), or use --backend cpu",
-                ));
-            }
-            return Ok((devs, Placement::home(bytes.len(), total)));
+            return Self::home_alone(devs, total, bytes.len());
         }
         for &o in &others {
             devs.add_peer(o, &home_ctx)?;
-        }
-        let mut frees = vec![free];
-        for ctx in &devs.ctxs[1..] {
-            frees.push(ctx.mem_get_info().map_err(cuda)?.0 as u64);
         }
         let layer_of: Vec<Option<usize>> = plan.iter().map(|n| layer_of_entry(n)).collect();
         let spread = match asked {
             Some(_) => Spread::Even,
             None => Spread::HomeFirst,
         };
-        let reserve = home_reserve(whole);
-        let placement = place(bytes, &layer_of, &frees, reserve, PEER_HEADROOM, spread)
-            .ok_or_else(|| {
-                Error::usage(
-                    "--backend cuda",
-                    format!(
-                        "the weights need {} in bf16 but GPUs {:?} have {} free together, of which \
-                         {} stays free on GPU {home} for working memory ({} layers of {})",
-                        human(total),
-                        devs.ordinals,
-                        human(frees.iter().sum()),
-                        human(reserve),
-                        config.num_hidden_layers,
-                        config.arch.family.architecture()
-                    ),
-                    "add GPUs (--devices), free GPU memory, lower KVDIFF_HOME_RESERVE_GIB, or use a \
-                     smaller model",
-                )
-            })?;
+        // Memory another process is still handing back (a context torn down outside kvdiff)
+        // shows as free growing from one look to the next: worth waiting for, a little.
+        let started = std::time::Instant::now();
+        let mut seen = 0u64;
+        let (frees, placement) = loop {
+            let mut frees = Vec::with_capacity(devs.ctxs.len());
+            for ctx in &devs.ctxs {
+                frees.push(ctx.mem_get_info().map_err(cuda)?.0 as u64);
+            }
+            let placement = place(bytes, &layer_of, &frees, reserve, PEER_HEADROOM, spread);
+            let sum: u64 = frees.iter().sum();
+            if placement.is_some() || sum <= seen || started.elapsed() > FREEING_WAIT {
+                break (frees, placement);
+            }
+            seen = sum;
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        };
+        let Some(placement) = placement else {
+            // The other GPUs are busy but the home GPU holds it all with a little room.
+            if asked.is_none() && total + ONE_GPU_HEADROOM <= frees[0] {
+                devs.ctxs.truncate(1);
+                devs.streams.truncate(1);
+                devs.ordinals.truncate(1);
+                return Self::home_alone(devs, total, bytes.len());
+            }
+            return Err(Error::usage(
+                "--backend cuda",
+                format!(
+                    "the weights need {} in bf16 but GPUs {:?} have {} free together, of which \
+                     {} stays free on GPU {home} for working memory ({} layers of {})",
+                    human(total),
+                    devs.ordinals,
+                    human(frees.iter().sum()),
+                    human(reserve),
+                    config.num_hidden_layers,
+                    config.arch.family.architecture()
+                ),
+                "add GPUs (--devices), free GPU memory, lower KVDIFF_HOME_RESERVE_GIB, or use a \
+                 smaller model",
+            ));
+        };
         if !crate::support::progress::quiet() {
             eprintln!(
                 "kvdiff: weights placed over {} GPUs (kernels on GPU {home}, the others read through peer access): {}",
@@ -136,6 +147,39 @@ impl Devices {
             );
         }
         Ok((devs, placement))
+    }
+
+    /// Every weight on the home GPU, where they fit it with `ONE_GPU_HEADROOM` to spare.
+    fn home_alone(devs: Devices, total: u64, buffers: usize) -> Result<(Devices, Placement)> {
+        let home = devs.ordinals[0];
+        let started = std::time::Instant::now();
+        let mut free = devs.ctxs[0].mem_get_info().map_err(cuda)?.0 as u64;
+        // As in `place`: memory still being handed back is waited for while it grows.
+        while total + ONE_GPU_HEADROOM > free && started.elapsed() < FREEING_WAIT {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let now = devs.ctxs[0].mem_get_info().map_err(cuda)?.0 as u64;
+            if now <= free {
+                break;
+            }
+            free = now;
+        }
+        if total + ONE_GPU_HEADROOM > free {
+            let name = devs.ctxs[0]
+                .name()
+                .unwrap_or_else(|_| format!("GPU {home}"));
+            return Err(Error::usage(
+                "--backend cuda",
+                format!(
+                    "the weights need {} in bf16 (plus {} of working memory) but {name} has {} free",
+                    human(total),
+                    human(ONE_GPU_HEADROOM),
+                    human(free)
+                ),
+                "free GPU memory, use a smaller model, place it over several GPUs \
+                 (--devices 0,1), or use --backend cpu",
+            ));
+        }
+        Ok((devs, Placement::home(buffers, total)))
     }
 
     /// Opens GPU `ordinal` and lets the home GPU read and write its memory.

@@ -59,6 +59,13 @@ impl Placement {
     }
 }
 
+/// Whether the weights (`total` bytes) go beyond the home GPU when `--devices` names no GPU:
+/// only with other GPUs visible, and only where the home GPU (`free` bytes) would keep less
+/// than `reserve` for working memory (the oracle, taps and KV caches).
+pub fn beyond_home(total: u64, free: u64, reserve: u64, gpus: usize) -> bool {
+    gpus > 1 && total.saturating_add(reserve) > free
+}
+
 /// How the layers are spread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Spread {
@@ -254,6 +261,17 @@ mod tests {
         .unwrap();
         assert_eq!(p.spread(), 3);
         assert!(p.of_buffer.windows(2).skip(3).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn a_model_leaving_the_home_gpu_too_little_room_goes_beyond_it_where_there_is_another() {
+        let gib = 1u64 << 30;
+        // A 70B model's 132 GiB fit an H200's 139 GiB free, with 7 GiB left: too little.
+        assert!(beyond_home(132 * gib, 139 * gib, 17 * gib, 2));
+        // A 32B model's 61 GiB leave plenty.
+        assert!(!beyond_home(61 * gib, 139 * gib, 17 * gib, 2));
+        // One GPU: nowhere else to go (whether it fits at all is decided after).
+        assert!(!beyond_home(132 * gib, 139 * gib, 17 * gib, 1));
     }
 
     #[test]
