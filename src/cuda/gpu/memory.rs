@@ -5,28 +5,34 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaContext, CudaSlice, DeviceRepr, ValidAsZeroBits};
 
 use super::{ptr, Gpu};
+
+/// The device's default memory pool, which stream-ordered allocations come from.
+fn default_pool(ctx: &CudaContext) -> Option<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // Safety: a plain query on the context's device, written into `pool`.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .ok()
+        .map(|_| pool)
+}
 
 /// Freed device memory stays in the allocator's pool instead of going back to the driver at
 /// each synchronisation, so the next pass's buffers come from the pool. Best effort: without
 /// a pool, allocations are only slower.
 pub(super) fn keep_freed_memory(ctx: &CudaContext) {
-    unsafe {
-        use cudarc::driver::sys;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .is_ok()
-        {
-            let mut keep = u64::MAX;
-            let _ = sys::cuMemPoolSetAttribute(
+    if let Some(pool) = default_pool(ctx) {
+        let mut keep = u64::MAX;
+        // Safety: the attribute is a cuuint64_t, read from `keep`.
+        let _ = unsafe {
+            sys::cuMemPoolSetAttribute(
                 pool,
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                 &mut keep as *mut u64 as *mut _,
-            );
-        }
+            )
+        };
     }
 }
 
@@ -34,31 +40,19 @@ pub(super) fn keep_freed_memory(ctx: &CudaContext) {
 /// (`Gpu::allocating` hands them back to the driver where a buffer does not fit among them),
 /// though the driver counts them as used. 0 where the pool cannot be asked.
 pub(super) fn pool_idle(ctx: &CudaContext) -> usize {
-    use cudarc::driver::sys;
-    let attr = |pool: sys::CUmemoryPool, a: sys::CUmemPool_attribute| -> Option<u64> {
+    let Some(pool) = default_pool(ctx) else {
+        return 0;
+    };
+    let attr = |a: sys::CUmemPool_attribute| -> Option<u64> {
         let mut v = 0u64;
-        // Safety: both attributes are cuuint64_t, written into `v`.
+        // Safety: both attributes asked are cuuint64_t, written into `v`.
         unsafe { sys::cuMemPoolGetAttribute(pool, a, &mut v as *mut u64 as *mut _) }
             .result()
             .ok()
             .map(|_| v)
     };
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // Safety: a plain query on the context's device.
-    if unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
-        .result()
-        .is_err()
-    {
-        return 0;
-    }
-    let reserved = attr(
-        pool,
-        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-    );
-    let used = attr(
-        pool,
-        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-    );
+    let reserved = attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    let used = attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
     match (reserved, used) {
         (Some(r), Some(u)) => r.saturating_sub(u) as usize,
         _ => 0,
@@ -68,15 +62,9 @@ pub(super) fn pool_idle(ctx: &CudaContext) -> usize {
 /// Waits for all work on the device, then hands the pool's free buffers back to the driver.
 fn release_pooled_memory(ctx: &CudaContext) {
     let _ = ctx.synchronize();
-    unsafe {
-        use cudarc::driver::sys;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .is_ok()
-        {
-            let _ = sys::cuMemPoolTrimTo(pool, 0);
-        }
+    if let Some(pool) = default_pool(ctx) {
+        // Safety: the pool is the device's own; trimming frees only unused memory.
+        let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
     }
 }
 

@@ -101,17 +101,20 @@ impl Devices {
         };
         // Memory still being handed back (a context torn down after its process ended) is
         // waited for, a little, where the model would fit the GPUs empty.
-        let mut wholes = Vec::with_capacity(devs.ctxs.len());
-        for ctx in &devs.ctxs {
-            wholes.push(ctx.mem_get_info().map_err(cuda)?.1 as u64);
-        }
+        let memory = |devs: &Devices| -> Result<(Vec<u64>, Vec<u64>)> {
+            let mut out = (Vec::new(), Vec::new());
+            for ctx in &devs.ctxs {
+                let (free, whole) = ctx.mem_get_info().map_err(cuda)?;
+                out.0.push(free as u64);
+                out.1.push(whole as u64);
+            }
+            Ok(out)
+        };
+        let wholes = memory(&devs)?.1;
         let could = place(bytes, &layer_of, &wholes, reserve, PEER_HEADROOM, spread).is_some();
         let started = std::time::Instant::now();
         let (frees, placement) = loop {
-            let mut frees = Vec::with_capacity(devs.ctxs.len());
-            for ctx in &devs.ctxs {
-                frees.push(ctx.mem_get_info().map_err(cuda)?.0 as u64);
-            }
+            let frees = memory(&devs)?.0;
             let placement = place(bytes, &layer_of, &frees, reserve, PEER_HEADROOM, spread);
             let home_holds = asked.is_none() && total + ONE_GPU_HEADROOM <= frees[0];
             if placement.is_some() || home_holds || !could || started.elapsed() > FREEING_WAIT {
