@@ -1,10 +1,12 @@
-"""Models larger than one GPU, for scripts/bench_multi_gpu.sh (GPU machine, torch installed).
+"""Models larger than one GPU, for scripts/bench_multi_gpu.sh (GPU machine; `hf`, `floor` and
+the prompt need torch and transformers, the weights nothing: tests/python/test_bench_big.py).
 
   bench_big.py serve SHAPE OUT_DIR TOKENIZER_DIR PROMPT_FILE
       A random bf16 model of SHAPE (70b: Llama-3-70B's, 32b: Qwen3-32B's) in OUT_DIR, and a
       512-token chat prompt. Its safetensors shards live in memory files (memfd) this process
       holds, linked from OUT_DIR, so a 141 GB model needs no disk: it writes OUT_DIR/ready and
-      keeps the files until it is killed.
+      keeps the files until it is killed. Every matrix is read, from a place of its own, out of
+      one 256 MiB block of random values (`random_bf16`); every norm weight is 1.
   bench_big.py hf MODEL_DIR PROMPT_FILE NEW_TOKENS [DUMP_DIR]
       HF transformers generate of the same tokens with device_map="auto" over every GPU: load
       time, then a first and a second generate. With DUMP_DIR, the same model then prefills the
@@ -17,13 +19,13 @@
 """
 import json
 import os
+import random
 import shutil
 import signal
 import struct
 import sys
 import time
-
-import torch
+import zlib
 
 SHAPES = {
     # Llama-3-70B: 80 layers, hidden 8192, 64 heads over 8 KV heads, intermediate 28672,
@@ -38,6 +40,28 @@ SHAPES = {
 }
 VOCAB = 151936
 LAYERS_PER_SHARD = 4
+# The random block every weight matrix is read from: 2^27 - 1 bf16 values (256 MiB).
+BLOCK_VALUES = (1 << 27) - 1
+
+
+def prod(dims):
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def random_bf16(count, seed):
+    """`count` bf16 values, little-endian: a random sign and a magnitude uniform over
+    [2^-6, 2^-5) (about 0.016 to 0.031, standard deviation 0.024, near a 0.02 init), built from
+    random bytes with byte-wide table lookups (no numpy or torch needed)."""
+    rng = random.Random(seed)
+    lo = bytes(0x80 | (b & 0x7F) for b in range(256))  # exponent's low bit 1, 7 mantissa bits
+    hi = bytes((b & 0x80) | 0x3C for b in range(256))  # sign, exponent's high bits (121 = 0x79)
+    out = bytearray(2 * count)
+    out[0::2] = rng.randbytes(count).translate(lo)
+    out[1::2] = rng.randbytes(count).translate(hi)
+    return bytes(out)
 
 
 def tensors(s):
@@ -69,26 +93,23 @@ def shard_of(name, s):
     return 0 if name.startswith("model.embed") else (s["num_hidden_layers"] - 1) // LAYERS_PER_SHARD
 
 
-def serve(shape, out, tok_dir, prompt_file):
-    s = SHAPES[shape]
-    os.makedirs(out, exist_ok=True)
-    torch.manual_seed(0)
+def write_model(s, out):
+    """The weights of shape `s` in memory files this process holds, linked from `out`, with
+    their index and the config: (bytes, shards, the files' descriptors)."""
     shards = {}
     for name, dims in tensors(s):
         shards.setdefault(shard_of(name, s), []).append((name, dims))
     n = len(shards)
     weight_map, total, fds = {}, 0, []
-    t0 = time.time()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    # Headers first, each memory file sized whole; then every tensor drawn on the GPU, brought
-    # to the host and written at its offset by a pool of threads (a 141 GB model in tens of
-    # seconds rather than minutes: one writer thread fills memory files at about 0.5 GB/s).
+    # Headers first, each memory file sized whole; then every tensor written at its offset by
+    # a pool of threads, straight from one block of random bf16 values (a 141 GB model in
+    # seconds: drawing every value, on the GPU and through the host, took 106-149 s).
     jobs = []
     for k in sorted(shards):
         fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         header, off = {}, 0
         for name, dims in shards[k]:
-            size = 2 * int(torch.tensor(dims).prod())
+            size = 2 * prod(dims)
             header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [off, off + size]}
             off += size
             weight_map[name] = fname
@@ -99,32 +120,29 @@ def serve(shape, out, tok_dir, prompt_file):
         os.ftruncate(fd, 8 + len(raw) + off)
         os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
         for name, dims in shards[k]:
-            jobs.append((fd, 8 + len(raw) + header[name]["data_offsets"][0], name, dims))
+            jobs.append((fd, 8 + len(raw) + header[name]["data_offsets"][0], name, 2 * prod(dims)))
         total += off
         link = os.path.join(out, fname)
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(f"/proc/{os.getpid()}/fd/{fd}", link)
+    block = random_bf16(BLOCK_VALUES, seed=0)
+    ones = struct.pack("<H", 0x3F80) * (1 << 16)
 
-    def write(fd, at, host):
-        view = memoryview(host.view(torch.int16).numpy()).cast("B")
-        while view:
-            w = os.pwrite(fd, view, at)
-            view, at = view[w:], at + w
+    def write(job):
+        fd, at, name, size = job
+        # Each tensor starts at its own place in the block (an odd number of values long, so
+        # a matrix's rows do not repeat in step) and wraps around it.
+        src = memoryview(ones if name.endswith("norm.weight") else block)
+        pos = 0 if name.endswith("norm.weight") else 2 * (zlib.crc32(name.encode()) % BLOCK_VALUES)
+        while size:
+            piece = src[pos:pos + size]
+            w = os.pwrite(fd, piece, at)
+            at, size, pos = at + w, size - w, (pos + w) % len(src)
 
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(16) as pool:
-        pending = []
-        for fd, at, name, dims in jobs:
-            if name.endswith("norm.weight"):
-                t = torch.ones(dims, dtype=torch.bfloat16, device="cuda")
-            else:
-                t = torch.randn(dims, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
-            pending.append(pool.submit(write, fd, at, t.cpu()))
-            while len(pending) > 24:  # bounds the host copies in flight
-                pending.pop(0).result()
-        for f in pending:
-            f.result()
+        list(pool.map(write, jobs))
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
               open(os.path.join(out, "model.safetensors.index.json"), "w"))
     cfg = {"architectures": [s["arch"]], "model_type": s["model_type"], "hidden_size": s["hidden_size"],
@@ -136,6 +154,13 @@ def serve(shape, out, tok_dir, prompt_file):
            "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False,
            "mlp_bias": False}
     json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
+    return total, n, fds
+
+
+def serve(shape, out, tok_dir, prompt_file):
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    total, n, _fds = write_model(SHAPES[shape], out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tok_dir, f), os.path.join(out, f))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -154,6 +179,7 @@ def serve(shape, out, tok_dir, prompt_file):
 
 
 def hf(model_dir, prompt_file, new_tokens, dump_dir=None):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     new_tokens = int(new_tokens)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -181,6 +207,7 @@ def hf(model_dir, prompt_file, new_tokens, dump_dir=None):
 
 def capture_chunked(model, ids, dump_dir, steps=8):
     """The prompt prefilled in three chunks through the KV cache, then greedy steps, captured."""
+    import torch
     from transformers import DynamicCache
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import kvdiff_capture as kc
@@ -202,6 +229,7 @@ def capture_chunked(model, ids, dump_dir, steps=8):
 
 
 def timed(fn, reps=10):
+    import torch
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -212,6 +240,7 @@ def timed(fn, reps=10):
 
 
 def floor():
+    import torch
     n = 1 << 29  # 1 GiB of bf16
     out = {}
     for d in range(torch.cuda.device_count()):
