@@ -26,7 +26,7 @@ use crate::tap::{TapFilter, TapSink};
 pub(super) fn note_gpu_memory(what: &str, model: &Model) {
     if let Some(g) = crate::cuda::gpu_of(model).filter(|_| crate::support::timing::on()) {
         let (free, total) = g.driver_memory();
-        let idle = g.memory().0.saturating_sub(free);
+        let idle = g.pool_idle();
         eprintln!(
             "kvdiff memory: {what}: {} of {} MiB in use ({} MiB of it unused in the allocator's pool)",
             (total - free) >> 20,

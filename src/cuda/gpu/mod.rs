@@ -406,7 +406,12 @@ impl Gpu {
     /// as free: what sizes work by the room left.
     pub fn memory(&self) -> (usize, usize) {
         let (free, total) = self.driver_memory();
-        (free.saturating_add(memory::pool_idle(&self.ctx)), total)
+        (free.saturating_add(self.pool_idle()), total)
+    }
+
+    /// The bytes the allocator's pool holds unused (`memory::pool_idle`).
+    pub fn pool_idle(&self) -> usize {
+        memory::pool_idle(&self.ctx)
     }
 
     /// Free and total device memory in bytes as the driver counts them (the pool's unused

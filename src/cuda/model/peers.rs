@@ -44,6 +44,17 @@ fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(ctx)
 }
 
+/// Looks (`look`: whether the weights now fit) until they fit, and every 250 ms for at most
+/// `FREEING_WAIT` where they `could` fit the GPUs empty: memory still being handed back (a
+/// context torn down after its process ended) is worth waiting for, a little.
+fn wait_for_room(could: bool, mut look: impl FnMut() -> Result<bool>) -> Result<()> {
+    let started = std::time::Instant::now();
+    while !look()? && could && started.elapsed() < FREEING_WAIT {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    Ok(())
+}
+
 /// Working memory kept free on the home GPU when layers go elsewhere:
 /// `KVDIFF_HOME_RESERVE_GIB`, else an eighth of its memory.
 fn home_reserve(total: u64) -> u64 {
@@ -57,8 +68,8 @@ fn home_reserve(total: u64) -> u64 {
 impl Devices {
     /// Opens the GPUs the weights of `plan` (buffer by buffer, with its bytes) go on and says
     /// which buffer each holds: the home GPU alone where they fit it with its working memory
-    /// kept free (and `--devices` names no other), else the GPUs `--devices` names (layers spread evenly) or every visible GPU
-    /// (the home GPU filled first).
+    /// kept free (and `--devices` names no other), else the GPUs `--devices` names (layers
+    /// spread evenly) or every visible GPU (the home GPU filled first).
     pub fn place(
         config: &Config,
         plan: &[Vec<String>],
@@ -99,8 +110,6 @@ impl Devices {
             Some(_) => Spread::Even,
             None => Spread::HomeFirst,
         };
-        // Memory still being handed back (a context torn down after its process ended) is
-        // waited for, a little, where the model would fit the GPUs empty.
         let memory = |devs: &Devices| -> Result<(Vec<u64>, Vec<u64>)> {
             let mut out = (Vec::new(), Vec::new());
             for ctx in &devs.ctxs {
@@ -112,19 +121,16 @@ impl Devices {
         };
         let wholes = memory(&devs)?.1;
         let could = place(bytes, &layer_of, &wholes, reserve, PEER_HEADROOM, spread).is_some();
-        let started = std::time::Instant::now();
-        let (frees, placement) = loop {
-            let frees = memory(&devs)?.0;
-            let placement = place(bytes, &layer_of, &frees, reserve, PEER_HEADROOM, spread);
-            let home_holds = asked.is_none() && total + ONE_GPU_HEADROOM <= frees[0];
-            if placement.is_some() || home_holds || !could || started.elapsed() > FREEING_WAIT {
-                break (frees, placement);
-            }
-            std::thread::sleep(std::time::Duration::from_millis(250));
-        };
+        // The other GPUs may be busy where the home GPU holds it all with a little room.
+        let home_holds = |frees: &[u64]| asked.is_none() && total + ONE_GPU_HEADROOM <= frees[0];
+        let (mut frees, mut placement) = (Vec::new(), None);
+        wait_for_room(could, || {
+            frees = memory(&devs)?.0;
+            placement = place(bytes, &layer_of, &frees, reserve, PEER_HEADROOM, spread);
+            Ok(placement.is_some() || home_holds(&frees))
+        })?;
         let Some(placement) = placement else {
-            // The other GPUs are busy but the home GPU holds it all with a little room.
-            if asked.is_none() && total + ONE_GPU_HEADROOM <= frees[0] {
+            if home_holds(&frees) {
                 devs.ctxs.truncate(1);
                 devs.streams.truncate(1);
                 devs.ordinals.truncate(1);
@@ -159,14 +165,12 @@ impl Devices {
     /// Every weight on the home GPU, where they fit it with `ONE_GPU_HEADROOM` to spare.
     fn home_alone(devs: Devices, total: u64, buffers: usize) -> Result<(Devices, Placement)> {
         let home = devs.ordinals[0];
-        let started = std::time::Instant::now();
-        let (free, whole) = devs.ctxs[0].mem_get_info().map_err(cuda)?;
-        let (mut free, could) = (free as u64, total + ONE_GPU_HEADROOM <= whole as u64);
-        // As in `place`: memory still being handed back is waited for, where it would fit.
-        while total + ONE_GPU_HEADROOM > free && could && started.elapsed() < FREEING_WAIT {
-            std::thread::sleep(std::time::Duration::from_millis(250));
+        let whole = devs.ctxs[0].mem_get_info().map_err(cuda)?.1 as u64;
+        let mut free = 0;
+        wait_for_room(total + ONE_GPU_HEADROOM <= whole, || {
             free = devs.ctxs[0].mem_get_info().map_err(cuda)?.0 as u64;
-        }
+            Ok(total + ONE_GPU_HEADROOM <= free)
+        })?;
         if total + ONE_GPU_HEADROOM > free {
             let name = devs.ctxs[0]
                 .name()
