@@ -385,8 +385,10 @@ impl DumpDiff<'_> {
             path: self.label.clone(),
             exact: true,
             invariant: false,
-            diverged: first_divergence.is_some()
-                || first_token.as_ref().is_some_and(|t| !t.near_tie),
+            diverged: crate::compare::report::diverges(
+                first_divergence.as_ref(),
+                first_token.as_ref(),
+            ),
             teacher_forced: false,
             first_divergence,
             first_token_divergence: first_token,

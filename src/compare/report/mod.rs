@@ -69,6 +69,12 @@ pub struct PathReport {
     pub replay: Option<ReplayInfo>,
 }
 
+/// Whether a path diverged: a tap went beyond its tolerance, or a token flipped where no near
+/// tie explains it (a near-tie flip is a warning, `verdict`'s to word).
+pub fn diverges(first: Option<&Divergence>, token: Option<&TokenDivergence>) -> bool {
+    first.is_some() || token.is_some_and(|t| !t.near_tie)
+}
+
 pub const SCHEMA: u32 = 1;
 
 fn is_zero(n: &usize) -> bool {
