@@ -12,7 +12,8 @@
 #   diff            kvdiff diff --backend cuda of that HF model's dump (the prompt prefilled in
 #                   three chunks through its KV cache, 8 decode steps), wall and verdict
 #   floor           weights over measured bandwidths (HBM, peer, pinned host to device)
-#   scripts/bench_multi_gpu.sh [KVDIFF_BINARY] [SHAPES...]   (default: 32b 70b)
+#   scripts/bench_multi_gpu.sh [KVDIFF_BINARY] [SHAPES...]   (default: 32b 70b; BENCH_SKIP_HF=1
+#   leaves out the hf and diff rows)
 set -uo pipefail
 bin=${1:-.out/bin/kvdiff}
 shift || true
@@ -58,17 +59,21 @@ for shape in "${shapes[@]}"; do
       say "$shape cold, KVDIFF_HOME_RESERVE_GIB=$KVDIFF_HOME_RESERVE_GIB"; cold=$(run "$shape-cold" "$m")
     fi
     say "$shape warm"; warm=$(run "$shape-warm" "$m")
-    say "$shape HF"
-    python3 scripts/bench_big.py hf "$m" "$w/prompt-$shape.json" 64 "$w/dump-$shape" > "$w/hf-$shape.json" \
-      2> "$w/hf-$shape.err" || tail -5 "$w/hf-$shape.err"
-    say "$shape diff of the HF dump ($(du -sh "$w/dump-$shape" 2> /dev/null | cut -f1))"
-    t0=$(date +%s%N)
-    KVDIFF_TIMING=1 timeout 400 "$bin" -v diff --backend cuda --model "$m" --json "$w/$shape-diff.json" \
-      "$w/dump-$shape" > "$w/$shape-diff.out" 2> "$w/$shape-diff.err"
-    rc=$?
-    t1=$(date +%s%N)
-    rm -rf "$w/dump-$shape"
-    rows+=("$shape cold=$cold warm=$warm diff=\"$(( (t1 - t0) / 1000000 )) $rc\" hf=$(cat "$w/hf-$shape.json" 2> /dev/null)")
+    if [ "${BENCH_SKIP_HF:-0}" = 1 ]; then
+      rows+=("$shape cold=$cold warm=$warm")
+    else
+      say "$shape HF"
+      python3 scripts/bench_big.py hf "$m" "$w/prompt-$shape.json" 64 "$w/dump-$shape" > "$w/hf-$shape.json" \
+        2> "$w/hf-$shape.err" || tail -5 "$w/hf-$shape.err"
+      say "$shape diff of the HF dump ($(du -sh "$w/dump-$shape" 2> /dev/null | cut -f1))"
+      t0=$(date +%s%N)
+      KVDIFF_TIMING=1 timeout 400 "$bin" -v diff --backend cuda --model "$m" --json "$w/$shape-diff.json" \
+        "$w/dump-$shape" > "$w/$shape-diff.out" 2> "$w/$shape-diff.err"
+      rc=$?
+      t1=$(date +%s%N)
+      rm -rf "$w/dump-$shape"
+      rows+=("$shape cold=$cold warm=$warm diff=\"$(( (t1 - t0) / 1000000 )) $rc\" hf=$(cat "$w/hf-$shape.json" 2> /dev/null)")
+    fi
   fi
   for f in "$w/$shape"-*.err; do
     echo "--- $f" >&2

@@ -4,7 +4,7 @@
 #   scripts/stage_gpu_binaries.sh                     (here: stripped copies into .out/bin)
 #   scripts/gpu_tests.sh [tests|bench|startup|long|calibration|sweep|capture|matrix|positions|nano|engine-ci|devicemap|profile|all]       (there, with .out/pack and .cache carried;
 #                                                     nano: the nano-vllm-fork wheel in .whl/ too)
-#   scripts/gpu_tests.sh [tp|multi]                   (two or more GPUs: tensor-parallel capture, the reference across GPUs)
+#   scripts/gpu_tests.sh [tp|placed|multi]            (two or more GPUs: tensor-parallel capture, the reference across GPUs)
 set -euo pipefail
 stage=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,6 +19,28 @@ export KVDIFF_CONFORMANCE_OUT=$out
 # NVLink multicast stays off in every multi-GPU program (NCCL, PyTorch, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# The default model on GPU 0 alone, placed over GPUs 0 and 1, and placed over them with the
+# home GPU's tap budget at 1 MiB (GPU 1 then lends the reference's taps their memory; on one GPU
+# that budget splits them into layer groups): the JSON reports must be byte for byte alike.
+placed_tests() {
+  local run d budget name
+  for run in 0: 0,1: 0:1 0,1:1; do
+    d=${run%%:*} budget=${run#*:} name=placed-${run//[:,]/-}
+    KVDIFF_CUDA_TAP_BUDGET=$budget .out/bin/kvdiff -v compare --backend cuda --devices $d \
+      --json /tmp/$name.json fixtures/prompts/no-system.json > /tmp/$name.out 2> /tmp/$name.err || true
+    echo "$name: $(grep -cE "EQUIVALENT|DIVERGED" /tmp/$name.out || true) verdicts"
+    grep -E "placed|another GPU|layer groups|^kvdiff: error" /tmp/$name.err | head -3 || true
+  done
+  cmp /tmp/placed-0-.json /tmp/placed-0-1-.json && echo "default model: one GPU and --devices 0,1 reports alike"
+  # At 1 MiB on one GPU the taps are split into layer groups; with GPU 1 lending, they are not.
+  if grep -q "layer groups" /tmp/placed-0-1.err && grep -q "another GPU's memory" /tmp/placed-0-1-1.err &&
+    ! grep -q "layer groups" /tmp/placed-0-1-1.err &&
+    cmp /tmp/placed-0-.json /tmp/placed-0-1-1.json; then
+    echo "default model: taps kept in GPU 1's memory, one pass, reports alike"
+  else
+    echo "FAILED: taps lent by GPU 1"
+  fi
+}
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
   .out/bin/cuda-tests cuda:: --test-threads 1 --nocapture 2>&1 | tee "$out/cuda-tests.log" |
     grep --line-buffered -E "^(test |SKIPPED|CPU vs CUDA|  [a-z_]+ +[0-9]|thread|seed|test result)"
@@ -108,12 +130,10 @@ if [ "$stage" = tp ]; then
   PYTHONPATH=/tmp/nano-site:${PYTHONPATH:-} python3 scripts/nano_vllm_tp_suite.py .out/bin/kvdiff /tmp/nano-tp 2>&1 |
     tee "$out/nano-tp.log" | grep -vE "^(\[debug\]|Generating)"
   python3 scripts/capture_torchrun_test.py .out/bin/kvdiff /tmp/torchrun 2>&1 | tee "$out/torchrun.log" | tail -n 8
-  for d in 0 0,1; do
-    .out/bin/kvdiff -v compare --backend cuda --devices $d --json /tmp/placed-$d.json fixtures/prompts/no-system.json \
-      > /tmp/placed-$d.out 2> /tmp/placed-$d.err || true
-    grep -E "placed|verdict" /tmp/placed-$d.err /tmp/placed-$d.out | head -4
-  done
-  cmp /tmp/placed-0.json /tmp/placed-0,1.json && echo "default model: one GPU and --devices 0,1 reports alike"
+  placed_tests
+fi
+if [ "$stage" = placed ]; then
+  placed_tests
 fi
 if [ "$stage" = multi ]; then
   scripts/bench_multi_gpu.sh .out/bin/kvdiff 2>&1 | tee "$out/multi.log"

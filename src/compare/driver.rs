@@ -323,19 +323,7 @@ impl CompareSpec<'_> {
     /// reference's taps copied to the host).
     fn groups(&self, host: bool, budget: usize) -> Vec<TapFilter> {
         let c = &self.model.config;
-        let n = self.prompt.ids.len() + self.max_new_tokens;
-        // A GPU reference keeps attention as the parts that rebuild it (a key per position
-        // and a few floats per row), a CPU one as its queries and keys: not a row per key.
-        let probs = match self.model.device() {
-            Some(_) if !host && crate::cuda::attention_by_parts(c) => {
-                c.kv_dim() + 4 * c.num_attention_heads
-            }
-            None if self.dump.is_none() && !host_probs_as_rows() => c.q_dim() + c.kv_dim(),
-            _ => c.num_attention_heads * n,
-        };
-        let per_layer = 4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + probs);
-        let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
-        let outer = 4 * (n * 2 * c.hidden_size + logit_rows * c.vocab_size);
+        let (outer, per_layer) = self.tap_bytes(host);
         if outer + per_layer * c.num_hidden_layers <= budget {
             return vec![self.taps.clone()];
         }
@@ -356,6 +344,33 @@ impl CompareSpec<'_> {
             start = end;
         }
         passes
+    }
+
+    /// The bytes the reference's taps of one step take, all layers at once: what a run
+    /// holding them in one pass needs (`groups`).
+    pub fn reference_tap_bytes(&self) -> usize {
+        let (outer, per_layer) = self.tap_bytes(false);
+        outer + per_layer * self.model.config.num_hidden_layers
+    }
+
+    /// The reference's taps of one step in bytes: those outside the layers, and each layer's
+    /// (`host`: a GPU reference's taps copied to the host).
+    fn tap_bytes(&self, host: bool) -> (usize, usize) {
+        let c = &self.model.config;
+        let n = self.prompt.ids.len() + self.max_new_tokens;
+        // A GPU reference keeps attention as the parts that rebuild it (a key per position
+        // and a few floats per row), a CPU one as its queries and keys: not a row per key.
+        let probs = match self.model.device() {
+            Some(_) if !host && crate::cuda::attention_by_parts(c) => {
+                c.kv_dim() + 4 * c.num_attention_heads
+            }
+            None if self.dump.is_none() && !host_probs_as_rows() => c.q_dim() + c.kv_dim(),
+            _ => c.num_attention_heads * n,
+        };
+        let per_layer = 4 * n * (8 * c.hidden_size + 3 * c.q_dim() + 3 * c.kv_dim() + probs);
+        let logit_rows = if self.taps.all_prompt_logits { n } else { 1 };
+        let outer = 4 * (n * 2 * c.hidden_size + logit_rows * c.vocab_size);
+        (outer, per_layer)
     }
 
     /// The recorder of the reference's taps of one step. A GPU reference keeps its taps on

@@ -39,8 +39,9 @@ pub fn gpu_tap_budget(free: usize, c: &crate::engine::config::Config, tokens: us
     (free / 2).min(free.saturating_sub(rest)).max(1 << 30)
 }
 
-/// `KVDIFF_CUDA_TAP_BUDGET` (MiB): the GPU reference's tap budget, instead of
-/// `gpu_tap_budget`'s; smaller budgets split the reference's taps into more layer groups.
+/// `KVDIFF_CUDA_TAP_BUDGET` (MiB): the GPU reference's tap budget on the home GPU, instead of
+/// `gpu_tap_budget`'s; smaller budgets split the reference's taps into more layer groups
+/// (unless other GPUs holding some of the layers lend what it lacks).
 fn forced_gpu_budget() -> Option<usize> {
     let mib: usize = std::env::var("KVDIFF_CUDA_TAP_BUDGET").ok()?.parse().ok()?;
     Some(mib.max(1) << 20)
@@ -173,7 +174,7 @@ impl<'a> Request<'a> {
         };
         // Every path held to the same CPU reference shares its run.
         let memo = ReferenceMemo::new(host_memory_budget() / 4);
-        let spec = CompareSpec {
+        let mut spec = CompareSpec {
             model: ref_model,
             path_model: ref_model,
             tokenizer: &self.engine.tokenizer,
@@ -186,13 +187,36 @@ impl<'a> Request<'a> {
             dump: self.dump,
             replay: None,
             memo: Some(&memo).filter(|_| memo_allowed()),
-            // A GPU reference holds its taps in GPU memory: what the rest leaves of it.
-            memory_budget: crate::cuda::gpu_of(ref_model).map_or_else(host_memory_budget, |g| {
-                let tokens = self.prompt.ids.len() + self.max_new_tokens;
-                forced_gpu_budget()
-                    .unwrap_or_else(|| gpu_tap_budget(g.memory().0, &ref_model.config, tokens))
-            }),
+            memory_budget: host_memory_budget(),
         };
+        if let Some(g) = crate::cuda::gpu_of(ref_model) {
+            // A GPU reference holds its taps in GPU memory: what the rest leaves of it, and,
+            // on a model spread over GPUs, what the others lend for what every reference of
+            // one run (`run_together`: three at most) lacks of it.
+            spec.memory_budget = {
+                let tokens = self.prompt.ids.len() + self.max_new_tokens;
+                let home = forced_gpu_budget()
+                    .unwrap_or_else(|| gpu_tap_budget(g.memory().0, &ref_model.config, tokens));
+                let lent = g.reserve_spill((3 * spec.reference_tap_bytes()).saturating_sub(home));
+                let human = |b: usize| crate::support::resources::human(b as u64);
+                if progress::verbosity() >= 1 {
+                    match &lent {
+                        Ok(0) => {}
+                        Ok(lent) => eprintln!(
+                            "kvdiff: reference taps kept in {} of another GPU's memory (it holds \
+                             some of the layers), beside {} of the home GPU's",
+                            human(*lent),
+                            human(home)
+                        ),
+                        Err(why) => eprintln!(
+                            "kvdiff: no other GPU lends memory for the reference's taps ({why})"
+                        ),
+                    }
+                }
+                home + lent.unwrap_or(0)
+            };
+        }
+        let spec = spec;
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
         let progress = Progress::start(self.targets.len() as u64, "comparing");

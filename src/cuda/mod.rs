@@ -34,7 +34,7 @@ pub use forward::{logits_on_gpu, LogitsOnGpu};
 pub use gpu::CUDA_FIX;
 pub use gpu::{
     cublas_asked, device_name, devices_asked, driver_missing, expect_sides, home_ordinal,
-    open_in_background, ptr, set_devices, unavailable_reason, Arg, GemmTile, Gpu, LentPinned,
+    open_in_background, ptr, set_devices, unavailable_reason, Arg, GemmTile, Gpu, Kept, LentPinned,
 };
 pub(crate) use gpu::{max_sides, SIDE_SLOTS};
 pub use kv::CudaKv;

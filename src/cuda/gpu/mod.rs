@@ -15,6 +15,7 @@ mod kernels;
 mod libraries;
 mod memory;
 mod shipped;
+mod spill;
 mod streams;
 
 use std::sync::Arc;
@@ -30,6 +31,7 @@ pub(crate) use kernels::{max_sides, SIDE_SLOTS};
 pub use libraries::CUDA_FIX;
 pub use libraries::{cublas_asked, device_name, driver_missing, unavailable_reason};
 pub use memory::{LentPinned, U32Read};
+pub use spill::Kept;
 pub use streams::Graph;
 
 use compile::kernel_images;
@@ -133,6 +135,8 @@ pub struct Gpu {
     tensor_core_shared: Option<usize>,
     /// Dynamic shared memory a block may hold on request, in bytes.
     shared_optin: usize,
+    /// The peers' memory lent for kept taps, where the model spans several GPUs.
+    spill: spill::Spill,
 }
 
 // cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
@@ -330,6 +334,7 @@ impl Gpu {
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
             shared_optin,
+            spill: Default::default(),
         });
         if !gpu.gemm_needs_warm_up() {
             return Ok(gpu);

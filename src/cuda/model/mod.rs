@@ -221,6 +221,7 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
                     }
                     (Err(e), None) => return Err(e),
                 };
+                gpu.lend_peers(devs.streams[1..].to_vec());
                 if let Some(staging) = staging {
                     let all: Vec<&CudaSlice<u16>> = buffers.iter().collect();
                     stream_load::check_finite(&gpu, ckpt, &plan, &all)?;
@@ -398,6 +399,7 @@ fn read_and_upload(
         })
         .collect::<Result<Vec<_>>>()?;
     devs.synchronize()?;
+    gpu.lend_peers(devs.streams[1..].to_vec());
     Ok((gpu, buffers))
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use crate::compare::judge::diff::RowDiff;
-use crate::cuda::{ptr, Arg, Gpu};
+use crate::cuda::{ptr, Arg, Gpu, Kept};
 use crate::tap::{AttnParts, DeviceTap, PositionIndex, Recorded, TapId};
 
 /// The GPU a device tap lives on (the CUDA backend is the only one that offers them).
@@ -37,7 +37,7 @@ pub struct DeviceRecorded {
     /// Attention kept as what rebuilds it (copies of the pass's queries, keys and statistics),
     /// rows rebuilt where a path's are compared.
     pub parts: Option<AttnParts>,
-    _copy: Arc<Vec<CudaSlice<f32>>>,
+    _copy: Arc<Vec<Kept>>,
     /// What keeps the buffer a tap held by address lives in (`DeviceTap::owner`).
     _owner: Option<crate::tap::Device>,
     gpu: Arc<Gpu>,
@@ -53,25 +53,28 @@ impl DeviceRecorded {
             // The pass's buffers are reused and the cache's keys may be turned later: copies.
             let n = t.positions.len();
             let kv_dim = p.kv_heads * p.head_dim;
+            // Kept on this GPU even where a peer lends memory: every rebuilt row reads its
+            // keys again, the tap rows are read once.
             let copy = |from: u64, len: usize| {
                 let data = g.alloc::<f32>(len);
-                g.copy_device(from, ptr(g, &data, 0), len);
-                data
+                let at = ptr(g, &data, 0);
+                g.copy_device(from, at, len);
+                Kept::home(data, at)
             };
             let q = copy(p.q, n * p.heads * p.head_dim);
             let keys = copy(p.keys, (p.base + n) * kv_dim);
             let stats = copy(p.stats, n * p.heads * 4);
             parts = Some(AttnParts {
-                q: ptr(g, &q, 0),
-                keys: ptr(g, &keys, 0),
-                stats: ptr(g, &stats, 0),
+                q: q.ptr,
+                keys: keys.ptr,
+                stats: stats.ptr,
                 ..p
             });
             (0, 0, vec![q, keys, stats])
         } else if t.persistent && (borrow || (hold && t.owner.is_some())) {
             (t.ptr, t.stride, Vec::new())
         } else {
-            let data = g.alloc::<f32>(t.rows * t.width);
+            let data = g.alloc_kept(t.rows * t.width);
             g.launch(
                 "copy_rows",
                 t.rows as u32,
@@ -81,10 +84,10 @@ impl DeviceRecorded {
                     Arg::Ptr(t.ptr),
                     Arg::I32(t.stride as i32),
                     Arg::I32(t.width as i32),
-                    Arg::Ptr(ptr(g, &data, 0)),
+                    Arg::Ptr(data.ptr),
                 ],
             );
-            (ptr(g, &data, 0), t.width, vec![data])
+            (data.ptr, t.width, vec![data])
         };
         DeviceRecorded {
             step,

@@ -1,0 +1,216 @@
+//! The other GPUs' memory lent to the home GPU for the reference taps a comparison keeps.
+//!
+//! A model placed over several GPUs leaves the home GPU little beyond its layers (an eighth of
+//! it by default), while the others hold a few layers each and sit idle. A reference whose taps
+//! did not fit the home GPU's budget was compared in layer groups, each re-running every pass:
+//! at 70B over two H200s, three groups and 179 s. Kept on a peer instead, the taps are written
+//! once and read by the diffs through peer access (NVLink), and the run needs one pass.
+//!
+//! One arena per run, carved front to back; when every piece has been handed back it is
+//! carved from the start again. Pieces are written and read by kernels on the home GPU's main
+//! stream (whose `stream()` first waits for the side streams), so a piece carved again is
+//! written only after the reads of what it held before.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::{ptr, Gpu};
+use crate::support::resources::human;
+
+/// Kept free on a peer beside the arena: its layers' own passes need none, but the driver and
+/// the allocator's pool do.
+const PEER_KEEP_FREE: usize = 2 << 30;
+/// An arena smaller than this and than what is wanted is not worth a peer's reads.
+const LEAST_ARENA: usize = 256 << 20;
+/// Each piece starts on this boundary (the kernels' widest loads).
+const ALIGN: usize = 256;
+
+/// The peers the home GPU may borrow from, and the arena borrowed.
+#[derive(Default)]
+pub(super) struct Spill {
+    peers: Mutex<Vec<Arc<CudaStream>>>,
+    arena: Arc<Mutex<Option<Arena>>>,
+}
+
+struct Arena {
+    /// Freed on its peer's stream when the arena is replaced or the GPU closed.
+    _buf: CudaSlice<u8>,
+    base: u64,
+    len: usize,
+    next: usize,
+    live: usize,
+}
+
+/// A piece of the arena, handed back when dropped.
+pub(super) struct Lease(Arc<Mutex<Option<Arena>>>);
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut arena = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = arena.as_mut() {
+            a.live -= 1;
+            if a.live == 0 {
+                a.next = 0;
+            }
+        }
+    }
+}
+
+/// Where the next piece of `bytes` starts in an arena of `len` bytes carved up to `next`, and
+/// where the one after would: None where it does not fit.
+fn carve(next: usize, len: usize, bytes: usize) -> Option<(usize, usize)> {
+    let at = next.checked_next_multiple_of(ALIGN)?;
+    let end = at.checked_add(bytes.max(1))?;
+    (end <= len).then_some((at, end))
+}
+
+impl Spill {
+    /// Adds the peers' streams (each on its own GPU, whose memory the home GPU may read and
+    /// write), from the placement of a model's weights; a GPU already lending is not added
+    /// again.
+    pub fn lend_peers(&self, streams: Vec<Arc<CudaStream>>) {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        for s in streams {
+            let ordinal = s.context().ordinal();
+            if !peers.iter().any(|p| p.context().ordinal() == ordinal) {
+                peers.push(s);
+            }
+        }
+    }
+
+    /// Makes an arena of about `wanted` bytes (less where the roomiest peer has less to spare)
+    /// and returns its size: 0 with no peers or nothing wanted, an error saying why where a
+    /// peer could not lend. An arena in use or at least as large is kept.
+    pub fn reserve(&self, wanted: usize) -> Result<usize, String> {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if peers.is_empty() || wanted == 0 {
+            return Ok(0);
+        }
+        let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = arena.as_ref() {
+            if a.len >= wanted || a.live > 0 {
+                return Ok(a.len);
+            }
+        }
+        if let Some(old) = arena.take() {
+            let stream = old._buf.stream().clone();
+            drop(old);
+            let _ = stream.synchronize();
+        }
+        let mut frees = Vec::new();
+        for s in &peers {
+            let free = s.context().mem_get_info().map_err(|e| format!("{e:?}"))?.0;
+            frees.push((s, free));
+        }
+        let (stream, free) = frees
+            .into_iter()
+            .max_by_key(|(_, free)| *free)
+            .expect("peers checked non-empty");
+        let len = wanted.min(free.saturating_sub(PEER_KEEP_FREE));
+        if len < wanted.min(LEAST_ARENA) || len == 0 {
+            return Err(format!(
+                "{} wanted, the roomiest other GPU has {} free",
+                human(wanted as u64),
+                human(free as u64)
+            ));
+        }
+        // Safety: every piece is written (a copy of a tap) before a kernel reads it.
+        let buf = unsafe { stream.alloc::<u8>(len) }.map_err(|e| format!("{e:?}"))?;
+        // The home GPU's streams use it next: the allocation must have happened by then.
+        stream.synchronize().map_err(|e| format!("{e:?}"))?;
+        let (base, _) = buf.device_ptr(stream);
+        *arena = Some(Arena {
+            _buf: buf,
+            base,
+            len,
+            next: 0,
+            live: 0,
+        });
+        Ok(len)
+    }
+
+    /// A piece of `bytes` of the arena, with its address: None where there is no arena or it
+    /// is full.
+    pub fn lend(&self, bytes: usize) -> Option<(u64, Lease)> {
+        let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let a = arena.as_mut()?;
+        let (at, end) = carve(a.next, a.len, bytes)?;
+        a.next = end;
+        a.live += 1;
+        Some((a.base + at as u64, Lease(self.arena.clone())))
+    }
+}
+
+/// A buffer of f32 values a comparison keeps: on a peer where the arena has room, else on the
+/// home GPU.
+pub struct Kept {
+    pub ptr: u64,
+    _held: Held,
+}
+
+enum Held {
+    Home { _buf: CudaSlice<f32> },
+    Lent { _lease: Lease },
+}
+
+impl Kept {
+    /// `buf`, on the home GPU at `ptr`.
+    pub fn home(buf: CudaSlice<f32>, ptr: u64) -> Self {
+        Kept {
+            ptr,
+            _held: Held::Home { _buf: buf },
+        }
+    }
+}
+
+impl Gpu {
+    /// Lets the home GPU borrow the memory of the GPUs behind `streams` (its peers, holding
+    /// some of the model's layers) for the taps a comparison keeps (`reserve_spill`).
+    pub(crate) fn lend_peers(&self, streams: Vec<Arc<CudaStream>>) {
+        self.spill.lend_peers(streams);
+    }
+
+    /// Sets aside about `wanted` bytes on a peer for the taps a comparison keeps
+    /// (`alloc_kept`); returns how many: 0 on a model held by one GPU, an error saying why a
+    /// peer could not lend them.
+    pub fn reserve_spill(&self, wanted: usize) -> std::result::Result<usize, String> {
+        let lent = self.spill.reserve(wanted);
+        // The peers' calls made their contexts current; this GPU's raw launches need its own.
+        let _ = self.ctx.bind_to_thread();
+        lent
+    }
+
+    /// `len` f32 values (uninitialised) to keep a tap in: on a peer while the arena
+    /// `reserve_spill` set aside has room, then on this GPU.
+    pub fn alloc_kept(&self, len: usize) -> Kept {
+        if let Some((at, lease)) = self.spill.lend(4 * len.max(1)) {
+            return Kept {
+                ptr: at,
+                _held: Held::Lent { _lease: lease },
+            };
+        }
+        let data = self.alloc::<f32>(len);
+        let at = ptr(self, &data, 0);
+        Kept::home(data, at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{carve, ALIGN};
+
+    #[test]
+    fn pieces_are_aligned_disjoint_and_within_the_arena() {
+        assert_eq!(carve(0, 1000, 100), Some((0, 100)));
+        assert_eq!(carve(100, 1000, 100), Some((ALIGN, ALIGN + 100)));
+        assert_eq!(
+            carve(ALIGN + 100, 1000, 1000 - 2 * ALIGN),
+            Some((512, 1000))
+        );
+        assert_eq!(carve(ALIGN + 100, 1000, 1000 - 2 * ALIGN + 1), None);
+        // A piece of nothing still takes a byte, so two pieces never share an address.
+        assert_eq!(carve(0, 1000, 0), Some((0, 1)));
+        assert_eq!(carve(usize::MAX - 10, usize::MAX, 100), None);
+    }
+}
