@@ -457,9 +457,14 @@ impl Gpu {
         release_pooled_memory(&self.ctx);
         alloc(len).unwrap_or_else(|e| {
             let free = self.driver_memory().0;
+            let spread = match self.spill.spans_gpus() {
+                true => ", or more of this GPU kept free beside the model's layers \
+                         (KVDIFF_HOME_RESERVE_GIB; an eighth of it by default)",
+                false => "",
+            };
             panic!(
                 "out of GPU memory: {} MiB asked for, {} MiB free ({e:?}); a shorter prompt, \
-                 fewer taps (--taps) or a GPU with more memory",
+                 fewer taps (--taps), a GPU with more memory{spread}",
                 (len * std::mem::size_of::<T>()) >> 20,
                 free >> 20
             )

@@ -79,6 +79,11 @@ impl Spill {
         }
     }
 
+    /// Whether the model's layers span other GPUs than this one.
+    pub fn spans_gpus(&self) -> bool {
+        !self.peers.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     /// Makes an arena of about `wanted` bytes (less where the roomiest peer has less to spare)
     /// and returns its size: 0 with no peers or nothing wanted, an error saying why where a
     /// peer could not lend. An arena in use or at least as large is kept.

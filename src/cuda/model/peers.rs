@@ -75,6 +75,10 @@ impl Devices {
         plan: &[Vec<String>],
         bytes: &[u64],
     ) -> Result<(Devices, Placement)> {
+        // An earlier command's heir may still be tearing its contexts down: opening one
+        // meanwhile failed with CUDA_ERROR_UNKNOWN (70B over two GPUs, right after a run that
+        // ended in a panic), and the placement is sized by the memory free.
+        crate::support::heir::wait_for_heirs();
         let home = home_ordinal();
         let home_ctx = open(home)?;
         let stream = home_ctx.new_stream().map_err(cuda)?;
@@ -84,9 +88,6 @@ impl Devices {
             streams: vec![stream],
         };
         let total: u64 = bytes.iter().sum();
-        // Placement is sized by the memory free: an earlier command's heir may still be
-        // tearing its context down (`Gpu::open`, on another thread, waits too late for this).
-        crate::support::heir::wait_for_heirs();
         let (free, whole) = home_ctx.mem_get_info().map_err(cuda)?;
         let (free, whole) = (free as u64, whole as u64);
         let asked = devices_asked();
