@@ -458,8 +458,10 @@ impl Gpu {
         alloc(len).unwrap_or_else(|e| {
             let free = self.driver_memory().0;
             let spread = match self.spill.spans_gpus() {
-                true => ", or more of this GPU kept free beside the model's layers \
-                         (KVDIFF_HOME_RESERVE_GIB; an eighth of it by default)",
+                true => {
+                    ", or more of this GPU kept free beside the model's layers \
+                         (KVDIFF_HOME_RESERVE_GIB; an eighth of it by default)"
+                }
                 false => "",
             };
             panic!(

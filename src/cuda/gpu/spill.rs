@@ -81,7 +81,11 @@ impl Spill {
 
     /// Whether the model's layers span other GPUs than this one.
     pub fn spans_gpus(&self) -> bool {
-        !self.peers.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+        !self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     /// Makes an arena of about `wanted` bytes (less where the roomiest peer has less to spare)
