@@ -63,3 +63,48 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error found where no `Result` reaches (a GPU allocation deep inside a forward pass),
+/// unwound as a panic's payload by `raise` and reported by `main` as the error it is, with its
+/// exit code, instead of as a bug.
+pub struct Raised(pub Error);
+
+/// Unwinds with `e` as the payload (see `Raised`).
+pub fn raise(e: Error) -> ! {
+    std::panic::panic_any(Raised(e))
+}
+
+/// The error a caught panic `raise`d, or the payload back where it was another panic.
+pub fn raised(
+    payload: Box<dyn std::any::Any + Send>,
+) -> std::result::Result<Error, Box<dyn std::any::Any + Send>> {
+    payload.downcast::<Raised>().map(|r| r.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{raise, raised, Error, EXIT_BAD_INPUT};
+
+    #[test]
+    fn a_raised_error_comes_back_whole_and_other_panics_stay_panics() {
+        let quiet = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let caught = std::panic::catch_unwind(|| -> () {
+            raise(Error::usage(
+                "--backend cuda",
+                "out of memory",
+                "a shorter prompt",
+            ))
+        });
+        let other = std::panic::catch_unwind(|| panic!("a bug"));
+        std::panic::set_hook(quiet);
+        let e = raised(caught.unwrap_err()).expect("the raised error");
+        assert_eq!(e.exit_code(), EXIT_BAD_INPUT);
+        assert_eq!(
+            e.to_string(),
+            "--backend cuda: out of memory\n  fix: a shorter prompt"
+        );
+        let p = raised(other.unwrap_err()).expect_err("a panic of another kind");
+        assert_eq!(p.downcast_ref::<&str>(), Some(&"a bug"));
+    }
+}

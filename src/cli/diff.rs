@@ -114,8 +114,14 @@ pub fn run(a: DiffArgs) -> Result<i32> {
     }
     // Under git bisect a panic is this commit's to skip, not a verdict on it.
     let code = match bisect {
-        true => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(a)))
-            .unwrap_or_else(|_| Err(Error::Internal("kvdiff panicked".into()))),
+        true => {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(a))).unwrap_or_else(|p| {
+                Err(Error::Internal(match kvdiff::error::raised(p) {
+                    Ok(e) => e.to_string(),
+                    Err(_) => "kvdiff panicked".into(),
+                }))
+            })
+        }
         false if a.out.is_some() => many(a),
         false => one(a),
     };

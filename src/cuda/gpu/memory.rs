@@ -440,7 +440,8 @@ impl Gpu {
     /// `alloc(len.max(1))`, asked again once the allocator's pool has given its free buffers
     /// back where the driver is out of memory: freed buffers stay in the pool
     /// (`keep_freed_memory`), and a buffer of another size may not fit among them. Out of
-    /// memory even then, the panic says how much was asked for and what is free.
+    /// memory even then, the run ends with a usage error (exit 2, `error::raise`) saying how
+    /// much was asked for, what is free, and what takes less.
     fn allocating<T>(
         &self,
         len: usize,
@@ -459,17 +460,24 @@ impl Gpu {
             let free = self.driver_memory().0;
             let spread = match self.spill.spans_gpus() {
                 true => {
-                    ", or more of this GPU kept free beside the model's layers \
+                    ", or more of it kept free beside the model's layers \
                          (KVDIFF_HOME_RESERVE_GIB; an eighth of it by default)"
                 }
                 false => "",
             };
-            panic!(
-                "out of GPU memory: {} MiB asked for, {} MiB free ({e:?}); a shorter prompt, \
-                 fewer taps (--taps), a GPU with more memory{spread}",
-                (len * std::mem::size_of::<T>()) >> 20,
-                free >> 20
-            )
+            crate::error::raise(crate::error::Error::usage(
+                "--backend cuda",
+                format!(
+                    "out of memory on {}: {} MiB asked for, {} MiB free ({e:?})",
+                    self.name,
+                    (len * std::mem::size_of::<T>()) >> 20,
+                    free >> 20
+                ),
+                format!(
+                    "a shorter prompt, fewer taps (--taps), fewer paths (--paths), a GPU with \
+                     more memory{spread}"
+                ),
+            ))
         })
     }
 }
