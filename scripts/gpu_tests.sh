@@ -29,9 +29,13 @@ placed_tests() {
     KVDIFF_CUDA_TAP_BUDGET=$budget .out/bin/kvdiff -v compare --backend cuda --devices $d \
       --json /tmp/$name.json fixtures/prompts/no-system.json > /tmp/$name.out 2> /tmp/$name.err || true
     echo "$name: $(grep -cE "EQUIVALENT|DIVERGED" /tmp/$name.out || true) verdicts"
-    grep -E "placed|another GPU|layer groups|^kvdiff: error" /tmp/$name.err | head -3 || true
+    grep -E "placed|another GPU|layer groups|^error:|fix:" /tmp/$name.err | head -3 || true
   done
-  cmp /tmp/placed-0-.json /tmp/placed-0-1-.json && echo "default model: one GPU and --devices 0,1 reports alike"
+  if cmp /tmp/placed-0-.json /tmp/placed-0-1-.json; then
+    echo "default model: one GPU and --devices 0,1 reports alike"
+  else
+    echo "FAILED: one GPU and --devices 0,1 report differently"
+  fi
   # At 1 MiB on one GPU the taps are split into layer groups; with GPU 1 lending, they are not.
   if grep -q "layer groups" /tmp/placed-0-1.err && grep -q "another GPU's memory" /tmp/placed-0-1-1.err &&
     ! grep -q "layer groups" /tmp/placed-0-1-1.err &&

@@ -177,6 +177,19 @@ pub fn open_in_background() {
     }
 }
 
+/// GPU `ordinal`'s context. Opened while an earlier command's heir still tears its contexts
+/// down, GPU 0 once failed with `CUDA_ERROR_UNKNOWN` (a 70B model over two GPUs, after a run
+/// that had ended in a panic): a failure is tried again once the heirs are done. The first try
+/// does not wait for them, so that a context's creation overlaps a teardown.
+pub(crate) fn open_context(
+    ordinal: usize,
+) -> std::result::Result<Arc<CudaContext>, cudarc::driver::DriverError> {
+    CudaContext::new(ordinal).or_else(|_| {
+        crate::support::heir::wait_for_heirs();
+        CudaContext::new(ordinal)
+    })
+}
+
 impl Gpu {
     /// Opens device 0 and compiles (or loads cached) kernels, or takes the device
     /// `open_in_background` opened; a one-line error if CUDA is unusable here.
@@ -185,9 +198,10 @@ impl Gpu {
         match early {
             Some(handle) => {
                 let _span = crate::support::timing::span("startup: waiting for the GPU to open");
-                handle
-                    .join()
-                    .map_err(|_| Error::Internal("opening the GPU panicked".into()))?
+                handle.join().map_err(|p| {
+                    crate::error::raised(p)
+                        .unwrap_or_else(|_| Error::Internal("opening the GPU panicked".into()))
+                })?
             }
             None => Self::open_now(),
         }
@@ -233,7 +247,7 @@ impl Gpu {
             });
             (major, minor, image)
         });
-        let ctx = CudaContext::new(home).map_err(|e| {
+        let ctx = open_context(home).map_err(|e| {
             Error::usage(
                 "--backend cuda",
                 format!("cannot open GPU {home}: {e}"),

@@ -6,10 +6,12 @@
 //! at 70B over two H200s, three groups and 179 s. Kept on a peer instead, the taps are written
 //! once and read by the diffs through peer access (NVLink), and the run needs one pass.
 //!
-//! One arena per run, carved front to back; when every piece has been handed back it is
-//! carved from the start again. Pieces are written and read by kernels on the home GPU's main
-//! stream (whose `stream()` first waits for the side streams), so a piece carved again is
-//! written only after the reads of what it held before.
+//! One arena, carved front to back: it holds a run's copied reference taps (its prefills';
+//! decode steps' taps are held by address, not copied), sized for all of them. When every piece
+//! has been handed back (a layer group or a run done) it is carved from the start again.
+//! Pieces are written and read by kernels on the home GPU's main stream (whose `stream()` first
+//! waits for the side streams), so a piece carved again is written only after the reads of what
+//! it held before; an arena replaced by a larger one is freed only after the home GPU's work.
 
 use std::sync::{Arc, Mutex};
 
@@ -90,7 +92,8 @@ impl Spill {
 
     /// Makes an arena of about `wanted` bytes (less where the roomiest peer has less to spare)
     /// and returns its size: 0 with no peers or nothing wanted, an error saying why where a
-    /// peer could not lend. An arena in use or at least as large is kept.
+    /// peer could not lend. An arena at least as large is kept, and one in use too (its room
+    /// left is returned). The home GPU's queued work must be done (`Gpu::reserve_spill`).
     pub fn reserve(&self, wanted: usize) -> Result<usize, String> {
         let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if peers.is_empty() || wanted == 0 {
@@ -98,7 +101,10 @@ impl Spill {
         }
         let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(a) = arena.as_ref() {
-            if a.len >= wanted || a.live > 0 {
+            if a.live > 0 {
+                return Ok(a.len - a.next);
+            }
+            if a.len >= wanted {
                 return Ok(a.len);
             }
         }
@@ -184,6 +190,11 @@ impl Gpu {
     /// (`alloc_kept`); returns how many: 0 on a model held by one GPU, an error saying why a
     /// peer could not lend them.
     pub fn reserve_spill(&self, wanted: usize) -> std::result::Result<usize, String> {
+        if self.spill.spans_gpus() {
+            // An arena replaced below is freed on its own GPU's stream, which knows nothing
+            // of the copies and diffs still queued here.
+            let _ = self.stream().synchronize();
+        }
         let lent = self.spill.reserve(wanted);
         // The peers' calls made their contexts current; this GPU's raw launches need its own.
         let _ = self.ctx.bind_to_thread();

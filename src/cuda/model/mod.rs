@@ -209,8 +209,10 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
                 let gpu = {
                     let _span =
                         crate::support::timing::span("startup: waiting for the GPU to open");
-                    warm.join()
-                        .map_err(|_| Error::Internal("opening the GPU panicked".into()))?
+                    warm.join().map_err(|p| {
+                        crate::error::raised(p)
+                            .unwrap_or_else(|_| Error::Internal("opening the GPU panicked".into()))
+                    })?
                 };
                 let gpu = match (gpu, &landing) {
                     (Ok(g), _) => g,

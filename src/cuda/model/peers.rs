@@ -32,7 +32,7 @@ fn cuda(e: cudarc::driver::DriverError) -> Error {
 }
 
 fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
-    let ctx = CudaContext::new(ordinal).map_err(|e| {
+    let ctx = crate::cuda::gpu::open_context(ordinal).map_err(|e| {
         Error::usage(
             "--devices",
             format!("cannot open GPU {ordinal}: {e}"),
@@ -75,9 +75,8 @@ impl Devices {
         plan: &[Vec<String>],
         bytes: &[u64],
     ) -> Result<(Devices, Placement)> {
-        // An earlier command's heir may still be tearing its contexts down: opening one
-        // meanwhile failed with CUDA_ERROR_UNKNOWN (70B over two GPUs, right after a run that
-        // ended in a panic), and the placement is sized by the memory free.
+        // The placement is sized by the memory free, which an earlier command's heir may
+        // still hold while it tears its contexts down.
         crate::support::heir::wait_for_heirs();
         let home = home_ordinal();
         let home_ctx = open(home)?;
