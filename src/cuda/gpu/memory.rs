@@ -93,7 +93,7 @@ unsafe impl Send for PinnedPool {}
 
 /// Where a piece of `bytes` goes in a pool of `size` bytes whose first `next` are lent: its
 /// offset (64-byte aligned) and the new `next`; `None` when it does not fit or is empty.
-fn carve(next: usize, size: usize, bytes: usize) -> Option<(usize, usize)> {
+pub(super) fn carve(next: usize, size: usize, bytes: usize) -> Option<(usize, usize)> {
     let at = next.next_multiple_of(64);
     (bytes > 0 && at + bytes <= size).then_some((at, at + bytes))
 }

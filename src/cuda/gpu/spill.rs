@@ -25,8 +25,6 @@ use crate::support::resources::human;
 const PEER_KEEP_FREE: usize = 2 << 30;
 /// An arena smaller than this and than what is wanted is not worth a peer's reads.
 const LEAST_ARENA: usize = 256 << 20;
-/// Each piece starts on this boundary (the kernels' widest loads).
-const ALIGN: usize = 256;
 
 /// The peers the home GPU may borrow from, and the arena borrowed.
 #[derive(Default)]
@@ -57,14 +55,6 @@ impl Drop for Lease {
             }
         }
     }
-}
-
-/// Where the next piece of `bytes` starts in an arena of `len` bytes carved up to `next`, and
-/// where the one after would: None where it does not fit.
-fn carve(next: usize, len: usize, bytes: usize) -> Option<(usize, usize)> {
-    let at = next.checked_next_multiple_of(ALIGN)?;
-    let end = at.checked_add(bytes.max(1))?;
-    (end <= len).then_some((at, end))
 }
 
 impl Spill {
@@ -150,7 +140,7 @@ impl Spill {
     pub fn lend(&self, bytes: usize) -> Option<(u64, Lease)> {
         let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
         let a = arena.as_mut()?;
-        let (at, end) = carve(a.next, a.len, bytes)?;
+        let (at, end) = super::memory::carve(a.next, a.len, bytes.max(1))?;
         a.next = end;
         a.live += 1;
         Some((a.base + at as u64, Lease(self.arena.clone())))
@@ -213,24 +203,5 @@ impl Gpu {
         let data = self.alloc::<f32>(len);
         let at = ptr(self, &data, 0);
         Kept::home(data, at)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{carve, ALIGN};
-
-    #[test]
-    fn pieces_are_aligned_disjoint_and_within_the_arena() {
-        assert_eq!(carve(0, 1000, 100), Some((0, 100)));
-        assert_eq!(carve(100, 1000, 100), Some((ALIGN, ALIGN + 100)));
-        assert_eq!(
-            carve(ALIGN + 100, 1000, 1000 - 2 * ALIGN),
-            Some((512, 1000))
-        );
-        assert_eq!(carve(ALIGN + 100, 1000, 1000 - 2 * ALIGN + 1), None);
-        // A piece of nothing still takes a byte, so two pieces never share an address.
-        assert_eq!(carve(0, 1000, 0), Some((0, 1)));
-        assert_eq!(carve(usize::MAX - 10, usize::MAX, 100), None);
     }
 }
