@@ -13,7 +13,8 @@
 #                   three chunks through its KV cache, 8 decode steps), wall and verdict
 #   floor           weights over measured bandwidths (HBM, peer, pinned host to device)
 #   scripts/bench_multi_gpu.sh [KVDIFF_BINARY] [SHAPES...]   (default: 32b 70b; BENCH_SKIP_HF=1
-#   leaves out the hf and diff rows)
+#   leaves out the hf and diff rows; BENCH_READERS="8 16" adds a warm run for each count of
+#   weight reader threads, KVDIFF_WEIGHT_READERS)
 set -uo pipefail
 bin=${1:-.out/bin/kvdiff}
 shift || true
@@ -59,6 +60,10 @@ for shape in "${shapes[@]}"; do
       say "$shape cold, KVDIFF_HOME_RESERVE_GIB=$KVDIFF_HOME_RESERVE_GIB"; cold=$(run "$shape-cold" "$m")
     fi
     say "$shape warm"; warm=$(run "$shape-warm" "$m")
+    for r in ${BENCH_READERS:-}; do
+      say "$shape warm, KVDIFF_WEIGHT_READERS=$r"
+      rows+=("$shape warm readers=$r: $(KVDIFF_WEIGHT_READERS=$r run "$shape-warm-r$r" "$m")")
+    done
     if [ "${BENCH_SKIP_HF:-0}" = 1 ]; then
       rows+=("$shape cold=$cold warm=$warm")
     else
