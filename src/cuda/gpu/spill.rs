@@ -37,9 +37,49 @@ struct Arena {
     /// Freed on its peer's stream when the arena is replaced or the GPU closed.
     _buf: CudaSlice<u8>,
     base: u64,
+    carving: Carving,
+}
+
+/// Which of an arena's `len` bytes are lent: pieces carved front to back up to `next`, `live`
+/// of them not handed back yet; carved from the start again once all are.
+#[derive(Debug, PartialEq)]
+struct Carving {
     len: usize,
     next: usize,
     live: usize,
+}
+
+impl Carving {
+    fn new(len: usize) -> Self {
+        Carving {
+            len,
+            next: 0,
+            live: 0,
+        }
+    }
+
+    /// The offset of a piece of `bytes` (at least one), or None where it does not fit.
+    fn lend(&mut self, bytes: usize) -> Option<usize> {
+        let (at, end) = super::memory::carve(self.next, self.len, bytes.max(1))?;
+        self.next = end;
+        self.live += 1;
+        Some(at)
+    }
+
+    fn hand_back(&mut self) {
+        self.live -= 1;
+        if self.live == 0 {
+            self.next = 0;
+        }
+    }
+
+    /// The bytes a run may still count on: all of them, or what is left while pieces are out.
+    fn room(&self) -> usize {
+        match self.live {
+            0 => self.len,
+            _ => self.len - self.next,
+        }
+    }
 }
 
 /// A piece of the arena, handed back when dropped.
@@ -49,10 +89,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let mut arena = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(a) = arena.as_mut() {
-            a.live -= 1;
-            if a.live == 0 {
-                a.next = 0;
-            }
+            a.carving.hand_back();
         }
     }
 }
@@ -91,11 +128,8 @@ impl Spill {
         }
         let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(a) = arena.as_ref() {
-            if a.live > 0 {
-                return Ok(a.len - a.next);
-            }
-            if a.len >= wanted {
-                return Ok(a.len);
+            if a.carving.live > 0 || a.carving.len >= wanted {
+                return Ok(a.carving.room());
             }
         }
         if let Some(old) = arena.take() {
@@ -128,9 +162,7 @@ impl Spill {
         *arena = Some(Arena {
             _buf: buf,
             base,
-            len,
-            next: 0,
-            live: 0,
+            carving: Carving::new(len),
         });
         Ok(len)
     }
@@ -140,9 +172,7 @@ impl Spill {
     pub fn lend(&self, bytes: usize) -> Option<(u64, Lease)> {
         let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
         let a = arena.as_mut()?;
-        let (at, end) = super::memory::carve(a.next, a.len, bytes.max(1))?;
-        a.next = end;
-        a.live += 1;
+        let at = a.carving.lend(bytes)?;
         Some((a.base + at as u64, Lease(self.arena.clone())))
     }
 }
@@ -203,5 +233,32 @@ impl Gpu {
         let data = self.alloc::<f32>(len);
         let at = ptr(self, &data, 0);
         Kept::home(data, at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Carving;
+
+    #[test]
+    fn pieces_are_disjoint_and_carved_again_only_once_all_are_back() {
+        let mut c = Carving::new(1000);
+        let a = c.lend(100).unwrap();
+        let b = c.lend(0).unwrap();
+        let d = c.lend(300).unwrap();
+        // Disjoint, in order, a piece of nothing taking a byte, all within the arena.
+        assert!(a + 100 <= b && b < d && d + 300 <= 1000, "{a} {b} {d}");
+        assert_eq!(c.room(), 1000 - (d + 300));
+        assert_eq!(c.lend(1000), None, "a piece beyond the room left");
+        c.hand_back();
+        c.hand_back();
+        // One piece still out: nothing is carved again over it.
+        let e = c.lend(10).unwrap();
+        assert!(e >= d + 300);
+        c.hand_back();
+        c.hand_back();
+        assert_eq!(c, Carving::new(1000));
+        assert_eq!(c.room(), 1000);
+        assert_eq!(c.lend(1000), Some(0));
     }
 }
