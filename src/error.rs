@@ -74,6 +74,12 @@ pub fn raise(e: Error) -> ! {
     std::panic::panic_any(Raised(e))
 }
 
+/// What a thread's panic (`what` names the work) means to the caller: the error it `raise`d,
+/// else an internal error.
+pub fn panic_error(payload: Box<dyn std::any::Any + Send>, what: &str) -> Error {
+    raised(payload).unwrap_or_else(|_| Error::Internal(format!("{what} panicked")))
+}
+
 /// The error a caught panic `raise`d, or the payload back where it was another panic.
 pub fn raised(
     payload: Box<dyn std::any::Any + Send>,

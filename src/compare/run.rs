@@ -173,7 +173,8 @@ impl<'a> Request<'a> {
             Policy::Auto | Policy::Exact => Tolerance::Exact,
         };
         // Every path held to the same CPU reference shares its run.
-        let memo = ReferenceMemo::new(host_memory_budget() / 4);
+        let host_budget = host_memory_budget();
+        let memo = ReferenceMemo::new(host_budget / 4);
         let mut spec = CompareSpec {
             model: ref_model,
             path_model: ref_model,
@@ -187,35 +188,12 @@ impl<'a> Request<'a> {
             dump: self.dump,
             replay: None,
             memo: Some(&memo).filter(|_| memo_allowed()),
-            memory_budget: host_memory_budget(),
+            memory_budget: 0,
         };
-        if let Some(g) = crate::cuda::gpu_of(ref_model) {
-            // A GPU reference holds its taps in GPU memory: what the rest leaves of it, and,
-            // on a model spread over GPUs, what the others lend for what every reference of
-            // one run (`run_together`: three at most) lacks of it.
-            spec.memory_budget = {
-                let tokens = self.prompt.ids.len() + self.max_new_tokens;
-                let home = forced_gpu_budget()
-                    .unwrap_or_else(|| gpu_tap_budget(g.memory().0, &ref_model.config, tokens));
-                let lent = g.reserve_spill((3 * spec.reference_tap_bytes()).saturating_sub(home));
-                let human = |b: usize| crate::support::resources::human(b as u64);
-                if progress::verbosity() >= 1 {
-                    match &lent {
-                        Ok(0) => {}
-                        Ok(lent) => eprintln!(
-                            "kvdiff: reference taps kept in {} of another GPU's memory (it holds \
-                             some of the layers), beside {} of the home GPU's",
-                            human(*lent),
-                            human(home)
-                        ),
-                        Err(why) => eprintln!(
-                            "kvdiff: no other GPU lends memory for the reference's taps ({why})"
-                        ),
-                    }
-                }
-                home + lent.unwrap_or(0)
-            };
-        }
+        spec.memory_budget = match crate::cuda::gpu_of(ref_model) {
+            Some(g) => self.gpu_budget(g, &spec),
+            None => host_budget,
+        };
         let spec = spec;
         let tols = self.tolerances(&given)?;
         let (same_tol, cross_tol) = (&tols.same, tols.cross.as_ref());
@@ -257,6 +235,32 @@ impl<'a> Request<'a> {
             paths.extend(self.run_invariants(&spec, &tols, beside)?);
         }
         Ok(self.report(paths, tols.info))
+    }
+
+    /// The bytes a GPU reference may hold its taps in: what the rest of the run leaves of the
+    /// home GPU's memory (`gpu_tap_budget`, or `KVDIFF_CUDA_TAP_BUDGET`) and, on a model spread
+    /// over GPUs, what the others lend for what every reference of one run (`run_together`:
+    /// three at most) lacks of it.
+    fn gpu_budget(&self, g: &crate::cuda::Gpu, spec: &CompareSpec<'_>) -> usize {
+        let tokens = self.prompt.ids.len() + self.max_new_tokens;
+        let home = forced_gpu_budget()
+            .unwrap_or_else(|| gpu_tap_budget(g.memory().0, &spec.model.config, tokens));
+        let lent = g.reserve_spill((3 * spec.reference_tap_bytes()).saturating_sub(home));
+        let human = |b: usize| crate::support::resources::human(b as u64);
+        match &lent {
+            _ if progress::verbosity() < 1 => {}
+            Ok(0) => {}
+            Ok(lent) => eprintln!(
+                "kvdiff: reference taps kept in {} of another GPU's memory (it holds some of the \
+                 layers), beside {} of the home GPU's",
+                human(*lent),
+                human(home)
+            ),
+            Err(why) => {
+                eprintln!("kvdiff: no other GPU lends memory for the reference's taps ({why})")
+            }
+        }
+        home + lent.unwrap_or(0)
     }
 
     /// The backends the comparison runs on, as the noise profile names them.

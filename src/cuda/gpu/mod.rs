@@ -198,10 +198,9 @@ impl Gpu {
         match early {
             Some(handle) => {
                 let _span = crate::support::timing::span("startup: waiting for the GPU to open");
-                handle.join().map_err(|p| {
-                    crate::error::raised(p)
-                        .unwrap_or_else(|_| Error::Internal("opening the GPU panicked".into()))
-                })?
+                handle
+                    .join()
+                    .map_err(|p| crate::error::panic_error(p, "opening the GPU"))?
             }
             None => Self::open_now(),
         }

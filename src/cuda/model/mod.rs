@@ -209,10 +209,8 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
                 let gpu = {
                     let _span =
                         crate::support::timing::span("startup: waiting for the GPU to open");
-                    warm.join().map_err(|p| {
-                        crate::error::raised(p)
-                            .unwrap_or_else(|_| Error::Internal("opening the GPU panicked".into()))
-                    })?
+                    warm.join()
+                        .map_err(|p| crate::error::panic_error(p, "opening the GPU"))?
                 };
                 let gpu = match (gpu, &landing) {
                     (Ok(g), _) => g,
