@@ -91,6 +91,10 @@ pub struct Lane<'l> {
     pub exact: bool,
     pub split: usize,
     pub prefill: &'l dyn Prefill,
+    /// The path whose own prefill `prefill` is (`PathSpec::prefill` on the path model), if
+    /// it is one: a reference run of that path on the same model then serves as this lane's
+    /// prefill too, instead of running it twice.
+    pub path: Option<PathSpec>,
     pub held_to: Vec<(&'l CompareSpec<'l>, String, bool)>,
     pub rows: Option<RowsCheck<'l>>,
 }
@@ -262,6 +266,7 @@ impl CompareSpec<'_> {
             exact,
             split,
             prefill: &prefill,
+            path: None,
             held_to,
             rows: None,
         }];

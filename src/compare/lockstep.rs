@@ -11,7 +11,7 @@ use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::driver::{note_gpu_memory, CompareSpec, Lane};
 use crate::compare::judge::agreement::{Agreement, Deferred};
 use crate::compare::judge::finding::TokenDivergence;
-use crate::compare::path_sinks::{dump_recorded, Dumps, Fan};
+use crate::compare::path_sinks::{dump_recorded, Dumps, Fan, Ridden};
 use crate::compare::reference_memo::MemoUse;
 use crate::compare::report::PathReport;
 use crate::engine::kv_cache::KvCache;
@@ -128,7 +128,48 @@ fn distinct_references<'s>(lanes: &[Lane<'s>]) -> References<'s> {
     (refs, which, rows)
 }
 
-impl CompareSpec<'_> {
+impl<'s> CompareSpec<'s> {
+    /// Per lane, the reference whose prefill run is also the lane's own prefill (`Lane::path`):
+    /// the same path on the same model and split, run after every reference the lane is held
+    /// to, so that the run feeds the lane's comparators as it offers its taps. Only where the
+    /// lanes' decode steps are shared on one model (the lane's are then that reference's,
+    /// `Twin`), on a dense model on the GPU (a sparse path adopts its references' routing at
+    /// near ties, a reference its own), and never for a single lane (its dumps and memo are
+    /// its own). At most one lane rides a reference.
+    fn riders(
+        &self,
+        lanes: &[Lane<'_>],
+        refs: &[&CompareSpec<'_>],
+        which: &[Vec<usize>],
+    ) -> Vec<Option<usize>> {
+        let model = self.path_model;
+        let shared = lanes.len() > 1
+            && shared_steps()
+            && model.device().is_some()
+            && model.config.arch.moe.is_none()
+            && refs.iter().all(|r| std::ptr::eq(r.model, model))
+            && lanes
+                .iter()
+                .all(|l| std::ptr::eq(l.held_to[0].0.path_model, model));
+        let mut taken = vec![false; refs.len()];
+        lanes
+            .iter()
+            .zip(which)
+            .map(|(lane, held)| {
+                let path = lane
+                    .path
+                    .as_ref()
+                    .filter(|_| shared && lane.rows.is_none())?;
+                let i = refs.iter().position(|r| r.reference == *path)?;
+                let rides = !taken[i]
+                    && held.iter().all(|&r| r < i)
+                    && refs[i].reference.decode_split(self.prompt) == lane.split;
+                taken[i] |= rides;
+                rides.then_some(i)
+            })
+            .collect()
+    }
+
     /// One pass of `lanes` over the taps `taps`: one report per lane and reference it is
     /// held to, in the lanes' order. A `--dump` or replay run has a single lane (this spec's
     /// path), and a reference memo serves only a single pair.
@@ -139,6 +180,9 @@ impl CompareSpec<'_> {
     ) -> Result<Vec<Vec<PathReport>>> {
         let n = self.prompt.ids.len();
         let (refs, which, rows_of) = distinct_references(lanes);
+        let riders = self.riders(lanes, &refs, &which);
+        let mut ridden: Vec<Option<(ChunkStore, StepLogits)>> =
+            lanes.iter().map(|_| None).collect();
         let single = lanes.len() == 1;
         let (name, exact) = (lanes[0].name.as_str(), lanes[0].exact);
         let mut dumps = match single {
@@ -175,12 +219,29 @@ impl CompareSpec<'_> {
                 None => {
                     let _run = span("compare: reference prefill run");
                     let mut rec = s.recorder(taps, false);
-                    let (cache, logits) = s.reference.prefill(
-                        s.model,
-                        self.prompt,
-                        &mut ChunkStore::default(),
-                        &mut rec,
-                    );
+                    let (cache, logits) = match riders.iter().position(|r| *r == Some(i)) {
+                        None => s.reference.prefill(
+                            s.model,
+                            self.prompt,
+                            &mut ChunkStore::default(),
+                            &mut rec,
+                        ),
+                        Some(l) => {
+                            // The lane's references ran before this one: its comparators
+                            // hold their taps and take its taps as this run offers them.
+                            for c in cmps[l].iter_mut() {
+                                c.size_readback();
+                            }
+                            let mut store = ChunkStore::default();
+                            let mut sink = Ridden::new(&mut rec, Fan::new(&mut cmps[l]));
+                            let (cache, logits) =
+                                s.reference
+                                    .prefill(s.model, self.prompt, &mut store, &mut sink);
+                            let shared = logits.again().expect("a device's logits are shared");
+                            ridden[l] = Some((store, shared));
+                            (cache, logits)
+                        }
+                    };
                     if i == 0 {
                         memo.keep(&rec, host_logits(&logits));
                     }
@@ -226,21 +287,30 @@ impl CompareSpec<'_> {
         crate::cuda::weights_loaded(self.model)?;
         note_gpu_memory("references prefilled", self.model);
         let mut lane_runs = Vec::with_capacity(lanes.len());
-        let lanes_with = lanes.iter().zip(cmps).zip(&which);
-        for (((lane, mut lane_cmps), refs_of), (mut rows_cmp, rows_ref)) in
+        let lanes_with = lanes.iter().zip(cmps).zip(&which).zip(ridden);
+        for ((((lane, mut lane_cmps), refs_of), ridden), (mut rows_cmp, rows_ref)) in
             lanes_with.zip(rows_cmps.into_iter().zip(&rows_of))
         {
             let _span = span("compare: path prefill");
-            let mut store = ChunkStore::default();
             let path_model = lane.held_to[0].0.path_model;
-            let (cache, logits) = {
-                let mut fan = Fan::new(&mut lane_cmps);
-                let sink = &mut *dumps.path_sink(&mut fan);
-                match (&lane.rows, rows_cmp.as_mut()) {
-                    (Some(r), Some(rows)) => {
-                        (r.prefill)(path_model, self.prompt, &mut store, sink, rows)
-                    }
-                    _ => (lane.prefill)(path_model, self.prompt, &mut store, sink),
+            let (cache, logits, store) = match ridden {
+                // Its decode steps are its reference's (`Twin`): its cache stays empty.
+                Some((store, logits)) => {
+                    let c = &path_model.config;
+                    let cache = KvCache::new(c.num_hidden_layers, c.kv_dim());
+                    (cache, logits, store)
+                }
+                None => {
+                    let mut store = ChunkStore::default();
+                    let mut fan = Fan::new(&mut lane_cmps);
+                    let sink = &mut *dumps.path_sink(&mut fan);
+                    let (cache, logits) = match (&lane.rows, rows_cmp.as_mut()) {
+                        (Some(r), Some(rows)) => {
+                            (r.prefill)(path_model, self.prompt, &mut store, sink, rows)
+                        }
+                        _ => (lane.prefill)(path_model, self.prompt, &mut store, sink),
+                    };
+                    (cache, logits, store)
                 }
             };
             let rows = lane.rows.as_ref().zip(rows_cmp).zip(*rows_ref);
@@ -279,9 +349,18 @@ impl CompareSpec<'_> {
             refs: ref_runs,
             lanes: lane_runs,
             twins: Vec::new(),
+            riders,
         };
         run.decode(self, taps, &mut dumps, &mut memo);
         if crate::support::progress::verbosity() >= 2 {
+            for (lane, rides) in lanes.iter().zip(&run.riders) {
+                if let Some(r) = rides {
+                    eprintln!(
+                        "kvdiff: {}: prefilled once, as the reference {}'s run",
+                        lane.name, run.refs[*r].spec.reference
+                    );
+                }
+            }
             for (lane, twin) in lanes.iter().zip(&run.twins) {
                 let of = match twin {
                     Some(Twin::Reference(r)) => run.refs[*r].spec.reference.to_string(),
@@ -357,6 +436,8 @@ struct Lockstep<'s, 'c> {
     refs: Vec<RefRun<'s>>,
     lanes: Vec<LaneRun<'s, 'c>>,
     twins: Vec<Option<Twin>>,
+    /// Per lane, the reference whose prefill run was the lane's own (`CompareSpec::riders`).
+    riders: Vec<Option<usize>>,
 }
 
 /// A side whose cache held the same bits as a path's when the prefills were done: fed the
@@ -393,6 +474,13 @@ impl Lockstep<'_, '_> {
             true => self.find_twins(model),
             false => vec![None; self.lanes.len()],
         };
+        // A lane that rode a reference's prefill has no cache of its own: its steps are that
+        // reference's (`riders` asks for shared steps on one model).
+        for (twin, rides) in self.twins.iter_mut().zip(&self.riders) {
+            if let Some(r) = rides {
+                *twin = Some(Twin::Reference(*r));
+            }
+        }
         let mut step = 0;
         while step < spec.max_new_tokens {
             if together && step + 1 < spec.max_new_tokens {
@@ -442,7 +530,9 @@ impl Lockstep<'_, '_> {
                 ..Batch::new(&fed, &pos)
             };
             let ref_span = span("compare: reference decode step");
-            let Lockstep { refs, lanes, twins } = &mut *self;
+            let Lockstep {
+                refs, lanes, twins, ..
+            } = &mut *self;
             for (i, r) in refs.iter_mut().enumerate() {
                 let rec = match memo.replayed(step).filter(|_| i == 0) {
                     Some((rec, l)) => {

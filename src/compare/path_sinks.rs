@@ -1,12 +1,13 @@
 //! What receives the path's taps in a lockstep run besides its comparators' own bookkeeping:
-//! every reference's comparator at once (`Fan`), and a `--dump` run's dumpers and the path's
-//! replay (`Dumps`).
+//! every reference's comparator at once (`Fan`), a reference's recorder beside them where the
+//! path's prefill is that reference's run (`Ridden`), and a `--dump` run's dumpers and the
+//! path's replay (`Dumps`).
 
-use crate::compare::comparator::Comparator;
+use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::path_replay::PathReplay;
 use crate::error::Result;
 use crate::tap::dump::Dumper;
-use crate::tap::{Recorded, StepLayout, TapSink, TapValue, Tee};
+use crate::tap::{HostAttnParts, Recorded, StepLayout, TapSink, TapValue, Tee};
 
 /// A folder name for a path: `chunk-reuse:blend:0.25` -> `chunk-reuse_blend_0.25`.
 pub fn dump_dir_name(path: &str) -> String {
@@ -198,5 +199,67 @@ impl TapSink for Fan<'_, '_> {
         for c in self.cmps.iter_mut() {
             c.repeat_step(step, positions, layout);
         }
+    }
+}
+
+/// A reference's prefill that is also a path's own (a lane riding it, `Lane::path`): each tap
+/// goes to the reference's recorder and to the lane's comparators. A device tap one side
+/// declined comes back as a host copy (`record`), which goes to that side only.
+pub(super) struct Ridden<'a, 'b, 'c> {
+    pub(super) reference: &'a mut ReferenceRecorder,
+    pub(super) lane: Fan<'b, 'c>,
+    /// After a device tap some side declined: (the recorder declined, the lane declined).
+    declined: Option<(bool, bool)>,
+}
+
+impl<'a, 'b, 'c> Ridden<'a, 'b, 'c> {
+    pub(super) fn new(reference: &'a mut ReferenceRecorder, lane: Fan<'b, 'c>) -> Self {
+        Ridden {
+            reference,
+            lane,
+            declined: None,
+        }
+    }
+}
+
+impl TapSink for Ridden<'_, '_, '_> {
+    fn table(&self) -> &crate::tap::TapTable {
+        self.reference.table()
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        let (to_reference, to_lane) = self.declined.take().unwrap_or((true, true));
+        if to_lane {
+            self.lane.record(step, value.clone());
+        }
+        if to_reference {
+            self.reference.record(step, value);
+        }
+    }
+    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
+        let kept = self.reference.record_device(step, tap);
+        let compared = self.lane.record_device(step, tap);
+        self.declined = (!(kept && compared)).then_some((!kept, !compared));
+        kept && compared
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        self.reference.begin_step(step, tokens, positions);
+        self.lane.begin_step(step, tokens, positions);
+    }
+    fn end_pass(&mut self, step: usize) {
+        self.reference.end_pass(step);
+        self.lane.end_pass(step);
+    }
+    /// None: the reference's run follows its own routing (lanes ride only dense models).
+    fn route_hints(&self) -> Option<crate::tap::RouteHints> {
+        None
+    }
+    fn probs_by_parts(&self) -> bool {
+        self.reference.probs_by_parts() || self.lane.probs_by_parts()
+    }
+    fn host_probs_by_parts(&self) -> bool {
+        self.reference.host_probs_by_parts()
+    }
+    fn record_parts(&mut self, step: usize, id: crate::tap::TapId, parts: HostAttnParts) {
+        self.reference.record_parts(step, id, parts);
     }
 }

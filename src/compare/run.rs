@@ -608,6 +608,7 @@ impl<'a> Request<'a> {
                     exact: t.path.exact(),
                     split: t.path.decode_split(self.prompt),
                     prefill: prefill as &dyn Prefill,
+                    path: Some(t.path),
                     held_to,
                     rows,
                 }
@@ -620,6 +621,7 @@ impl<'a> Request<'a> {
                 exact: true,
                 split: 0,
                 prefill: &blend_one_prefill,
+                path: None,
                 held_to: vec![(&standard, label, true)],
                 rows: None,
             });

@@ -29,6 +29,9 @@ pub struct CudaKv {
     /// (`CudaModel::decode_together`), to the inputs they were given: that step only offers
     /// its taps.
     pub(crate) queued: Option<Vec<i32>>,
+    /// The argmax of a step enqueued together on a side stream (`Gpu::overlap`), read there
+    /// as soon as the step is done, not after the main stream's work.
+    pub(crate) pick_read: Option<super::gpu::U32Read>,
 }
 
 impl CudaKv {
@@ -100,6 +103,7 @@ impl CudaKv {
             last_pass: None,
             side: None,
             queued: None,
+            pick_read: None,
         }
     }
 
@@ -174,6 +178,7 @@ impl DeviceKv for CudaKv {
             last_pass: None,
             side: None,
             queued: None,
+            pick_read: None,
         })
     }
 

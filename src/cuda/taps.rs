@@ -47,9 +47,9 @@ impl CudaModel {
         id: TapId,
     ) {
         let g = &self.gpu;
-        let last = ws.io(g, self.config.num_hidden_layers - 1);
+        let last = ws.tap_io(g, self.config.num_hidden_layers - 1);
         let at = match id {
-            TapId::Embed => ws.io(g, 0).x_in,
+            TapId::Embed => ws.tap_io(g, 0).x_in,
             _ => last.norm_out,
         };
         offer(
@@ -74,7 +74,7 @@ impl CudaModel {
     ) {
         let g = &self.gpu;
         let c = &self.config;
-        let io = ws.io(g, l);
+        let io = ws.tap_io(g, l);
         let n = ws.n;
         let (h, hd, heads, kvh) = (
             c.hidden_size,
@@ -137,7 +137,7 @@ impl CudaModel {
     fn offer_probs(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, l: usize) {
         let g = &self.gpu;
         let (n, heads) = (ws.n, self.config.num_attention_heads);
-        let io = ws.io(g, l);
+        let io = ws.tap_io(g, l);
         let id = TapId::Layer(l, LayerTap::AttnProbs);
         if sink.table().wants(id) && ws.probs_by_parts {
             self.offer_probs_parts(sink, t, ws, l);
@@ -182,7 +182,7 @@ impl CudaModel {
         let g = &self.gpu;
         let c = &self.config;
         let (n, heads) = (ws.n, c.num_attention_heads);
-        let io = ws.io(g, l);
+        let io = ws.tap_io(g, l);
         let id = TapId::Layer(l, LayerTap::AttnProbs);
         let span = t.base + n;
         let parts = AttnParts {

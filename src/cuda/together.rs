@@ -20,9 +20,26 @@ use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
 use super::kv::CudaKv;
 use super::launch::{decode_heads_per_block, launch_argmax, DECODE_THREADS};
 use super::model::CudaModel;
-use super::workspace::LayerIo;
+use super::workspace::{LayerIo, Workspace};
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::Batch;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// Where a joint pass runs.
+#[derive(Clone, Copy)]
+enum On {
+    /// The main stream.
+    Main,
+    /// Side stream k, after what the main stream holds; main-stream work reached through
+    /// `Gpu::stream` waits for it.
+    Side(usize),
+    /// Side stream k beside the main stream's comparisons of the step before (`Gpu::overlap`,
+    /// `CudaModel::launch_beside`).
+    Beside(usize),
+}
+
+/// Free GPU memory a pass's views must leave (`CudaModel::views_for`).
+const VIEW_HEADROOM: usize = 2 << 30;
 
 /// What the kernels of one side's step need: its arena's addresses, its cache's buffers, its
 /// cascade split.
@@ -102,13 +119,20 @@ impl CudaModel {
     pub(crate) fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
         self.weights_for_all();
         let mut all = true;
+        let g = &*self.gpu;
         // The passes share only the weights: the first runs on the main stream, the others on
         // side streams beside it, each a chain of latency-bound kernels that leaves most of the
         // GPU idle alone. The side streams' passes are enqueued first: each starts after what
         // the main stream holds when it is enqueued, which must not be the first pass.
+        // Overlapping, every pass runs on a side stream of its own (the same every step)
+        // beside the main stream's comparisons of the step before (`On::Beside`).
         for (i, group) in groups(steps).into_iter().enumerate().rev() {
-            let stream = (i > 0 && self.gpu.side_enabled()).then(|| self.gpu.side_slot());
-            all &= self.together(group, true, stream);
+            let on = match (g.overlap(), i > 0 && g.side_enabled()) {
+                (true, _) => On::Beside(i % g.side_count()),
+                (false, true) => On::Side(g.side_slot()),
+                (false, false) => On::Main,
+            };
+            all &= self.together(group, true, on);
         }
         all
     }
@@ -139,18 +163,13 @@ impl CudaModel {
             })
         });
         if settled {
-            self.together(steps, false, None);
+            self.together(steps, false, On::Main);
         }
     }
 
-    /// Enqueues `steps` as one pass with `launch` (on side stream `side` where given, else the
-    /// main stream); only prepares it (arenas, graph) without.
-    fn together(
-        &self,
-        steps: &mut [(Batch<'_>, &mut KvCache)],
-        launch: bool,
-        side: Option<usize>,
-    ) -> bool {
+    /// Enqueues `steps` as one pass with `launch`, where `on` says; only prepares it (arenas,
+    /// graph) without.
+    fn together(&self, steps: &mut [(Batch<'_>, &mut KvCache)], launch: bool, on: On) -> bool {
         let c = &self.config;
         let shape_ok = self.gpu.together()
             && (2..=max_sides()).contains(&steps.len())
@@ -211,10 +230,27 @@ impl CudaModel {
                 plans
             }
         };
+        // A pass not captured yet runs its kernels on the main stream as they are launched.
+        let on = match on {
+            On::Beside(_) if !(captured && g.graphs()) => On::Main,
+            on => on,
+        };
+        let beside = match on {
+            On::Beside(slot) if launch => self.views_for(steps).then_some(slot),
+            _ => None,
+        };
+        if let (Some(slot), true) = (beside, launch) {
+            self.launch_beside(steps, &metas, key, slot);
+            return true;
+        }
         if launch {
             for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
                 let kv = cache.device_mut::<CudaKv>().expect("device cache");
-                let ws = &mut kv.decode.as_mut().expect("decode state").ws;
+                let state = kv.decode.as_mut().expect("decode state");
+                // The main stream's work comes after this step's, whatever ran beside it.
+                state.beside = None;
+                let ws = &mut state.ws;
+                ws.in_view.store(false, Relaxed);
                 // Not joined with the side streams: another pass of this step may run there,
                 // on caches of its own; what reads those caches joins them (`Gpu::stream`).
                 g.stream_unjoined()
@@ -239,12 +275,91 @@ impl CudaModel {
         }
         if launch {
             let graph = &state.together.as_ref().expect("captured above").1;
-            match side {
-                Some(slot) => g.replay_graph_on_side(slot, graph),
-                None => g.replay(graph, "decode graph (sides together)"),
+            match on {
+                On::Side(slot) => g.replay_graph_on_side(slot, graph),
+                _ => g.replay(graph, "decode graph (sides together)"),
             }
         }
         true
+    }
+
+    /// Gives every side's arena a view to copy its step into (`Workspace::view`); false where
+    /// the views would leave the GPU less than `VIEW_HEADROOM` free (the pass then runs on
+    /// the main stream).
+    fn views_for(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
+        let g = &*self.gpu;
+        fn ws_of(cache: &mut KvCache) -> &mut Workspace {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            &mut kv.decode.as_mut().expect("decode state").ws
+        }
+        let wanted: usize = steps
+            .iter_mut()
+            .map(|(_, cache)| ws_of(cache))
+            .filter(|ws| ws.view.is_none())
+            .map(|ws| 4 * ws.f.len())
+            .sum();
+        if wanted > 0 && g.memory().0 < wanted + VIEW_HEADROOM {
+            return false;
+        }
+        for (_, cache) in steps.iter_mut() {
+            let ws = ws_of(cache);
+            if ws.view.is_none() {
+                ws.view = Some(std::sync::Arc::new(g.alloc::<f32>(ws.f.len())));
+            }
+        }
+        true
+    }
+
+    /// Runs the captured pass of `steps` on side stream `slot`, beside the main stream's work:
+    /// it waits for the main stream only where its caches or arenas changed there since its
+    /// last pass beside it (`DecodeState::beside`); then each side's argmax is read on that
+    /// stream, and once the main stream is done with the step before's views (what it holds
+    /// now) each arena is copied into its view, which the main stream waits for. So a step's
+    /// comparisons read its view while the next step writes the arena.
+    fn launch_beside(
+        &self,
+        steps: &mut [(Batch<'_>, &mut KvCache)],
+        metas: &[Vec<i32>],
+        key: Vec<u64>,
+        slot: usize,
+    ) {
+        let g = &*self.gpu;
+        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let state = first.decode.as_mut().expect("decode state");
+        let settled = state.beside.as_ref() == Some(&key);
+        if !settled {
+            g.mark_main();
+            g.side_waits_mark(slot);
+        }
+        let s = g.side_stream(slot);
+        for ((_, cache), meta) in steps.iter_mut().zip(metas) {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            let ws = &mut kv.decode.as_mut().expect("decode state").ws;
+            s.memcpy_htod(meta, &mut ws.meta).expect("CUDA upload");
+            kv.queued = Some(meta.clone());
+        }
+        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let state = first.decode.as_mut().expect("decode state");
+        let graph = &state.together.as_ref().expect("captured").1;
+        g.launch_graph_on_side(slot, graph);
+        state.beside = Some(key);
+        for (_, cache) in steps.iter_mut() {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            let pick = ptr(g, &kv.decode.as_ref().expect("decode state").ws.pick, 0);
+            kv.pick_read = g.read_u32_soon_on_side(slot, pick);
+        }
+        if settled {
+            g.mark_main();
+            g.side_waits_mark(slot);
+        }
+        for (_, cache) in steps.iter_mut() {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            let ws = &kv.decode.as_ref().expect("decode state").ws;
+            let view = ws.view.as_ref().expect("views_for gave it one");
+            g.copy_on_side(slot, ptr(g, view, 0), ptr(g, &ws.f, 0), 4 * ws.f.len());
+            ws.in_view.store(true, Relaxed);
+        }
+        g.main_waits_side(slot);
     }
 
     /// Every address the sides' kernels use (each cache already has its arena).

@@ -16,6 +16,10 @@ pub struct DecodeState {
     /// The graph of decode steps run together with other caches' (`decode_together`), kept
     /// by the first of them, and the addresses and sizes it was captured for.
     pub(super) together: Option<(Vec<u64>, Graph)>,
+    /// What `together`'s graph was last run beside the main stream for (`On::Beside`): a pass
+    /// for the same key finds its caches and arenas as its last pass left them, the main
+    /// stream having touched none since; any other waits for the main stream first.
+    pub(super) beside: Option<Vec<u64>>,
 }
 
 /// A sparse layer's routing of one pass: (layer, router logits `[n, experts]`, chosen experts
@@ -81,6 +85,12 @@ pub(crate) struct Workspace {
     pub(super) body_len: usize,
     pub(super) logits: usize,
     pub(super) shape: Shape,
+    /// A decode arena's copy, taken after each step run beside the main stream's work
+    /// (`CudaModel::decode_together` with `Gpu::overlap`): that step's taps and logits are
+    /// read there while the next step writes the arena.
+    pub(super) view: Option<std::sync::Arc<CudaSlice<f32>>>,
+    /// Whether the latest step's taps are in `view`.
+    pub(super) in_view: std::sync::atomic::AtomicBool,
     /// Per sparse layer run in this workspace's last pass: its router logits `[n, experts]` and
     /// the chosen experts `[n, top_k]`, on the host (where the routing is decided), until
     /// offered as taps.
@@ -164,6 +174,8 @@ impl Workspace {
             body_len: w.body_len,
             logits: w.logits,
             shape: w.shape,
+            view: None,
+            in_view: false.into(),
             moe_taps: Default::default(),
         }
     }
@@ -236,6 +248,29 @@ impl Workspace {
     }
 
     pub(super) fn io(&self, g: &Gpu, l: usize) -> LayerIo {
+        self.io_at(ptr(g, &self.f, 0), l)
+    }
+
+    /// Where the latest pass's taps lie: the arena, or its view (`view`).
+    pub(super) fn tap_base(&self, g: &Gpu) -> u64 {
+        match &self.view {
+            Some(v) if self.in_view.load(std::sync::atomic::Ordering::Relaxed) => ptr(g, v, 0),
+            _ => ptr(g, &self.f, 0),
+        }
+    }
+
+    /// `io` where the latest pass's taps lie (`tap_base`).
+    pub(super) fn tap_io(&self, g: &Gpu, l: usize) -> LayerIo {
+        self.io_at(self.tap_base(g), l)
+    }
+
+    /// A decode step's logits where its taps lie (`tap_base`).
+    pub(super) fn tap_logits_ptr(&self, g: &Gpu) -> u64 {
+        self.tap_base(g) + 4 * self.logits as u64
+    }
+
+    /// Layer `l`'s buffers in a copy of this workspace's f32 buffers at device address `base`.
+    fn io_at(&self, base: u64, l: usize) -> LayerIo {
         let Shape {
             h,
             qd,
@@ -245,7 +280,7 @@ impl Workspace {
             ..
         } = self.shape;
         let n = self.rows;
-        let at = |floats: usize| ptr(g, &self.f, floats);
+        let at = |floats: usize| base + 4 * floats as u64;
         let (slot_in, slot_out) = if self.per_layer {
             (l, l + 1)
         } else {

@@ -83,8 +83,8 @@ pub trait DeviceLogits {
     /// Starts reading the argmax, so that `argmax` later waits for the work queued before
     /// this call and not for what is queued after it.
     fn read_argmax_soon(&self) {}
-    /// The same logits, read where they are, for a second holder; None where they cannot be
-    /// shared (buffers of their own).
+    /// The same logits, read where they are, for a second holder; None where the device
+    /// cannot share them.
     fn again(&self) -> Option<Box<dyn DeviceLogits>> {
         None
     }

@@ -1367,6 +1367,14 @@ fn paths_run_together_report_what_each_run_alone_reports() {
                 err.contains("chunk-reuse:global@cuda: decode steps are chunk-reuse:global's"),
                 "{fault:?} {model:?}: {err}"
             );
+            // That path's prefill is the global reference's run, not run again (`unshared`
+            // below runs it twice).
+            assert!(
+                err.contains(
+                    "chunk-reuse:global@cuda: prefilled once, as the reference chunk-reuse:global's run"
+                ),
+                "{fault:?} {model:?}: {err}"
+            );
             // The chunked path's cache holds the reference's bits unless its cached keys are
             // masked wrongly.
             if fault.is_none() || fault == Some("cached-mask-off-by-one") {

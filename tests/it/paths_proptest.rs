@@ -357,6 +357,7 @@ proptest! {
                     exact: p.exact(),
                     split: p.decode_split(&prompt),
                     prefill: prefill as &dyn Prefill,
+                    path: Some(*p),
                     held_to,
                     rows,
                 }
@@ -367,6 +368,7 @@ proptest! {
             exact: true,
             split: 0,
             prefill: &blend_one_prefill,
+            path: None,
             held_to: vec![(&spec, "blend:1 = standard".to_string(), true)],
             rows: None,
         });

@@ -37,6 +37,7 @@ impl CudaModel {
             }
             None => false,
         };
+        let pick_read = kv.pick_read.take().filter(|_| together);
         let on_side = match together {
             true => None,
             false => self.replay_decode(kv, pass),
@@ -61,14 +62,14 @@ impl CudaModel {
                 OnceCell::from(g.download(&ws.pick, 1)[0])
             };
             return StepLogits::Device(Box::new(CudaLogits {
-                argmax,
+                argmax: argmax.into(),
                 side: on_side,
                 pick: ptr(g, &ws.pick, 0),
-                at: ws.logits_ptr(g),
+                at: ws.tap_logits_ptr(g),
                 len: c.vocab_size,
                 gpu: self.gpu.clone(),
                 own: None,
-                soon: Default::default(),
+                soon: std::rc::Rc::new(std::cell::RefCell::new(pick_read)),
             }));
         }
         sink.end_pass(step);
@@ -85,6 +86,11 @@ impl CudaModel {
         let key = (cap, pass.split, pass.kv_ptrs[0].0);
         let side = kv.side;
         let state = self.decode_state(kv);
+        // A step run alone leaves its taps in the arena.
+        state
+            .ws
+            .in_view
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
         if let Some(slot) = side.filter(|_| g.side_enabled() && !fresh) {
             let graph = &state.graph.as_ref().expect("captured").1;
@@ -126,7 +132,7 @@ impl CudaModel {
         let dense = self.config.arch.moe.is_none();
         let layout = match (taps.lead, dense && g.repeat_steps()) {
             (Some(lead), true) => Some(StepLayout {
-                arena: ptr(g, &ws.f, 0),
+                arena: ws.tap_base(g),
                 capacity: ws.probs_stride,
                 entries: taps.base + 1,
                 lead,
@@ -149,7 +155,7 @@ impl CudaModel {
                     TapId::Logits,
                     taps.pos,
                     &[1, c.vocab_size],
-                    ws.logits_ptr(g),
+                    ws.tap_logits_ptr(g),
                     0,
                     (true, None),
                 );
@@ -204,6 +210,7 @@ impl CudaModel {
                 ws: Workspace::new(&self.gpu, &self.config, 1, cap, true, true),
                 graph: None,
                 together: None,
+                beside: None,
             });
         }
         kv.decode.as_mut().expect("made above")

@@ -15,7 +15,8 @@ mod layer;
 mod prefill;
 
 use std::any::Any;
-use std::cell::OnceCell;
+use std::cell::{OnceCell, RefCell};
+use std::rc::Rc;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
@@ -79,19 +80,20 @@ impl EntryLayout {
 
 /// A pass's logits left on the GPU: `len` floats at device address `at` with their argmax
 /// at `pick`; in a decode step's arena (valid until that cache's next pass), or in buffers of
-/// their own (`own`, a prefill's).
+/// their own (`own`, a prefill's, shared by every holder).
 struct CudaLogits {
-    /// Read from `pick` on first use when the step ran on a side stream or was a prefill.
-    argmax: OnceCell<u32>,
+    /// Read from `pick` on first use when the step ran on a side stream or was a prefill;
+    /// shared with every holder (`again`), as `soon` is.
+    argmax: Rc<OnceCell<u32>>,
     /// The side stream the step ran on (where the argmax is read).
     side: Option<usize>,
     pick: u64,
     at: u64,
     len: usize,
     gpu: Arc<Gpu>,
-    own: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
-    /// The argmax's read, started by `read_argmax_soon`.
-    soon: std::cell::RefCell<Option<super::gpu::U32Read>>,
+    own: Option<Arc<(CudaSlice<f32>, CudaSlice<u32>)>>,
+    /// The argmax's read, started by `read_argmax_soon` (or where the step ran).
+    soon: Rc<RefCell<Option<super::gpu::U32Read>>>,
 }
 
 /// What the compare driver needs to diff two steps' logits where they are.
@@ -121,7 +123,7 @@ impl DeviceLogits for CudaLogits {
         }
         *self.argmax.get_or_init(|| match (self.side, &self.own) {
             (Some(side), _) => self.gpu.download_u32_on_side(side, self.pick),
-            (None, Some((_, pick))) => self.gpu.download(pick, 1)[0],
+            (None, Some(own)) => self.gpu.download(&own.1, 1)[0],
             // A step enqueued with others' (`decode_together`).
             (None, None) => self.gpu.download_u32_at(self.pick),
         })
@@ -129,15 +131,13 @@ impl DeviceLogits for CudaLogits {
 
     fn read_argmax_soon(&self) {
         // A side stream's argmax is read there, waiting for that stream alone already.
-        if self.argmax.get().is_none() && self.side.is_none() {
+        let started = self.soon.borrow().is_some();
+        if self.argmax.get().is_none() && self.side.is_none() && !started {
             *self.soon.borrow_mut() = self.gpu.read_u32_soon(self.pick);
         }
     }
 
     fn again(&self) -> Option<Box<dyn DeviceLogits>> {
-        if self.own.is_some() {
-            return None;
-        }
         Some(Box::new(CudaLogits {
             argmax: self.argmax.clone(),
             side: self.side,
@@ -145,8 +145,8 @@ impl DeviceLogits for CudaLogits {
             at: self.at,
             len: self.len,
             gpu: self.gpu.clone(),
-            own: None,
-            soon: Default::default(),
+            own: self.own.clone(),
+            soon: self.soon.clone(),
         }))
     }
 

@@ -3,7 +3,7 @@
 //! enqueued. Its logits are the last token's unless a tap wants every position's, which costs
 //! a tokens x vocab matrix.
 
-use std::cell::OnceCell;
+use std::sync::Arc;
 
 use super::{CudaLogits, LogitsTo, Pass};
 use crate::cuda::gpu::ptr;
@@ -106,13 +106,13 @@ impl CudaModel {
             let pick = g.zeros::<u32>(crate::cuda::launch::ARGMAX_WORDS);
             crate::cuda::launch::launch_argmax(g, at, vocab, ptr(g, &pick, 0));
             return StepLogits::Device(Box::new(CudaLogits {
-                argmax: OnceCell::new(),
+                argmax: Default::default(),
                 side: None,
                 pick: ptr(g, &pick, 0),
                 at,
                 len: vocab,
                 gpu: self.gpu.clone(),
-                own: Some((logits, pick)),
+                own: Some(Arc::new((logits, pick))),
                 soon: Default::default(),
             }));
         }

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::{ptr, Gpu};
 
@@ -223,18 +223,28 @@ impl Gpu {
     /// for that copy alone, not for what is queued after it (a step's next-token comparisons,
     /// which the GPU runs while the host waits). `None` when no pinned word is free.
     pub fn read_u32_soon(&self, at: u64) -> Option<U32Read> {
+        self.read_u32_soon_on(self.stream(), at, true)
+    }
+
+    /// `read_u32_soon` of a word written by work queued on side stream `slot`, read there.
+    pub fn read_u32_soon_on_side(&self, slot: usize, at: u64) -> Option<U32Read> {
+        self.read_u32_soon_on(self.side_stream(slot), at, false)
+    }
+
+    fn read_u32_soon_on(&self, stream: &CudaStream, at: u64, main: bool) -> Option<U32Read> {
         let slots = self
             .word_slots
             .get_or_init(|| WordSlots::new(&self.ctx).map(Arc::new))
             .as_ref()?;
         let slot = slots.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
-        let stream = self.stream();
         // Safety: the word is this read's alone until it is dropped, which waits for the copy.
         let host = unsafe { std::slice::from_raw_parts_mut(slots.base.add(slot), 1) };
-        self.timed(
-            || "next token read".to_string(),
-            || unsafe { cudarc::driver::result::memcpy_dtoh_async(host, at, stream.cu_stream()) },
-        )
+        let mut copy =
+            || unsafe { cudarc::driver::result::memcpy_dtoh_async(host, at, stream.cu_stream()) };
+        match main {
+            true => self.timed(|| "next token read".to_string(), copy),
+            false => copy(),
+        }
         .expect("CUDA download");
         let done = self
             .ctx

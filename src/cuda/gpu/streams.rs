@@ -76,6 +76,11 @@ impl Gpu {
         self.side_enabled && self.graphs
     }
 
+    /// How many side streams `side_slot` hands out.
+    pub(crate) fn side_count(&self) -> usize {
+        self.side_streams
+    }
+
     /// A side stream for one more cache's decode steps (round robin).
     pub fn side_slot(&self) -> usize {
         self.next_side
@@ -123,6 +128,63 @@ impl Gpu {
         .expect("CUDA graph launch");
         self.side_pending
             .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a lockstep's joint decode passes run on side streams beside the main stream's
+    /// comparisons of the step before (`CudaModel::decode_together`), each pass then copying
+    /// its arenas into views the main stream reads: with graphs and side streams, not while
+    /// tracing (the trace follows the main stream) nor with `KVDIFF_CUDA_OVERLAP=0`.
+    pub fn overlap(&self) -> bool {
+        self.overlap && self.side_enabled() && self.trace.is_none()
+    }
+
+    /// Marks what the main stream holds now, for side streams to wait on (`side_waits_mark`).
+    pub(crate) fn mark_main(&self) {
+        self.main_done
+            .record(&self.stream)
+            .expect("CUDA stream synchronisation");
+    }
+
+    /// Side stream `slot` waits for the main stream's work up to its latest `mark_main`.
+    pub(crate) fn side_waits_mark(&self, slot: usize) {
+        self.side[slot]
+            .wait(&self.main_done)
+            .expect("CUDA stream synchronisation");
+    }
+
+    /// Side stream `slot`, for work whose order its caller keeps (`side_waits_mark`,
+    /// `main_waits_side`).
+    pub(crate) fn side_stream(&self, slot: usize) -> &Arc<CudaStream> {
+        &self.side[slot]
+    }
+
+    /// Replays `graph` on side stream `slot` after what that stream holds, waiting for nothing
+    /// else.
+    pub(crate) fn launch_graph_on_side(&self, slot: usize, graph: &Graph) {
+        // Safety: the graph's buffers live with the caches it was captured for.
+        unsafe {
+            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), self.side[slot].cu_stream())
+                .result()
+        }
+        .expect("CUDA graph launch");
+    }
+
+    /// Copies `bytes` from device address `src` to `dst` on side stream `slot`.
+    pub(crate) fn copy_on_side(&self, slot: usize, dst: u64, src: u64, bytes: usize) {
+        // Safety: both ranges are live device memory the caller's order keeps from other
+        // writers while the copy runs.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.side[slot].cu_stream())
+        }
+        .expect("CUDA copy");
+    }
+
+    /// The main stream waits for what side stream `slot` holds now.
+    pub(crate) fn main_waits_side(&self, slot: usize) {
+        self.side_done[slot]
+            .record(&self.side[slot])
+            .and_then(|_| self.stream.wait(&self.side_done[slot]))
+            .expect("CUDA stream synchronisation");
     }
 
     pub fn sync(&self) {
