@@ -125,19 +125,26 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         gpu.map(|g| format!(" (GPU: {})", g.name))
             .unwrap_or_default()
     );
+    {
+        let _span = kvdiff::support::timing::span("output: report files written");
+        a.files.write(report)?;
+    }
+    {
+        let _span = kvdiff::support::timing::span("output: report printed");
+        if progress::quiet() {
+            print!("{}", report::verdict_lines(report, &options.judgement));
+        } else {
+            print!(
+                "{}",
+                report::text(report, &options.judgement, progress::colour_stdout())
+            );
+        }
+        if progress::verbosity() >= 1 {
+            eprint!("{}", report::noise_table(report));
+        }
+    }
+    // Last, so that the table holds the outputs' phases too.
     print_timings(outcome.gpu_model());
-    a.files.write(report)?;
-    if progress::quiet() {
-        print!("{}", report::verdict_lines(report, &options.judgement));
-    } else {
-        print!(
-            "{}",
-            report::text(report, &options.judgement, progress::colour_stdout())
-        );
-    }
-    if progress::verbosity() >= 1 {
-        eprint!("{}", report::noise_table(report));
-    }
     let code = outcome.exit_code;
     kvdiff::support::exit::keep(outcome.into_models());
     Ok(code)

@@ -1401,6 +1401,11 @@ fn paths_run_together_report_what_each_run_alone_reports() {
                 together, per_head,
                 "a block per head ({fault:?}, {model:?})"
             );
+            let (serial, _) = run("serial", &[("KVDIFF_CUDA_OVERLAP", "0")]);
+            assert_eq!(
+                together, serial,
+                "passes after the step before's comparisons ({fault:?}, {model:?})"
+            );
             let (unshared, _) = run("unshared", &[("KVDIFF_SHARED_STEPS", "0")]);
             assert_eq!(
                 together, unshared,
