@@ -125,11 +125,11 @@ pub fn run(a: CompareArgs) -> Result<i32> {
         gpu.map(|g| format!(" (GPU: {})", g.name))
             .unwrap_or_default()
     );
-    {
+    let written = {
         let _span = kvdiff::support::timing::span("output: report files written");
-        a.files.write(report)?;
-    }
-    {
+        a.files.write(report)
+    };
+    if written.is_ok() {
         let _span = kvdiff::support::timing::span("output: report printed");
         if progress::quiet() {
             print!("{}", report::verdict_lines(report, &options.judgement));
@@ -145,6 +145,7 @@ pub fn run(a: CompareArgs) -> Result<i32> {
     }
     // Last, so that the table holds the outputs' phases too.
     print_timings(outcome.gpu_model());
+    written?;
     let code = outcome.exit_code;
     kvdiff::support::exit::keep(outcome.into_models());
     Ok(code)

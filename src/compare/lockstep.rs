@@ -5,7 +5,8 @@
 //! references' runs, and on a GPU their decode steps run as one pass (`decode_together`),
 //! each weight read once for all instead of once per path. A path whose cache holds a
 //! reference's (or an earlier path's) bits after the prefills runs no decode step of its own:
-//! it is offered that side's (`Twin`).
+//! it is offered that side's (`Twin`). A path whose prefill is a reference's run is not
+//! prefilled again: that run offers its taps to the path's comparators too (`riders`).
 
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::driver::{note_gpu_memory, CompareSpec, Lane};
@@ -20,7 +21,7 @@ use crate::error::Result;
 use crate::paths::ChunkStore;
 use crate::support::fault::{self, Fault};
 use crate::support::timing::span;
-use crate::tap::TapFilter;
+use crate::tap::{TapFilter, TapSink};
 
 /// A step's next-token logits, where they are on the host.
 fn host_logits(l: &StepLogits) -> Option<&[f32]> {
@@ -180,7 +181,7 @@ impl<'s> CompareSpec<'s> {
     ) -> Result<Vec<Vec<PathReport>>> {
         let n = self.prompt.ids.len();
         let (refs, which, rows_of) = distinct_references(lanes);
-        let riders = self.riders(lanes, &refs, &which);
+        let mut riders = self.riders(lanes, &refs, &which);
         let mut ridden: Vec<Option<(ChunkStore, StepLogits)>> =
             lanes.iter().map(|_| None).collect();
         let single = lanes.len() == 1;
@@ -219,7 +220,17 @@ impl<'s> CompareSpec<'s> {
                 None => {
                     let _run = span("compare: reference prefill run");
                     let mut rec = s.recorder(taps, false);
-                    let (cache, logits) = match riders.iter().position(|r| *r == Some(i)) {
+                    let rider = riders.iter().position(|r| *r == Some(i));
+                    // The lane takes its attention rows as its own run would offer them (as
+                    // parts, or written), or it prefills itself.
+                    let rider = rider.filter(|&l| {
+                        let agree = Fan::new(&mut cmps[l]).probs_by_parts() == rec.probs_by_parts();
+                        if !agree {
+                            riders[l] = None;
+                        }
+                        agree
+                    });
+                    let (cache, logits) = match rider {
                         None => s.reference.prefill(
                             s.model,
                             self.prompt,
@@ -361,16 +372,17 @@ impl<'s> CompareSpec<'s> {
                     );
                 }
             }
-            for (lane, twin) in lanes.iter().zip(&run.twins) {
+            for ((lane, twin), rides) in lanes.iter().zip(&run.twins).zip(&run.riders) {
                 let of = match twin {
                     Some(Twin::Reference(r)) => run.refs[*r].spec.reference.to_string(),
                     Some(Twin::Lane(j)) => lanes[*j].name.clone(),
                     None => continue,
                 };
-                eprintln!(
-                    "kvdiff: {}: decode steps are {of}'s (the same cache bits after the prefills)",
-                    lane.name
-                );
+                let why = match rides {
+                    Some(_) => "its prefill was that run",
+                    None => "the same cache bits after the prefills",
+                };
+                eprintln!("kvdiff: {}: decode steps are {of}'s ({why})", lane.name);
             }
         }
         memo.finish();

@@ -13,7 +13,9 @@
 //!
 //! Every side keeps its own arena, so its taps, logits and argmax land where its own step
 //! would have put them, with the same bits: the joint kernels run each side's arithmetic
-//! unchanged. `KVDIFF_CUDA_TOGETHER=0` runs the steps one by one instead.
+//! unchanged (a pass run beside the main stream's work copies its arenas into views, where
+//! they are read: `launch_beside`). `KVDIFF_CUDA_TOGETHER=0` runs the steps one by one
+//! instead.
 
 use super::forward::fused_shape;
 use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
@@ -124,8 +126,9 @@ impl CudaModel {
         // side streams beside it, each a chain of latency-bound kernels that leaves most of the
         // GPU idle alone. The side streams' passes are enqueued first: each starts after what
         // the main stream holds when it is enqueued, which must not be the first pass.
-        // Overlapping, every pass runs on a side stream of its own (the same every step)
-        // beside the main stream's comparisons of the step before (`On::Beside`).
+        // Overlapping, pass k runs on side stream k (modulo their number; the same every step)
+        // beside the main stream's comparisons of the step before (`On::Beside`), waiting for
+        // the main stream only as `launch_beside` says.
         for (i, group) in groups(steps).into_iter().enumerate().rev() {
             let on = match (g.overlap(), i > 0 && g.side_enabled()) {
                 (true, _) => On::Beside(i % g.side_count()),
@@ -134,6 +137,7 @@ impl CudaModel {
             };
             all &= self.together(group, true, on);
         }
+        g.join_beside();
         all
     }
 
@@ -311,11 +315,12 @@ impl CudaModel {
     }
 
     /// Runs the captured pass of `steps` on side stream `slot`, beside the main stream's work:
-    /// it waits for the main stream only where its caches or arenas changed there since its
+    /// it waits for the main stream only where its caches or arenas changed there since their
     /// last pass beside it (`DecodeState::beside`); then each side's argmax is read on that
     /// stream, and once the main stream is done with the step before's views (what it holds
-    /// now) each arena is copied into its view, which the main stream waits for. So a step's
-    /// comparisons read its view while the next step writes the arena.
+    /// now) each arena is copied into its view, which the main stream then waits for
+    /// (`Gpu::join_beside`). So a step's comparisons read its view while the next step writes
+    /// the arena.
     fn launch_beside(
         &self,
         steps: &mut [(Batch<'_>, &mut KvCache)],
@@ -324,9 +329,10 @@ impl CudaModel {
         slot: usize,
     ) {
         let g = &*self.gpu;
-        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
-        let state = first.decode.as_mut().expect("decode state");
-        let settled = state.beside.as_ref() == Some(&key);
+        let settled = steps.iter_mut().all(|(_, cache)| {
+            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            kv.decode.as_ref().expect("decode state").beside.as_ref() == Some(&key)
+        });
         if !settled {
             g.mark_main();
             g.side_waits_mark(slot);
@@ -339,13 +345,14 @@ impl CudaModel {
             kv.queued = Some(meta.clone());
         }
         let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
-        let state = first.decode.as_mut().expect("decode state");
+        let state = first.decode.as_ref().expect("decode state");
         let graph = &state.together.as_ref().expect("captured").1;
         g.launch_graph_on_side(slot, graph);
-        state.beside = Some(key);
         for (_, cache) in steps.iter_mut() {
             let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            let pick = ptr(g, &kv.decode.as_ref().expect("decode state").ws.pick, 0);
+            let state = kv.decode.as_mut().expect("decode state");
+            state.beside = Some(key.clone());
+            let pick = ptr(g, &state.ws.pick, 0);
             kv.pick_read = g.read_u32_soon_on_side(slot, pick);
         }
         if settled {
@@ -359,7 +366,9 @@ impl CudaModel {
             g.copy_on_side(slot, ptr(g, view, 0), ptr(g, &ws.f, 0), 4 * ws.f.len());
             ws.in_view.store(true, Relaxed);
         }
-        g.main_waits_side(slot);
+        // The main stream waits for it once every pass is enqueued (`Gpu::join_beside`), so
+        // that no pass's copies wait for another pass.
+        g.beside_launched(slot);
     }
 
     /// Every address the sides' kernels use (each cache already has its arena).

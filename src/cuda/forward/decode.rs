@@ -1,5 +1,6 @@
 //! A one-token pass: it works in the cache's own arena, one slot per layer, so its taps stay
-//! where they are until the cache's next pass, and its kernels are captured once into a CUDA
+//! where they are until the cache's next pass (or in the arena's view, for a pass run beside
+//! the main stream's work: `CudaModel::launch_beside`), and its kernels are captured once into a CUDA
 //! graph and replayed (on a side stream for a reference), the step's token and length read
 //! from device memory. Most of a lockstep comparison's time is these steps, so every launch
 //! saved here counts.
@@ -86,7 +87,9 @@ impl CudaModel {
         let key = (cap, pass.split, pass.kv_ptrs[0].0);
         let side = kv.side;
         let state = self.decode_state(kv);
-        // A step run alone leaves its taps in the arena.
+        // A step run alone leaves its taps in the arena, and the next pass beside the main
+        // stream waits for it.
+        state.beside = None;
         state
             .ws
             .in_view

@@ -79,8 +79,8 @@ impl EntryLayout {
 }
 
 /// A pass's logits left on the GPU: `len` floats at device address `at` with their argmax
-/// at `pick`; in a decode step's arena (valid until that cache's next pass), or in buffers of
-/// their own (`own`, a prefill's, shared by every holder).
+/// at `pick`; in a decode step's arena or its view (valid until that cache's next pass), or in
+/// buffers of their own (`own`, a prefill's, shared by every holder).
 struct CudaLogits {
     /// Read from `pick` on first use when the step ran on a side stream or was a prefill;
     /// shared with every holder (`again`), as `soon` is.

@@ -78,6 +78,9 @@ pub struct Gpu {
     side: Vec<Arc<CudaStream>>,
     /// Bit k: side stream k has work main has not waited for yet.
     side_pending: std::sync::atomic::AtomicU32,
+    /// Bit k: side stream k ran a pass beside the main stream that main is to wait for
+    /// (`join_beside`).
+    beside_pending: std::sync::atomic::AtomicU32,
     /// The next side stream `side_slot` hands out.
     next_side: std::sync::atomic::AtomicUsize,
     /// Recorded on each side stream for main to wait on, and on main for the side streams:
@@ -313,6 +316,7 @@ impl Gpu {
             stream,
             side,
             side_pending: 0.into(),
+            beside_pending: 0.into(),
             next_side: 0.into(),
             side_done,
             main_done,

@@ -153,7 +153,7 @@ impl Gpu {
     }
 
     /// Side stream `slot`, for work whose order its caller keeps (`side_waits_mark`,
-    /// `main_waits_side`).
+    /// `join_beside`).
     pub(crate) fn side_stream(&self, slot: usize) -> &Arc<CudaStream> {
         &self.side[slot]
     }
@@ -179,12 +179,24 @@ impl Gpu {
         .expect("CUDA copy");
     }
 
-    /// The main stream waits for what side stream `slot` holds now.
-    pub(crate) fn main_waits_side(&self, slot: usize) {
-        self.side_done[slot]
-            .record(&self.side[slot])
-            .and_then(|_| self.stream.wait(&self.side_done[slot]))
-            .expect("CUDA stream synchronisation");
+    /// Notes a pass run beside the main stream on side stream `slot`, for `join_beside`.
+    pub(crate) fn beside_launched(&self, slot: usize) {
+        self.beside_pending
+            .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The main stream waits for what the side streams of passes run beside it hold now.
+    pub(crate) fn join_beside(&self) {
+        let pending = self
+            .beside_pending
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        for (k, (side, done)) in self.side.iter().zip(&self.side_done).enumerate() {
+            if pending & (1 << k) != 0 {
+                done.record(side)
+                    .and_then(|_| self.stream.wait(done))
+                    .expect("CUDA stream synchronisation");
+            }
+        }
     }
 
     pub fn sync(&self) {
