@@ -140,6 +140,21 @@ pub(crate) fn max_sides() -> usize {
     })
 }
 
+/// Whether joint decode passes run beside the main stream's comparisons of the step before
+/// (`Gpu::overlap`): as `KVDIFF_CUDA_OVERLAP` says (`asked`), else where a layer's weights
+/// (`LAYER_BYTES`, as `expect_sides` said) are below `WIDE_LAYER_BYTES`. There a pass is short
+/// and a step's comparisons a good part of it (Qwen3-0.6B's shape: 3.9 → 3.7 ms a step);
+/// passes that stream hundreds of MB a layer gained nothing (Qwen3-8B's shape) or lost 2% to
+/// the views' copies (a 70B shape over two GPUs).
+pub(super) fn overlap_for(asked: Option<bool>, layer_bytes: usize) -> bool {
+    asked.unwrap_or(layer_bytes < WIDE_LAYER_BYTES)
+}
+
+/// The bytes of a layer's weights, as the run said (`expect_sides`; 0: not said).
+pub(super) fn layer_bytes() -> usize {
+    LAYER_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn sides_for(asked: Option<&str>, needed: usize, layer_bytes: usize) -> usize {
     let most = match layer_bytes >= WIDE_LAYER_BYTES {
         true => WIDE_MAX_SIDES,
@@ -356,7 +371,22 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{sides_for, DEFAULT_MAX_SIDES, SIDE_SLOTS, WIDE_LAYER_BYTES, WIDE_MAX_SIDES};
+    use super::{
+        overlap_for, sides_for, DEFAULT_MAX_SIDES, SIDE_SLOTS, WIDE_LAYER_BYTES, WIDE_MAX_SIDES,
+    };
+
+    /// Passes run beside the comparisons where a layer is small (or its size was not said),
+    /// not where it is large, and as asked either way.
+    #[test]
+    fn passes_overlap_the_comparisons_where_layers_are_small_or_as_asked() {
+        let (small, large) = (31 << 20, 386 << 20);
+        assert!(overlap_for(None, small));
+        assert!(overlap_for(None, 0));
+        assert!(!overlap_for(None, large));
+        assert!(!overlap_for(None, WIDE_LAYER_BYTES));
+        assert!(overlap_for(Some(true), large));
+        assert!(!overlap_for(Some(false), small));
+    }
 
     #[test]
     fn passes_take_what_was_asked_else_what_the_run_needs_up_to_the_default() {

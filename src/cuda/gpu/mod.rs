@@ -101,9 +101,9 @@ pub struct Gpu {
     /// Whether a decode step's q/k norm and RoPE run inside its attention kernel (head size
     /// 128; not with `KVDIFF_CUDA_ROPE_IN_ATTENTION=0`).
     rope_in_attention: bool,
-    /// Whether joint decode passes may overlap the comparisons of the step before
-    /// (`Gpu::overlap`; not with `KVDIFF_CUDA_OVERLAP=0`).
-    overlap: bool,
+    /// Whether joint decode passes overlap the comparisons of the step before, as
+    /// `KVDIFF_CUDA_OVERLAP` (0 or 1) says; unset, by the model's layer size (`overlap_for`).
+    overlap: Option<bool>,
     /// Staged uploads of one size in flight before the next waits (`upload_staged`).
     staging_depth: usize,
     /// Who computes the GEMMs of passes of more than one token.
@@ -329,7 +329,7 @@ impl Gpu {
             repeat_steps: std::env::var("KVDIFF_CUDA_REPEAT_STEPS").as_deref() != Ok("0"),
             together: std::env::var("KVDIFF_CUDA_TOGETHER").as_deref() != Ok("0"),
             rope_in_attention: std::env::var("KVDIFF_CUDA_ROPE_IN_ATTENTION").as_deref() != Ok("0"),
-            overlap: std::env::var("KVDIFF_CUDA_OVERLAP").as_deref() != Ok("0"),
+            overlap: std::env::var("KVDIFF_CUDA_OVERLAP").ok().map(|v| v != "0"),
             staging_depth: std::env::var("KVDIFF_CUDA_STAGING_DEPTH")
                 .ok()
                 .and_then(|v| v.parse().ok())

@@ -133,9 +133,13 @@ impl Gpu {
     /// Whether a lockstep's joint decode passes run on side streams beside the main stream's
     /// comparisons of the step before (`CudaModel::decode_together`), each pass then copying
     /// its arenas into views the main stream reads: with graphs and side streams, not while
-    /// tracing (the trace follows the main stream) nor with `KVDIFF_CUDA_OVERLAP=0`.
+    /// tracing (the trace follows the main stream), and as `KVDIFF_CUDA_OVERLAP` or the
+    /// model's layer size says (`overlap_for`).
     pub fn overlap(&self) -> bool {
-        self.overlap && self.side_enabled() && self.trace.is_none()
+        let layers = super::kernels::layer_bytes();
+        super::kernels::overlap_for(self.overlap, layers)
+            && self.side_enabled()
+            && self.trace.is_none()
     }
 
     /// Marks what the main stream holds now, for side streams to wait on (`side_waits_mark`).
