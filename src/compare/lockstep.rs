@@ -99,6 +99,19 @@ struct LaneRun<'s, 'c> {
     rows: Option<(Comparator<'c>, Pair)>,
 }
 
+impl LaneRun<'_, '_> {
+    /// Books every diff its comparators have read back or queued.
+    fn settle(&mut self) {
+        for c in self
+            .cmps
+            .iter_mut()
+            .chain(self.rows.as_mut().map(|(c, _)| c))
+        {
+            c.flush();
+        }
+    }
+}
+
 /// The references of `lanes` (each run once, whoever holds paths to it): a reference path
 /// on a model, the first spec naming it standing for it. With, per lane, the reference of
 /// each spec it is held to, and of its `RowsCheck`.
@@ -354,6 +367,13 @@ impl<'s> CompareSpec<'s> {
                 store,
                 rows,
             });
+            // The lane before's last summaries are booked now that this lane's passes are
+            // queued after them: its read-back buffer goes back to the spares for the next
+            // lane's, instead of every lane holding one (each a pinned allocation) until the
+            // first decode step.
+            if let Some(before) = lane_runs.len().checked_sub(2) {
+                lane_runs[before].settle();
+            }
         }
         note_gpu_memory("paths prefilled", self.model);
         let mut run = Lockstep {
