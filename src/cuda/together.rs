@@ -243,7 +243,7 @@ impl CudaModel {
             On::Beside(slot) if launch => self.views_for(steps).then_some(slot),
             _ => None,
         };
-        if let (Some(slot), true) = (beside, launch) {
+        if let Some(slot) = beside {
             self.launch_beside(steps, &metas, key, slot);
             return true;
         }

@@ -52,9 +52,14 @@ impl Gpu {
 
     /// The main stream, once it waits for work enqueued on the side streams.
     pub fn stream(&self) -> &Arc<CudaStream> {
-        let pending = self
-            .side_pending
-            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        self.main_waits_for(&self.side_pending);
+        &self.stream
+    }
+
+    /// The main stream waits for what the side streams whose bits `pending` holds hold now;
+    /// the bits are cleared.
+    fn main_waits_for(&self, pending: &std::sync::atomic::AtomicU32) {
+        let pending = pending.swap(0, std::sync::atomic::Ordering::Relaxed);
         for (k, (side, done)) in self.side.iter().zip(&self.side_done).enumerate() {
             if pending & (1 << k) != 0 {
                 done.record(side)
@@ -62,7 +67,6 @@ impl Gpu {
                     .expect("CUDA stream synchronisation");
             }
         }
-        &self.stream
     }
 
     /// The main stream without waiting for the side streams: for work that touches nothing
@@ -191,16 +195,7 @@ impl Gpu {
 
     /// The main stream waits for what the side streams of passes run beside it hold now.
     pub(crate) fn join_beside(&self) {
-        let pending = self
-            .beside_pending
-            .swap(0, std::sync::atomic::Ordering::Relaxed);
-        for (k, (side, done)) in self.side.iter().zip(&self.side_done).enumerate() {
-            if pending & (1 << k) != 0 {
-                done.record(side)
-                    .and_then(|_| self.stream.wait(done))
-                    .expect("CUDA stream synchronisation");
-            }
-        }
+        self.main_waits_for(&self.beside_pending);
     }
 
     pub fn sync(&self) {
