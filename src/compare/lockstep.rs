@@ -257,7 +257,8 @@ impl<'s> CompareSpec<'s> {
                                 c.size_readback();
                             }
                             let mut store = ChunkStore::default();
-                            let mut sink = Ridden::new(&mut rec, Fan::new(&mut cmps[l]));
+                            let mut fan = Fan::new(&mut cmps[l]);
+                            let mut sink = Ridden::new(&mut rec, &mut fan);
                             let (cache, logits) =
                                 s.reference
                                     .prefill(s.model, self.prompt, &mut store, &mut sink);

@@ -3,7 +3,7 @@
 //! path's prefill is that reference's run (`Ridden`), and a `--dump` run's dumpers and the
 //! path's replay (`Dumps`).
 
-use crate::compare::comparator::{Comparator, ReferenceRecorder};
+use crate::compare::comparator::Comparator;
 use crate::compare::path_replay::PathReplay;
 use crate::error::Result;
 use crate::tap::dump::Dumper;
@@ -203,17 +203,17 @@ impl TapSink for Fan<'_, '_> {
 }
 
 /// A reference's prefill that is also a path's own (a lane riding it, `Lane::path`): each tap
-/// goes to the reference's recorder and to the lane's comparators. A device tap one side
-/// declined comes back as a host copy (`record`), which goes to that side only.
-pub(super) struct Ridden<'a, 'b, 'c> {
-    pub(super) reference: &'a mut ReferenceRecorder,
-    pub(super) lane: Fan<'b, 'c>,
+/// goes to the reference's recorder and to the lane's comparators (a `Fan`). A device tap one
+/// side declined comes back as a host copy (`record`), which goes to that side only.
+pub(super) struct Ridden<'a> {
+    pub(super) reference: &'a mut dyn TapSink,
+    pub(super) lane: &'a mut dyn TapSink,
     /// After a device tap some side declined: (the recorder declined, the lane declined).
     declined: Option<(bool, bool)>,
 }
 
-impl<'a, 'b, 'c> Ridden<'a, 'b, 'c> {
-    pub(super) fn new(reference: &'a mut ReferenceRecorder, lane: Fan<'b, 'c>) -> Self {
+impl<'a> Ridden<'a> {
+    pub(super) fn new(reference: &'a mut dyn TapSink, lane: &'a mut dyn TapSink) -> Self {
         Ridden {
             reference,
             lane,
@@ -222,7 +222,7 @@ impl<'a, 'b, 'c> Ridden<'a, 'b, 'c> {
     }
 }
 
-impl TapSink for Ridden<'_, '_, '_> {
+impl TapSink for Ridden<'_> {
     fn table(&self) -> &crate::tap::TapTable {
         self.reference.table()
     }
@@ -261,5 +261,95 @@ impl TapSink for Ridden<'_, '_, '_> {
     }
     fn record_parts(&mut self, step: usize, id: crate::tap::TapId, parts: HostAttnParts) {
         self.reference.record_parts(step, id, parts);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ridden;
+    use crate::tap::{Device, DeviceTap, LayerTap, TapId, TapSink, TapTable, TapValue};
+
+    /// A sink that takes device taps or declines them, and counts what it gets.
+    struct Counting {
+        table: TapTable,
+        takes: bool,
+        device: usize,
+        host: usize,
+        passes: usize,
+    }
+
+    impl Counting {
+        fn new(takes: bool) -> Self {
+            Counting {
+                table: TapTable::none(1),
+                takes,
+                device: 0,
+                host: 0,
+                passes: 0,
+            }
+        }
+    }
+
+    impl TapSink for Counting {
+        fn table(&self) -> &TapTable {
+            &self.table
+        }
+        fn record(&mut self, _step: usize, _value: TapValue<'_>) {
+            self.host += 1;
+        }
+        fn record_device(&mut self, _step: usize, _tap: &DeviceTap<'_>) -> bool {
+            self.device += 1;
+            self.takes
+        }
+        fn end_pass(&mut self, _step: usize) {
+            self.passes += 1;
+        }
+    }
+
+    /// Both sides see every device tap; the host copy a decline brings goes to the side that
+    /// declined only, and a tap offered on the host alone goes to both.
+    #[test]
+    fn a_declined_device_tap_comes_back_to_the_side_that_declined_it() {
+        let device: Device = std::sync::Arc::new(());
+        let id = TapId::Layer(0, LayerTap::ResidIn);
+        let positions = [0usize];
+        let tap = DeviceTap {
+            id,
+            positions: &positions,
+            device: &device,
+            ptr: 0,
+            rows: 1,
+            width: 1,
+            stride: 1,
+            rows_per_token: 1,
+            lead: 0,
+            persistent: false,
+            shape: vec![1, 1],
+            parts: None,
+            owner: None,
+        };
+        let value = || TapValue {
+            id,
+            positions: &positions,
+            shape: vec![1, 1],
+            data: &[1.0],
+        };
+        for (keeps, compares) in [(true, true), (true, false), (false, true), (false, false)] {
+            let (mut reference, mut lane) = (Counting::new(keeps), Counting::new(compares));
+            let mut ridden = Ridden::new(&mut reference, &mut lane);
+            let taken = ridden.record_device(0, &tap);
+            assert_eq!(taken, keeps && compares);
+            if !taken {
+                ridden.record(0, value());
+            }
+            // A host tap with no device offer before it.
+            ridden.record(0, value());
+            ridden.end_pass(0);
+            for (side, took) in [(&reference, keeps), (&lane, compares)] {
+                assert_eq!(side.device, 1);
+                assert_eq!(side.host, if took { 1 } else { 2 }, "{keeps} {compares}");
+                assert_eq!(side.passes, 1);
+            }
+        }
     }
 }
