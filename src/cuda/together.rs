@@ -25,7 +25,6 @@ use super::model::CudaModel;
 use super::workspace::{LayerIo, Workspace};
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::Batch;
-use std::sync::atomic::Ordering::Relaxed;
 
 /// Where a joint pass runs.
 #[derive(Clone, Copy)]
@@ -194,7 +193,7 @@ impl CudaModel {
         for (batch, cache) in steps.iter_mut() {
             self.ensure_device_cache(cache, 1);
             let base = cache.len();
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
+            let kv = kv_of(cache);
             kv.reserve(1);
             if launch {
                 metas.push(self.pass_meta(*batch, base));
@@ -212,7 +211,7 @@ impl CudaModel {
             ]);
             key.extend(buffers);
         }
-        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let first = kv_of(steps[0].1);
         let captured = g.graphs()
             && first
                 .decode
@@ -249,12 +248,10 @@ impl CudaModel {
         }
         if launch {
             for ((_, cache), meta) in steps.iter_mut().zip(&metas) {
-                let kv = cache.device_mut::<CudaKv>().expect("device cache");
-                let state = kv.decode.as_mut().expect("decode state");
+                let kv = kv_of(cache);
+                let ws = &mut kv.decode.as_mut().expect("decode state").ws;
                 // The main stream's work comes after this step's, whatever ran beside it.
-                state.beside = None;
-                let ws = &mut state.ws;
-                ws.in_view.store(false, Relaxed);
+                ws.beside = None;
                 // Not joined with the side streams: another pass of this step may run there,
                 // on caches of its own; what reads those caches joins them (`Gpu::stream`).
                 g.stream_unjoined()
@@ -272,7 +269,7 @@ impl CudaModel {
             }
             return true;
         }
-        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
+        let first = kv_of(steps[0].1);
         let state = first.decode.as_mut().expect("decode state");
         if !captured {
             state.together = Some((key, g.capture(run)));
@@ -292,10 +289,6 @@ impl CudaModel {
     /// the main stream).
     fn views_for(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
         let g = &*self.gpu;
-        fn ws_of(cache: &mut KvCache) -> &mut Workspace {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            &mut kv.decode.as_mut().expect("decode state").ws
-        }
         let wanted: usize = steps
             .iter_mut()
             .map(|(_, cache)| ws_of(cache))
@@ -316,7 +309,7 @@ impl CudaModel {
 
     /// Runs the captured pass of `steps` on side stream `slot`, beside the main stream's work:
     /// it waits for the main stream only where its caches or arenas changed there since their
-    /// last pass beside it (`DecodeState::beside`); then each side's argmax is read on that
+    /// last pass beside it (`Workspace::beside`); then each side's argmax is read on that
     /// stream, and once the main stream is done with the step before's views (what it holds
     /// now) each arena is copied into its view, which the main stream then waits for
     /// (`Gpu::join_beside`). So a step's comparisons read its view while the next step writes
@@ -329,42 +322,37 @@ impl CudaModel {
         slot: usize,
     ) {
         let g = &*self.gpu;
-        let settled = steps.iter_mut().all(|(_, cache)| {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            kv.decode.as_ref().expect("decode state").beside.as_ref() == Some(&key)
-        });
+        let settled = steps
+            .iter_mut()
+            .all(|(_, cache)| ws_of(cache).beside.as_ref() == Some(&key));
         if !settled {
             g.mark_main();
             g.side_waits_mark(slot);
         }
-        let s = g.side_stream(slot);
+        let stream = g.side_stream(slot);
         for ((_, cache), meta) in steps.iter_mut().zip(metas) {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            let ws = &mut kv.decode.as_mut().expect("decode state").ws;
-            s.memcpy_htod(meta, &mut ws.meta).expect("CUDA upload");
-            kv.queued = Some(meta.clone());
+            stream
+                .memcpy_htod(meta, &mut ws_of(cache).meta)
+                .expect("CUDA upload");
+            kv_of(cache).queued = Some(meta.clone());
         }
-        let first = steps[0].1.device_mut::<CudaKv>().expect("device cache");
-        let state = first.decode.as_ref().expect("decode state");
-        let graph = &state.together.as_ref().expect("captured").1;
+        let first = kv_of(steps[0].1).decode.as_ref().expect("decode state");
+        let graph = &first.together.as_ref().expect("captured").1;
         g.launch_graph_on_side(slot, graph);
         for (_, cache) in steps.iter_mut() {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            let state = kv.decode.as_mut().expect("decode state");
-            state.beside = Some(key.clone());
-            let pick = ptr(g, &state.ws.pick, 0);
-            kv.pick_read = g.read_u32_soon_on_side(slot, pick);
+            let pick = ptr(g, &ws_of(cache).pick, 0);
+            kv_of(cache).pick_read = g.read_u32_soon_on_side(slot, pick);
         }
         if settled {
             g.mark_main();
             g.side_waits_mark(slot);
         }
         for (_, cache) in steps.iter_mut() {
-            let kv = cache.device_mut::<CudaKv>().expect("device cache");
-            let ws = &kv.decode.as_ref().expect("decode state").ws;
+            let ws = ws_of(cache);
             let view = ws.view.as_ref().expect("views_for gave it one");
             g.copy_on_side(slot, ptr(g, view, 0), ptr(g, &ws.f, 0), 4 * ws.f.len());
-            ws.in_view.store(true, Relaxed);
+            // Its taps are read in the view from now on (`Workspace::tap_base`).
+            ws.beside = Some(key.clone());
         }
         // The main stream waits for it once every pass is enqueued (`Gpu::join_beside`), so
         // that no pass's copies wait for another pass.
@@ -378,7 +366,7 @@ impl CudaModel {
         steps
             .iter_mut()
             .map(|(batch, cache)| {
-                let kv = cache.device_mut::<CudaKv>().expect("device cache");
+                let kv = kv_of(cache);
                 let kv_ptrs = (0..layers)
                     .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
                     .collect();
@@ -646,4 +634,14 @@ impl CudaModel {
             launch_argmax(g, p.logits, vocab, p.pick);
         }
     }
+}
+
+/// A cache's device half.
+fn kv_of(cache: &mut KvCache) -> &mut CudaKv {
+    cache.device_mut::<CudaKv>().expect("device cache")
+}
+
+/// A cache's decode arena.
+fn ws_of(cache: &mut KvCache) -> &mut Workspace {
+    &mut kv_of(cache).decode.as_mut().expect("decode state").ws
 }

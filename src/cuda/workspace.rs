@@ -16,10 +16,6 @@ pub struct DecodeState {
     /// The graph of decode steps run together with other caches' (`decode_together`), kept
     /// by the first of them, and the addresses and sizes it was captured for.
     pub(super) together: Option<(Vec<u64>, Graph)>,
-    /// What `together`'s graph was last run beside the main stream for (`On::Beside`): a pass
-    /// for the same key finds its caches and arenas as its last pass left them, the main
-    /// stream having touched none since; any other waits for the main stream first.
-    pub(super) beside: Option<Vec<u64>>,
 }
 
 /// A sparse layer's routing of one pass: (layer, router logits `[n, experts]`, chosen experts
@@ -89,8 +85,11 @@ pub(crate) struct Workspace {
     /// (`CudaModel::decode_together` with `Gpu::overlap`): that step's taps and logits are
     /// read there while the next step writes the arena.
     pub(super) view: Option<std::sync::Arc<CudaSlice<f32>>>,
-    /// Whether the latest step's taps are in `view`.
-    pub(super) in_view: std::sync::atomic::AtomicBool,
+    /// What `together`'s graph was last run beside the main stream for (`On::Beside`), its
+    /// taps then copied to `view`: a pass for the same key finds its caches and arenas as its
+    /// last pass left them, the main stream having touched none since; any other waits for
+    /// the main stream first. None once a step ran on the main stream (its taps in the arena).
+    pub(super) beside: Option<Vec<u64>>,
     /// Per sparse layer run in this workspace's last pass: its router logits `[n, experts]` and
     /// the chosen experts `[n, top_k]`, on the host (where the routing is decided), until
     /// offered as taps.
@@ -175,7 +174,7 @@ impl Workspace {
             logits: w.logits,
             shape: w.shape,
             view: None,
-            in_view: false.into(),
+            beside: None,
             moe_taps: Default::default(),
         }
     }
@@ -254,7 +253,7 @@ impl Workspace {
     /// Where the latest pass's taps lie: the arena, or its view (`view`).
     pub(super) fn tap_base(&self, g: &Gpu) -> u64 {
         match &self.view {
-            Some(v) if self.in_view.load(std::sync::atomic::Ordering::Relaxed) => ptr(g, v, 0),
+            Some(v) if self.beside.is_some() => ptr(g, v, 0),
             _ => ptr(g, &self.f, 0),
         }
     }

@@ -89,11 +89,7 @@ impl CudaModel {
         let state = self.decode_state(kv);
         // A step run alone leaves its taps in the arena, and the next pass beside the main
         // stream waits for it.
-        state.beside = None;
-        state
-            .ws
-            .in_view
-            .store(false, std::sync::atomic::Ordering::Relaxed);
+        state.ws.beside = None;
         let fresh = state.graph.as_ref().is_none_or(|(k, _)| *k != key);
         if let Some(slot) = side.filter(|_| g.side_enabled() && !fresh) {
             let graph = &state.graph.as_ref().expect("captured").1;
@@ -213,7 +209,6 @@ impl CudaModel {
                 ws: Workspace::new(&self.gpu, &self.config, 1, cap, true, true),
                 graph: None,
                 together: None,
-                beside: None,
             });
         }
         kv.decode.as_mut().expect("made above")
