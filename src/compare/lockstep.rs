@@ -233,16 +233,17 @@ impl<'s> CompareSpec<'s> {
                 None => {
                     let _run = span("compare: reference prefill run");
                     let mut rec = s.recorder(taps, false);
-                    let rider = riders.iter().position(|r| *r == Some(i));
                     // The lane takes its attention rows as its own run would offer them (as
                     // parts, or written), or it prefills itself.
-                    let rider = rider.filter(|&l| {
-                        let agree = Fan::new(&mut cmps[l]).probs_by_parts() == rec.probs_by_parts();
-                        if !agree {
+                    let rider = match riders.iter().position(|r| *r == Some(i)) {
+                        Some(l)
+                            if Fan::new(&mut cmps[l]).probs_by_parts() != rec.probs_by_parts() =>
+                        {
                             riders[l] = None;
+                            None
                         }
-                        agree
-                    });
+                        rider => rider,
+                    };
                     let (cache, logits) = match rider {
                         None => s.reference.prefill(
                             s.model,

@@ -102,17 +102,10 @@ impl Gpu {
         meta: &[i32],
         dst: &mut CudaSlice<i32>,
     ) {
-        let s = &self.side[slot];
-        self.main_done
-            .record(&self.stream)
-            .and_then(|_| s.wait(&self.main_done))
-            .expect("CUDA stream synchronisation");
-        s.memcpy_htod(meta, dst).expect("CUDA upload");
-        // Safety: the graph's buffers live with the cache it was captured for.
-        unsafe {
-            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), s.cu_stream()).result()
-        }
-        .expect("CUDA graph launch");
+        self.mark_main();
+        self.side_waits_mark(slot);
+        self.side[slot].memcpy_htod(meta, dst).expect("CUDA upload");
+        self.launch_graph_on_side(slot, graph);
         self.side_pending
             .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
     }
@@ -120,16 +113,9 @@ impl Gpu {
     /// Replays `graph` on side stream `slot`, after everything enqueued on the main stream so
     /// far; main-stream work reached through `stream()` waits for it.
     pub fn replay_graph_on_side(&self, slot: usize, graph: &Graph) {
-        let s = &self.side[slot];
-        self.main_done
-            .record(&self.stream)
-            .and_then(|_| s.wait(&self.main_done))
-            .expect("CUDA stream synchronisation");
-        // Safety: the graph's buffers live with the caches it was captured for.
-        unsafe {
-            cudarc::driver::sys::cuGraphLaunch(graph.0.cu_graph_exec(), s.cu_stream()).result()
-        }
-        .expect("CUDA graph launch");
+        self.mark_main();
+        self.side_waits_mark(slot);
+        self.launch_graph_on_side(slot, graph);
         self.side_pending
             .fetch_or(1 << slot, std::sync::atomic::Ordering::Relaxed);
     }
