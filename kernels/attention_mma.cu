@@ -34,8 +34,30 @@
 #define MMA_KP(hd) (2 * (hd) + (48 - (2 * (hd)) % 32) % 32)
 #define MMA_VP(hd) (4 * (hd) + 8)
 #define MMA_RB_SHARED(hd) (MMA_BQ * MMA_QP(hd) + MMA_KT * MMA_KP(hd))
-#define MMA_SHARED(hd) (MMA_RB_SHARED(hd) + MMA_KT / 2 * MMA_VP(hd))
+// The whole form's running fold per thread (its two rows' M, m[2], l[2]), out of registers:
+// held there, they spilled.
+#define MMA_FOLD (10 * 128)
+#define MMA_SHARED(hd) (MMA_RB_SHARED(hd) + MMA_KT / 2 * MMA_VP(hd) + MMA_FOLD)
 #define MMA_RB_KEYS 1024
+// Softmax segments. A row's keys are taken in segments at fixed absolute positions
+// (`seg_after`: MMA_SEG keys each at first, then wider), each segment's online softmax started
+// afresh and the segments folded left to right (`fold_weights`), so a row's bits depend on its
+// own position and keys only: not on how many queries share its pass, nor on whether one block
+// walks all its segments or a block each takes one (`attention_mma`'s split form, for passes of
+// few queries, whose few blocks would otherwise each walk every key alone).
+#ifndef MMA_SEG
+#define MMA_SEG 64
+#endif
+#ifndef MMA_SEG_RATIO
+#define MMA_SEG_RATIO 4
+#endif
+// Floats of one row's segment state in the split form's scratch: M, m[2], l[2], padding, then
+// head_dim outputs.
+#define MMA_PART_HEAD 8
+// Column groups of 8 a thread folds at a time (its loads in flight together).
+#ifndef MMA_FOLD_GROUP
+#define MMA_FOLD_GROUP 4
+#endif
 
 #if __CUDA_ARCH__ >= 800
 // The permuted place of chunk t of group c (see the layouts above).
@@ -265,9 +287,9 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 }
 
 // One key tile of the online softmax for the lane's two rows: scores `s` (raw, from
-// `mma_scores`) become exp(score·scale - M) in place; each row's segment maxima m, running max
-// M (`mall`) and sums l move on, and the output accumulator `o` is rescaled where M grew.
-// Segment 0 is a row's keys before its cascade cut, segment 1 the rest. FULL: every key of the
+// `mma_scores`) become exp(score·scale - M) in place; each row's cascade parts' maxima m,
+// running max M (`mall`) and sums l move on, and the output accumulator `o` is rescaled where
+// M grew. Part 0 is a row's keys before its cascade cut, part 1 the rest. FULL: every key of the
 // tile is visible to every row of the warp and lies on one side of each row's cut, so no key
 // needs a mask; the results are the same bits as the general form's.
 template <bool FULL>
@@ -327,26 +349,92 @@ __device__ __forceinline__ void softmax_tile(float s[MMA_KT / 8][4], int k0, con
         }
     }
 }
+
+// The weights a running fold (its max aM, per-part maxima am and sums al, relative to aM) and
+// a segment's softmax state (M, m, l) combine with; the fold's maxima and sums move on.
+// Every form of `attention_mma` and `attention_mma_merge` fold through this and `fold_value`,
+// so a row's bits do not depend on which of them ran it. (The first segment is taken as is.)
+__device__ __forceinline__ void fold_weights(float& aM, float am[2], float al[2], float M,
+                                             const float m[2], const float l[2], float& wa,
+                                             float& wb) {
+    float mn = fmaxf(aM, M);
+    wa = expf(__fsub_rn(aM, mn));
+    wb = expf(__fsub_rn(M, mn));
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        al[p] = __fadd_rn(__fmul_rn(al[p], wa), __fmul_rn(l[p], wb));
+        am[p] = fmaxf(am[p], m[p]);
+    }
+    aM = mn;
+}
+
+__device__ __forceinline__ float fold_value(float acc, float x, float wa, float wb) {
+    return __fadd_rn(__fmul_rn(acc, wa), __fmul_rn(x, wb));
+}
+
+// The end of the softmax segment that starts at key b (a segment boundary): MMA_SEG keys while
+// the keys before are few, then a 1/MMA_SEG_RATIO of them in whole tiles, so that a long row
+// folds a few dozen times rather than every few tiles.
+__device__ __forceinline__ int seg_after(int b) {
+    return b + max(MMA_SEG, b / MMA_SEG_RATIO / MMA_KT * MMA_KT);
+}
+
+// Where segment k starts.
+__device__ __forceinline__ int seg_start(int k) {
+    int b = 0;
+    for (int i = 0; i < k; i++) b = seg_after(b);
+    return b;
+}
+
+// A row's output scale and its cascade parts' weights as in `attention`: exp(lse_part -
+// lse_all), over each part's sum relative to its own max. The sums are relative to M, so that
+// sum is l·exp(M - m) and the weight w / (l·exp(M - m)) = w·exp(m - M) / l, which cannot
+// overflow however far below M a part's max lies.
+__device__ __forceinline__ void row_weights(float mall, const float m[2], const float l[2],
+                                            float fin[2], float& norm) {
+    norm = 1.0f / (l[0] + l[1]);
+    float lse_a = l[0] > 0.0f ? mall + logf(l[0]) : NEG_INF;
+    // Either sum may underflow to 0 when its part lies far below the other.
+    float lse_b = l[1] > 0.0f ? mall + logf(l[1]) : NEG_INF;
+    float mm = fmaxf(lse_a, lse_b);
+    float wa = l[0] > 0.0f ? expf(lse_a - mm) : 0.0f;
+    float wb = l[1] > 0.0f ? expf(lse_b - mm) : 0.0f;
+    fin[0] = l[0] > 0.0f ? wa / (wa + wb) * expf(m[0] - mall) / l[0] : 0.0f;
+    fin[1] = l[1] > 0.0f ? wb / (wa + wb) * expf(m[1] - mall) / l[1] : 0.0f;
+}
 #endif
 
-extern "C" __global__ void __launch_bounds__(128)
-    attention_mma(const float* q, const float* keys, const float* values, float* probs,
-                  float* stats, float* out, bf16_t* out_bf16, const int* meta, int n, int split,
-                  int heads, int kv_heads, int head_dim, int stride, float scale) {
-    PDL_ENTER();
+// Prefill attention on the tensor cores. Whole form (`part` null): block (head, query tile)
+// walks every key its rows see, segment by segment (`seg_after`), folding each segment into the
+// row's running state, whose outputs wait in `out` until the last segment. Split form (`part`
+// set, `nseg` segments a row at most): block (head, query tile, segment) takes one segment
+// and leaves each row's state in `part` ([query, head, segment] of MMA_PART_HEAD + head_dim
+// floats); `attention_mma_merge` folds them. The split form writes no probabilities.
+template <bool SPLIT>
+__device__ __forceinline__ void attention_mma_block(
+    const float* q, const float* keys, const float* values, float* probs, float* stats,
+    float* out, bf16_t* out_bf16, const int* meta, int n, int split, int heads, int kv_heads,
+    int head_dim, int stride, float scale, float* part, int nseg) {
 #if __CUDA_ARCH__ >= 800
-    extern __shared__ float sm[];
+    // Named apart from the kernels' `sm`: a template's would conflict with theirs.
+    extern __shared__ float sm_block[];
     int hp = MMA_QP(head_dim), kp = MMA_KP(head_dim), vp = MMA_VP(head_dim);
-    float* qs = sm;
+    float* qs = sm_block;
     float* ks = qs + MMA_BQ * hp;
     float* vs = ks + MMA_KT * kp;
     int tiles_q = (n + MMA_BQ - 1) / MMA_BQ;
+    int only = SPLIT ? (int)(blockIdx.x % nseg) : -1;
+    int b = SPLIT ? (int)(blockIdx.x / nseg) : (int)blockIdx.x;
     // Heaviest query tiles (the latest, seeing the most keys) first.
-    int h = blockIdx.x / tiles_q, q0 = (tiles_q - 1 - blockIdx.x % tiles_q) * MMA_BQ;
+    int h = b / tiles_q, q0 = (tiles_q - 1 - b % tiles_q) * MMA_BQ;
     int nq = min(MMA_BQ, n - q0);
     int kvh = h / (heads / kv_heads), kv_dim = kv_heads * head_dim;
     int base = meta[0], span = base + n;
     int kend = base + q0 + nq;
+    // The keys this block walks: all its rows see, or one segment of them.
+    int kfirst = SPLIT ? seg_start(only) : 0;
+    int kstop = SPLIT ? min(kend, seg_after(kfirst)) : kend;
+    if (kfirst >= kstop) return;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int qw0 = q0 + warp * 16, nqw = max(0, min(16, n - qw0));
     int kend_w = base + qw0 + nqw;  // keys the warp's last query sees
@@ -363,94 +451,183 @@ extern "C" __global__ void __launch_bounds__(128)
         vis[i] = row_ok[i] ? base + qw0 + r + 1 : 0;
         cut[i] = (split > 0 && split < vis[i]) ? split : 0;
     }
-    // Per row: each segment's running max m, the running max of both M, and each segment's
-    // sum of exp(score - M).
+    // Per row, within a segment: each cascade part's running max m, the running max of both
+    // M, and each part's sum of exp(score - M). The fold of the segments before is in shared
+    // memory (MMA_FOLD: its M, m, l) and `out` (its outputs).
     float m[2][2], l[2][2], mall[2], o[MMA_MAXD / 8][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++) m[i][0] = m[i][1] = mall[i] = NEG_INF, l[i][0] = l[i][1] = 0.0f;
-#pragma unroll
-    for (int d = 0; d < MMA_MAXD / 8; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
     const float* kbase = keys + kvh * head_dim;
     const float* vbase = values + kvh * head_dim;
     Share key_share = share_of(head_dim, 8), value_share = share_of(head_dim, 4);
     float s[MMA_KT / 8][4];
 
-    // One pass over the keys (online softmax): statistics, and exp(score - M) summed over V
-    // with the output rescaled whenever M grows. A cascade's two segments share the output
-    // accumulator: merging per-segment softmaxes by log-sum-exp weights is this same sum.
+    // A segment's end for the warp: each row's state left in `part` (split form) or folded
+    // into the row's running fold (whole form).
+    auto end_segment = [&](int seg0) {
+        // Addresses worked out here from values the compiler takes as new: hoisted out of the
+        // loops, they held registers through every tile (and the tiles spilled).
+        int head = h, tid = threadIdx.x;
+        asm volatile("" : "+r"(head), "+r"(tid));
+        // fold[(5i + f) * 128 + thread]: row i's M (f = 0), m (1, 2), l (3, 4).
+        float* fold = sm_block + MMA_SHARED(head_dim) - MMA_FOLD + tid;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            // A row that sees none of the segment's keys has nothing to fold.
+            if (!row_ok[i] || seg0 >= vis[i]) continue;
+            size_t row = (size_t)(q0 + (tid >> 5) * 16 + ((tid & 31) >> 2) + 8 * i) * heads + head;
+            if (SPLIT) {
+                float* pr = part + (row * nseg + only) * (MMA_PART_HEAD + head_dim);
+                if (t == 0) {
+                    pr[0] = mall[i];
+                    pr[1] = m[i][0], pr[2] = m[i][1];
+                    pr[3] = l[i][0], pr[4] = l[i][1];
+                }
+#pragma unroll
+                for (int d = 0; d < MMA_MAXD / 8; d++) {
+                    if (8 * d >= head_dim) break;
+                    *(float2*)(pr + MMA_PART_HEAD + 8 * d + 2 * t) =
+                        make_float2(o[d][2 * i], o[d][2 * i + 1]);
+                }
+                continue;
+            }
+            float* acc = out + row * head_dim;
+            float* f = fold + 5 * i * 128;
+            // A row's first segment is segment 0: taken as is.
+            if (seg0 == 0) {
+                f[0] = mall[i];
+                f[128] = m[i][0], f[256] = m[i][1], f[384] = l[i][0], f[512] = l[i][1];
+#pragma unroll
+                for (int d = 0; d < MMA_MAXD / 8; d++) {
+                    if (8 * d >= head_dim) break;
+                    *(float2*)(acc + 8 * d + 2 * t) = make_float2(o[d][2 * i], o[d][2 * i + 1]);
+                }
+                continue;
+            }
+            float fM = f[0], fm[2] = {f[128], f[256]}, fl[2] = {f[384], f[512]}, wa, wb;
+            fold_weights(fM, fm, fl, mall[i], m[i], l[i], wa, wb);
+            f[0] = fM;
+            f[128] = fm[0], f[256] = fm[1], f[384] = fl[0], f[512] = fl[1];
+            // A group's loads all before its stores: interleaved, each load waited for the
+            // store before it (the compiler cannot tell the rows from the fold's state).
+#pragma unroll
+            for (int d0 = 0; d0 < MMA_MAXD / 8; d0 += MMA_FOLD_GROUP) {
+                if (8 * d0 >= head_dim) break;
+                float2 was[MMA_FOLD_GROUP];
+#pragma unroll
+                for (int d = 0; d < MMA_FOLD_GROUP; d++)
+                    if (8 * (d0 + d) < head_dim)
+                        was[d] = *(const float2*)(acc + 8 * (d0 + d) + 2 * t);
+#pragma unroll
+                for (int d = 0; d < MMA_FOLD_GROUP; d++)
+                    if (8 * (d0 + d) < head_dim)
+                        *(float2*)(acc + 8 * (d0 + d) + 2 * t) =
+                            make_float2(fold_value(was[d].x, o[d0 + d][2 * i], wa, wb),
+                                        fold_value(was[d].y, o[d0 + d][2 * i + 1], wa, wb));
+            }
+        }
+    };
+    // One pass over the keys (online softmax within each segment): statistics, and exp(score
+    // - M) summed over V with the output rescaled whenever M grows. A cascade's two parts share
+    // the output accumulator: merging per-part softmaxes by log-sum-exp weights is this same sum.
     Fetched fk, fv;
-    fetch_keys(kbase, kv_dim, kend, key_share, fk);
-    fetch_values(vbase, kv_dim, kend, value_share, fv);
-    for (int k0 = 0; k0 < kend; k0 += MMA_KT) {
+    // The segment the tiles are in: [s0, s1).
+    int s0 = kfirst, s1 = min(kstop, seg_after(kfirst));
+    fetch_keys(kbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, key_share, fk);
+    fetch_values(vbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, value_share, fv);
+    for (int k0 = kfirst; k0 < kstop; k0 += MMA_KT) {
         __syncthreads();
         store_keys(fk, ks, kp, key_share);
         store_values(fv, vs, vp, value_share);
         __syncthreads();
         int next = k0 + MMA_KT;
-        if (next < kend) {
-            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, kend - next, key_share, fk);
-            fetch_values(vbase + (size_t)next * kv_dim, kv_dim, kend - next, value_share, fv);
+        // Within the segment the next tile is fetched now; a segment's first tile is fetched
+        // once the segment before is folded (held through the fold, its registers spilled).
+        if (next < s1) {
+            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, s1 - next, key_share, fk);
+            fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
         }
-        if (k0 >= kend_w) continue;
-        mma_scores(qw, ks, hp, kp, head_dim, s);
-        // Tiles wholly below the warp's diagonal and on one side of the cut need no masks.
-        if (k0 + MMA_KT <= base + qw0 + 1 &&
-            (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
-            softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, o);
-        else
-            softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, o);
-        // P·V with P's C fragment reused as the A fragment: its k index t stands for key 2t and
-        // t + 4 for key 2t + 1, so V's B fragment takes those two keys.
+        if (k0 < kend_w) {
+            if (k0 == s0) {
 #pragma unroll
-        for (int j = 0; j < MMA_KT / 8; j++) {
-            float a[4] = {s[j][0], s[j][2], s[j][1], s[j][3]};
-            unsigned ab[4], as[4];
+                for (int i = 0; i < 2; i++)
+                    m[i][0] = m[i][1] = mall[i] = NEG_INF, l[i][0] = l[i][1] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 4; i++) split_tf32(a[i], ab[i], as[i]);
-            // Dimension 8(d0 + i) + g: group 2(d0 + i) + g / 4, chunk g % 4, permuted.
-            const float* v0 = vs + (4 * j + t) * vp + 16 * (g >> 2);
-            // Four output column groups at a time; a group past head_dim (head_dim % 32 != 0)
-            // multiplies zeros into an accumulator that is never written out.
+                for (int d = 0; d < MMA_MAXD / 8; d++)
+                    o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+            }
+            mma_scores(qw, ks, hp, kp, head_dim, s);
+            // Tiles wholly below the warp's diagonal and on one side of the cut need no masks.
+            if (k0 + MMA_KT <= base + qw0 + 1 &&
+                (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
+                softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, o);
+            else
+                softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, o);
+            // P·V with P's C fragment reused as the A fragment: its k index t stands for key 2t
+            // and t + 4 for key 2t + 1, so V's B fragment takes those two keys.
 #pragma unroll
-            for (int d0 = 0; d0 < MMA_MAXD / 8; d0 += 4) {
-                if (8 * d0 >= head_dim) break;
-                unsigned bb[4][2], bs[4][2];
+            for (int j = 0; j < MMA_KT / 8; j++) {
+                float a[4] = {s[j][0], s[j][2], s[j][1], s[j][3]};
+                unsigned ab[4], as[4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    uint4 f = 8 * (d0 + i) < head_dim
-                                  ? *(const uint4*)(v0 + 32 * (d0 + i) +
-                                                    4 * swz(g & 3, 2 * (d0 + i)))
-                                  : make_uint4(0, 0, 0, 0);
-                    bb[i][0] = f.x, bb[i][1] = f.y, bs[i][0] = f.z, bs[i][1] = f.w;
+                for (int i = 0; i < 4; i++) split_tf32(a[i], ab[i], as[i]);
+                // Dimension 8(d0 + i) + g: group 2(d0 + i) + g / 4, chunk g % 4, permuted.
+                const float* v0 = vs + (4 * j + t) * vp + 16 * (g >> 2);
+                // Four output column groups at a time; a group past head_dim (head_dim % 32 != 0)
+                // multiplies zeros into an accumulator that is never written out.
+#pragma unroll
+                for (int d0 = 0; d0 < MMA_MAXD / 8; d0 += 4) {
+                    if (8 * d0 >= head_dim) break;
+                    unsigned bb[4][2], bs[4][2];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        uint4 f = 8 * (d0 + i) < head_dim
+                                      ? *(const uint4*)(v0 + 32 * (d0 + i) +
+                                                        4 * swz(g & 3, 2 * (d0 + i)))
+                                      : make_uint4(0, 0, 0, 0);
+                        bb[i][0] = f.x, bb[i][1] = f.y, bs[i][0] = f.z, bs[i][1] = f.w;
+                    }
+                    mma_3xtf32<4>(o + d0, ab, as, bb, bs);
                 }
-                mma_3xtf32<4>(o + d0, ab, as, bb, bs);
             }
         }
+        if (next < s1) continue;
+        // The segment's last tile: its state folded where the warp's rows saw it.
+        if (s0 < kend_w) end_segment(s0);
+        s0 = s1;
+        s1 = min(kstop, seg_after(s1));
+        if (next < kstop) {
+            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, s1 - next, key_share, fk);
+            fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
+        }
     }
-    // Segment weights as in `attention`: exp(lse_segment - lse_all), over each segment's sum
-    // relative to its own max. The sums here are relative to M, so that sum is l·exp(M - m)
-    // and the weight w / (l·exp(M - m)) = w·exp(m - M) / l, which cannot overflow however far
-    // below M a segment's max lies.
-    float fin[2][2], norm[2];
+    if constexpr (SPLIT) return;
+    else {
+    float fin[2][2], norm[2], fm[2][2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        fin[i][0] = fin[i][1] = norm[i] = 0.0f;
+        fin[i][0] = fin[i][1] = norm[i] = fm[i][0] = fm[i][1] = 0.0f;
         if (!row_ok[i]) continue;
-        norm[i] = 1.0f / (l[i][0] + l[i][1]);
-        float lse_a = l[i][0] > 0.0f ? mall[i] + logf(l[i][0]) : NEG_INF;
-        // Either sum may underflow to 0 when its segment lies far below the other.
-        float lse_b = l[i][1] > 0.0f ? mall[i] + logf(l[i][1]) : NEG_INF;
-        float mm = fmaxf(lse_a, lse_b);
-        float wa = l[i][0] > 0.0f ? expf(lse_a - mm) : 0.0f;
-        float wb = l[i][1] > 0.0f ? expf(lse_b - mm) : 0.0f;
-        fin[i][0] = l[i][0] > 0.0f ? wa / (wa + wb) * expf(m[i][0] - mall[i]) / l[i][0] : 0.0f;
-        fin[i][1] = l[i][1] > 0.0f ? wb / (wa + wb) * expf(m[i][1] - mall[i]) / l[i][1] : 0.0f;
+        const float* f = sm_block + MMA_SHARED(head_dim) - MMA_FOLD + threadIdx.x + 5 * i * 128;
+        float fl[2] = {f[384], f[512]};
+        fm[i][0] = f[128], fm[i][1] = f[256];
+        row_weights(f[0], fm[i], fl, fin[i], norm[i]);
         if (stats && t == 0) {
             float* st = stats + ((size_t)(qw0 + g + 8 * i) * heads + h) * 4;
-            st[0] = m[i][0];
-            st[1] = m[i][1];
+            st[0] = fm[i][0];
+            st[1] = fm[i][1];
             st[2] = fin[i][0];
             st[3] = fin[i][1];
+        }
+    }
+    // The fold's outputs, all loaded before the first store (as in `end_segment`).
+#pragma unroll
+    for (int d = 0; d < MMA_MAXD / 8; d++) {
+        if (8 * d >= head_dim) break;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (!row_ok[i]) continue;
+            float2 v = *(const float2*)(out + ((size_t)(qw0 + g + 8 * i) * heads + h) * head_dim +
+                                        8 * d + 2 * t);
+            o[d][2 * i] = v.x, o[d][2 * i + 1] = v.y;
         }
     }
 #pragma unroll
@@ -460,8 +637,8 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int c = 0; c < 4; c++) {
             int i = c / 2;
             if (!row_ok[i]) continue;
-            float v = o[d][c] * norm[i];
             size_t at = ((size_t)(qw0 + g + 8 * i) * heads + h) * head_dim + 8 * d + 2 * t + c % 2;
+            float v = o[d][c] * norm[i];
             out[at] = v;
             out_bf16[at] = f32_to_bf16(v);
         }
@@ -474,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(128)
     size_t row_at[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        st[i][0] = m[i][0], st[i][1] = m[i][1], st[i][2] = fin[i][0], st[i][3] = fin[i][1];
+        st[i][0] = fm[i][0], st[i][1] = fm[i][1], st[i][2] = fin[i][0], st[i][3] = fin[i][1];
         row_at[i] = ((size_t)(qw0 + g + 8 * i) * heads + h) * stride;
     }
     fetch_keys(kbase, kv_dim, kend, key_share, fk);
@@ -497,6 +674,80 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int r = 0; r < nqw; r++)
         for (int e = done + lane; e < span; e += 32)
             probs[((size_t)(qw0 + r) * heads + h) * stride + e] = 0.0f;
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma(const float* q, const float* keys, const float* values, float* probs,
+                  float* stats, float* out, bf16_t* out_bf16, const int* meta, int n, int split,
+                  int heads, int kv_heads, int head_dim, int stride, float scale) {
+    PDL_ENTER();
+    attention_mma_block<false>(q, keys, values, probs, stats, out, out_bf16, meta, n, split,
+                               heads, kv_heads, head_dim, stride, scale, nullptr, 1);
+}
+
+// Grid: heads · query tiles · nseg blocks; dynamic shared memory MMA_SHARED(head_dim) floats
+// as the whole form.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma_split(const float* q, const float* keys, const float* values, const int* meta,
+                        int n, int split, int heads, int kv_heads, int head_dim, float scale,
+                        float* part, int nseg) {
+    PDL_ENTER();
+    attention_mma_block<true>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta, n,
+                              split, heads, kv_heads, head_dim, 0, scale, part, nseg);
+}
+
+// The split form's segments of each (query, head) row folded left to right, as the whole form
+// folds them, and the row finished as it finishes it: outputs in f32 and bf16, statistics.
+// Block: one row, head_dim threads (each its column; the fold's weights computed by all alike).
+extern "C" __global__ void attention_mma_merge(const float* part, float* stats, float* out,
+                                               bf16_t* out_bf16, const int* meta, int heads,
+                                               int head_dim, int nseg) {
+    PDL_ENTER();
+#if __CUDA_ARCH__ >= 800
+    size_t row = blockIdx.x;
+    int d = threadIdx.x;
+    int qi = (int)(row / heads);
+    int vis = meta[0] + qi + 1;
+    const float* pr = part + row * nseg * (MMA_PART_HEAD + head_dim);
+    float fM = pr[0], fm[2] = {pr[1], pr[2]}, fl[2] = {pr[3], pr[4]};
+    float acc = d < head_dim ? pr[MMA_PART_HEAD + d] : 0.0f;
+    // The segments the row sees.
+    int used = 1;
+    for (int b = seg_after(0); used < nseg && b < vis; b = seg_after(b)) used++;
+    // Four segments' loads in flight at a time, folded in order.
+    for (int k0 = 1; k0 < used; k0 += 4) {
+        float st[4][5], x[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float* pk = pr + (size_t)min(k0 + j, used - 1) * (MMA_PART_HEAD + head_dim);
+#pragma unroll
+            for (int e = 0; e < 5; e++) st[j][e] = pk[e];
+            x[j] = d < head_dim ? pk[MMA_PART_HEAD + d] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (k0 + j >= used) break;
+            float m[2] = {st[j][1], st[j][2]}, l[2] = {st[j][3], st[j][4]}, wa, wb;
+            fold_weights(fM, fm, fl, st[j][0], m, l, wa, wb);
+            acc = fold_value(acc, x[j], wa, wb);
+        }
+    }
+    float fin[2], norm;
+    row_weights(fM, fm, fl, fin, norm);
+    if (d < head_dim) {
+        float v = acc * norm;
+        out[row * head_dim + d] = v;
+        out_bf16[row * head_dim + d] = f32_to_bf16(v);
+    }
+    if (stats && d == 0) {
+        float* st = stats + row * 4;
+        st[0] = fm[0];
+        st[1] = fm[1];
+        st[2] = fin[0];
+        st[3] = fin[1];
+    }
 #endif
 }
 

@@ -250,6 +250,7 @@ impl AttentionRun {
                 out_bf: ptr(gpu, &out_bf, 0),
                 meta: ptr(gpu, &meta, 0),
                 split,
+                span: entries,
                 heads,
                 kv_heads,
                 head_dim: hd,
@@ -268,6 +269,62 @@ impl AttentionRun {
             entries,
         }
     }
+}
+
+/// The tensor-core prefill attention of the last `n` of `keys.len() / (kv_heads * hd)` entries
+/// queries, without probabilities, in `form`: (output `[n, heads, hd]`, statistics `[n, heads,
+/// 4]`); None where the device has no tensor-core attention for `hd`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_mma_rows(
+    gpu: &Gpu,
+    form: super::launch::MmaForm,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    split: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> Option<(Vec<f32>, Vec<f32>)> {
+    if !super::launch::tensor_core_attention(gpu, hd) {
+        return None;
+    }
+    let entries = keys.len() / (kv_heads * hd);
+    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
+    let meta = gpu.upload(&[(entries - n) as i32]);
+    let stats = poison_f32(gpu, n * heads * 4);
+    let out = poison_f32(gpu, n * heads * hd);
+    let out_bf = poison_bf16(gpu, n * heads * hd);
+    let a = super::launch::Attention {
+        n,
+        q: ptr(gpu, &dq, 0),
+        keys: ptr(gpu, &dk, 0),
+        values: ptr(gpu, &dv, 0),
+        probs: 0,
+        stats: ptr(gpu, &stats, 0),
+        stride: entries,
+        part: 0,
+        chunks: 0,
+        counters: 0,
+        out: ptr(gpu, &out, 0),
+        out_bf: ptr(gpu, &out_bf, 0),
+        meta: ptr(gpu, &meta, 0),
+        split,
+        span: entries,
+        heads,
+        kv_heads,
+        head_dim: hd,
+        window: 0,
+        prefill: super::launch::PrefillAttention::Tiled,
+        write_probs: false,
+        rope: None,
+    };
+    super::launch::launch_attention_mma(gpu, &a, form, 1.0 / (hd as f32).sqrt());
+    Some((
+        gpu.download(&out, n * heads * hd),
+        gpu.download(&stats, n * heads * 4),
+    ))
 }
 
 /// `x[n, k] · w[m, k]ᵀ` with both rounded to bf16, f32 out.

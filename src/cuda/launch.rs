@@ -78,6 +78,8 @@ pub(crate) struct Attention {
     /// Device address of base (the cache length before these queries).
     pub meta: u64,
     pub split: usize,
+    /// Prefill only: the keys the pass's last query sees (base + n).
+    pub span: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -146,6 +148,23 @@ const MMA_BQ: usize = 64;
 const MMA_KT: usize = 32;
 /// `MMA_RB_KEYS`: keys per block of `probs_from_stats_mma`.
 const MMA_RB_KEYS: usize = 1024;
+/// `MMA_SEG`, `MMA_SEG_RATIO`, `MMA_PART_HEAD` and `MMA_FOLD` of kernels/attention_mma.cu:
+/// the first softmax segments' keys and how later ones widen, the floats heading a row's
+/// segment state, the whole form's fold (floats).
+const MMA_SEG: usize = 64;
+const MMA_SEG_RATIO: usize = 4;
+const MMA_PART_HEAD: usize = 8;
+const MMA_FOLD: usize = 10 * 128;
+
+/// Softmax segments up to key `span` (`seg_after` of kernels/attention_mma.cu).
+fn mma_segments(span: usize) -> usize {
+    let (mut b, mut n) = (0, 0);
+    while b < span {
+        b += MMA_SEG.max(b / MMA_SEG_RATIO / MMA_KT * MMA_KT);
+        n += 1;
+    }
+    n
+}
 
 /// `MMA_SHARED` (attention) and `MMA_RB_SHARED` (rebuild) of kernels/attention_mma.cu, in bytes.
 fn mma_shared_bytes(head_dim: usize, rebuild: bool) -> usize {
@@ -156,15 +175,133 @@ fn mma_shared_bytes(head_dim: usize, rebuild: bool) -> usize {
     4 * if rebuild {
         keys
     } else {
-        keys + MMA_KT / 2 * vp
+        keys + MMA_KT / 2 * vp + MMA_FOLD
     }
+}
+
+/// How `attention_mma` takes a pass: whole (a block per head and query tile walks every key)
+/// or split (a block per segment of keys as well, `attention_mma_merge` folding them). The bits
+/// are the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmaForm {
+    Whole,
+    Split,
+}
+
+/// Split where the whole form's blocks would not each have an SM (a short pass: each block
+/// would walk every key its rows see alone, a chain of dependent tiles) and the rows' segment
+/// states fit a modest scratch buffer; never where probabilities are written (the whole form's
+/// second pass writes them). `scripts/bench_prefill_attention.sh` on an H200: a 16-query pass
+/// after 560 keys 28 µs split against 95 µs whole, the 512-token prompt with 16 heads 92 against
+/// 112 µs, with 32 heads (256 blocks) 166 against 140 µs.
+fn mma_form(g: &Gpu, a: &Attention) -> MmaForm {
+    if let Some(forced) = forced_mma_form() {
+        return forced;
+    }
+    let blocks = a.n.div_ceil(MMA_BQ) * a.heads;
+    let nseg = mma_segments(a.span);
+    let scratch = a.n * a.heads * nseg * (MMA_PART_HEAD + a.head_dim) * 4;
+    if a.write_probs || nseg < 2 || blocks >= g.sm_count() || scratch > SPLIT_SCRATCH {
+        MmaForm::Whole
+    } else {
+        MmaForm::Split
+    }
+}
+
+/// The split form's scratch, at most (bytes).
+const SPLIT_SCRATCH: usize = 256 << 20;
+
+/// `KVDIFF_CUDA_ATTENTION_FORM=whole|split`: one form for every prefill attention that can
+/// take it, for measuring one against the other.
+fn forced_mma_form() -> Option<MmaForm> {
+    static FORM: std::sync::OnceLock<Option<MmaForm>> = std::sync::OnceLock::new();
+    *FORM.get_or_init(
+        || match std::env::var("KVDIFF_CUDA_ATTENTION_FORM").as_deref() {
+            Ok("whole") => Some(MmaForm::Whole),
+            Ok("split") => Some(MmaForm::Split),
+            _ => None,
+        },
+    )
+}
+
+/// Prefill attention on the tensor cores in `form` (`Split` falls back to `Whole` where
+/// probabilities are written or the pass has one segment).
+pub(crate) fn launch_attention_mma(g: &Gpu, a: &Attention, form: MmaForm, scale: f32) {
+    let shared = mma_shared_bytes(a.head_dim, false) as u32;
+    let nseg = mma_segments(a.span);
+    let tiles = a.n.div_ceil(MMA_BQ);
+    if form == MmaForm::Whole || a.write_probs || nseg < 2 {
+        g.launch(
+            "attention_mma",
+            (tiles * a.heads) as u32,
+            TILE_THREADS,
+            shared,
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.keys),
+                Arg::Ptr(a.values),
+                Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
+                Arg::Ptr(a.stats),
+                Arg::Ptr(a.out),
+                Arg::Ptr(a.out_bf),
+                Arg::Ptr(a.meta),
+                Arg::I32(a.n as i32),
+                Arg::I32(a.split as i32),
+                Arg::I32(a.heads as i32),
+                Arg::I32(a.kv_heads as i32),
+                Arg::I32(a.head_dim as i32),
+                Arg::I32(a.stride as i32),
+                Arg::F32(scale),
+            ],
+        );
+        return;
+    }
+    // Freed in stream order when this returns, after the merge has read it.
+    let scratch = g.alloc::<f32>(a.n * a.heads * nseg * (MMA_PART_HEAD + a.head_dim));
+    let part = super::gpu::ptr(g, &scratch, 0);
+    g.launch(
+        "attention_mma_split",
+        (tiles * a.heads * nseg) as u32,
+        TILE_THREADS,
+        shared,
+        &[
+            Arg::Ptr(a.q),
+            Arg::Ptr(a.keys),
+            Arg::Ptr(a.values),
+            Arg::Ptr(a.meta),
+            Arg::I32(a.n as i32),
+            Arg::I32(a.split as i32),
+            Arg::I32(a.heads as i32),
+            Arg::I32(a.kv_heads as i32),
+            Arg::I32(a.head_dim as i32),
+            Arg::F32(scale),
+            Arg::Ptr(part),
+            Arg::I32(nseg as i32),
+        ],
+    );
+    g.launch(
+        "attention_mma_merge",
+        (a.n * a.heads) as u32,
+        a.head_dim.next_multiple_of(32) as u32,
+        0,
+        &[
+            Arg::Ptr(part),
+            Arg::Ptr(a.stats),
+            Arg::Ptr(a.out),
+            Arg::Ptr(a.out_bf),
+            Arg::Ptr(a.meta),
+            Arg::I32(a.heads as i32),
+            Arg::I32(a.head_dim as i32),
+            Arg::I32(nseg as i32),
+        ],
+    );
 }
 
 /// Whether the tiled prefill attention (and the rebuild of its rows) of this head size runs on
 /// tensor cores (`attention_mma`) rather than in f32 on the CUDA cores (`attention_tiled`): on
 /// sm_80 and later, for head sizes the kernel takes, where its tiles fit the device's shared
 /// memory (consumer GPUs of sm_86/89 allow 99 KiB per block, too little at head_dim 128).
-fn tensor_core_attention(g: &Gpu, head_dim: usize) -> bool {
+pub(crate) fn tensor_core_attention(g: &Gpu, head_dim: usize) -> bool {
     g.tensor_core_shared().is_some_and(|limit| {
         head_dim % 8 == 0 && head_dim <= 128 && mma_shared_bytes(head_dim, false) <= limit
     })
@@ -246,17 +383,15 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
         return;
     }
     if a.prefill == PrefillAttention::Tiled && a.window == 0 {
-        let (kernel, rows, shared) = if tensor_core_attention(g, a.head_dim) {
-            let shared = mma_shared_bytes(a.head_dim, false);
-            ("attention_mma", MMA_BQ, shared as u32)
-        } else {
-            ("attention_tiled", TILE_Q, tile_shared_bytes(a.head_dim))
-        };
+        if tensor_core_attention(g, a.head_dim) {
+            launch_attention_mma(g, a, mma_form(g, a), scale);
+            return;
+        }
         g.launch(
-            kernel,
-            (a.n.div_ceil(rows) * a.heads) as u32,
+            "attention_tiled",
+            (a.n.div_ceil(TILE_Q) * a.heads) as u32,
             TILE_THREADS,
-            shared,
+            tile_shared_bytes(a.head_dim),
             &[
                 Arg::Ptr(a.q),
                 Arg::Ptr(a.keys),
@@ -591,6 +726,38 @@ mod tests {
                 "a block's heads share one KV head: {heads}/{kv}"
             );
         }
+    }
+
+    #[test]
+    fn softmax_segments_are_whole_tiles_short_at_first_and_few_on_long_rows() {
+        // Segment k ends where segment k + 1 starts: the count grows by one at each end.
+        let mut ends = Vec::new();
+        for span in 1..20_000 {
+            if mma_segments(span + 1) > mma_segments(span) {
+                ends.push(span);
+            }
+        }
+        assert!(
+            ends.iter().all(|e| e % MMA_KT == 0),
+            "a segment ends inside a key tile"
+        );
+        assert_eq!(
+            &ends[..6],
+            &[64, 128, 192, 256, 320, 384],
+            "the first segments"
+        );
+        assert!(
+            ends.windows(2).all(|w| w[1] - w[0] >= ends[0]),
+            "a later segment narrower than the first"
+        );
+        // A row the 512 + 64-token compare reaches splits into 8 segments; a 16k-token row into
+        // a few dozen (it folds that often), not one every two tiles.
+        assert_eq!(mma_segments(576), 8);
+        assert!(
+            (20..32).contains(&mma_segments(16_384)),
+            "{}",
+            mma_segments(16_384)
+        );
     }
 
     #[test]

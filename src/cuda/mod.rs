@@ -48,7 +48,7 @@ pub(crate) use launch::{
 pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
     !workspace::Workspace::needs_probs(c, 2, false)
 }
-pub use launch::PrefillAttention;
+pub use launch::{MmaForm, PrefillAttention};
 pub use memo::MemoAct;
 pub use model::{
     attention_memo, attention_memo_stats, gpu_of, load_on_cuda, load_on_cuda_streaming, to_cuda,

@@ -127,6 +127,7 @@ fn check_attention(
             "{what}: rebuilt attention differs"
         );
         assert_eq!(written, probs, "{what}: probabilities written twice differ");
+        rows_keep_their_bits(g, what, (q, k, v), (n, split, heads, kvh, hd), &out);
     }
     assert_written(what, &out);
     assert_written(what, &probs);
@@ -140,6 +141,64 @@ fn check_attention(
         "{what} probs: {}",
         rel_l2(&probs, &want_probs)
     );
+}
+
+/// A row of the tensor-core prefill attention has the bits of its position and keys alone
+/// (`MMA_SEG` in kernels/attention_mma.cu): the kernel's whole form with and without written
+/// probabilities (`written`), its split form, and a pass of the last few queries alone in
+/// either form give every row's output and statistics the same bits.
+fn rows_keep_their_bits(
+    g: &Gpu,
+    what: &str,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (n, split, heads, kvh, hd): (usize, usize, usize, usize, usize),
+    written: &[f32],
+) {
+    use kvdiff::cuda::MmaForm;
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let rows = |form| host_ops::attention_mma_rows(g, form, q, k, v, n, split, heads, kvh, hd);
+    let Some((whole, whole_stats)) = rows(MmaForm::Whole) else {
+        return;
+    };
+    assert!(
+        same(&whole, written),
+        "{what}: whole form without probabilities differs"
+    );
+    let (split_out, split_stats) = rows(MmaForm::Split).expect("the whole form ran");
+    assert_written(what, &split_out);
+    assert!(
+        same(&split_out, &whole),
+        "{what}: split form's output differs"
+    );
+    assert!(
+        same(&split_stats, &whole_stats),
+        "{what}: split form's statistics differ"
+    );
+    let last = n.min(20);
+    let row = heads * hd;
+    for form in [MmaForm::Whole, MmaForm::Split] {
+        let (o, st) = host_ops::attention_mma_rows(
+            g,
+            form,
+            &q[(n - last) * row..],
+            k,
+            v,
+            last,
+            split,
+            heads,
+            kvh,
+            hd,
+        )
+        .expect("the whole form ran");
+        assert!(
+            same(&o, &whole[(n - last) * row..]),
+            "{what}: the last {last} queries alone ({form:?}) give other outputs"
+        );
+        assert!(
+            same(&st, &whole_stats[(n - last) * heads * 4..]),
+            "{what}: the last {last} queries alone ({form:?}) give other statistics"
+        );
+    }
 }
 
 /// f32 arithmetic: well under 1e-3 relative L2 (METHOD.md); kvdiff asks for 1e-5.
@@ -293,6 +352,11 @@ fn kernels_match_the_cpu_reference_on_random_inputs() {
         // it leaves to the f32 tiled kernel (not a multiple of 8).
         (150, 200, 70, 0, 4, 2, 64),
         (10, 30, 12, 0, 4, 2, 20),
+        // Short passes over many softmax segments (MMA_SEG keys each), with a split inside
+        // one, at both head sizes of the tensor-core kernel.
+        (24, 700, 0, 0, 4, 2, 128),
+        (24, 700, 300, 0, 4, 2, 128),
+        (130, 520, 0, 0, 4, 2, 64),
         // Windows: inside the prompt, in decode, past a cascade split and before one.
         (12, 12, 0, 5, 6, 2, 16),
         (1, 90, 0, 10, 4, 1, 32),

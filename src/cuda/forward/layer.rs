@@ -235,6 +235,7 @@ impl CudaModel {
                 out_bf: ws.attn_bf(g),
                 meta: base_ptr,
                 split,
+                span: pass.taps.base + n,
                 heads,
                 kv_heads: kvh,
                 head_dim: hd,
