@@ -122,29 +122,34 @@ __device__ __forceinline__ int decode_chunks_used(int visible, int cut) {
     return (cut + DECODE_CHUNK - 1) / DECODE_CHUNK + (visible - cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
 }
 
-// Merges a head's chunks: per cascade segment the log-sum-exp of its chunks, the segments
-// weighted as in `attention`; rescales the probabilities in place and writes the output in
-// f32 and bf16. Run by the last block of the head to finish; `factor` holds `chunks` + 2 *
-// head_dim floats.
+// Merges the chunks of heads h0 .. h0 + per - 1 (a block's GQA heads, per <= its warps): per
+// cascade segment the log-sum-exp of its chunks, the segments weighted as in `attention`;
+// rescales the probabilities in place and writes the output in f32 and bf16. Run by the last
+// block of the heads to finish. Each head's arithmetic is the one-head merge's, in its order,
+// with the heads side by side (warp a takes head a's weights; the rescale and the output sums
+// spread over every thread), so the bits are those of merging them one after the other.
+// `smem` holds per * (chunks + 2 * head_dim) floats.
 // Other blocks' results are read past L1 (__ldcg): they were written by other SMs.
-__device__ void merge_head(int h, float* probs, const float* part, float* out, bf16_t* out_bf16,
-                           int visible, int cut, int head_dim, int stride, int chunks,
-                           float* factor) {
-    int lane = threadIdx.x & 31;
+__device__ void merge_heads(int h0, int per, float* probs, const float* part, float* out,
+                            bf16_t* out_bf16, int visible, int cut, int head_dim, int stride,
+                            int chunks, float* smem) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int na = (cut + DECODE_CHUNK - 1) / DECODE_CHUNK;
-    const float* ph = part + (size_t)h * chunks * (head_dim + 2);
-    // Only the chunks that hold keys wrote their parts.
-    chunks = decode_chunks_used(visible, cut);
-    if (threadIdx.x < 32) {
+    // Only the chunks that hold keys wrote their parts; `chunks` is the grid's, part's stride.
+    int used = decode_chunks_used(visible, cut);
+    int span = used + 2 * head_dim;  // a head's factors, then its two halves' sums
+    if (warp < per) {
+        const float* ph = part + (size_t)(h0 + warp) * chunks * (head_dim + 2);
+        float* factor = smem + warp * span;
         // Lanes over chunks: per segment the largest chunk max, then the rescaled sums.
         float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
-        for (int c = lane; c < chunks; c += 32) {
+        for (int c = lane; c < used; c += 32) {
             int s = c < na ? 0 : 1;
             mx[s] = fmaxf(mx[s], __ldcg(ph + (size_t)c * (head_dim + 2)));
         }
         mx[0] = warp_max(mx[0]);
         mx[1] = warp_max(mx[1]);
-        for (int c = lane; c < chunks; c += 32) {
+        for (int c = lane; c < used; c += 32) {
             const float* pc = ph + (size_t)c * (head_dim + 2);
             int s = c < na ? 0 : 1;
             float sum = __ldcg(pc + 1);
@@ -156,7 +161,7 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
         float m = fmaxf(lse_a, lse_b);
         float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
         float norm[2] = {na > 0 ? wa / (wa + wb) / tot[0] : 0.0f, wb / (wa + wb) / tot[1]};
-        for (int c = lane; c < chunks; c += 32) {
+        for (int c = lane; c < used; c += 32) {
             const float* pc = ph + (size_t)c * (head_dim + 2);
             int s = c < na ? 0 : 1;
             float sum = __ldcg(pc + 1);
@@ -164,35 +169,50 @@ __device__ void merge_head(int h, float* probs, const float* part, float* out, b
         }
     }
     __syncthreads();
-    float* row = probs + (size_t)h * stride;
-    for (int e = threadIdx.x; e < visible; e += blockDim.x)
-        row[e] = __ldcg(row + e) * factor[e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK];
+    for (int i = threadIdx.x; i < per * visible; i += blockDim.x) {
+        int a = i / visible, e = i % visible;
+        float* row = probs + (size_t)(h0 + a) * stride;
+        row[e] = __ldcg(row + e) *
+                 smem[a * span + (e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK)];
+    }
     // Output: each column's chunks are split between `halves` thread groups (more loads in
     // flight), whose sums meet in shared memory after the factors.
     int halves = head_dim * 2 <= (int)blockDim.x ? 2 : 1;
     int half = threadIdx.x / head_dim, d0 = threadIdx.x % head_dim;
-    float* sums = factor + chunks;
-    for (int d = halves == 2 ? d0 : threadIdx.x; d < head_dim && half < halves;
-         d += halves == 2 ? head_dim : blockDim.x) {
-        const float* col = ph + 2 + d;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        int c = halves == 2 ? half : 0, step = halves;
-        for (; c + 3 * step < chunks; c += 4 * step) {
-            a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
-            a1 += factor[c + step] * __ldcg(col + (size_t)(c + step) * (head_dim + 2));
-            a2 += factor[c + 2 * step] * __ldcg(col + (size_t)(c + 2 * step) * (head_dim + 2));
-            a3 += factor[c + 3 * step] * __ldcg(col + (size_t)(c + 3 * step) * (head_dim + 2));
+    for (int a = 0; a < per; a++) {
+        const float* ph = part + (size_t)(h0 + a) * chunks * (head_dim + 2);
+        const float* factor = smem + a * span;
+        float* sums = smem + a * span + used;
+        for (int d = halves == 2 ? d0 : threadIdx.x; d < head_dim && half < halves;
+             d += halves == 2 ? head_dim : blockDim.x) {
+            const float* col = ph + 2 + d;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            int c = halves == 2 ? half : 0, step = halves;
+            for (; c + 3 * step < used; c += 4 * step) {
+                a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
+                a1 += factor[c + step] * __ldcg(col + (size_t)(c + step) * (head_dim + 2));
+                a2 += factor[c + 2 * step] * __ldcg(col + (size_t)(c + 2 * step) * (head_dim + 2));
+                a3 += factor[c + 3 * step] * __ldcg(col + (size_t)(c + 3 * step) * (head_dim + 2));
+            }
+            for (; c < used; c += step) a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
+            sums[(halves == 2 ? half : 0) * head_dim + d] = (a0 + a1) + (a2 + a3);
         }
-        for (; c < chunks; c += step) a0 += factor[c] * __ldcg(col + (size_t)c * (head_dim + 2));
-        sums[(halves == 2 ? half : 0) * head_dim + d] = (a0 + a1) + (a2 + a3);
     }
     __syncthreads();
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    for (int i = threadIdx.x; i < per * head_dim; i += blockDim.x) {
+        int a = i / head_dim, d = i % head_dim;
+        const float* sums = smem + a * span + used;
         float acc = halves == 2 ? sums[d] + sums[head_dim + d] : sums[d];
-        size_t o = (size_t)h * head_dim + d;
+        size_t o = (size_t)(h0 + a) * head_dim + d;
         out[o] = acc;
         out_bf16[o] = f32_to_bf16(acc);
     }
+}
+
+__device__ void merge_head(int h, float* probs, const float* part, float* out, bf16_t* out_bf16,
+                           int visible, int cut, int head_dim, int stride, int chunks,
+                           float* factor) {
+    merge_heads(h, 1, probs, part, out, out_bf16, visible, cut, head_dim, stride, chunks, factor);
 }
 
 // Decode attention: block (head, c) scores chunk c's keys, keeps exp(score - chunk max) in
@@ -365,7 +385,7 @@ __device__ __forceinline__ void attention_decode_128_block(
     __shared__ float4 red[DECODE_WARPS][32];
     __shared__ float stat[DECODE_GROUP][2];
     __shared__ float4 turned[DECODE_GROUP + 2][32];  // ROPE: the queries, the new key, its value
-    extern __shared__ float factor[];  // merge_head's chunks + 2 * head_dim floats
+    extern __shared__ float factor[];  // merge_heads' per * (chunks + 2 * head_dim) floats
     int h0 = block / chunks * per, c = block % chunks;
     int group = heads / kv_heads, kvh = h0 / group, kv_dim = kv_heads * 128;
     int visible = meta[0] + 1;
@@ -518,10 +538,7 @@ __device__ __forceinline__ void attention_decode_128_block(
     }
     // Count this chunk in (one counter for the block's heads); the last one merges them.
     if (!last_block_done(&counters[h0], used)) return;
-    for (int a = 0; a < per; a++) {
-        if (a > 0) __syncthreads();  // the head before's factors are read
-        merge_head(h0 + a, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
-    }
+    merge_heads(h0, per, probs, part, out, out_bf16, visible, cut, 128, stride, chunks, factor);
 }
 
 // `per`: query heads a block takes (a divisor of the GQA group, at most DECODE_GROUP); the grid

@@ -61,7 +61,9 @@ int main(int argc, char** argv) {
     int hd = 128, kv_dim = kvh * 128, group = heads / kvh;
     int chunks = (capacity + DECODE_CHUNK - 1) / DECODE_CHUNK + 1;
     int stride = capacity;
-    size_t shared = (size_t)std::max(hd + std::max(DECODE_THREADS, hd), chunks + 2 * hd) * 4;
+    // The merge's factors and sums for each head of a block (`merge_heads`).
+    size_t shared =
+        (size_t)std::max(hd + std::max(DECODE_THREADS, hd), group * (chunks + 2 * hd)) * 4;
 
     std::vector<float> inv_freq(64);
     for (int j = 0; j < 64; j++) inv_freq[j] = powf(1000000.0f, -(float)j / 64.0f);

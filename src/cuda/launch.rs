@@ -19,8 +19,14 @@ const DECODE_GROUP: usize = 8;
 /// (scripts/bench_decode_attention.sh). One step alone keeps a block per head: its few blocks
 /// then fill more SMs (14 against 21 µs). Each head's arithmetic is the one-head block's, so
 /// the bits do not depend on it. `KVDIFF_CUDA_DECODE_HEADS=N` sets the most heads a block for
-/// both (1: a block per head).
-pub(crate) fn decode_heads_per_block(heads: usize, kv_heads: usize, sides: bool) -> usize {
+/// both (1: a block per head). Fewer where the merge's shared memory for every head of the
+/// block (`decode_shared_bytes`, a cache of `chunks` chunks) would pass `MERGE_SHARED`.
+pub(crate) fn decode_heads_per_block(
+    heads: usize,
+    kv_heads: usize,
+    sides: bool,
+    chunks: usize,
+) -> usize {
     static CAP: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let cap = CAP.get_or_init(|| {
         std::env::var("KVDIFF_CUDA_DECODE_HEADS")
@@ -29,8 +35,13 @@ pub(crate) fn decode_heads_per_block(heads: usize, kv_heads: usize, sides: bool)
             .map(|n| n.clamp(1, DECODE_GROUP))
     });
     let default = if sides { DECODE_GROUP } else { 1 };
-    heads_per_block(heads, kv_heads, cap.unwrap_or(default))
+    let fits = (MERGE_SHARED / (4 * (chunks + 2 * 128))).max(1);
+    heads_per_block(heads, kv_heads, cap.unwrap_or(default).min(fits))
 }
+
+/// The most dynamic shared memory a head-128 decode-attention block's merge takes (bytes): with
+/// the kernel's static 12 KiB, under the 48 KiB any launch may ask without opting in.
+const MERGE_SHARED: usize = 32 << 10;
 
 fn heads_per_block(heads: usize, kv_heads: usize, cap: usize) -> usize {
     let group = heads / kv_heads.max(1);
@@ -307,15 +318,19 @@ pub(crate) fn tensor_core_attention(g: &Gpu, head_dim: usize) -> bool {
     })
 }
 
+/// Dynamic shared memory of a decode-attention launch (bytes): the generic kernel's query and
+/// scores, or the merge's factors and sums for each of a block's `per` heads (`merge_heads` in
+/// kernels/attention.cu).
+pub(crate) fn decode_shared_bytes(head_dim: usize, chunks: usize, per: usize) -> usize {
+    (head_dim + head_dim.max(DECODE_THREADS as usize)).max(per * (chunks + 2 * head_dim)) * 4
+}
+
 /// Launches attention: one block per (query, head) for a batch, or `attention_decode`, split
 /// over the keys, for a single query, whose one block per head would leave most of the GPU
 /// idle.
 pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
     let scale = 1.0 / (a.head_dim as f32).sqrt();
     if a.n == 1 && a.window == 0 {
-        let shared = (a.head_dim + a.head_dim.max(DECODE_THREADS as usize))
-            .max(a.chunks + 2 * a.head_dim)
-            * 4;
         // Its float4 loads need 16-byte aligned rows (a workspace's query rows may sit 8 bytes
         // off for some model shapes).
         let kernel = match (a.head_dim, (a.q | a.keys | a.values) % 16, a.rope.is_some()) {
@@ -364,7 +379,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             args.push(Arg::I32(a.head_dim as i32));
             1
         } else {
-            let per = decode_heads_per_block(a.heads, a.kv_heads, false);
+            let per = decode_heads_per_block(a.heads, a.kv_heads, false, a.chunks);
             args.push(Arg::I32(per as i32));
             per
         };
@@ -373,6 +388,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             Arg::I32(a.chunks as i32),
             Arg::F32(scale),
         ]);
+        let shared = decode_shared_bytes(a.head_dim, a.chunks, per);
         g.launch(
             kernel,
             (a.heads / per * a.chunks) as u32,

@@ -20,7 +20,7 @@
 use super::forward::fused_shape;
 use super::gpu::{max_sides, ptr, Arg, SIDE_SLOTS};
 use super::kv::CudaKv;
-use super::launch::{decode_heads_per_block, launch_argmax, DECODE_THREADS};
+use super::launch::{decode_heads_per_block, decode_shared_bytes, launch_argmax, DECODE_THREADS};
 use super::model::CudaModel;
 use super::workspace::{LayerIo, Workspace};
 use crate::engine::kv_cache::KvCache;
@@ -443,12 +443,12 @@ impl CudaModel {
             );
         }
         let chunks = plans.iter().map(|p| p.chunks).max().unwrap_or(0);
-        let attn_shared = (hd + hd.max(DECODE_THREADS as usize)).max(chunks + 2 * hd) * 4;
         let per = if hd == 128 {
-            decode_heads_per_block(heads, kvh, true)
+            decode_heads_per_block(heads, kvh, true, chunks)
         } else {
             1
         };
+        let attn_shared = decode_shared_bytes(hd, chunks, per);
         for (l, w) in self.layers.iter().enumerate() {
             let io = |f: fn(&LayerIo) -> u64| sides(plans, |p| f(&p.io[l]));
             norm_sides(io(|i| i.x_in), pb(&w.input_norm), io(|i| i.attn_norm));
