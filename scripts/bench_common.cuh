@@ -1,5 +1,6 @@
 // What the kernel benchmarks in scripts/ share: a CUDA runtime call that fails ends the
-// benchmark with the file, line and the runtime's message; and the median time of a launch.
+// benchmark with the file, line and the runtime's message; the median time of a launch; and
+// (the attention benchmarks) uniform random values in [-1, 1) and buffers to and from the GPU.
 #pragma once
 #include <algorithm>
 #include <cstdio>
@@ -37,4 +38,27 @@ float median_us(int iters, F run) {
     CHECK(cudaEventDestroy(e1));
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
+}
+
+static unsigned long long rng = 88172645463325252ull;
+static inline float uniform() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / (float)0x1000000 * 2.0f - 1.0f;
+}
+
+template <class T>
+static T* upload(const std::vector<T>& v) {
+    T* d;
+    CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
+    CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <class T>
+static std::vector<T> download(const T* d, size_t n) {
+    std::vector<T> v(n);
+    CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
 }

@@ -19,29 +19,6 @@
 
 #include "bench_common.cuh"
 
-static unsigned long long rng = 88172645463325252ull;
-static float uniform() {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / (float)0x1000000 * 2.0f - 1.0f;
-}
-
-template <class T>
-static T* upload(const std::vector<T>& v) {
-    T* d;
-    CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
-    CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-template <class T>
-static std::vector<T> download(const T* d, size_t n) {
-    std::vector<T> v(n);
-    CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-}
-
 // One side's buffers, as a decode step's workspace holds them.
 struct Side {
     float *qkv, *keys, *values, *probs, *part, *out, *q_normed, *q_rotated, *k_normed,

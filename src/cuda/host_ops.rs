@@ -147,6 +147,7 @@ pub fn attention(
         (n, split, window),
         (heads, kv_heads, hd),
         false,
+        None,
     );
     (
         gpu.download(&run.out, n * heads * hd),
@@ -175,6 +176,7 @@ pub fn probs_written_and_rebuilt(
         (n, split, 0),
         (heads, kv_heads, hd),
         true,
+        None,
     );
     let entries = run.entries;
     let rows: Vec<i32> = (0..n as i32).collect();
@@ -221,6 +223,7 @@ impl AttentionRun {
         (n, split, window): (usize, usize, usize),
         (heads, kv_heads, hd): (usize, usize, usize),
         keep_stats: bool,
+        form: Option<super::launch::MmaForm>,
     ) -> Self {
         let entries = keys.len() / (kv_heads * hd);
         let base = entries - n;
@@ -233,33 +236,37 @@ impl AttentionRun {
         let stats = poison_f32(gpu, n * heads * 4);
         let out = poison_f32(gpu, n * heads * hd);
         let out_bf = poison_bf16(gpu, n * heads * hd);
-        super::launch::launch_attention(
-            gpu,
-            &super::launch::Attention {
-                n,
-                q: ptr(gpu, &dq, 0),
-                keys: ptr(gpu, &dk, 0),
-                values: ptr(gpu, &dv, 0),
-                probs: ptr(gpu, &probs, 0),
-                stats: if keep_stats { ptr(gpu, &stats, 0) } else { 0 },
-                stride: entries,
-                part: ptr(gpu, &part, 0),
-                chunks,
-                counters: ptr(gpu, &counters, 0),
-                out: ptr(gpu, &out, 0),
-                out_bf: ptr(gpu, &out_bf, 0),
-                meta: ptr(gpu, &meta, 0),
-                split,
-                span: entries,
-                heads,
-                kv_heads,
-                head_dim: hd,
-                window,
-                prefill: kernel,
-                write_probs: true,
-                rope: None,
-            },
-        );
+        let a = super::launch::Attention {
+            n,
+            q: ptr(gpu, &dq, 0),
+            keys: ptr(gpu, &dk, 0),
+            values: ptr(gpu, &dv, 0),
+            probs: ptr(gpu, &probs, 0),
+            stats: if keep_stats { ptr(gpu, &stats, 0) } else { 0 },
+            stride: entries,
+            part: ptr(gpu, &part, 0),
+            chunks,
+            counters: ptr(gpu, &counters, 0),
+            out: ptr(gpu, &out, 0),
+            out_bf: ptr(gpu, &out_bf, 0),
+            meta: ptr(gpu, &meta, 0),
+            split,
+            span: entries,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            window,
+            prefill: kernel,
+            write_probs: form.is_none(),
+            rope: None,
+        };
+        match form {
+            None => super::launch::launch_attention(gpu, &a),
+            // No probabilities written: the form is the one asked for.
+            Some(form) => {
+                super::launch::launch_attention_mma(gpu, &a, form, 1.0 / (hd as f32).sqrt())
+            }
+        }
         AttentionRun {
             q: dq,
             keys: dk,
@@ -290,40 +297,18 @@ pub fn attention_mma_rows(
     if !super::launch::tensor_core_attention(gpu, hd) {
         return None;
     }
-    let entries = keys.len() / (kv_heads * hd);
-    let (dq, dk, dv) = (gpu.upload(q), gpu.upload(keys), gpu.upload(values));
-    let meta = gpu.upload(&[(entries - n) as i32]);
-    let stats = poison_f32(gpu, n * heads * 4);
-    let out = poison_f32(gpu, n * heads * hd);
-    let out_bf = poison_bf16(gpu, n * heads * hd);
-    let a = super::launch::Attention {
-        n,
-        q: ptr(gpu, &dq, 0),
-        keys: ptr(gpu, &dk, 0),
-        values: ptr(gpu, &dv, 0),
-        probs: 0,
-        stats: ptr(gpu, &stats, 0),
-        stride: entries,
-        part: 0,
-        chunks: 0,
-        counters: 0,
-        out: ptr(gpu, &out, 0),
-        out_bf: ptr(gpu, &out_bf, 0),
-        meta: ptr(gpu, &meta, 0),
-        split,
-        span: entries,
-        heads,
-        kv_heads,
-        head_dim: hd,
-        window: 0,
-        prefill: super::launch::PrefillAttention::Tiled,
-        write_probs: false,
-        rope: None,
-    };
-    super::launch::launch_attention_mma(gpu, &a, form, 1.0 / (hd as f32).sqrt());
+    let run = AttentionRun::launch(
+        gpu,
+        super::launch::PrefillAttention::Tiled,
+        (q, keys, values),
+        (n, split, 0),
+        (heads, kv_heads, hd),
+        true,
+        Some(form),
+    );
     Some((
-        gpu.download(&out, n * heads * hd),
-        gpu.download(&stats, n * heads * 4),
+        gpu.download(&run.out, n * heads * hd),
+        gpu.download(&run.stats, n * heads * 4),
     ))
 }
 

@@ -235,6 +235,27 @@ fn forced_mma_form() -> Option<MmaForm> {
     )
 }
 
+/// The arguments `attention_tiled` and `attention_mma` (whole form) take.
+fn tiled_args(a: &Attention, scale: f32) -> [Arg; 15] {
+    [
+        Arg::Ptr(a.q),
+        Arg::Ptr(a.keys),
+        Arg::Ptr(a.values),
+        Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
+        Arg::Ptr(a.stats),
+        Arg::Ptr(a.out),
+        Arg::Ptr(a.out_bf),
+        Arg::Ptr(a.meta),
+        Arg::I32(a.n as i32),
+        Arg::I32(a.split as i32),
+        Arg::I32(a.heads as i32),
+        Arg::I32(a.kv_heads as i32),
+        Arg::I32(a.head_dim as i32),
+        Arg::I32(a.stride as i32),
+        Arg::F32(scale),
+    ]
+}
+
 /// Prefill attention on the tensor cores in `form` (`Split` falls back to `Whole` where
 /// probabilities are written or the pass has one segment).
 pub(crate) fn launch_attention_mma(g: &Gpu, a: &Attention, form: MmaForm, scale: f32) {
@@ -247,23 +268,7 @@ pub(crate) fn launch_attention_mma(g: &Gpu, a: &Attention, form: MmaForm, scale:
             (tiles * a.heads) as u32,
             TILE_THREADS,
             shared,
-            &[
-                Arg::Ptr(a.q),
-                Arg::Ptr(a.keys),
-                Arg::Ptr(a.values),
-                Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
-                Arg::Ptr(a.stats),
-                Arg::Ptr(a.out),
-                Arg::Ptr(a.out_bf),
-                Arg::Ptr(a.meta),
-                Arg::I32(a.n as i32),
-                Arg::I32(a.split as i32),
-                Arg::I32(a.heads as i32),
-                Arg::I32(a.kv_heads as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.stride as i32),
-                Arg::F32(scale),
-            ],
+            &tiled_args(a, scale),
         );
         return;
     }
@@ -408,23 +413,7 @@ pub(crate) fn launch_attention(g: &Gpu, a: &Attention) {
             (a.n.div_ceil(TILE_Q) * a.heads) as u32,
             TILE_THREADS,
             tile_shared_bytes(a.head_dim),
-            &[
-                Arg::Ptr(a.q),
-                Arg::Ptr(a.keys),
-                Arg::Ptr(a.values),
-                Arg::Ptr(if a.write_probs { a.probs } else { 0 }),
-                Arg::Ptr(a.stats),
-                Arg::Ptr(a.out),
-                Arg::Ptr(a.out_bf),
-                Arg::Ptr(a.meta),
-                Arg::I32(a.n as i32),
-                Arg::I32(a.split as i32),
-                Arg::I32(a.heads as i32),
-                Arg::I32(a.kv_heads as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.stride as i32),
-                Arg::F32(scale),
-            ],
+            &tiled_args(a, scale),
         );
         return;
     }
