@@ -130,6 +130,7 @@ __device__ __forceinline__ int decode_chunks_used(int visible, int cut) {
 // spread over every thread), so the bits are those of merging them one after the other.
 // `smem` holds per * (chunks + 2 * head_dim) floats.
 // Other blocks' results are read past L1 (__ldcg): they were written by other SMs.
+#define MERGE_BATCH 8
 __device__ void merge_heads(int h0, int per, float* probs, const float* part, float* out,
                             bf16_t* out_bf16, int visible, int cut, int head_dim, int stride,
                             int chunks, float* smem) {
@@ -141,39 +142,69 @@ __device__ void merge_heads(int h0, int per, float* probs, const float* part, fl
     if (warp < per) {
         const float* ph = part + (size_t)(h0 + warp) * chunks * (head_dim + 2);
         float* factor = smem + warp * span;
-        // Lanes over chunks: per segment the largest chunk max, then the rescaled sums.
-        float mx[2] = {NEG_INF, NEG_INF}, tot[2] = {0.0f, 0.0f};
+        // Lanes over chunks: per segment the largest chunk max, then the rescaled sums. A
+        // lane's first two chunks' max and sum are read once (a head's first 64 chunks), later
+        // ones again where needed: three passes, not three round trips. Segment a's values are
+        // the `_a`s, b's the `_b`s (no array indexed at run time, which would sit in local
+        // memory).
+        size_t row = head_dim + 2;
+        float m0 = lane < used ? __ldcg(ph + lane * row) : NEG_INF;
+        float s0 = lane < used ? __ldcg(ph + lane * row + 1) : 0.0f;
+        float m1 = lane + 32 < used ? __ldcg(ph + (lane + 32) * row) : NEG_INF;
+        float s1 = lane + 32 < used ? __ldcg(ph + (lane + 32) * row + 1) : 0.0f;
+        float mx_a = NEG_INF, mx_b = NEG_INF, tot_a = 0.0f, tot_b = 0.0f;
         for (int c = lane; c < used; c += 32) {
-            int s = c < na ? 0 : 1;
-            mx[s] = fmaxf(mx[s], __ldcg(ph + (size_t)c * (head_dim + 2)));
+            int k = (c - lane) >> 5;
+            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
+            if (c < na) mx_a = fmaxf(mx_a, cm);
+            else mx_b = fmaxf(mx_b, cm);
         }
-        mx[0] = warp_max(mx[0]);
-        mx[1] = warp_max(mx[1]);
+        mx_a = warp_max(mx_a);
+        mx_b = warp_max(mx_b);
         for (int c = lane; c < used; c += 32) {
-            const float* pc = ph + (size_t)c * (head_dim + 2);
-            int s = c < na ? 0 : 1;
-            float sum = __ldcg(pc + 1);
-            if (sum > 0.0f) tot[s] += sum * expf(__ldcg(pc) - mx[s]);
+            int k = (c - lane) >> 5;
+            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
+            float sum = k == 0 ? s0 : k == 1 ? s1 : __ldcg(ph + c * row + 1);
+            if (sum > 0.0f) {
+                if (c < na) tot_a += sum * expf(cm - mx_a);
+                else tot_b += sum * expf(cm - mx_b);
+            }
         }
-        tot[0] = warp_sum(tot[0]);
-        tot[1] = warp_sum(tot[1]);
-        float lse_a = na > 0 ? mx[0] + logf(tot[0]) : NEG_INF, lse_b = mx[1] + logf(tot[1]);
+        tot_a = warp_sum(tot_a);
+        tot_b = warp_sum(tot_b);
+        float lse_a = na > 0 ? mx_a + logf(tot_a) : NEG_INF, lse_b = mx_b + logf(tot_b);
         float m = fmaxf(lse_a, lse_b);
         float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
-        float norm[2] = {na > 0 ? wa / (wa + wb) / tot[0] : 0.0f, wb / (wa + wb) / tot[1]};
+        float norm_a = na > 0 ? wa / (wa + wb) / tot_a : 0.0f, norm_b = wb / (wa + wb) / tot_b;
         for (int c = lane; c < used; c += 32) {
-            const float* pc = ph + (size_t)c * (head_dim + 2);
-            int s = c < na ? 0 : 1;
-            float sum = __ldcg(pc + 1);
-            factor[c] = sum > 0.0f ? expf(__ldcg(pc) - mx[s]) * norm[s] : 0.0f;
+            int k = (c - lane) >> 5;
+            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
+            float sum = k == 0 ? s0 : k == 1 ? s1 : __ldcg(ph + c * row + 1);
+            factor[c] = sum > 0.0f ? expf(cm - (c < na ? mx_a : mx_b)) * (c < na ? norm_a : norm_b)
+                                   : 0.0f;
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < per * visible; i += blockDim.x) {
-        int a = i / visible, e = i % visible;
-        float* row = probs + (size_t)(h0 + a) * stride;
-        row[e] = __ldcg(row + e) *
-                 smem[a * span + (e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK)];
+    // A thread's probabilities are loaded MERGE_BATCH at a time before any is stored: the
+    // compiler may not move a load above a store to the same rows, so one at a time each would
+    // wait for its own round trip.
+    for (int i0 = threadIdx.x; i0 < per * visible; i0 += MERGE_BATCH * blockDim.x) {
+        float p[MERGE_BATCH];
+#pragma unroll
+        for (int u = 0; u < MERGE_BATCH; u++) {
+            int i = i0 + u * blockDim.x;
+            p[u] = i < per * visible ? __ldcg(probs + (size_t)(h0 + i / visible) * stride +
+                                              i % visible)
+                                     : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_BATCH; u++) {
+            int i = i0 + u * blockDim.x;
+            if (i >= per * visible) break;
+            int a = i / visible, e = i % visible;
+            probs[(size_t)(h0 + a) * stride + e] =
+                p[u] * smem[a * span + (e < cut ? e / DECODE_CHUNK : na + (e - cut) / DECODE_CHUNK)];
+        }
     }
     // Output: each column's chunks are split between `halves` thread groups (more loads in
     // flight), whose sums meet in shared memory after the factors.
@@ -602,10 +633,11 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attention_decode
 
 // attention_decode_128_sides with each side's qk_norm_rope folded in (StepRope), built for
 // DECODE_ROPE_SIDES_BLOCKS blocks an SM (the values load after the scores, in the keys'
-// registers). Two: with a GQA group a block, four spilled 156 bytes a thread and took 55
-// against 49 us for five sides at Qwen3-8B's shape (scripts/bench_decode_attention.sh).
+// registers). Three (scripts/bench_decode_attention.sh, 576 keys): at Qwen3-8B's shape 32
+// us a launch for seven sides against 38 for two; four spill 40 bytes a thread, and took 28
+// there but 36 against 34 for eight sides and 20 against 18 at Qwen3-0.6B's for five.
 #ifndef DECODE_ROPE_SIDES_BLOCKS
-#define DECODE_ROPE_SIDES_BLOCKS 2
+#define DECODE_ROPE_SIDES_BLOCKS 3
 #endif
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_ROPE_SIDES_BLOCKS) attention_decode_128_rope_sides(
     Sides qkv, const bf16_t* q_weight, const bf16_t* k_weight, Sides rope_meta,

@@ -4,7 +4,7 @@
 // whether every output, probability, cache entry and tap keeps the per-head block's bits.
 // Built and run by scripts/bench_decode_attention.sh (nvcc, one GPU):
 //   /tmp/bench_decode_attention HEADS KV_HEADS VISIBLE [CAPACITY]
-#define MAX_SIDES 5
+#define MAX_SIDES 8
 #include "../kernels/common.cuh"
 #include "../kernels/rope.cu"
 #include "../kernels/attention.cu"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The head-128 decode attention (q/k norm and RoPE folded in) with a block per query head
-# against a block per GQA group, for one step alone and passes of 1 to 5 sides, at Qwen3-8B's
+# against a block per GQA group, for one step alone and passes of 1 to 8 sides, at Qwen3-8B's
 # and Qwen3-0.6B's attention shapes: time per launch, and whether every side keeps the
 # per-head block's bits. Over the 512 + 64-token default compare's cache with the sides kernel
-# built for 2 (the default), 3 and 4 blocks an SM (its registers; ptxas' spills shown), then
+# built for 2, 3 (the default) and 4 blocks an SM (its registers; ptxas' spills shown), then
 # over 16k keys. Needs nvcc and one GPU.
 #   scripts/bench_decode_attention.sh [quick]   (quick: leaves out the 16k keys)
 set -euo pipefail
