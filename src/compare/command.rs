@@ -136,6 +136,11 @@ pub fn compare(o: &CompareOptions) -> Result<CompareOutcome> {
     // calibrate the noise model (auto tolerance, with no calibration cached) where the GPU
     // oracle cannot (weights rounded on their way to the GPU, experts, no cuBLAS).
     let gpu_only = uses_cuda && !any_on(&reference, targets, backend, Backend::Cpu);
+    if gpu_only {
+        // The GPU diffs' read-back buffers, faulted in while the GPU opens: pinned later
+        // without the pages' first touch.
+        crate::cuda::READ_BACK.start(crate::compare::judge::gpu::readback_bytes_ahead());
+    }
     let p = load_prompt(o.prompt, o.case)?;
     // A GPU-only run's first passes start while the weights still stream in (each layer
     // waits for its own); `weights_loaded` is checked before anything is reported.

@@ -21,6 +21,7 @@ pub fn require_cuda() -> Result<()> {
         Some(why) => Err(Error::usage("--backend cuda", why, crate::cuda::CUDA_FIX)),
         None => {
             crate::cuda::open_in_background();
+            crate::cuda::staging_ahead();
             Ok(())
         }
     }

@@ -35,6 +35,7 @@ pub use gpu::CUDA_FIX;
 pub use gpu::{
     cublas_asked, device_name, devices_asked, driver_missing, expect_sides, home_ordinal,
     open_in_background, ptr, set_devices, unavailable_reason, Arg, GemmTile, Gpu, Kept, LentPinned,
+    PinnedHost, Registered, READ_BACK, STAGING,
 };
 pub(crate) use gpu::{max_sides, SIDE_SLOTS};
 pub use kv::CudaKv;
@@ -51,8 +52,8 @@ pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {
 pub use launch::{MmaForm, PrefillAttention};
 pub use memo::MemoAct;
 pub use model::{
-    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, load_on_cuda_streaming, to_cuda,
-    weight_bytes, weights_loaded, CudaModel,
+    attention_memo, attention_memo_stats, gpu_of, load_on_cuda, load_on_cuda_streaming,
+    staging_ahead, to_cuda, weight_bytes, weights_loaded, CudaModel,
 };
 pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle, ReplayOnGpu};
 pub use oracle::{

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
+use super::host_pages::PinnedHost;
 use super::{ptr, Gpu};
 
 /// The device's default memory pool, which stream-ordered allocations come from.
@@ -83,7 +84,7 @@ pub(super) struct Staging {
 
 /// Pinned memory lent out front to back (`Gpu::lend_pinned`).
 pub(super) struct PinnedPool {
-    buf: Arc<cudarc::driver::PinnedHostSlice<u8>>,
+    buf: Arc<PinnedHost>,
     base: *mut u8,
     next: usize,
 }
@@ -100,7 +101,7 @@ pub(super) fn carve(next: usize, size: usize, bytes: usize) -> Option<(usize, us
 
 /// A piece of the pinned pool, `len` f32s, this holder's alone; keeps the pool's memory alive.
 pub struct LentPinned {
-    _buf: Arc<cudarc::driver::PinnedHostSlice<u8>>,
+    _buf: Arc<PinnedHost>,
     ptr: *mut f32,
     len: usize,
 }
@@ -178,32 +179,51 @@ impl Drop for U32Read {
 
 impl Gpu {
     /// Keeps `buf` (pinned host memory nobody uses any more) to lend out (`lend_pinned`).
-    pub(in crate::cuda) fn keep_pinned(&self, mut buf: cudarc::driver::PinnedHostSlice<u8>) {
+    pub(in crate::cuda) fn keep_pinned(&self, mut buf: PinnedHost) {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
         let Ok(base) = buf.as_mut_slice().map(|s| s.as_mut_ptr()) else {
             return;
         };
-        let mut pool = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
-        *pool = Some(PinnedPool {
+        self.pool_pinned(buf, base);
+    }
+
+    fn pool_pinned(&self, buf: PinnedHost, base: *mut u8) {
+        let mut pools = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
+        pools.push(PinnedPool {
             buf: Arc::new(buf),
             base,
             next: 0,
         });
     }
 
-    /// `len` f32s of pinned host memory from what `keep_pinned` kept, if that much is left.
+    /// `len` f32s of pinned host memory from what `keep_pinned` kept, or from the pages
+    /// faulted in ahead (registered at their first use), if that much is left.
     pub fn lend_pinned(&self, len: usize) -> Option<LentPinned> {
-        let mut pool = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
-        let p = pool.as_mut()?;
-        let (at, next) = carve(p.next, p.buf.len(), len * std::mem::size_of::<f32>())?;
-        p.next = next;
-        Some(LentPinned {
-            _buf: p.buf.clone(),
-            // Safety: `at + bytes` is within the buffer; pieces never overlap.
-            ptr: unsafe { p.base.add(at) }.cast::<f32>(),
-            len,
+        if let Some(lent) = self.lend_kept(len) {
+            return Some(lent);
+        }
+        let pages = super::host_pages::READ_BACK.take_done()?;
+        let span = crate::support::timing::span("compare: read-back pages registered");
+        let registered = super::host_pages::Registered::new(pages, &self.ctx)?;
+        drop(span);
+        let base = registered.base();
+        self.pool_pinned(PinnedHost::Registered(registered), base);
+        self.lend_kept(len)
+    }
+
+    fn lend_kept(&self, len: usize) -> Option<LentPinned> {
+        let mut pools = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
+        pools.iter_mut().find_map(|p| {
+            let (at, next) = carve(p.next, p.buf.len(), len * std::mem::size_of::<f32>())?;
+            p.next = next;
+            Some(LentPinned {
+                _buf: p.buf.clone(),
+                // Safety: `at + bytes` is within the buffer; pieces never overlap.
+                ptr: unsafe { p.base.add(at) }.cast::<f32>(),
+                len,
+            })
         })
     }
 

@@ -11,6 +11,7 @@
 
 mod compile;
 mod gemm;
+mod host_pages;
 mod kernels;
 mod libraries;
 mod memory;
@@ -25,6 +26,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use crate::error::{Error, Result};
 
 pub use gemm::GemmTile;
+pub use host_pages::{PinnedHost, Registered, READ_BACK, STAGING};
 pub use kernels::expect_sides;
 pub use kernels::Arg;
 pub(crate) use kernels::{max_sides, SIDE_SLOTS};
@@ -132,9 +134,9 @@ pub struct Gpu {
     read_staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Pinned words for `read_u32_soon`, made at its first use.
     word_slots: std::sync::OnceLock<Option<Arc<WordSlots>>>,
-    /// Pinned host memory the weights were streamed through, lent out afterwards in pieces
-    /// (`lend_pinned`): pinning costs about a millisecond per 3-10 MB, paid once here.
-    pinned_pool: std::sync::Mutex<Option<PinnedPool>>,
+    /// Pinned host memory the weights were streamed through, and pages faulted in ahead, lent
+    /// out in pieces (`lend_pinned`): pinning fresh memory costs about a millisecond per 3-10 MB.
+    pinned_pool: std::sync::Mutex<Vec<PinnedPool>>,
     /// Dynamic shared memory a block may hold on request, in bytes, when prefill attention may
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use crate::error::{Error, Result};
 
 /// What the readers' thread hands back: the pinned staging memory, for the GPU to lend out.
-pub(super) type Staged = cudarc::driver::PinnedHostSlice<u8>;
+pub(super) type Staged = crate::cuda::PinnedHost;
 
 pub(in crate::cuda) struct Landing {
     /// Per device buffer, the pieces not yet copied into it.

@@ -22,6 +22,7 @@ mod peers;
 pub mod placement;
 mod ready;
 mod stream_load;
+pub use stream_load::staging_ahead;
 
 pub(super) struct Layer {
     pub(super) input_norm: CudaSlice<u16>,

@@ -16,6 +16,7 @@ use super::landing::{Landing, StopGuard};
 use super::peers::Devices;
 use super::placement::Placement;
 use crate::cuda::gpu::{ptr, Arg, Gpu};
+use crate::cuda::PinnedHost;
 use crate::engine::config::Config;
 use crate::engine::weights::{Checkpoint, TensorSource};
 use crate::error::{Error, Result};
@@ -36,10 +37,16 @@ fn readers() -> usize {
         .map_or(READERS, |n| n.clamp(1, 256))
 }
 
+/// Starts faulting in the weights' staging (`cuda::STAGING`) on a thread of its own, for a
+/// command that knows it runs on CUDA: registered as the load starts, instead of pinned then.
+pub fn staging_ahead() {
+    crate::cuda::STAGING.start(readers() * PIECE);
+}
+
 /// The device buffers, and the pinned memory they were staged through (one allocation, each
 /// reader a piece of it: pinned allocations made side by side wait on each other), which the
 /// GPU lends out afterwards.
-pub(super) type Streamed = (Vec<CudaSlice<u16>>, cudarc::driver::PinnedHostSlice<u8>);
+pub(super) type Streamed = (Vec<CudaSlice<u16>>, PinnedHost);
 
 /// The checkpoint's files, when every tensor is bf16 in a folder (what `stream` loads).
 pub(super) fn streamable(
@@ -75,7 +82,9 @@ struct Readers {
     files: Vec<PathBuf>,
     handles: Vec<File>,
     ctxs: Vec<Arc<cudarc::driver::CudaContext>>,
-    staging: cudarc::driver::PinnedHostSlice<u8>,
+    staging: PinnedHost,
+    /// The staging's bytes in use: a reader's piece each.
+    staged: usize,
     /// The whole load's timing span, closed when the last piece landed.
     span: crate::support::timing::Span,
 }
@@ -196,9 +205,20 @@ fn prepare(
         1 => 0,
         _ => cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
     };
-    // Safety: only the first `len` bytes of a piece are copied, after being read.
-    let staging =
-        unsafe { ctx.alloc_pinned_with_flags::<u8>(readers * PIECE, flags) }.map_err(cuda)?;
+    let staged = readers * PIECE;
+    // The pages faulted in since the command knew it runs on CUDA (`staging_ahead`), where
+    // they are enough and register; else pinned here.
+    let ahead = crate::cuda::STAGING
+        .take_waiting()
+        .filter(|p| p.len() >= staged)
+        .and_then(|p| crate::cuda::Registered::new(p, ctx));
+    let staging = match ahead {
+        Some(r) => PinnedHost::Registered(r),
+        // Safety: only the first `len` bytes of a piece are copied, after being read.
+        None => PinnedHost::Allocated(
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(staged, flags) }.map_err(cuda)?,
+        ),
+    };
     drop(pin);
     Ok((
         buffers,
@@ -208,6 +228,7 @@ fn prepare(
             handles,
             ctxs: devs.ctxs.clone(),
             staging,
+            staged,
             span,
         },
     ))
@@ -216,20 +237,14 @@ fn prepare(
 impl Readers {
     /// Every piece read and copied by the reader threads, `landed` told of each copy done;
     /// returns the staging memory.
-    fn run(
-        mut self,
-        landed: &(dyn Fn(&Piece) + Sync),
-    ) -> Result<cudarc::driver::PinnedHostSlice<u8>> {
+    fn run(mut self, landed: &(dyn Fn(&Piece) + Sync)) -> Result<PinnedHost> {
         let next = AtomicUsize::new(0);
         let (pieces, handles, files, ctxs) = (&self.pieces, &self.handles, &self.files, &self.ctxs);
         // Reading the pinned buffer's host side checks its event, in the current context.
         ctxs[0].bind_to_thread().map_err(cuda)?;
         let next = &next;
         let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let workers: Vec<_> = self
-                .staging
-                .as_mut_slice()
-                .map_err(cuda)?
+            let workers: Vec<_> = self.staging.as_mut_slice().map_err(cuda)?[..self.staged]
                 .chunks_mut(PIECE)
                 .map(|host| {
                     s.spawn(move || -> Result<()> {

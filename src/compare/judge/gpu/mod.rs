@@ -9,5 +9,6 @@ pub use agreement::{
     launch_agreements, logits_agreement, AgreementJob, DeviceAgreement, MAX_K as AGREEMENT_MAX_K,
 };
 pub use tap_diff::{
-    combine_chunks_on_gpu, combine_rows, summary_rows, DeviceDiffs, DeviceRecorded,
+    combine_chunks_on_gpu, combine_rows, readback_bytes_ahead, summary_rows, DeviceDiffs,
+    DeviceRecorded,
 };
