@@ -131,6 +131,16 @@ __device__ __forceinline__ int decode_chunks_used(int visible, int cut) {
 // `smem` holds per * (chunks + 2 * head_dim) floats.
 // Other blocks' results are read past L1 (__ldcg): they were written by other SMs.
 #define MERGE_BATCH 8
+
+// Word `w` (0: the max, 1: the sum) of chunk c of a head's parts `ph` (rows of `row` floats):
+// `first` or `second` where c is one of the two chunks the lane read ahead (lane, lane + 32),
+// else loaded.
+__device__ __forceinline__ float chunk_word(const float* ph, size_t row, int c, int lane, int w,
+                                            float first, float second) {
+    int k = (c - lane) >> 5;
+    return k == 0 ? first : k == 1 ? second : __ldcg(ph + c * row + w);
+}
+
 __device__ void merge_heads(int h0, int per, float* probs, const float* part, float* out,
                             bf16_t* out_bf16, int visible, int cut, int head_dim, int stride,
                             int chunks, float* smem) {
@@ -154,17 +164,15 @@ __device__ void merge_heads(int h0, int per, float* probs, const float* part, fl
         float s1 = lane + 32 < used ? __ldcg(ph + (lane + 32) * row + 1) : 0.0f;
         float mx_a = NEG_INF, mx_b = NEG_INF, tot_a = 0.0f, tot_b = 0.0f;
         for (int c = lane; c < used; c += 32) {
-            int k = (c - lane) >> 5;
-            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
+            float cm = chunk_word(ph, row, c, lane, 0, m0, m1);
             if (c < na) mx_a = fmaxf(mx_a, cm);
             else mx_b = fmaxf(mx_b, cm);
         }
         mx_a = warp_max(mx_a);
         mx_b = warp_max(mx_b);
         for (int c = lane; c < used; c += 32) {
-            int k = (c - lane) >> 5;
-            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
-            float sum = k == 0 ? s0 : k == 1 ? s1 : __ldcg(ph + c * row + 1);
+            float cm = chunk_word(ph, row, c, lane, 0, m0, m1);
+            float sum = chunk_word(ph, row, c, lane, 1, s0, s1);
             if (sum > 0.0f) {
                 if (c < na) tot_a += sum * expf(cm - mx_a);
                 else tot_b += sum * expf(cm - mx_b);
@@ -177,9 +185,8 @@ __device__ void merge_heads(int h0, int per, float* probs, const float* part, fl
         float wa = na > 0 ? expf(lse_a - m) : 0.0f, wb = expf(lse_b - m);
         float norm_a = na > 0 ? wa / (wa + wb) / tot_a : 0.0f, norm_b = wb / (wa + wb) / tot_b;
         for (int c = lane; c < used; c += 32) {
-            int k = (c - lane) >> 5;
-            float cm = k == 0 ? m0 : k == 1 ? m1 : __ldcg(ph + c * row);
-            float sum = k == 0 ? s0 : k == 1 ? s1 : __ldcg(ph + c * row + 1);
+            float cm = chunk_word(ph, row, c, lane, 0, m0, m1);
+            float sum = chunk_word(ph, row, c, lane, 1, s0, s1);
             factor[c] = sum > 0.0f ? expf(cm - (c < na ? mx_a : mx_b)) * (c < na ? norm_a : norm_b)
                                    : 0.0f;
         }

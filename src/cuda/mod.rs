@@ -35,9 +35,9 @@ pub use gpu::CUDA_FIX;
 pub use gpu::{
     cublas_asked, device_name, devices_asked, driver_missing, expect_sides, home_ordinal,
     open_in_background, ptr, set_devices, unavailable_reason, Arg, GemmTile, Gpu, Kept, LentPinned,
-    PinnedHost, Registered, READ_BACK, STAGING,
 };
 pub(crate) use gpu::{max_sides, SIDE_SLOTS};
+pub(crate) use gpu::{PinnedHost, Registered, READ_BACK, STAGING};
 pub use kv::CudaKv;
 pub(crate) use launch::{
     attention_diff_applies, launch_attention_diff, launch_combine_diff_chunks,

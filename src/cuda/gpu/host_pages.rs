@@ -4,7 +4,8 @@
 //! H200 host, nearly all of it the pages' first touch: touched ahead on huge pages,
 //! registering them took about 1 ms. The staging was pinned before the weights' load could
 //! start, and a compare pinned two read-back buffers between its references and its paths,
-//! while the GPU waited.
+//! while the GPU waited. (`support::bulk::prepare` touches the pages of taps' copies ahead
+//! the same way, in plain vectors; these are mapped on huge-page boundaries to be registered.)
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -137,10 +138,6 @@ impl PinnedHost {
             PinnedHost::Allocated(b) => b.len(),
             PinnedHost::Registered(r) => r.len(),
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The memory, once no copy from the GPU into it is pending (an allocated buffer's event).

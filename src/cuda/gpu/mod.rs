@@ -26,7 +26,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use crate::error::{Error, Result};
 
 pub use gemm::GemmTile;
-pub use host_pages::{PinnedHost, Registered, READ_BACK, STAGING};
+pub(crate) use host_pages::{PinnedHost, Registered, READ_BACK, STAGING};
 pub use kernels::expect_sides;
 pub use kernels::Arg;
 pub(crate) use kernels::{max_sides, SIDE_SLOTS};
