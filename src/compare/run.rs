@@ -352,11 +352,12 @@ impl<'a> Request<'a> {
     fn calibration(&self, last: usize) -> Result<Calibration<'a>> {
         let ids = &self.prompt.ids;
         let on_device = self.engine.model.device().is_some();
-        if let (Some(g), ["cuda"]) = (self.gpu_model, &self.backends()[..]) {
+        let backends = self.backends();
+        if let (Some(g), ["cuda"]) = (self.gpu_model, &backends[..]) {
             // Layer by layer as the weights land; a failure to load them (Inf or NaN among
             // them) is reported before anything the calibration made of them.
             super::driver::note_gpu_memory("before calibration", g);
-            let calibrated = Calibration::on_gpu(g, ids, last);
+            let calibrated = Calibration::on_gpu(g, ids, last, &backends);
             crate::cuda::weights_loaded(g)?;
             match calibrated {
                 Ok(c) => return Ok(c),

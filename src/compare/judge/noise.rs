@@ -155,6 +155,8 @@ pub struct Calibration<'m> {
     device: Option<crate::cuda::DeviceOracle>,
     /// `device`'s taps copied to the host, when asked for (`oracle_taps`).
     copied: std::sync::OnceLock<Recorder>,
+    /// The bf16 emulation measured beside the oracle on the GPU (`on_gpu`), where it was.
+    emulated: Option<crate::cuda::OracleMeasurement>,
 }
 
 impl<'m> Calibration<'m> {
@@ -176,21 +178,27 @@ impl<'m> Calibration<'m> {
     /// bf16 rounding both computed there (`cuda/oracle/`), in a fraction of a second where
     /// the CPU takes a minute on a large model. Says why not where it cannot stand for the
     /// CPU's (see `cuda::oracle::unavailable`); only the `cuda` backend's noise can then be
-    /// measured (`NoiseProfile::calibrate`).
+    /// measured (`NoiseProfile::calibrate`). Where `backends` need the emulation of bf16
+    /// rounding (`needs_emulation`), it runs beside the oracle, layer by layer.
     pub fn on_gpu(
         gpu_model: &'m Model,
         prompt_ids: &[u32],
         last_position: usize,
+        backends: &[&str],
     ) -> std::result::Result<Self, String> {
         if let Some(why) = crate::cuda::oracle_unavailable(gpu_model) {
             return Err(why);
         }
         let mut cal = Self::empty(gpu_model, prompt_ids, last_position);
         let _span = crate::support::timing::span("calibration: f64 oracle prefill (GPU)");
-        let kept =
-            crate::cuda::oracle_keep(gpu_model, &cal.tokens, &cal.positions, &cal.rope_positions)
-                .map_err(|e| e.to_string())?;
+        let (t, p, r) = (&cal.tokens, &cal.positions, &cal.rope_positions);
+        let (kept, emulated) = match needs_emulation(backends) {
+            true => crate::cuda::oracle_keep_measuring_emulation(gpu_model, t, p, r),
+            false => crate::cuda::oracle_keep(gpu_model, t, p, r).map(|k| (k, None)),
+        }
+        .map_err(|e| e.to_string())?;
         cal.device = Some(kept);
+        cal.emulated = emulated;
         Ok(cal)
     }
 
@@ -209,6 +217,7 @@ impl<'m> Calibration<'m> {
             oracle: Recorder::new(&TapFilter::all(), layers),
             device: None,
             copied: Default::default(),
+            emulated: None,
         }
     }
 
@@ -294,6 +303,12 @@ impl<'m> Calibration<'m> {
             );
         };
         let what = "the GPU's emulation of bf16 rounding";
+        if let Some(measured) = &self.emulated {
+            let per_tap = measured
+                .clone()
+                .map_err(|(id, pos)| non_finite(what, id, pos))?;
+            return gated(per_tap, what, "bf16");
+        }
         let _span = crate::support::timing::span("calibration: bf16 emulation (GPU)");
         let mut meter = d.meter();
         crate::cuda::oracle_prefill(
@@ -346,6 +361,14 @@ impl<'m> Calibration<'m> {
 }
 
 /// A backend's noise per tap kind, after the gates that refuse a fault posing as rounding.
+/// Whether `NoiseProfile::calibrate` measures any of `backends` by the emulation of bf16
+/// rounding: every backend but `cpu` and an f32 one with a narrower KV cache.
+pub fn needs_emulation(backends: &[&str]) -> bool {
+    backends
+        .iter()
+        .any(|&b| b != "cpu" && KvCacheDtype::from_backend(b).is_none())
+}
+
 fn gated(per_tap: BTreeMap<TapId, f32>, what: &str, dtype: &str) -> Result<BackendNoise> {
     let plausible = if dtype == "f32" {
         PLAUSIBLE_F32

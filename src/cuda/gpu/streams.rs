@@ -22,6 +22,11 @@ impl Gpu {
         self.graphs
     }
 
+    /// Whether a graph is being captured: what is enqueued now runs only when it is replayed.
+    pub(crate) fn capturing(&self) -> bool {
+        self.capturing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Records what `f` enqueues on the stream as a graph instead of running it.
     pub fn capture(&self, f: impl FnOnce()) -> Graph {
         use cudarc::driver::sys;

@@ -72,6 +72,11 @@ impl Landing {
         }
     }
 
+    /// Whether every piece of buffer `b` is on the device.
+    pub(in crate::cuda) fn landed(&self, b: usize) -> bool {
+        self.left[b].load(Ordering::Acquire) == 0
+    }
+
     /// Blocks until every buffer has landed (or the readers stopped).
     pub(in crate::cuda) fn wait_all(&self) {
         self.wait(0..self.left.len());

@@ -81,6 +81,8 @@ pub(super) struct Streaming {
     source: ModelSource,
     /// Whether the readers' end was taken and the weights checked, and the outcome.
     checked: Mutex<Option<bool>>,
+    /// The checks for Inf and NaN enqueued so far, as buffers landed.
+    finite: Mutex<Option<ready::FiniteChecks>>,
 }
 
 /// The host model's weights in f32 on the GPU, in the engine's buffer layout (`plan`), for the
@@ -246,6 +248,7 @@ fn load(src: &ModelSource, config: &Config, beside: bool) -> Result<Model> {
             landing: l,
             source: src.clone(),
             checked: Mutex::new(None),
+            finite: Mutex::new(None),
         });
         Ok(cm)
     })?;

@@ -1,7 +1,18 @@
 //! A model whose weights may still be streaming in (`landing.rs`): the waits its passes make
 //! before reading a layer, and the check that ends the load.
 
+use cudarc::driver::CudaSlice;
+
+use super::stream_load::{enqueue_finite_check, finite_verdict};
 use crate::error::{Error, Result};
+
+/// A streaming model's checks for Inf and NaN: per buffer of the plan, whether its check is
+/// enqueued, and the flags the checks set. Each buffer's is enqueued once it has landed,
+/// before the first pass that reads it, so that the checks run beside the load, not after it.
+pub(super) struct FiniteChecks {
+    flags: CudaSlice<i32>,
+    enqueued: Vec<bool>,
+}
 
 impl super::CudaModel {
     /// Waits until layer `l`'s weights have landed (at once where the model is loaded).
@@ -12,7 +23,40 @@ impl super::CudaModel {
             s.landing.wait(self.layer_buffers[l].clone());
             let next = self.layer_buffers.get(l + 1).map_or(1, |r| r.start);
             s.landing.wait([next]);
+            self.check_landed(s, self.layer_buffers[l].clone());
         }
+    }
+
+    /// Enqueues the checks of buffers `bufs` that have landed and are not checked yet (not
+    /// while a graph is captured: it would check them at each replay).
+    fn check_landed(&self, s: &super::Streaming, bufs: std::ops::Range<usize>) {
+        if self.gpu.capturing() {
+            return;
+        }
+        let mut f = s.finite.lock().unwrap_or_else(|e| e.into_inner());
+        let f = self.finite_checks(&mut f);
+        let due: Vec<usize> = bufs
+            .filter(|&b| !f.enqueued[b] && s.landing.landed(b))
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let all = self.buffers_in_plan_order();
+        for b in due {
+            enqueue_finite_check(&self.gpu, all[b], &f.flags, b);
+            f.enqueued[b] = true;
+        }
+    }
+
+    /// The checks made so far, made empty at the first call.
+    fn finite_checks<'f>(&self, f: &'f mut Option<FiniteChecks>) -> &'f mut FiniteChecks {
+        f.get_or_insert_with(|| {
+            let n = super::plan(&self.config).len();
+            FiniteChecks {
+                flags: self.gpu.zeros::<i32>(n),
+                enqueued: vec![false; n],
+            }
+        })
     }
 
     /// Waits until the embeddings and the first layer's input norm have landed.
@@ -22,6 +66,7 @@ impl super::CudaModel {
             if let Some(first) = self.layer_buffers.first() {
                 s.landing.wait([first.start]);
             }
+            self.check_landed(s, 0..1);
         }
     }
 
@@ -33,6 +78,7 @@ impl super::CudaModel {
                 false => 0,
             };
             s.landing.wait([1, head]);
+            self.check_landed(s, head..head + 1);
         }
     }
 
@@ -70,16 +116,20 @@ impl super::CudaModel {
             self.gpu.keep_pinned(staging);
         }
         let plan = super::plan(&self.config);
-        super::stream_load::check_finite_with(
-            &self.gpu,
-            &plan,
-            &self.buffers_in_plan_order(),
-            |names| {
-                crate::engine::weights::Checkpoint::with(&s.source, &self.config, |ckpt| {
-                    crate::engine::weights::TensorSource::bf16_bits(ckpt, names).map(|_| ())
-                })
-            },
-        )?;
+        let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
+        let mut f = s.finite.lock().unwrap_or_else(|e| e.into_inner());
+        let f = self.finite_checks(&mut f);
+        for (b, buf) in self.buffers_in_plan_order().into_iter().enumerate() {
+            if !f.enqueued[b] {
+                enqueue_finite_check(&self.gpu, buf, &f.flags, b);
+                f.enqueued[b] = true;
+            }
+        }
+        finite_verdict(&self.gpu, &plan, &f.flags, |names| {
+            crate::engine::weights::Checkpoint::with(&s.source, &self.config, |ckpt| {
+                crate::engine::weights::TensorSource::bf16_bits(ckpt, names).map(|_| ())
+            })
+        })?;
         *checked = Some(true);
         Ok(())
     }

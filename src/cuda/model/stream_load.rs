@@ -319,24 +319,45 @@ pub(super) fn check_finite_with(
 ) -> Result<()> {
     let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
     let flags = gpu.zeros::<i32>(buffers.len());
-    const CHUNK: usize = 1 << 30;
     for (i, b) in buffers.iter().enumerate() {
-        for start in (0..b.len()).step_by(CHUNK) {
-            let n = CHUNK.min(b.len() - start);
-            gpu.launch(
-                "any_nonfinite_bf16",
-                n.div_ceil(256).min(4096) as u32,
-                256,
-                0,
-                &[
-                    Arg::Ptr(ptr(gpu, b, start)),
-                    Arg::I32(n as i32),
-                    Arg::Ptr(ptr(gpu, &flags, i)),
-                ],
-            );
-        }
+        enqueue_finite_check(gpu, b, &flags, i);
     }
-    let flags = gpu.download(&flags, buffers.len());
+    finite_verdict(gpu, plan, &flags, word)
+}
+
+/// Enqueues the check of buffer `b` for Inf or NaN: `flags[i]` is set where it holds one.
+pub(super) fn enqueue_finite_check(
+    gpu: &Gpu,
+    b: &CudaSlice<u16>,
+    flags: &CudaSlice<i32>,
+    i: usize,
+) {
+    const CHUNK: usize = 1 << 30;
+    for start in (0..b.len()).step_by(CHUNK) {
+        let n = CHUNK.min(b.len() - start);
+        gpu.launch(
+            "any_nonfinite_bf16",
+            n.div_ceil(256).min(4096) as u32,
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(gpu, b, start)),
+                Arg::I32(n as i32),
+                Arg::Ptr(ptr(gpu, flags, i)),
+            ],
+        );
+    }
+}
+
+/// The outcome of the checks `flags` hold, one per entry of `plan`: the first buffer found
+/// holding Inf or NaN, its error worded by `word`.
+pub(super) fn finite_verdict(
+    gpu: &Gpu,
+    plan: &[Vec<String>],
+    flags: &CudaSlice<i32>,
+    word: impl FnOnce(&[&str]) -> Result<()>,
+) -> Result<()> {
+    let flags = gpu.download(flags, plan.len());
     if let Some(bad) = flags.iter().position(|&f| f != 0) {
         // The host reader finds the tensor and index and words the error.
         let names: Vec<&str> = plan[bad].iter().map(String::as_str).collect();

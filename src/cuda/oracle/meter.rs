@@ -19,8 +19,9 @@ struct Kept {
     shape: Vec<usize>,
 }
 
-/// The f64 oracle's taps, rounded to f32 and kept on the GPU.
-pub struct DeviceOracle {
+/// The f64 oracle's taps, rounded to f32 and kept on the GPU: what a keeper fills and a
+/// meter reads.
+pub(super) struct OracleTaps {
     gpu: Arc<Gpu>,
     taps: BTreeMap<TapId, Kept>,
     positions: Vec<usize>,
@@ -28,36 +29,33 @@ pub struct DeviceOracle {
     layers: usize,
 }
 
+/// The f64 oracle's taps, kept on the GPU.
+pub struct DeviceOracle {
+    kept: OracleTaps,
+}
+
 /// The sink the oracle's pass offers its taps to: keeps each on the GPU.
 pub(super) struct Keeper {
     table: TapTable,
-    gpu: Arc<Gpu>,
-    taps: BTreeMap<TapId, Kept>,
-    positions: Vec<usize>,
-    tokens: Vec<u32>,
-    layers: usize,
+    pub(super) kept: OracleTaps,
 }
 
 impl Keeper {
     pub(super) fn new(gpu: Arc<Gpu>, layers: usize) -> Self {
         Keeper {
             table: TapFilter::all().table(layers),
-            gpu,
-            taps: BTreeMap::new(),
-            positions: Vec::new(),
-            tokens: Vec::new(),
-            layers,
+            kept: OracleTaps {
+                gpu,
+                taps: BTreeMap::new(),
+                positions: Vec::new(),
+                tokens: Vec::new(),
+                layers,
+            },
         }
     }
 
     pub(super) fn finish(self) -> DeviceOracle {
-        DeviceOracle {
-            gpu: self.gpu,
-            taps: self.taps,
-            positions: self.positions,
-            tokens: self.tokens,
-            layers: self.layers,
-        }
+        DeviceOracle { kept: self.kept }
     }
 }
 
@@ -72,13 +70,13 @@ impl TapSink for Keeper {
     }
 
     fn begin_step(&mut self, _step: usize, tokens: &[u32], positions: &[usize]) {
-        self.tokens = tokens.to_vec();
-        self.positions = positions.to_vec();
+        self.kept.tokens = tokens.to_vec();
+        self.kept.positions = positions.to_vec();
     }
 
     fn record(&mut self, _step: usize, v: TapValue<'_>) {
-        let data = self.gpu.upload(v.data);
-        self.taps.insert(
+        let data = self.kept.gpu.upload(v.data);
+        self.kept.taps.insert(
             v.id,
             Kept {
                 data,
@@ -88,14 +86,15 @@ impl TapSink for Keeper {
     }
 
     fn record_device(&mut self, _step: usize, tap: &DeviceTap<'_>) -> bool {
-        if !same_gpu(tap.device, &self.gpu) || tap.ptr == 0 || tap.stride != tap.width {
+        let g = &self.kept.gpu;
+        if !same_gpu(tap.device, g) || tap.ptr == 0 || tap.stride != tap.width {
             return false;
         }
         let len = tap.rows * tap.width;
-        let data = self.gpu.alloc::<f32>(len);
-        self.gpu.copy_device(tap.ptr, ptr(&self.gpu, &data, 0), len);
+        let data = g.alloc::<f32>(len);
+        g.copy_device(tap.ptr, ptr(g, &data, 0), len);
         let shape = tap.shape.clone();
-        self.taps.insert(tap.id, Kept { data, shape });
+        self.kept.taps.insert(tap.id, Kept { data, shape });
         true
     }
 }
@@ -103,43 +102,29 @@ impl TapSink for Keeper {
 impl DeviceOracle {
     /// The taps copied to the host (for tests, and for measuring a CPU model against them).
     pub fn recorder(&self) -> Recorder {
-        let mut rec = Recorder::new(&TapFilter::all(), self.layers);
-        rec.begin_step(0, &self.tokens, &self.positions);
-        for (&id, k) in &self.taps {
-            let len: usize = k.shape.iter().product();
-            let data = self.gpu.download(&k.data, len);
-            crate::tap::emit(&mut rec, 0, id, &self.positions, &k.shape, &data);
+        let k = &self.kept;
+        let mut rec = Recorder::new(&TapFilter::all(), k.layers);
+        rec.begin_step(0, &k.tokens, &k.positions);
+        for (&id, t) in &k.taps {
+            let len: usize = t.shape.iter().product();
+            let data = k.gpu.download(&t.data, len);
+            crate::tap::emit(&mut rec, 0, id, &k.positions, &t.shape, &data);
         }
         rec
     }
 
     /// A sink measuring a pass over the same tokens and positions against these taps.
     pub fn meter(&self) -> DeviceMeter<'_> {
-        let slots: BTreeMap<TapId, usize> = self
-            .taps
-            .keys()
-            .enumerate()
-            .map(|(i, &id)| (id, i))
-            .collect();
-        let n = slots.len().max(1);
-        DeviceMeter {
-            oracle: self,
-            table: TapFilter::all().table(self.layers),
-            errs: self.gpu.zeros::<f32>(n),
-            bad: self.gpu.upload(&vec![i32::MAX; n]),
-            slots,
-            seen: Default::default(),
-            host: BTreeMap::new(),
-            host_bad: None,
-        }
+        DeviceMeter::new(&self.kept, Measured::new(&self.kept.gpu, self.kept.layers))
     }
 }
 
-/// Measures a pass against a `DeviceOracle` (see the module's comment).
-pub struct DeviceMeter<'a> {
-    oracle: &'a DeviceOracle,
+/// What a meter has measured so far, apart from the taps it reads: a pass measured while the
+/// oracle's own is still running (`keep_measuring`) is measured layer by layer, by a meter
+/// over the taps kept so far.
+pub(super) struct Measured {
     table: TapTable,
-    /// Per oracle tap: the largest error so far, and the first token with a non-finite value.
+    /// Per tap: the largest error so far, and the first token with a non-finite value.
     errs: CudaSlice<f32>,
     bad: CudaSlice<i32>,
     slots: BTreeMap<TapId, usize>,
@@ -150,7 +135,44 @@ pub struct DeviceMeter<'a> {
     host_bad: Option<(TapId, usize)>,
 }
 
-impl DeviceMeter<'_> {
+impl Measured {
+    /// Nothing measured yet, with a slot for every tap a model of `layers` layers has.
+    pub(super) fn new(gpu: &Gpu, layers: usize) -> Self {
+        let slots: BTreeMap<TapId, usize> = TapId::all_where(layers, |_| true)
+            .into_iter()
+            .enumerate()
+            .map(|(i, id)| (id, i))
+            .collect();
+        let n = slots.len().max(1);
+        Measured {
+            table: TapFilter::all().table(layers),
+            errs: gpu.zeros::<f32>(n),
+            bad: gpu.upload(&vec![i32::MAX; n]),
+            slots,
+            seen: Default::default(),
+            host: BTreeMap::new(),
+            host_bad: None,
+        }
+    }
+}
+
+/// Measures a pass against an oracle's taps (see the module's comment).
+pub struct DeviceMeter<'a> {
+    oracle: &'a OracleTaps,
+    m: Measured,
+}
+
+impl<'a> DeviceMeter<'a> {
+    /// A meter reading `oracle`'s taps, going on from `m`.
+    pub(super) fn new(oracle: &'a OracleTaps, m: Measured) -> Self {
+        DeviceMeter { oracle, m }
+    }
+
+    /// What was measured so far, for a meter over more of the oracle's taps to go on from.
+    pub(super) fn into_measured(self) -> Measured {
+        self.m
+    }
+
     /// Launches the meter on `x` (`rows_per_token` rows of `width` a token, `stride` apart)
     /// against the oracle's tap `id` from token `first` on.
     #[allow(clippy::too_many_arguments)]
@@ -162,7 +184,7 @@ impl DeviceMeter<'_> {
         first: usize,
         (rows_per_token, width, stride): (usize, usize, usize),
     ) -> bool {
-        let (Some(k), Some(&slot)) = (self.oracle.taps.get(&id), self.slots.get(&id)) else {
+        let (Some(k), Some(&slot)) = (self.oracle.taps.get(&id), self.m.slots.get(&id)) else {
             return false;
         };
         let g = &self.oracle.gpu;
@@ -182,8 +204,8 @@ impl DeviceMeter<'_> {
                 Arg::I32(rows_per_token as i32),
                 Arg::I32(width as i32),
                 Arg::Ptr(ptr(g, &k.data, first * per_token)),
-                Arg::Ptr(ptr(g, &self.errs, slot)),
-                Arg::Ptr(ptr(g, &self.bad, slot)),
+                Arg::Ptr(ptr(g, &self.m.errs, slot)),
+                Arg::Ptr(ptr(g, &self.m.bad, slot)),
             ],
         );
         true
@@ -202,13 +224,13 @@ impl DeviceMeter<'_> {
     pub fn finish(self) -> Result<BTreeMap<TapId, f32>, (TapId, usize)> {
         let _span = crate::support::timing::span("calibration: meter read back (GPU wait)");
         let g = &self.oracle.gpu;
-        let n = self.slots.len().max(1);
-        let errs = g.download(&self.errs, n);
-        let bad = g.download(&self.bad, n);
-        let mut out = self.host;
-        let mut first_bad = self.host_bad;
-        for (&id, &slot) in &self.slots {
-            if !self.seen.contains(&id) {
+        let n = self.m.slots.len().max(1);
+        let errs = g.download(&self.m.errs, n);
+        let bad = g.download(&self.m.bad, n);
+        let mut out = self.m.host;
+        let mut first_bad = self.m.host_bad;
+        for (&id, &slot) in &self.m.slots {
+            if !self.m.seen.contains(&id) {
                 continue;
             }
             if bad[slot] != i32::MAX && first_bad.is_none() {
@@ -227,7 +249,7 @@ impl DeviceMeter<'_> {
 
 impl TapSink for DeviceMeter<'_> {
     fn table(&self) -> &TapTable {
-        &self.table
+        &self.m.table
     }
 
     fn record_device(&mut self, _step: usize, tap: &DeviceTap<'_>) -> bool {
@@ -244,7 +266,7 @@ impl TapSink for DeviceMeter<'_> {
         let shape = (tap.rows_per_token, tap.width, tap.stride);
         let done = self.measure(tap.id, tap.ptr, tokens, first, shape);
         if done {
-            self.seen.insert(tap.id);
+            self.m.seen.insert(tap.id);
         }
         done
     }
@@ -259,7 +281,7 @@ impl TapSink for DeviceMeter<'_> {
             let data = self.oracle.gpu.upload(v.data);
             let x = ptr(&self.oracle.gpu, &data, 0);
             if self.measure(v.id, x, tokens, first, (1, width, width)) {
-                self.seen.insert(v.id);
+                self.m.seen.insert(v.id);
                 return;
             }
         }
@@ -283,12 +305,12 @@ impl TapSink for DeviceMeter<'_> {
                 .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             let m = o.iter().fold(0f32, |m, b| m.max(b.abs()));
             if !finite {
-                self.host_bad.get_or_insert((v.id, pos));
+                self.m.host_bad.get_or_insert((v.id, pos));
             } else if m > 0.0 {
                 worst = worst.max(d / m);
             }
         }
-        let e = self.host.entry(v.id).or_insert(0.0);
+        let e = self.m.host.entry(v.id).or_insert(0.0);
         *e = e.max(worst);
     }
 }

@@ -332,106 +332,146 @@ pub fn prefill(
     precision: Precision,
     sink: &mut dyn TapSink,
 ) -> Result<()> {
-    if let Some(why) = unavailable(model) {
-        return Err(Error::Internal(format!("GPU oracle: {why}")));
+    let pass = Pass::open(model, tokens.len(), precision, 0)?;
+    let mut flow = pass.start(tokens, positions, rope_positions, sink);
+    for l in 0..pass.cm.config.num_hidden_layers {
+        flow.x = layer(&pass, l, flow.x, positions, (&flow.cos, &flow.sin), sink);
     }
-    let cm = cuda_model_of(model).expect("checked by unavailable");
-    let g: &Gpu = &cm.gpu;
-    let c = &cm.config;
-    let n = tokens.len();
-    debug_assert!(positions.iter().enumerate().all(|(i, &p)| i == p));
-    let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-    let (qd, kvd) = (c.q_dim(), c.kv_dim());
-    let wide_len = widest(c);
-    // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
-    // logits), the widened weights, and every tap kept in f32 (the f64 pass's); refused, not
-    // crashed, where the GPU lacks the room.
-    let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
-    let kept = n * c.num_hidden_layers * (8 * h + 3 * qd + 4 * kvd + heads * n) * 4;
-    // The widest product a GEMM writes: a projection's, or a block of the LM head's rows.
-    let head_rows = (wide_len / h).clamp(1, c.vocab_size);
-    let out_width = qd.max(h).max(inter).max(head_rows);
-    // The widened weights are in the products' precision; a pass whose products are wider
-    // than its values also holds its operands and products in it.
-    let wider = precision.products() != precision;
-    let wide_bytes = precision.products().bytes();
-    let operands = if wider {
-        (n * (2 * inter).max(qd).max(h) + n * out_width) * wide_bytes
-    } else {
-        0
-    };
-    // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
-    let w = Weights::new(cm, precision != Precision::Bf16Emulation);
-    // f64 products read bf16 weights as they are (`widen`): nothing to widen into.
-    let wide_len = match precision.products() == Precision::F64 && w.all_bf16() {
-        true => 1,
-        false => wide_len,
-    };
-    let need = (wide_len + gemm::scratch_len(g.sm_count())) * wide_bytes
-        + (16 * n * width + n * c.vocab_size) * precision.bytes()
-        + kept
-        + operands;
-    let free = g.memory().0;
-    if need + (256 << 20) > free {
-        return Err(Error::Internal(format!(
-            "GPU oracle: needs {} MiB, {} MiB free",
-            need >> 20,
-            free >> 20
-        )));
-    }
-    let pass = Pass {
-        cm,
-        w,
-        g,
-        p: precision,
-        wide: alloc_buf(g, wide_len, precision.products()),
-        wide_len,
-        wide_out: wider.then(|| alloc_buf(g, n * out_width, precision.products())),
-        narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
-        part: alloc_buf(g, gemm::scratch_len(g.sm_count()), precision.products()),
-    };
-    sink.begin_step(0, tokens, positions);
-    let ids = g.upload(tokens);
-    let mut x = pass.buf(n * h);
-    let embed = pass.w.embed();
-    pass.launch(
-        &format!("embed_{}", embed.infix()),
-        blocks(n * h),
-        256,
-        &[
-            Arg::Ptr(embed.ptr),
-            Arg::Ptr(ptr(g, &ids, 0)),
-            Arg::Ptr(x.at(g, 0)),
-            Arg::I32(n as i32),
-            Arg::I32(h as i32),
-        ],
-    );
-    pass.tap(sink, TapId::Embed, positions, &[n, h], &x);
-    let (cos, sin) = rope_tables(&pass, rope_positions);
-    for l in 0..c.num_hidden_layers {
-        x = layer(&pass, l, x, positions, (&cos, &sin), sink);
-    }
-    let xn = pass.buf(n * h);
-    pass.norm(&x, pass.w.norm(), &xn, n, h);
-    pass.tap(sink, TapId::FinalNorm, positions, &[n, h], &xn);
-    if sink.table().wants(TapId::Logits) {
-        let v = c.vocab_size;
-        let logits = pass.buf(n * v);
-        let scratch = pass.operand_buf(n * h);
-        let xin = pass.input(&xn, n * h, &scratch);
-        let head = pass.w.lm_head();
-        // The head through the widening buffer a block of vocabulary rows at a time.
-        let rows = head_rows;
-        for r0 in (0..v).step_by(rows) {
-            let r = rows.min(v - r0);
-            let rows = pass.widen(head, r0 * h, r * h);
-            pass.gemm(xin.at(g, 0), rows, 0, logits.at(g, r0), n, h, r, v);
-        }
-        pass.tap(sink, TapId::Logits, positions, &[n, v], &logits);
-    }
+    pass.finish(flow, positions, sink);
     let _wait = span("calibration: GPU oracle pass run (GPU wait)");
-    g.sync();
+    pass.g.sync();
     Ok(())
+}
+
+/// A pass between its layers: the residual stream and RoPE's tables.
+struct Flow {
+    x: Buf,
+    cos: Buf,
+    sin: Buf,
+}
+
+impl<'a> Pass<'a> {
+    /// A pass of `n` tokens at `precision` on the GPU `model` holds, its buffers made; refused,
+    /// not crashed, where the GPU lacks the room for them, for every tap kept in f32 (the f64
+    /// pass's), and for `reserve` more bytes.
+    fn open(model: &'a Model, n: usize, precision: Precision, reserve: usize) -> Result<Self> {
+        if let Some(why) = unavailable(model) {
+            return Err(Error::Internal(format!("GPU oracle: {why}")));
+        }
+        let cm = cuda_model_of(model).expect("checked by unavailable");
+        let g: &Gpu = &cm.gpu;
+        let c = &cm.config;
+        let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let wide_len = widest(c);
+        // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
+        // logits) and the widened weights.
+        let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
+        // The widest product a GEMM writes: a projection's, or a block of the LM head's rows.
+        let head_rows = (wide_len / h).clamp(1, c.vocab_size);
+        let out_width = qd.max(h).max(inter).max(head_rows);
+        // The widened weights are in the products' precision; a pass whose products are wider
+        // than its values also holds its operands and products in it.
+        let wider = precision.products() != precision;
+        let wide_bytes = precision.products().bytes();
+        let operands = if wider {
+            (n * (2 * inter).max(qd).max(h) + n * out_width) * wide_bytes
+        } else {
+            0
+        };
+        // The bf16 emulation reads the bf16 weights it emulates; the others, the checkpoint's.
+        let w = Weights::new(cm, precision != Precision::Bf16Emulation);
+        // f64 products read bf16 weights as they are (`widen`): nothing to widen into.
+        let wide_len = match precision.products() == Precision::F64 && w.all_bf16() {
+            true => 1,
+            false => wide_len,
+        };
+        let need = (wide_len + gemm::scratch_len(g.sm_count())) * wide_bytes
+            + (16 * n * width + n * c.vocab_size) * precision.bytes()
+            + kept_bytes(c, n)
+            + operands
+            + reserve;
+        let free = g.memory().0;
+        if need + (256 << 20) > free {
+            return Err(Error::Internal(format!(
+                "GPU oracle: needs {} MiB, {} MiB free",
+                need >> 20,
+                free >> 20
+            )));
+        }
+        Ok(Pass {
+            cm,
+            w,
+            g,
+            p: precision,
+            wide: alloc_buf(g, wide_len, precision.products()),
+            wide_len,
+            wide_out: wider.then(|| alloc_buf(g, n * out_width, precision.products())),
+            narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
+            part: alloc_buf(g, gemm::scratch_len(g.sm_count()), precision.products()),
+        })
+    }
+
+    /// The embeddings of `tokens`, tapped, and RoPE's tables.
+    fn start(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        rope_positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) -> Flow {
+        debug_assert!(positions.iter().enumerate().all(|(i, &p)| i == p));
+        let (g, n, h) = (self.g, tokens.len(), self.cm.config.hidden_size);
+        sink.begin_step(0, tokens, positions);
+        let ids = g.upload(tokens);
+        let x = self.buf(n * h);
+        let embed = self.w.embed();
+        self.launch(
+            &format!("embed_{}", embed.infix()),
+            blocks(n * h),
+            256,
+            &[
+                Arg::Ptr(embed.ptr),
+                Arg::Ptr(ptr(g, &ids, 0)),
+                Arg::Ptr(x.at(g, 0)),
+                Arg::I32(n as i32),
+                Arg::I32(h as i32),
+            ],
+        );
+        self.tap(sink, TapId::Embed, positions, &[n, h], &x);
+        let (cos, sin) = rope_tables(self, rope_positions);
+        Flow { x, cos, sin }
+    }
+
+    /// The final norm and the logits, tapped.
+    fn finish(&self, flow: Flow, positions: &[usize], sink: &mut dyn TapSink) {
+        let (g, c, n) = (self.g, &self.cm.config, positions.len());
+        let h = c.hidden_size;
+        let xn = self.buf(n * h);
+        self.norm(&flow.x, self.w.norm(), &xn, n, h);
+        self.tap(sink, TapId::FinalNorm, positions, &[n, h], &xn);
+        if sink.table().wants(TapId::Logits) {
+            let v = c.vocab_size;
+            let logits = self.buf(n * v);
+            let scratch = self.operand_buf(n * h);
+            let xin = self.input(&xn, n * h, &scratch);
+            let head = self.w.lm_head();
+            // The head through the widening buffer a block of vocabulary rows at a time.
+            let rows = (widest(c) / h).clamp(1, v);
+            for r0 in (0..v).step_by(rows) {
+                let r = rows.min(v - r0);
+                let rows = self.widen(head, r0 * h, r * h);
+                self.gemm(xin.at(g, 0), rows, 0, logits.at(g, r0), n, h, r, v);
+            }
+            self.tap(sink, TapId::Logits, positions, &[n, v], &logits);
+        }
+    }
+}
+
+/// Bytes of every tap of an `n`-token pass kept in f32.
+fn kept_bytes(c: &Config, n: usize) -> usize {
+    let (h, heads, qd, kvd) = (c.hidden_size, c.num_attention_heads, c.q_dim(), c.kv_dim());
+    n * c.num_hidden_layers * (8 * h + 3 * qd + 4 * kvd + heads * n) * 4
 }
 
 /// The f64 oracle's standard prefill of `tokens` (see `prefill`), its taps kept on the GPU.
@@ -454,6 +494,54 @@ pub fn keep(
     )?;
     Ok(keeper.finish())
 }
+
+/// `keep`, with the bf16 emulation's pass measured against the oracle beside it, layer by
+/// layer: each of its layers runs as soon as the oracle's has, so that on a model still
+/// streaming in both follow the load and the emulation costs no time of its own after it.
+/// The emulation's measurement (as `DeviceOracle::meter` over a `prefill` at
+/// `Precision::Bf16Emulation` gives it) is None where the GPU lacks the room for both
+/// passes at once: measure it after.
+pub fn keep_measuring_emulation(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    rope_positions: &[usize],
+) -> Result<(DeviceOracle, Option<Measurement>)> {
+    let oracle = Pass::open(model, tokens.len(), Precision::F64, 0)?;
+    let c = &oracle.cm.config;
+    let kept = kept_bytes(c, tokens.len());
+    let Ok(emulation) = Pass::open(model, tokens.len(), Precision::Bf16Emulation, kept) else {
+        drop(oracle);
+        return Ok((keep(model, tokens, positions, rope_positions)?, None));
+    };
+    let layers = c.num_hidden_layers;
+    let mut keeper = Keeper::new(oracle.cm.gpu.clone(), layers);
+    let mut measured = meter::Measured::new(oracle.g, layers);
+    let mut of = oracle.start(tokens, positions, rope_positions, &mut keeper);
+    // The emulation's meter reads the taps kept so far: made again after each oracle layer.
+    let mut m = DeviceMeter::new(&keeper.kept, measured);
+    let mut ef = emulation.start(tokens, positions, rope_positions, &mut m);
+    measured = m.into_measured();
+    for l in 0..layers {
+        of.x = layer(&oracle, l, of.x, positions, (&of.cos, &of.sin), &mut keeper);
+        let mut m = DeviceMeter::new(&keeper.kept, measured);
+        ef.x = layer(&emulation, l, ef.x, positions, (&ef.cos, &ef.sin), &mut m);
+        measured = m.into_measured();
+    }
+    oracle.finish(of, positions, &mut keeper);
+    let mut m = DeviceMeter::new(&keeper.kept, measured);
+    emulation.finish(ef, positions, &mut m);
+    {
+        let _wait = span("calibration: GPU oracle pass run (GPU wait)");
+        oracle.g.sync();
+    }
+    let emulated = m.finish();
+    Ok((keeper.finish(), Some(emulated)))
+}
+
+/// Per tap, the largest row error of a pass against the oracle, or its first non-finite
+/// value as (tap, position) (`DeviceMeter::finish`).
+pub type Measurement = std::result::Result<std::collections::BTreeMap<TapId, f32>, (TapId, usize)>;
 
 /// RoPE's cos and sin per token and frequency, `[n, hd/2]`, computed on the host as the pass the
 /// precision stands for computes them: exact angles in f64 for the oracle, `position · inv_freq`
