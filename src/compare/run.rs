@@ -325,11 +325,7 @@ impl<'a> Request<'a> {
                 (p, Some(c), source)
             }
         };
-        // A GPU reference is held to what bf16 rounding allows: paths sharing a bug with it
-        // would otherwise look equivalent. A GPU path needs no such check: the comparison
-        // itself holds it to the reference.
-        let gpu_reference = self.reference.on(self.backend) == Backend::Cuda;
-        let gpu = match (self.gpu_model.filter(|_| gpu_reference), self.gpu_noise) {
+        let gpu = match (self.checked_gpu(), self.gpu_noise) {
             (Some(_), Some(checked)) => Some(checked.clone()),
             (Some(g), None) => {
                 let cal = match cal {
@@ -347,6 +343,14 @@ impl<'a> Request<'a> {
         })
     }
 
+    /// The GPU model to hold to what bf16 rounding allows: a GPU reference, since paths sharing
+    /// a bug with it would otherwise look equivalent. A GPU path needs no such check: the
+    /// comparison itself holds it to the reference.
+    fn checked_gpu(&self) -> Option<&'a Model> {
+        let gpu_reference = self.reference.on(self.backend) == Backend::Cuda;
+        self.gpu_model.filter(|_| gpu_reference)
+    }
+
     /// The calibration prefill rotated up to position `last`: on the GPU where every side runs
     /// there and the GPU oracle can stand for the CPU's, else on the CPU model.
     fn calibration(&self, last: usize) -> Result<Calibration<'a>> {
@@ -357,7 +361,9 @@ impl<'a> Request<'a> {
             // Layer by layer as the weights land; a failure to load them (Inf or NaN among
             // them) is reported before anything the calibration made of them.
             super::driver::note_gpu_memory("before calibration", g);
-            let calibrated = Calibration::on_gpu(g, ids, last, &backends);
+            // The check of a GPU reference runs beside the oracle, where it is not cached.
+            let check = self.checked_gpu().filter(|_| self.gpu_noise.is_none());
+            let calibrated = Calibration::on_gpu(g, ids, last, &backends, check);
             crate::cuda::weights_loaded(g)?;
             match calibrated {
                 Ok(c) => return Ok(c),

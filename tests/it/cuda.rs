@@ -2029,7 +2029,7 @@ fn the_gpu_oracle_computes_what_the_cpu_oracle_computes() {
         let cpu = model.rounded_to_bf16();
         let cuda = kvdiff::cuda::to_cuda(&cpu).unwrap();
         let c = Calibration::new(&cpu, &ids, last);
-        let g = Calibration::on_gpu(&cuda, &ids, last, &["cuda"]).unwrap();
+        let g = Calibration::on_gpu(&cuda, &ids, last, &["cuda"], Some(&cuda)).unwrap();
         let (mut worst, mut at) = (0f64, String::new());
         for t in &c.oracle_taps().taps {
             let o = g
@@ -2053,12 +2053,18 @@ fn the_gpu_oracle_computes_what_the_cpu_oracle_computes() {
         assert!(worst <= 1e-6, "{name}: {worst:e} at {at}");
         let pc = NoiseProfile::calibrate(&c, &cpu, name.into(), &["cuda"]).unwrap();
         let pg = NoiseProfile::calibrate(&g, &cuda, name.into(), &["cuda"]).unwrap();
-        // The emulation measured beside the oracle, layer by layer, is the one measured after.
-        let after = Calibration::on_gpu(&cuda, &ids, last, &[]).unwrap();
+        // The emulation and the GPU model's pass measured beside the oracle, layer by layer,
+        // are the ones measured after it.
+        let after = Calibration::on_gpu(&cuda, &ids, last, &[], None).unwrap();
         let pa = NoiseProfile::calibrate(&after, &cuda, name.into(), &["cuda"]).unwrap();
         assert_eq!(
             pg.backends["cuda"], pa.backends["cuda"],
             "{name}: the emulation measured beside the oracle"
+        );
+        assert_eq!(
+            g.measure(&cuda, "beside").unwrap(),
+            after.measure(&cuda, "after").unwrap(),
+            "{name}: the GPU model's pass measured beside the oracle"
         );
         let (ec, eg) = (&pc.backends["cuda"].per_kind, &pg.backends["cuda"].per_kind);
         assert_eq!(ec.keys().collect::<Vec<_>>(), eg.keys().collect::<Vec<_>>());
@@ -2193,7 +2199,7 @@ fn exact_paths_raise_no_false_alarm_on_the_gpu() {
                 }
             }
             let gpu_profile = on_gpu.map(|g| {
-                let cal = Calibration::on_gpu(g, &prompt.ids, last, &["cuda"]).unwrap();
+                let cal = Calibration::on_gpu(g, &prompt.ids, last, &["cuda"], Some(g)).unwrap();
                 let p = NoiseProfile::calibrate(&cal, g, name.into(), &["cuda"]).unwrap();
                 if case % 50 == 0 {
                     if let Err(e) = p.check_gpu(&cal, g) {
@@ -2320,7 +2326,7 @@ fn planted_bugs_are_named_on_the_gpu() {
     profile.check_gpu(&cal, &cuda).unwrap();
     // The same sites whichever oracle the noise model was calibrated on.
     let last = prompt.ids.len() + max_new - 1;
-    let on_gpu = Calibration::on_gpu(&cuda, &prompt.ids, last, &["cuda"]).unwrap();
+    let on_gpu = Calibration::on_gpu(&cuda, &prompt.ids, last, &["cuda"], Some(&cuda)).unwrap();
     let gpu_profile = NoiseProfile::calibrate(&on_gpu, &cuda, "default".into(), &["cuda"]).unwrap();
     gpu_profile.check_gpu(&on_gpu, &cuda).unwrap();
     let taps = TapFilter::all();

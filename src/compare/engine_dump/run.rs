@@ -751,7 +751,7 @@ fn auto_tolerance(
                     // them) is reported before anything the calibration made of them.
                     let on_gpu = gpu
                         .filter(|_| !kv)
-                        .map(|g| Calibration::on_gpu(g.0, prompt_ids, at, &backends));
+                        .map(|g| Calibration::on_gpu(g.0, prompt_ids, at, &backends, gpu_model));
                     if let Some((g, _)) = gpu {
                         crate::cuda::weights_loaded(g)?;
                     }

@@ -157,6 +157,8 @@ pub struct Calibration<'m> {
     copied: std::sync::OnceLock<Recorder>,
     /// The bf16 emulation measured beside the oracle on the GPU (`on_gpu`), where it was.
     emulated: Option<crate::cuda::OracleMeasurement>,
+    /// A GPU model's pass measured beside the oracle (`on_gpu`'s `check`), and the model.
+    checked: Option<(&'m Model, crate::cuda::OracleMeasurement)>,
 }
 
 impl<'m> Calibration<'m> {
@@ -179,12 +181,15 @@ impl<'m> Calibration<'m> {
     /// the CPU takes a minute on a large model. Says why not where it cannot stand for the
     /// CPU's (see `cuda::oracle::unavailable`); only the `cuda` backend's noise can then be
     /// measured (`NoiseProfile::calibrate`). Where `backends` need the emulation of bf16
-    /// rounding (`needs_emulation`), it runs beside the oracle, layer by layer.
+    /// rounding (`needs_emulation`), it runs beside the oracle, layer by layer, and so does
+    /// the pass of `check` (the GPU model `NoiseProfile::check_gpu` will hold to it), so that
+    /// on a model streaming in they all follow the load.
     pub fn on_gpu(
         gpu_model: &'m Model,
         prompt_ids: &[u32],
         last_position: usize,
         backends: &[&str],
+        check: Option<&'m Model>,
     ) -> std::result::Result<Self, String> {
         if let Some(why) = crate::cuda::oracle_unavailable(gpu_model) {
             return Err(why);
@@ -192,13 +197,30 @@ impl<'m> Calibration<'m> {
         let mut cal = Self::empty(gpu_model, prompt_ids, last_position);
         let _span = crate::support::timing::span("calibration: f64 oracle prefill (GPU)");
         let (t, p, r) = (&cal.tokens, &cal.positions, &cal.rope_positions);
-        let (kept, emulated) = match needs_emulation(backends) {
-            true => crate::cuda::oracle_keep_measuring_emulation(gpu_model, t, p, r),
-            false => crate::cuda::oracle_keep(gpu_model, t, p, r).map(|k| (k, None)),
+        let emulate = needs_emulation(backends);
+        let (kept, beside) = match (emulate, check) {
+            (false, None) => crate::cuda::oracle_keep(gpu_model, t, p, r).map(|k| (k, None)),
+            _ => {
+                let batch = Batch {
+                    rope_positions: r,
+                    ..Batch::new(t, p)
+                };
+                let mut pass = check.map(|m| {
+                    move |sink: &mut dyn TapSink| {
+                        m.forward(batch, &mut m.new_cache(), 0, sink);
+                    }
+                });
+                let pass = pass.as_mut().map(|f| f as &mut dyn FnMut(&mut dyn TapSink));
+                crate::cuda::oracle_keep_beside(gpu_model, t, p, r, emulate, pass)
+                    .map(|(k, b)| (k, Some(b)))
+            }
         }
         .map_err(|e| e.to_string())?;
         cal.device = Some(kept);
-        cal.emulated = emulated;
+        if let Some(b) = beside {
+            cal.emulated = b.emulation;
+            cal.checked = check.zip(b.checked);
+        }
         Ok(cal)
     }
 
@@ -218,6 +240,7 @@ impl<'m> Calibration<'m> {
             device: None,
             copied: Default::default(),
             emulated: None,
+            checked: None,
         }
     }
 
@@ -242,6 +265,15 @@ impl<'m> Calibration<'m> {
             rope_positions: &self.rope_positions,
             ..Batch::new(&self.tokens, &self.positions)
         };
+        let beside = self
+            .checked
+            .as_ref()
+            .filter(|(m, _)| std::ptr::eq(*m, model));
+        if let Some((_, measured)) = beside {
+            return measured
+                .clone()
+                .map_err(|(id, pos)| non_finite(what, id, pos));
+        }
         if let Some(d) = &self.device {
             let _span = crate::support::timing::span("calibration: pass measured on the GPU");
             let mut meter = d.meter();

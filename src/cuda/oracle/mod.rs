@@ -23,11 +23,13 @@ use crate::tap::{LayerTap, TapId, TapSink};
 use meter::Keeper;
 use weights::{Weights, W};
 
+mod beside;
 mod gemm;
 mod meter;
 mod replay;
 mod weights;
 
+pub use beside::{keep_beside, Beside};
 pub use meter::{DeviceMeter, DeviceOracle};
 pub use replay::ReplayOnGpu;
 pub use weights::attach_f32_weights;
@@ -493,50 +495,6 @@ pub fn keep(
         &mut keeper,
     )?;
     Ok(keeper.finish())
-}
-
-/// `keep`, with the bf16 emulation's pass measured against the oracle beside it, layer by
-/// layer: each of its layers runs as soon as the oracle's has, so that on a model still
-/// streaming in both follow the load and the emulation costs no time of its own after it.
-/// The emulation's measurement (as `DeviceOracle::meter` over a `prefill` at
-/// `Precision::Bf16Emulation` gives it) is None where the GPU lacks the room for both
-/// passes at once: measure it after.
-pub fn keep_measuring_emulation(
-    model: &Model,
-    tokens: &[u32],
-    positions: &[usize],
-    rope_positions: &[usize],
-) -> Result<(DeviceOracle, Option<Measurement>)> {
-    let oracle = Pass::open(model, tokens.len(), Precision::F64, 0)?;
-    let c = &oracle.cm.config;
-    let kept = kept_bytes(c, tokens.len());
-    let Ok(emulation) = Pass::open(model, tokens.len(), Precision::Bf16Emulation, kept) else {
-        drop(oracle);
-        return Ok((keep(model, tokens, positions, rope_positions)?, None));
-    };
-    let layers = c.num_hidden_layers;
-    let mut keeper = Keeper::new(oracle.cm.gpu.clone(), layers);
-    let mut measured = meter::Measured::new(oracle.g, layers);
-    let mut of = oracle.start(tokens, positions, rope_positions, &mut keeper);
-    // The emulation's meter reads the taps kept so far: made again after each oracle layer.
-    let mut m = DeviceMeter::new(&keeper.kept, measured);
-    let mut ef = emulation.start(tokens, positions, rope_positions, &mut m);
-    measured = m.into_measured();
-    for l in 0..layers {
-        of.x = layer(&oracle, l, of.x, positions, (&of.cos, &of.sin), &mut keeper);
-        let mut m = DeviceMeter::new(&keeper.kept, measured);
-        ef.x = layer(&emulation, l, ef.x, positions, (&ef.cos, &ef.sin), &mut m);
-        measured = m.into_measured();
-    }
-    oracle.finish(of, positions, &mut keeper);
-    let mut m = DeviceMeter::new(&keeper.kept, measured);
-    emulation.finish(ef, positions, &mut m);
-    {
-        let _wait = span("calibration: GPU oracle pass run (GPU wait)");
-        oracle.g.sync();
-    }
-    let emulated = m.finish();
-    Ok((keeper.finish(), Some(emulated)))
 }
 
 /// Per tap, the largest row error of a pass against the oracle, or its first non-finite
