@@ -920,6 +920,20 @@ fn gpu_only_load_computes_what_the_uploaded_cpu_model_computes() {
         .expect_err("NaN refused")
         .to_string();
     assert_eq!(late_err, cpu_err);
+    // With a pass run first, which enqueues each layer's check as it waits for the layer.
+    let streamed = kvdiff::cuda::load_on_cuda_streaming(&src, &config).unwrap();
+    let ids = [1u32, 2, 3];
+    let mut rec = Recorder::new(&TapFilter::all(), config.num_hidden_layers);
+    streamed.forward(
+        Batch::new(&ids, &[0, 1, 2]),
+        &mut streamed.new_cache(),
+        0,
+        &mut rec,
+    );
+    let checked_err = kvdiff::cuda::weights_loaded(&streamed)
+        .expect_err("NaN refused")
+        .to_string();
+    assert_eq!(checked_err, cpu_err);
     // And a GPU compare (which streams) stops with that one line, exit code 2.
     let dir_arg = dir.path().to_str().unwrap();
     let prompt = fixture("prompts/task.json");

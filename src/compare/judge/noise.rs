@@ -697,6 +697,14 @@ mod tests {
     use crate::tap::LayerTap;
 
     #[test]
+    fn only_bf16_backends_need_the_emulation() {
+        assert!(!needs_emulation(&[]));
+        assert!(!needs_emulation(&["cpu", "cpu-kv-f16", "cpu-kv-bf16"]));
+        assert!(needs_emulation(&["cuda"]));
+        assert!(needs_emulation(&["cpu", "cuda", "cpu-kv-f16"]));
+    }
+
+    #[test]
     fn growth_by_orders_of_magnitude_is_refused() {
         let resid = |l| TapId::Layer(l, LayerTap::ResidOut);
         let ok: BTreeMap<TapId, f32> =
