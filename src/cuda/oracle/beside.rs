@@ -114,14 +114,15 @@ pub type RunPass<'f> = dyn FnMut(&mut dyn TapSink) + 'f;
 pub struct Beside {
     /// The bf16 emulation's pass, where it was asked for and the GPU had the room for it.
     pub emulation: Option<Measurement>,
-    /// The pass `check` ran, where it was asked for.
+    /// The pass `check` ran, where it was asked for and the GPU had the room for it.
     pub checked: Option<Measurement>,
 }
 
 /// The f64 oracle's standard prefill of `tokens` (see `super::prefill`), its taps kept on the
 /// GPU, with, beside it, the bf16 emulation's pass measured against it (where `emulate`) and
 /// the pass `check` runs (given a sink, it runs a model's forward of the same tokens into it).
-/// A pass the GPU lacks the room for beside the oracle's is left out: measure it after.
+/// A pass the GPU lacks the room for beside the oracle's is left out (its measurement is
+/// `None`): measure it after.
 pub fn keep_beside(
     model: &Model,
     tokens: &[u32],
@@ -135,9 +136,16 @@ pub fn keep_beside(
     let c = &oracle.cm.config;
     let layers = c.num_hidden_layers;
     let kept = super::kept_bytes(c, n);
+    // The checked pass's workspace is made while the others' buffers are held.
+    let g = oracle.g;
+    let workspace = match check.is_some() {
+        true => crate::cuda::workspace::Workspace::bytes(g, c, n, n, true, true),
+        false => 0,
+    };
     let emulation = emulate
-        .then(|| Pass::open(model, n, Precision::Bf16Emulation, kept).ok())
+        .then(|| Pass::open(model, n, Precision::Bf16Emulation, kept + workspace).ok())
         .flatten();
+    let check = check.filter(|_| kept + workspace + (256 << 20) <= g.memory().0);
     let mut keeper = Keeper::new(oracle.cm.gpu.clone(), layers);
     let of = oracle.start(tokens, positions, rope_positions, &mut keeper);
     let emulation = emulation.map(|pass| {
