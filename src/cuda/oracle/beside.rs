@@ -136,10 +136,11 @@ pub fn keep_beside(
     let c = &oracle.cm.config;
     let layers = c.num_hidden_layers;
     let kept = super::kept_bytes(c, n);
-    // The checked pass's workspace is made while the others' buffers are held.
+    // The checked pass's workspace is made while the others' buffers are held: counted as a
+    // pass that keeps every layer's taps, in f32.
     let g = oracle.g;
     let workspace = match check.is_some() {
-        true => crate::cuda::workspace::Workspace::bytes(g, c, n, n, true, true),
+        true => kept + super::activation_bytes(c, n, Precision::F32),
         false => 0,
     };
     let emulation = emulate

@@ -389,7 +389,7 @@ impl<'a> Pass<'a> {
             false => wide_len,
         };
         let need = (wide_len + gemm::scratch_len(g.sm_count())) * wide_bytes
-            + (16 * n * width + n * c.vocab_size) * precision.bytes()
+            + activation_bytes(c, n, precision)
             + kept_bytes(c, n)
             + operands
             + reserve;
@@ -468,6 +468,17 @@ impl<'a> Pass<'a> {
             self.tap(sink, TapId::Logits, positions, &[n, v], &logits);
         }
     }
+}
+
+/// Bytes of an `n`-token pass's activations at `p`: sixteen of its widest op's (the MLP's gate
+/// and up, attention's probabilities, the projections), and the logits.
+fn activation_bytes(c: &Config, n: usize, p: Precision) -> usize {
+    let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
+    let width = (2 * inter)
+        .max(heads * n)
+        .max(c.q_dim() + 2 * c.kv_dim())
+        .max(h);
+    (16 * n * width + n * c.vocab_size) * p.bytes()
 }
 
 /// Bytes of every tap of an `n`-token pass kept in f32.
