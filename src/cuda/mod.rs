@@ -57,7 +57,7 @@ pub use model::{
 };
 pub use oracle::{attach_f32_weights, DeviceMeter, DeviceOracle, ReplayOnGpu};
 pub use oracle::{
-    keep as oracle_keep, keep_beside as oracle_keep_beside, prefill as oracle_prefill,
+    keep_beside as oracle_keep_beside, prefill as oracle_prefill,
     unavailable as oracle_unavailable, Beside as OracleBeside, Measurement as OracleMeasurement,
     Precision as OraclePrecision,
 };

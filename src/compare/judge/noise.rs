@@ -197,30 +197,22 @@ impl<'m> Calibration<'m> {
         let mut cal = Self::empty(gpu_model, prompt_ids, last_position);
         let _span = crate::support::timing::span("calibration: f64 oracle prefill (GPU)");
         let (t, p, r) = (&cal.tokens, &cal.positions, &cal.rope_positions);
-        let emulate = needs_emulation(backends);
-        let (kept, beside) = match (emulate, check) {
-            (false, None) => crate::cuda::oracle_keep(gpu_model, t, p, r).map(|k| (k, None)),
-            _ => {
-                let batch = Batch {
-                    rope_positions: r,
-                    ..Batch::new(t, p)
-                };
-                let mut pass = check.map(|m| {
-                    move |sink: &mut dyn TapSink| {
-                        m.forward(batch, &mut m.new_cache(), 0, sink);
-                    }
-                });
-                let pass = pass.as_mut().map(|f| f as &mut dyn FnMut(&mut dyn TapSink));
-                crate::cuda::oracle_keep_beside(gpu_model, t, p, r, emulate, pass)
-                    .map(|(k, b)| (k, Some(b)))
+        let batch = Batch {
+            rope_positions: r,
+            ..Batch::new(t, p)
+        };
+        let mut pass = check.map(|m| {
+            move |sink: &mut dyn TapSink| {
+                m.forward(batch, &mut m.new_cache(), 0, sink);
             }
-        }
-        .map_err(|e| e.to_string())?;
+        });
+        let pass = pass.as_mut().map(|f| f as &mut dyn FnMut(&mut dyn TapSink));
+        let emulate = needs_emulation(backends);
+        let (kept, beside) = crate::cuda::oracle_keep_beside(gpu_model, t, p, r, emulate, pass)
+            .map_err(|e| e.to_string())?;
         cal.device = Some(kept);
-        if let Some(b) = beside {
-            cal.emulated = b.emulation;
-            cal.checked = check.zip(b.checked);
-        }
+        cal.emulated = beside.emulation;
+        cal.checked = check.zip(beside.checked);
         Ok(cal)
     }
 

@@ -120,7 +120,7 @@ impl DeviceOracle {
 }
 
 /// What a meter has measured so far, apart from the taps it reads: a pass measured while the
-/// oracle's own is still running (`keep_measuring`) is measured layer by layer, by a meter
+/// oracle's own is still running (`keep_beside`) is measured layer by layer, by a meter
 /// over the taps kept so far.
 pub(super) struct Measured {
     table: TapTable,

@@ -20,7 +20,6 @@ use crate::engine::config::Config;
 use crate::engine::model::Model;
 use crate::error::{Error, Result};
 use crate::tap::{LayerTap, TapId, TapSink};
-use meter::Keeper;
 use weights::{Weights, W};
 
 mod beside;
@@ -485,27 +484,6 @@ fn activation_bytes(c: &Config, n: usize, p: Precision) -> usize {
 fn kept_bytes(c: &Config, n: usize) -> usize {
     let (h, heads, qd, kvd) = (c.hidden_size, c.num_attention_heads, c.q_dim(), c.kv_dim());
     n * c.num_hidden_layers * (8 * h + 3 * qd + 4 * kvd + heads * n) * 4
-}
-
-/// The f64 oracle's standard prefill of `tokens` (see `prefill`), its taps kept on the GPU.
-pub fn keep(
-    model: &Model,
-    tokens: &[u32],
-    positions: &[usize],
-    rope_positions: &[usize],
-) -> Result<DeviceOracle> {
-    let cm = cuda_model_of(model)
-        .ok_or_else(|| Error::Internal("GPU oracle: the model is not on the GPU".into()))?;
-    let mut keeper = Keeper::new(cm.gpu.clone(), cm.config.num_hidden_layers);
-    prefill(
-        model,
-        tokens,
-        positions,
-        rope_positions,
-        Precision::F64,
-        &mut keeper,
-    )?;
-    Ok(keeper.finish())
 }
 
 /// Per tap, the largest row error of a pass against the oracle, or its first non-finite
