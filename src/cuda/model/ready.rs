@@ -33,30 +33,27 @@ impl super::CudaModel {
         if self.gpu.capturing() {
             return;
         }
-        let mut f = s.finite.lock().unwrap_or_else(|e| e.into_inner());
-        let f = self.finite_checks(&mut f);
-        let due: Vec<usize> = bufs
-            .filter(|&b| !f.enqueued[b] && s.landing.landed(b))
-            .collect();
-        if due.is_empty() {
-            return;
-        }
-        let all = self.buffers_in_plan_order();
-        for b in due {
-            enqueue_finite_check(&self.gpu, all[b], &f.flags, b);
-            f.enqueued[b] = true;
-        }
+        self.enqueue_checks(s, bufs.filter(|&b| s.landing.landed(b)));
     }
 
-    /// The checks made so far, made empty at the first call.
-    fn finite_checks<'f>(&self, f: &'f mut Option<FiniteChecks>) -> &'f mut FiniteChecks {
-        f.get_or_insert_with(|| {
+    /// Enqueues the checks of buffers `bufs` not enqueued yet.
+    fn enqueue_checks(&self, s: &super::Streaming, bufs: impl Iterator<Item = usize>) {
+        let mut held = s.finite.lock().unwrap_or_else(|e| e.into_inner());
+        let f = held.get_or_insert_with(|| {
             let n = super::plan(&self.config).len();
             FiniteChecks {
                 flags: self.gpu.zeros::<i32>(n),
                 enqueued: vec![false; n],
             }
-        })
+        });
+        let due: Vec<usize> = bufs.filter(|&b| !f.enqueued[b]).collect();
+        if !due.is_empty() {
+            let all = self.buffers_in_plan_order();
+            for b in due {
+                enqueue_finite_check(&self.gpu, all[b], &f.flags, b);
+                f.enqueued[b] = true;
+            }
+        }
     }
 
     /// Waits until the embeddings and the first layer's input norm have landed.
@@ -117,14 +114,9 @@ impl super::CudaModel {
         }
         let plan = super::plan(&self.config);
         let _span = crate::support::timing::span("startup: weights checked for Inf/NaN on the GPU");
-        let mut f = s.finite.lock().unwrap_or_else(|e| e.into_inner());
-        let f = self.finite_checks(&mut f);
-        for (b, buf) in self.buffers_in_plan_order().into_iter().enumerate() {
-            if !f.enqueued[b] {
-                enqueue_finite_check(&self.gpu, buf, &f.flags, b);
-                f.enqueued[b] = true;
-            }
-        }
+        self.enqueue_checks(s, 0..plan.len());
+        let held = s.finite.lock().unwrap_or_else(|e| e.into_inner());
+        let f = held.as_ref().expect("made by enqueue_checks");
         finite_verdict(&self.gpu, &plan, &f.flags, |names| {
             crate::engine::weights::Checkpoint::with(&s.source, &self.config, |ckpt| {
                 crate::engine::weights::TensorSource::bf16_bits(ckpt, names).map(|_| ())

@@ -4,12 +4,25 @@
 //! layer it belongs to). On a model still streaming in, every pass then follows the load, and
 //! none costs time of its own after it.
 
-use super::meter::{Keeper, Measured};
+use super::meter::{Keeper, Measured, OracleTaps};
 use super::{layer, DeviceMeter, DeviceOracle, Flow, Measurement, Pass, Precision};
 use crate::engine::model::Model;
 use crate::error::Result;
 use crate::support::timing::span;
 use crate::tap::{DeviceTap, TapId, TapSink, TapTable, TapValue};
+
+/// Runs `f` with a meter over the taps `kept` holds so far, going on from (and leaving its
+/// measurements in) `measured`: the kept taps grow between calls, so no meter outlives one.
+fn measuring<R>(
+    kept: &OracleTaps,
+    measured: &mut Option<Measured>,
+    f: impl FnOnce(&mut DeviceMeter<'_>) -> R,
+) -> R {
+    let mut m = DeviceMeter::new(kept, measured.take().expect("a meter's state"));
+    let r = f(&mut m);
+    *measured = Some(m.into_measured());
+    r
+}
 
 /// The emulation's pass beside the oracle's: its flow between layers, and its meter's state.
 struct Emulation<'a> {
@@ -41,11 +54,11 @@ impl Lockstep<'_> {
             let x = std::mem::replace(&mut f.x, self.oracle.buf(0));
             f.x = layer(&self.oracle, l, x, p, (&f.cos, &f.sin), &mut self.keeper);
             if let Some(e) = self.emulation.as_mut() {
-                let mut m = DeviceMeter::new(&self.keeper.kept, e.measured.take().expect("state"));
                 let f = e.flow.as_mut().expect("a flow until the head");
                 let x = std::mem::replace(&mut f.x, e.pass.buf(0));
-                f.x = layer(&e.pass, l, x, p, (&f.cos, &f.sin), &mut m);
-                e.measured = Some(m.into_measured());
+                f.x = measuring(&self.keeper.kept, &mut e.measured, |m| {
+                    layer(&e.pass, l, x, p, (&f.cos, &f.sin), m)
+                });
             }
             self.done += 1;
         }
@@ -57,9 +70,9 @@ impl Lockstep<'_> {
         }
         if let Some(e) = self.emulation.as_mut() {
             if let Some(f) = e.flow.take() {
-                let mut m = DeviceMeter::new(&self.keeper.kept, e.measured.take().expect("state"));
-                e.pass.finish(f, p, &mut m);
-                e.measured = Some(m.into_measured());
+                measuring(&self.keeper.kept, &mut e.measured, |m| {
+                    e.pass.finish(f, p, m)
+                });
             }
         }
     }
@@ -81,14 +94,6 @@ impl Driven<'_, '_> {
             TapId::FinalNorm | TapId::Logits => self.run.through(None),
         }
     }
-
-    fn with_meter<R>(&mut self, f: impl FnOnce(&mut DeviceMeter<'_>) -> R) -> R {
-        let measured = self.measured.take().expect("a meter between taps");
-        let mut m = DeviceMeter::new(&self.run.keeper.kept, measured);
-        let r = f(&mut m);
-        self.measured = Some(m.into_measured());
-        r
-    }
 }
 
 impl TapSink for Driven<'_, '_> {
@@ -98,12 +103,16 @@ impl TapSink for Driven<'_, '_> {
 
     fn record_device(&mut self, step: usize, tap: &DeviceTap<'_>) -> bool {
         self.ready_for(tap.id);
-        self.with_meter(|m| m.record_device(step, tap))
+        measuring(&self.run.keeper.kept, &mut self.measured, |m| {
+            m.record_device(step, tap)
+        })
     }
 
     fn record(&mut self, step: usize, v: TapValue<'_>) {
         self.ready_for(v.id);
-        self.with_meter(|m| m.record(step, v))
+        measuring(&self.run.keeper.kept, &mut self.measured, |m| {
+            m.record(step, v)
+        })
     }
 }
 
@@ -150,12 +159,14 @@ pub fn keep_beside(
     let mut keeper = Keeper::new(oracle.cm.gpu.clone(), layers);
     let of = oracle.start(tokens, positions, rope_positions, &mut keeper);
     let emulation = emulation.map(|pass| {
-        let mut m = DeviceMeter::new(&keeper.kept, Measured::new(oracle.g, layers));
-        let flow = pass.start(tokens, positions, rope_positions, &mut m);
+        let mut measured = Some(Measured::new(oracle.g, layers));
+        let flow = measuring(&keeper.kept, &mut measured, |m| {
+            pass.start(tokens, positions, rope_positions, m)
+        });
         Emulation {
             pass,
             flow: Some(flow),
-            measured: Some(m.into_measured()),
+            measured,
         }
     });
     let mut run = Lockstep {

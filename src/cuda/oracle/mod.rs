@@ -362,15 +362,10 @@ impl<'a> Pass<'a> {
         let cm = cuda_model_of(model).expect("checked by unavailable");
         let g: &Gpu = &cm.gpu;
         let c = &cm.config;
-        let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let (h, inter, qd) = (c.hidden_size, c.intermediate_size, c.q_dim());
         let wide_len = widest(c);
-        // Activations of the widest op (the MLP's gate and up, attention's probabilities, the
-        // logits) and the widened weights.
-        let width = (2 * inter).max(heads * n).max(qd + 2 * kvd).max(h);
         // The widest product a GEMM writes: a projection's, or a block of the LM head's rows.
-        let head_rows = (wide_len / h).clamp(1, c.vocab_size);
-        let out_width = qd.max(h).max(inter).max(head_rows);
+        let out_width = qd.max(h).max(inter).max(head_rows(c));
         // The widened weights are in the products' precision; a pass whose products are wider
         // than its values also holds its operands and products in it.
         let wider = precision.products() != precision;
@@ -408,7 +403,7 @@ impl<'a> Pass<'a> {
             wide: alloc_buf(g, wide_len, precision.products()),
             wide_len,
             wide_out: wider.then(|| alloc_buf(g, n * out_width, precision.products())),
-            narrow: g.alloc::<f32>(n * width.max(c.vocab_size)),
+            narrow: g.alloc::<f32>(n * op_width(c, n).max(c.vocab_size)),
             part: alloc_buf(g, gemm::scratch_len(g.sm_count()), precision.products()),
         })
     }
@@ -458,7 +453,7 @@ impl<'a> Pass<'a> {
             let xin = self.input(&xn, n * h, &scratch);
             let head = self.w.lm_head();
             // The head through the widening buffer a block of vocabulary rows at a time.
-            let rows = (widest(c) / h).clamp(1, v);
+            let rows = head_rows(c);
             for r0 in (0..v).step_by(rows) {
                 let r = rows.min(v - r0);
                 let rows = self.widen(head, r0 * h, r * h);
@@ -469,15 +464,24 @@ impl<'a> Pass<'a> {
     }
 }
 
-/// Bytes of an `n`-token pass's activations at `p`: sixteen of its widest op's (the MLP's gate
-/// and up, attention's probabilities, the projections), and the logits.
-fn activation_bytes(c: &Config, n: usize, p: Precision) -> usize {
+/// Values a token of an `n`-token pass holds in its widest op: the MLP's gate and up,
+/// attention's probabilities, the q/k/v projection, or the hidden state.
+fn op_width(c: &Config, n: usize) -> usize {
     let (h, inter, heads) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-    let width = (2 * inter)
+    (2 * inter)
         .max(heads * n)
         .max(c.q_dim() + 2 * c.kv_dim())
-        .max(h);
-    (16 * n * width + n * c.vocab_size) * p.bytes()
+        .max(h)
+}
+
+/// Rows of the LM head the widening buffer holds at once.
+fn head_rows(c: &Config) -> usize {
+    (widest(c) / c.hidden_size).clamp(1, c.vocab_size)
+}
+
+/// Bytes of an `n`-token pass's activations at `p`: sixteen of its widest op's, and the logits.
+fn activation_bytes(c: &Config, n: usize, p: Precision) -> usize {
+    (16 * n * op_width(c, n) + n * c.vocab_size) * p.bytes()
 }
 
 /// Bytes of every tap of an `n`-token pass kept in f32.
