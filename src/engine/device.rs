@@ -33,6 +33,18 @@ pub trait DeviceModel: Send + Sync {
     fn prefill(&self, batch: Batch<'_>, cache: &mut KvCache, step: usize, sink: &mut dyn TapSink) {
         self.forward(batch, cache, step, sink);
     }
+    /// Runs `pieces`, consecutive prefills of `cache`, as one pass where the device gives
+    /// every tap the bits the pieces one by one give it (see `Model::prefill_pieces`); None,
+    /// with nothing run, where it does not.
+    fn prefill_pieces(
+        &self,
+        _pieces: &[Batch<'_>],
+        _cache: &mut KvCache,
+        _step: usize,
+        _sink: &mut dyn TapSink,
+    ) -> Option<StepLogits> {
+        None
+    }
     fn rerotate(
         &self,
         cache: &mut KvCache,

@@ -535,6 +535,34 @@ impl Model {
         }
     }
 
+    /// Prefills `pieces` into `cache` one after another, each attending to the cache as the
+    /// pieces before it left it (a chunked prefill), and returns the last piece's logits as
+    /// `forward_step` does. The taps and the cache are those of `prefill` on each piece in
+    /// turn, bit for bit; a GPU may run the pieces as one pass, layer by layer, where that
+    /// holds (`cuda/forward/pieces.rs`).
+    pub fn prefill_pieces(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> StepLogits {
+        if let Some(d) = &self.device {
+            if let Some(logits) = d.prefill_pieces(pieces, cache, step, sink) {
+                return logits;
+            }
+        }
+        let mut logits = StepLogits::Host(Vec::new());
+        for (i, &batch) in pieces.iter().enumerate() {
+            if i + 1 == pieces.len() {
+                logits = self.forward_step(batch, cache, step, sink);
+            } else {
+                self.prefill(batch, cache, step, sink);
+            }
+        }
+        logits
+    }
+
     /// As `forward`, for a decode step whose logits are wanted for their argmax and for a
     /// comparison that may run where they are: on a device they stay there (see `StepLogits`).
     pub fn forward_step(

@@ -15,28 +15,26 @@ pub fn prefill(
 ) -> (KvCache, StepLogits) {
     let mut cache = model.new_cache();
     let positions: Vec<usize> = (0..prompt.ids.len()).collect();
-    let mut logits = StepLogits::Host(Vec::new());
-    let pieces = prompt.ids.len().div_ceil(piece);
-    for (i, (ids, pos)) in prompt
+    let pieces: Vec<Batch<'_>> = prompt
         .ids
         .chunks(piece)
         .zip(positions.chunks(piece))
-        .enumerate()
-    {
-        let mut alone = model.new_cache();
-        let target = match fault::active(Fault::ChunkIgnoresCache) {
-            true => &mut alone,
-            false => &mut cache,
-        };
+        .map(|(ids, pos)| Batch::new(ids, pos))
+        .collect();
+    if !fault::active(Fault::ChunkIgnoresCache) {
         // Only the last piece's logits are read.
-        if i + 1 == pieces {
-            logits = model.forward_step(Batch::new(ids, pos), target, 0, sink);
+        let logits = model.prefill_pieces(&pieces, &mut cache, 0, sink);
+        return (cache, logits);
+    }
+    let mut logits = StepLogits::Host(Vec::new());
+    for (i, &batch) in pieces.iter().enumerate() {
+        let mut alone = model.new_cache();
+        if i + 1 == pieces.len() {
+            logits = model.forward_step(batch, &mut alone, 0, sink);
         } else {
-            model.prefill(Batch::new(ids, pos), target, 0, sink);
+            model.prefill(batch, &mut alone, 0, sink);
         }
-        if fault::active(Fault::ChunkIgnoresCache) {
-            cache.append(alone);
-        }
+        cache.append(alone);
     }
     (cache, logits)
 }

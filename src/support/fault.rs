@@ -91,6 +91,11 @@ pub fn active(f: Fault) -> bool {
     PLANTED.with(|p| p.borrow_mut().get_or_insert_with(from_env).contains(&f))
 }
 
+/// Whether any fault is planted on this thread.
+pub fn any_active() -> bool {
+    PLANTED.with(|p| !p.borrow_mut().get_or_insert_with(from_env).is_empty())
+}
+
 /// Plants `f` on this thread until the guard is dropped.
 pub fn plant(f: Fault) -> Planted {
     PLANTED.with(|p| p.borrow_mut().get_or_insert_with(from_env).push(f));

@@ -1643,6 +1643,123 @@ fn caches_of_the_same_bits_are_found_and_their_steps_offered_again() {
     }
 }
 
+/// A chunked prefill's pieces run as one pass, layer by layer, offer every tap row, each
+/// piece's last logits, the last piece's logits and the cache that the pieces run one by one
+/// give, bit for bit, over an empty cache and over one that holds entries already. Where the
+/// bits could part (a one-token piece; attention probabilities wanted as rows) the pieces are
+/// left to run one by one.
+#[test]
+fn pieces_run_together_give_the_bits_of_pieces_run_one_by_one() {
+    use kvdiff::tap::{LayerTap, TapId};
+    if gpu().is_none() {
+        return;
+    }
+    type Rows = BTreeMap<(TapId, usize), Vec<f32>>;
+    let by_row = |rec: &Recorder| -> Rows {
+        let mut rows = Rows::new();
+        for t in &rec.taps {
+            let width = t.data.len() / t.positions.len();
+            for (i, &p) in t.positions.iter().enumerate() {
+                let row = t.data[i * width..(i + 1) * width].to_vec();
+                assert!(
+                    rows.insert((t.id, p), row).is_none(),
+                    "{:?} {p} twice",
+                    t.id
+                );
+            }
+        }
+        rows
+    };
+    for rel in ["default-model", "random-model"] {
+        let cpu = Model::load(&ModelSource::Dir(fixture(rel))).unwrap();
+        let m = kvdiff::cuda::to_cuda(&cpu).unwrap();
+        let layers = m.config.num_hidden_layers;
+        let names: Vec<String> = LayerTap::DENSE
+            .iter()
+            .filter(|&&t| t != LayerTap::AttnProbs)
+            .map(|t| format!("L*.{}", TapId::Layer(0, *t).kind()))
+            .collect();
+        let spec = format!("embed,final_norm,logits,{}", names.join(","));
+        let mut filter = TapFilter::parse(&spec, layers).unwrap();
+        filter.all_prompt_logits = false;
+        let ids: Vec<u32> = (0..75).map(|i| (i * 13 + 7) % 300).collect();
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        for before in [0, 5] {
+            let fresh = || {
+                let mut cache = m.new_cache();
+                if before > 0 {
+                    let mut none = Recorder::new(&TapFilter::none(), layers);
+                    let b = Batch::new(&ids[..before], &positions[..before]);
+                    m.prefill(b, &mut cache, 0, &mut none);
+                }
+                cache
+            };
+            let pieces: Vec<Batch<'_>> = ids[before..]
+                .chunks(16)
+                .zip(positions[before..].chunks(16))
+                .map(|(t, p)| Batch::new(t, p))
+                .collect();
+            let mut together = fresh();
+            let mut rec = Recorder::new(&filter, layers);
+            let device = m.device().expect("a GPU model");
+            let logits = device
+                .prefill_pieces(&pieces, &mut together, 0, &mut rec)
+                .expect("these pieces run together");
+            let mut alone = fresh();
+            let mut one_by_one = Recorder::new(&filter, layers);
+            let mut last = None;
+            for (i, &b) in pieces.iter().enumerate() {
+                match i + 1 == pieces.len() {
+                    true => last = Some(m.forward_step(b, &mut alone, 0, &mut one_by_one)),
+                    false => m.prefill(b, &mut alone, 0, &mut one_by_one),
+                }
+            }
+            let (a, b) = (by_row(&rec), by_row(&one_by_one));
+            assert_eq!(a.len(), b.len(), "{rel} after {before}");
+            for (key, row) in &b {
+                assert!(
+                    a.get(key) == Some(row),
+                    "{rel} after {before}: {key:?} differs"
+                );
+            }
+            let last_logits = a.keys().filter(|(id, _)| *id == TapId::Logits).count();
+            assert_eq!(
+                last_logits,
+                pieces.len(),
+                "{rel}: a logits row for every piece"
+            );
+            assert_eq!(
+                logits.to_host(),
+                last.unwrap().to_host(),
+                "{rel} after {before}"
+            );
+            let same = m
+                .same_caches(&mut [&mut together, &mut alone], &[(0, 1)])
+                .expect("the GPU tells");
+            assert_eq!(same, [true], "{rel} after {before}: the caches differ");
+            eprintln!("{rel} after {before}: {} tap rows alike", a.len());
+        }
+        // A one-token last piece, and attention rows wanted whole: one by one.
+        let odd: Vec<Batch<'_>> = [0..16, 16..32, 32..33]
+            .into_iter()
+            .map(|r| Batch::new(&ids[r.clone()], &positions[r]))
+            .collect();
+        let device = m.device().unwrap();
+        let mut rec = Recorder::new(&filter, layers);
+        assert!(device
+            .prefill_pieces(&odd, &mut m.new_cache(), 0, &mut rec)
+            .is_none());
+        let mut all = Recorder::new(&TapFilter::all(), layers);
+        assert!(device
+            .prefill_pieces(&odd[..2], &mut m.new_cache(), 0, &mut all)
+            .is_none());
+        assert!(
+            rec.taps.is_empty() && all.taps.is_empty(),
+            "{rel}: nothing run"
+        );
+    }
+}
+
 /// `kvdiff FLAGS compare --backend cuda --paths chunk-reuse:rerotate` on the shipped task
 /// prompt for `new_tokens` tokens, with `extra` arguments, on `model` (else the default one):
 /// its JSON report (written to `json`) and its stderr. It must exit 0 or 1.

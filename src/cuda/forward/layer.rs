@@ -5,7 +5,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::Pass;
+use super::{Pass, PieceRows};
 use crate::cuda::gpu::{ptr, Arg};
 use crate::cuda::launch::{
     launch_attention, launch_gemv_add, launch_gemv_norm, Attention, GemvNorm, PrefillAttention,
@@ -89,21 +89,16 @@ impl CudaModel {
         }
     }
 
-    /// The QKV projection (fused with the input norm in a decode step), q/k norm + RoPE + KV
-    /// append, and attention into `io.attn` and its bf16 copy.
+    /// The QKV projection (fused with the input norm in a decode step), then the q/k norm,
+    /// RoPE, KV append and attention into `io.attn` and its bf16 copy: for the whole pass, or
+    /// piece by piece where the pass runs a chunked prefill's pieces together.
     fn attention_half(&self, l: usize, ws: &Workspace, kvp: (u64, u64), pass: &Pass<'_>) {
-        let split = pass.split;
         let g = &*self.gpu;
         let c = &self.config;
         let w = &self.layers[l];
         let n = ws.n;
         let io = ws.io(g, l);
-        let (h, hd, heads, kvh) = (
-            c.hidden_size,
-            c.head_dim,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-        );
+        let h = c.hidden_size;
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkvd = qd + 2 * kvd;
         let pb = |s: &CudaSlice<u16>| ptr(g, s, 0);
@@ -143,18 +138,63 @@ impl CudaModel {
                 ],
             );
         }
+        match &pass.pieces {
+            Some(pieces) => {
+                for piece in &pieces.rows {
+                    self.rope_and_attention(l, ws, kvp, pass, piece);
+                }
+            }
+            None => {
+                let whole = PieceRows {
+                    first: 0,
+                    n,
+                    meta: ws.meta_ptr(g, 0),
+                    base: pass.taps.base,
+                };
+                self.rope_and_attention(l, ws, kvp, pass, &whole);
+            }
+        }
+    }
+
+    /// q/k norm + RoPE + KV append and attention for the pass's rows `rows.first..` (its
+    /// whole batch, or one piece of a chunked prefill run layer by layer), with those rows'
+    /// own inputs (`rows.meta`): the launches a pass of those rows alone would make.
+    fn rope_and_attention(
+        &self,
+        l: usize,
+        ws: &Workspace,
+        kvp: (u64, u64),
+        pass: &Pass<'_>,
+        rows: &PieceRows,
+    ) {
+        let split = pass.split;
+        let g = &*self.gpu;
+        let c = &self.config;
+        let w = &self.layers[l];
+        let io = ws.io(g, l);
+        let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let qkvd = qd + 2 * kvd;
+        let (first, n) = (rows.first, rows.n);
+        // Row `first` of a buffer of `width` values a row, `bytes` a value.
+        let row = |at: u64, width: usize, bytes: usize| at + (first * width * bytes) as u64;
+        let (qkv, q_n, q_r) = (row(io.qkv, qkvd, 4), row(io.q_n, qd, 4), row(io.q_r, qd, 4));
+        let (k_n, k_r) = (row(io.k_n, kvd, 4), row(io.k_r, kvd, 4));
+        let (attn, attn_bf) = (row(io.attn, qd, 4), row(ws.attn_bf(g), qd, 2));
+        let stats = row(io.stats, 4 * heads, 4);
+        let meta_at = |index: usize| rows.meta + 4 * index as u64;
         let norm_ptr = |s: &Option<CudaSlice<u16>>| s.as_ref().map_or(0, |s| ptr(g, s, 0));
         let window = c.arch.window(l).unwrap_or(0);
         let rope = StepRope {
-            qkv: io.qkv,
+            qkv,
             q_weight: norm_ptr(&w.q_norm),
             k_weight: norm_ptr(&w.k_norm),
-            meta: ws.meta_ptr(g, n),
+            meta: meta_at(n),
             inv_freq: ptr(g, &self.inv_freq, 0),
-            q_normed: io.q_n,
-            q_rotated: io.q_r,
-            k_normed: io.k_n,
-            k_rotated: io.k_r,
+            q_normed: q_n,
+            q_rotated: q_r,
+            k_normed: k_n,
+            k_rotated: k_r,
             eps: c.rms_norm_eps,
             scale: self.rope_scale,
         };
@@ -163,7 +203,7 @@ impl CudaModel {
         let folded = n == 1
             && window == 0
             && hd == 128
-            && (io.q_r | kvp.0 | kvp.1) % 16 == 0
+            && (q_r | kvp.0 | kvp.1) % 16 == 0
             && g.rope_in_attention();
         if !folded {
             g.launch(
@@ -172,7 +212,7 @@ impl CudaModel {
                 hd as u32,
                 (hd * 4) as u32,
                 &[
-                    Arg::Ptr(io.qkv),
+                    Arg::Ptr(qkv),
                     Arg::I32(heads as i32),
                     Arg::I32(kvh as i32),
                     Arg::I32(hd as i32),
@@ -181,10 +221,10 @@ impl CudaModel {
                     Arg::Ptr(rope.meta),
                     Arg::I32(n as i32),
                     Arg::Ptr(rope.inv_freq),
-                    Arg::Ptr(io.q_n),
-                    Arg::Ptr(io.q_r),
-                    Arg::Ptr(io.k_n),
-                    Arg::Ptr(io.k_r),
+                    Arg::Ptr(q_n),
+                    Arg::Ptr(q_r),
+                    Arg::Ptr(k_n),
+                    Arg::Ptr(k_r),
                     Arg::Ptr(kvp.0),
                     Arg::Ptr(kvp.1),
                     Arg::F32(c.rms_norm_eps),
@@ -192,21 +232,22 @@ impl CudaModel {
                 ],
             );
         }
-        // A prefill whose attention the memo holds (or records): see `memo.rs`.
+        // A prefill whose attention the memo holds (or records): see `memo.rs`. Pieces run
+        // together never meet it (`pieces.rs`).
         let memo = (n > 1 && !ws.probs_wanted && self.memo().active()).then(|| {
             let key = crate::cuda::memo::Key {
                 layer: l,
                 n,
-                base: pass.taps.base,
+                base: rows.base,
                 split,
                 meta: *pass
                     .meta_hash
                     .get_or_init(|| crate::cuda::memo::Key::meta_hash(&pass.meta)),
             };
             let at = crate::cuda::memo::Outputs {
-                out: io.attn,
-                out_bf: ws.attn_bf(g),
-                stats: io.stats,
+                out: attn,
+                out_bf: attn_bf,
+                stats,
                 q_dim: qd,
                 heads,
             };
@@ -217,25 +258,24 @@ impl CudaModel {
                 return;
             }
         }
-        let base_ptr = ws.meta_ptr(g, 3 * n + 1);
         launch_attention(
             g,
             &Attention {
                 n,
-                q: io.q_r,
+                q: q_r,
                 keys: kvp.0,
                 values: kvp.1,
                 probs: io.probs,
-                stats: if n > 1 { io.stats } else { 0 },
+                stats: if n > 1 { stats } else { 0 },
                 stride: ws.probs_stride,
                 part: io.part,
                 chunks: ws.chunks,
                 counters: ptr(g, &ws.counters, 0),
-                out: io.attn,
-                out_bf: ws.attn_bf(g),
-                meta: base_ptr,
+                out: attn,
+                out_bf: attn_bf,
+                meta: meta_at(3 * n + 1),
                 split,
-                span: pass.taps.base + n,
+                span: rows.base + n,
                 heads,
                 kv_heads: kvh,
                 head_dim: hd,

@@ -12,6 +12,7 @@
 mod decode;
 mod experts;
 mod layer;
+mod pieces;
 mod prefill;
 
 use std::any::Any;
@@ -44,6 +45,26 @@ struct Pass<'a> {
     hints: Option<RouteHints>,
     /// `meta` hashed, once a pass, where the attention memo wants it (`memo::Key`).
     meta_hash: std::cell::OnceCell<u64>,
+    /// A chunked prefill's pieces run as this one pass (`pieces.rs`): each piece's RoPE and
+    /// attention run on its own rows with its own inputs.
+    pieces: Option<Pieces>,
+}
+
+/// Rows `first..first + n` of a pass that attend as a pass of their own over a cache of
+/// `base` entries would: their inputs (`pass_meta`'s layout for those rows) at device
+/// address `meta`.
+pub(super) struct PieceRows {
+    pub(super) first: usize,
+    pub(super) n: usize,
+    pub(super) meta: u64,
+    pub(super) base: usize,
+}
+
+/// The pieces of a pass that runs a chunked prefill's pieces together, and the device copy of
+/// their inputs (kept until the pass is enqueued).
+pub(super) struct Pieces {
+    pub(super) rows: Vec<PieceRows>,
+    _meta: CudaSlice<i32>,
 }
 
 /// Where a pass's last-token logits go: read back, left on the GPU (with their argmax), or
@@ -192,6 +213,16 @@ impl DeviceModel for CudaModel {
         self.pass(batch, cache, step, sink, LogitsTo::Nowhere);
     }
 
+    fn prefill_pieces(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Option<StepLogits> {
+        CudaModel::prefill_pieces(self, pieces, cache, step, sink)
+    }
+
     /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
     /// their argmax is read back.
     fn forward_step(
@@ -266,6 +297,20 @@ impl CudaModel {
         sink: &mut dyn TapSink,
         to: LogitsTo,
     ) -> StepLogits {
+        self.pass_of(batch, &[], cache, step, sink, to)
+    }
+
+    /// A pass of `batch`; where `pieces` are given, `batch` is their tokens one after the
+    /// other and each piece attends as a pass of its own would (`pieces.rs`).
+    fn pass_of(
+        &self,
+        batch: Batch<'_>,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+        to: LogitsTo,
+    ) -> StepLogits {
         let n = batch.tokens.len();
         sink.begin_step(step, batch.tokens, batch.positions);
         self.ensure_device_cache(cache, n);
@@ -291,6 +336,7 @@ impl CudaModel {
                 None => None,
             },
             meta_hash: std::cell::OnceCell::new(),
+            pieces: (!pieces.is_empty()).then(|| self.piece_rows(pieces, base)),
             taps: self.tap_ctx(step, batch, base, &layout, kv, attn_base),
         };
         let logits = if n == 1 {

@@ -70,11 +70,44 @@ impl CudaModel {
         self.offer_outer(sink, &pass.taps, &ws, TapId::FinalNorm);
         // The pass is enqueued: the sink's end-of-pass host work overlaps it.
         sink.end_pass(pass.taps.step);
+        if let Some(pieces) = &pass.pieces {
+            // Each piece before the last offers its last row's logits, as its own pass would.
+            let rows = &pieces.rows[..pieces.rows.len() - 1];
+            let last: Vec<usize> = rows.iter().map(|p| p.first + p.n - 1).collect();
+            self.rows_logits(&ws, &last, pass, sink);
+        }
         let logits = self.prefill_logits(&ws, n, pass, sink, to);
         if per_layer {
             kv.last_pass = Some(ws);
         }
         logits
+    }
+
+    /// The logits of each of `rows` alone (a one-row product each, as a pass ending at that
+    /// row computes them), offered one by one as the `logits` tap of its position where the
+    /// sink wants that tap; read back together.
+    fn rows_logits(&self, ws: &Workspace, rows: &[usize], pass: &Pass<'_>, sink: &mut dyn TapSink) {
+        if rows.is_empty() || !sink.table().wants(TapId::Logits) {
+            return;
+        }
+        let g = &*self.gpu;
+        let vocab = self.config.vocab_size;
+        let logits = g.alloc::<f32>(rows.len() * vocab);
+        for (i, &r) in rows.iter().enumerate() {
+            self.lm_head_rows(ws, r, 1, ptr(g, &logits, i * vocab));
+        }
+        let all = g.download(&logits, rows.len() * vocab);
+        let t = &pass.taps;
+        for (&r, row) in rows.iter().zip(all.chunks_exact(vocab)) {
+            emit(
+                sink,
+                t.step,
+                TapId::Logits,
+                &t.pos[r..r + 1],
+                &[1, vocab],
+                row,
+            );
+        }
     }
 
     /// A prefill's last-token logits; every position's when a tap wants them.

@@ -1,0 +1,126 @@
+//! A chunked prefill's pieces as one pass, layer by layer. Run one by one, each piece of 16
+//! tokens reads every weight once per layer (Qwen3-8B: 32 passes of 16 GB for a 512-token
+//! prompt) in GEMMs of 16 rows, bound by the weights' bandwidth, and the host enqueues a
+//! whole pass for each. Together, each layer's projections, norms and MLP take every piece's
+//! rows in one launch, and only what makes a piece a piece runs per piece: its q/k norm,
+//! RoPE and KV append, and its attention over the cache as it stood after the pieces before
+//! it, each with that piece's own inputs (`pass_meta` of the piece at its base).
+//!
+//! Every row comes out with the bits the pieces one by one give it: the GEMMs sum each
+//! output in one order whatever the rows beside it (`kernels/gemm.cu`), the row-wise kernels
+//! work row by row, and each piece's attention is the launch its own pass makes. The pass
+//! offers its taps as one pass of all the rows (positions, cache entries and the base its
+//! attention rows are rebuilt from are those of the pieces together), which is what a
+//! comparing sink books the pieces' taps as.
+//!
+//! Where the bits could part, the pieces run one by one: a one-token piece (a decode
+//! step's kernels), a sparse layer (its experts group the rows it routes), attention
+//! probabilities written out rather than rebuilt from parts, a planted fault, the attention
+//! memo, or every position's logits wanted (each piece's last row's are offered, as its own pass
+//! offers them). `KVDIFF_CUDA_PIECES_TOGETHER=0` runs them one
+//! by one always, for measuring one against the other.
+
+use super::{CudaModel, EntryLayout, LogitsTo, PieceRows, Pieces};
+use crate::cuda::gpu::ptr;
+use crate::cuda::workspace::Workspace;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::pass::{Batch, StepLogits};
+use crate::support::fault;
+use crate::tap::{LayerTap, TapId, TapSink};
+
+impl CudaModel {
+    /// Runs `pieces`, consecutive prefills of `cache`, as one pass where every tap keeps the
+    /// bits the pieces one by one give it; returns the last piece's logits as `forward_step`
+    /// leaves them. None, with nothing run, where the pieces must run one by one.
+    pub(super) fn prefill_pieces(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> Option<StepLogits> {
+        if !self.pieces_run_together(pieces, cache, sink) {
+            return None;
+        }
+        let _span = crate::support::timing::span("cuda prefill: pieces together");
+        let tokens: Vec<u32> = pieces.iter().flat_map(|b| b.tokens).copied().collect();
+        let positions: Vec<usize> = pieces.iter().flat_map(|b| b.positions).copied().collect();
+        let rope: Vec<usize> = pieces
+            .iter()
+            .flat_map(|b| b.rope_positions)
+            .copied()
+            .collect();
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            rope_positions: &rope,
+            cascade_split: 0,
+        };
+        Some(self.pass_of(batch, pieces, cache, step, sink, LogitsTo::Device))
+    }
+
+    /// Whether `pieces` may run as one pass (see the module's notes).
+    fn pieces_run_together(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &KvCache,
+        sink: &dyn TapSink,
+    ) -> bool {
+        let c = &self.config;
+        let n: usize = pieces.iter().map(|b| b.tokens.len()).sum();
+        let table = sink.table();
+        let probs =
+            (0..c.num_hidden_layers).any(|l| table.wants(TapId::Layer(l, LayerTap::AttnProbs)));
+        let entries: Vec<usize> = cache
+            .positions
+            .iter()
+            .chain(pieces.iter().flat_map(|b| b.positions))
+            .copied()
+            .collect();
+        // Rebuilt from parts only over entries that are consecutive positions.
+        let by_parts = sink.probs_by_parts() && EntryLayout::of(&entries).lead.is_some();
+        together_enabled()
+            && pieces.len() > 1
+            && pieces
+                .iter()
+                .all(|b| b.tokens.len() > 1 && b.cascade_split == 0)
+            && pieces
+                .iter()
+                .all(|b| !Workspace::needs_probs(c, b.tokens.len(), false))
+            && c.arch.moe.is_none()
+            && !fault::any_active()
+            && !self.memo().active()
+            && (!probs || by_parts)
+            && table.logits_rows(n).len() <= 1
+    }
+
+    /// Each piece's rows and inputs, for a pass over a cache of `base` entries.
+    pub(super) fn piece_rows(&self, pieces: &[Batch<'_>], base: usize) -> Pieces {
+        let g = &*self.gpu;
+        let mut meta = Vec::new();
+        let mut at = Vec::with_capacity(pieces.len());
+        let mut first = 0;
+        for b in pieces {
+            at.push((first, b.tokens.len(), meta.len()));
+            meta.extend(self.pass_meta(*b, base + first));
+            first += b.tokens.len();
+        }
+        let meta = g.upload(&meta);
+        let rows = at
+            .into_iter()
+            .map(|(first, n, offset)| PieceRows {
+                first,
+                n,
+                meta: ptr(g, &meta, offset),
+                base: base + first,
+            })
+            .collect();
+        Pieces { rows, _meta: meta }
+    }
+}
+
+/// `KVDIFF_CUDA_PIECES_TOGETHER=0` runs a chunked prefill's pieces one by one.
+fn together_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVDIFF_CUDA_PIECES_TOGETHER").as_deref() != Ok("0"))
+}
