@@ -25,6 +25,10 @@ pub(super) struct TapCtx<'a> {
     pub(super) keys: Vec<u64>,
     pub(super) split: usize,
     pub(super) attn_base: usize,
+    /// Where the pass ran prefills apart (`forward/pieces.rs`): each one's first row, rows,
+    /// first cache entry and the position that entry holds. Their attention rows are offered
+    /// one prefill at a time, each over its own entries.
+    pub(super) apart: Vec<(usize, usize, usize, usize)>,
 }
 
 impl CudaModel {
@@ -177,34 +181,71 @@ impl CudaModel {
 
 impl CudaModel {
     /// Offers one layer's attention probabilities as what rebuilds them (the pass did not
-    /// write them); a sink that turns them down after all gets them rebuilt and copied.
+    /// write them): all rows over the pass's cache, or, where the pass ran prefills apart,
+    /// each one's rows over its own entries.
     fn offer_probs_parts(&self, sink: &mut dyn TapSink, t: &TapCtx<'_>, ws: &Workspace, l: usize) {
+        if t.apart.is_empty() {
+            let view = PartsView {
+                first: 0,
+                n: ws.n,
+                keys: t.keys[l],
+                base: t.attn_base,
+                span: t.base + ws.n,
+                lead: t.lead.unwrap_or(0),
+            };
+            return self.offer_parts_view(sink, t, ws, l, &view);
+        }
+        let kvd = (4 * self.config.kv_dim()) as u64;
+        for &(first, n, entry, lead) in &t.apart {
+            let view = PartsView {
+                first,
+                n,
+                keys: t.keys[l] + entry as u64 * kvd,
+                base: 0,
+                span: n,
+                lead,
+            };
+            self.offer_parts_view(sink, t, ws, l, &view);
+        }
+    }
+
+    /// Offers rows `view.first..` of one layer's attention probabilities as their parts; a
+    /// sink that turns them down after all gets them rebuilt and copied.
+    fn offer_parts_view(
+        &self,
+        sink: &mut dyn TapSink,
+        t: &TapCtx<'_>,
+        ws: &Workspace,
+        l: usize,
+        view: &PartsView,
+    ) {
         let g = &self.gpu;
         let c = &self.config;
-        let (n, heads) = (ws.n, c.num_attention_heads);
+        let heads = c.num_attention_heads;
+        let (first, n, span) = (view.first, view.n, view.span);
         let io = ws.tap_io(g, l);
         let id = TapId::Layer(l, LayerTap::AttnProbs);
-        let span = t.base + n;
         let parts = AttnParts {
-            q: io.q_r,
-            keys: t.keys[l],
-            stats: io.stats,
-            base: t.attn_base,
+            q: io.q_r + (4 * first * c.q_dim()) as u64,
+            keys: view.keys,
+            stats: io.stats + (16 * first * heads) as u64,
+            base: view.base,
             split: t.split,
             heads,
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
         };
+        let positions = &t.pos[first..first + n];
         let tap = DeviceTap {
             id,
-            positions: t.pos,
+            positions,
             device: &self.device,
             ptr: 0,
             rows: n * heads,
             width: span,
             stride: span,
             rows_per_token: heads,
-            lead: t.lead.unwrap_or(0),
+            lead: view.lead,
             persistent: ws.per_layer,
             shape: vec![n, heads, span],
             parts: Some(parts),
@@ -218,14 +259,24 @@ impl CudaModel {
         let out = g.alloc::<f32>(n * heads * span);
         launch_probs_from_stats(g, &parts, ptr(g, &rows, 0), n, span, ptr(g, &out, 0));
         let all = g.download(&out, n * heads * span);
-        let lead = t.lead.unwrap_or(0);
-        let width = lead + span;
+        let width = view.lead + span;
         let mut data = vec![0f32; n * heads * width];
         for (r, row) in all.chunks_exact(span).enumerate() {
-            data[r * width + lead..(r + 1) * width].copy_from_slice(row);
+            data[r * width + view.lead..(r + 1) * width].copy_from_slice(row);
         }
-        emit(sink, t.step, id, t.pos, &[n, heads, width], &data);
+        emit(sink, t.step, id, positions, &[n, heads, width], &data);
     }
+}
+
+/// Rows of a pass's attention probabilities offered as parts: `n` rows from row `first`, over
+/// the keys at `keys` (`span` columns from position `lead`), masked from `base`.
+struct PartsView {
+    first: usize,
+    n: usize,
+    keys: u64,
+    base: usize,
+    span: usize,
+    lead: usize,
 }
 
 /// Offers a pass's GPU buffer as a tap (one row per position, `stride` apart, 0: contiguous).

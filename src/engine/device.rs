@@ -45,6 +45,18 @@ pub trait DeviceModel: Send + Sync {
     ) -> Option<StepLogits> {
         None
     }
+    /// Prefills each of `pieces` as if into a cache of its own, as one pass, their entries
+    /// one after the other in the empty `cache` (see `Model::prefill_apart`); false, with
+    /// nothing run, where the device does not.
+    fn prefill_apart(
+        &self,
+        _pieces: &[Batch<'_>],
+        _cache: &mut KvCache,
+        _step: usize,
+        _sink: &mut dyn TapSink,
+    ) -> bool {
+        false
+    }
     fn rerotate(
         &self,
         cache: &mut KvCache,
@@ -52,6 +64,18 @@ pub trait DeviceModel: Send + Sync {
         positions: &[usize],
         sink: &mut dyn TapSink,
     );
+    /// `rerotate` of `cache`'s entries `from..from + positions.len()` alone; false where the
+    /// device does not.
+    fn rerotate_range(
+        &self,
+        _cache: &mut KvCache,
+        _from: usize,
+        _delta: usize,
+        _positions: &[usize],
+        _sink: &mut dyn TapSink,
+    ) -> bool {
+        false
+    }
     /// Enqueues the one-token steps `steps` (each over its own cache, all through this
     /// model) as one pass, where the device can: see `Model::decode_together`.
     fn decode_together(&self, _steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {

@@ -563,6 +563,38 @@ impl Model {
         logits
     }
 
+    /// Prefills each of `pieces` as if into a cache of its own (chunk reuse's chunks), their
+    /// entries one after the other in the empty `cache`: the cache and taps of `prefill` of
+    /// each into a fresh cache, the caches appended in turn, bit for bit. Only a device that
+    /// runs them as one pass does it (`cuda/forward/pieces.rs`); false, with nothing run,
+    /// elsewhere.
+    pub fn prefill_apart(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        self.device
+            .as_ref()
+            .is_some_and(|d| d.prefill_apart(pieces, cache, step, sink))
+    }
+
+    /// `rerotate` of `cache`'s entries `from..from + positions.len()` alone, where the cache's
+    /// device does it; false, with nothing done, elsewhere.
+    pub fn rerotate_range(
+        &self,
+        cache: &mut KvCache,
+        from: usize,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        self.device
+            .as_ref()
+            .is_some_and(|d| d.rerotate_range(cache, from, delta, positions, sink))
+    }
+
     /// As `forward`, for a decode step whose logits are wanted for their argmax and for a
     /// comparison that may run where they are: on a device they stay there (see `StepLogits`).
     pub fn forward_step(

@@ -57,6 +57,9 @@ pub fn reused_prefix(
         .iter()
         .map(|chunk| store_key(prompt, chunk, mode))
         .collect();
+    if let Some(cache) = prefilled_together(model, prompt, mode, &keys, store, sink) {
+        return cache;
+    }
     for (i, chunk) in prompt.chunks[..last].iter().enumerate() {
         let global: Vec<usize> = (chunk.start..chunk.end).collect();
         let local: Vec<usize> = (0..chunk.end - chunk.start).collect();
@@ -118,6 +121,74 @@ pub fn reused_prefix(
         append(&mut cache, alone, prompt);
     }
     cache
+}
+
+/// Every chunk but the query prefilled apart as one pass on a device that can
+/// (`Model::prefill_apart`), and re-rotated where `mode` asks: the cache and taps of the chunks
+/// one by one, where each chunk is prefilled here once (none held by the store, none met
+/// again further on) and no fault is planted. None, with nothing run, elsewhere.
+fn prefilled_together(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    mode: Reuse,
+    keys: &[u64],
+    store: &mut ChunkStore,
+    sink: &mut dyn TapSink,
+) -> Option<KvCache> {
+    let chunks = &prompt.chunks[..prompt.chunks.len() - 1];
+    let once = keys
+        .iter()
+        .enumerate()
+        .all(|(i, k)| !keys[i + 1..].contains(k));
+    if chunks.len() < 2 || !once || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
+        return None;
+    }
+    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
+    let local: Vec<Vec<usize>> = chunks
+        .iter()
+        .map(|c| (0..c.end - c.start).collect())
+        .collect();
+    let pieces: Vec<Batch<'_>> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, chunk)| Batch {
+            tokens: prompt.tokens(chunk),
+            positions: &global[i],
+            rope_positions: match mode {
+                Reuse::Global => &global[i],
+                _ => &local[i],
+            },
+            cascade_split: 0,
+        })
+        .collect();
+    let mut cache = model.new_cache();
+    let done = match mode {
+        // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.
+        Reuse::Rerotate => {
+            let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
+            let mut masked = Masked {
+                table,
+                inner: &mut *sink,
+            };
+            model.prefill_apart(&pieces, &mut cache, 0, &mut masked)
+        }
+        _ => model.prefill_apart(&pieces, &mut cache, 0, sink),
+    };
+    if !done {
+        return None;
+    }
+    store.misses += chunks.len();
+    if mode == Reuse::Rerotate {
+        let _span = crate::support::timing::span("chunk-reuse: re-rotation");
+        let mut entry = 0;
+        for (chunk, positions) in chunks.iter().zip(&global) {
+            let turned = model.rerotate_range(&mut cache, entry, chunk.start, positions, sink);
+            assert!(turned, "a device that prefills apart re-rotates a range");
+            entry += positions.len();
+        }
+    }
+    cache.reserve_total(prompt.ids.len());
+    Some(cache)
 }
 
 /// The store's key of `chunk`: its content, and for global rotation where it stands.

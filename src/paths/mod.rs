@@ -198,6 +198,11 @@ impl ChunkStore {
         found
     }
 
+    /// Whether `key` is held, without counting a hit or a miss.
+    pub fn holds(&self, key: u64) -> bool {
+        self.entries.contains_key(&key)
+    }
+
     pub fn put(&mut self, key: u64, kv: KvCache) {
         self.entries.insert(key, kv);
     }

@@ -1645,27 +1645,25 @@ fn caches_of_the_same_bits_are_found_and_their_steps_offered_again() {
 
 /// A chunked prefill's pieces run as one pass, layer by layer, offer every tap row, each
 /// piece's last logits, the last piece's logits and the cache that the pieces run one by one
-/// give, bit for bit, over an empty cache and over one that holds entries already. Where the
-/// bits could part (a one-token piece; attention probabilities wanted as rows) the pieces are
-/// left to run one by one.
+/// give, bit for bit, over an empty cache and over one that holds entries already; chunks
+/// prefilled apart as one pass and re-rotated range by range give what each prefilled into a
+/// cache of its own, re-rotated and appended gives. Where the bits could part (a one-token
+/// piece; attention probabilities wanted as rows) the pieces are left to run one by one.
 #[test]
 fn pieces_run_together_give_the_bits_of_pieces_run_one_by_one() {
     use kvdiff::tap::{LayerTap, TapId};
     if gpu().is_none() {
         return;
     }
-    type Rows = BTreeMap<(TapId, usize), Vec<f32>>;
+    // Every row offered, by tap and position, in the order offered there.
+    type Rows = BTreeMap<(TapId, usize), Vec<Vec<f32>>>;
     let by_row = |rec: &Recorder| -> Rows {
         let mut rows = Rows::new();
         for t in &rec.taps {
             let width = t.data.len() / t.positions.len();
             for (i, &p) in t.positions.iter().enumerate() {
                 let row = t.data[i * width..(i + 1) * width].to_vec();
-                assert!(
-                    rows.insert((t.id, p), row).is_none(),
-                    "{:?} {p} twice",
-                    t.id
-                );
+                rows.entry((t.id, p)).or_default().push(row);
             }
         }
         rows
@@ -1739,6 +1737,43 @@ fn pieces_run_together_give_the_bits_of_pieces_run_one_by_one() {
             assert_eq!(same, [true], "{rel} after {before}: the caches differ");
             eprintln!("{rel} after {before}: {} tap rows alike", a.len());
         }
+        // Apart (chunk reuse's chunks): each piece RoPE'd at local positions into a cache of
+        // its own, then its keys turned to its global positions.
+        let spans = [0..20, 20..50, 50..75];
+        let local: Vec<Vec<usize>> = spans.iter().map(|r| (0..r.len()).collect()).collect();
+        let apart: Vec<Batch<'_>> = spans
+            .iter()
+            .zip(&local)
+            .map(|(r, own)| Batch {
+                tokens: &ids[r.clone()],
+                positions: &positions[r.clone()],
+                rope_positions: own,
+                cascade_split: 0,
+            })
+            .collect();
+        let mut together = m.new_cache();
+        let mut rec = Recorder::new(&filter, layers);
+        assert!(m.prefill_apart(&apart, &mut together, 0, &mut rec), "{rel}");
+        for r in &spans {
+            let at = &positions[r.clone()];
+            assert!(m.rerotate_range(&mut together, r.start, r.start, at, &mut rec));
+        }
+        let mut joined = m.new_cache();
+        let mut one_by_one = Recorder::new(&filter, layers);
+        for (r, &b) in spans.iter().zip(&apart) {
+            let mut alone = m.new_cache();
+            m.prefill(b, &mut alone, 0, &mut one_by_one);
+            m.rerotate(&mut alone, r.start, &positions[r.clone()], &mut one_by_one);
+            joined.append(alone);
+        }
+        let (a, b) = (by_row(&rec), by_row(&one_by_one));
+        assert_eq!(a, b, "{rel}: prefills apart differ");
+        assert_eq!(together.positions, joined.positions, "{rel}");
+        let same = m
+            .same_caches(&mut [&mut together, &mut joined], &[(0, 1)])
+            .expect("the GPU tells");
+        assert_eq!(same, [true], "{rel}: the caches of prefills apart differ");
+        eprintln!("{rel} apart: {} tap rows alike", a.len());
         // A one-token last piece, and attention rows wanted whole: one by one.
         let odd: Vec<Batch<'_>> = [0..16, 16..32, 32..33]
             .into_iter()

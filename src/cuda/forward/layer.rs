@@ -150,6 +150,7 @@ impl CudaModel {
                     n,
                     meta: ws.meta_ptr(g, 0),
                     base: pass.taps.base,
+                    entry: 0,
                 };
                 self.rope_and_attention(l, ws, kvp, pass, &whole);
             }
@@ -176,6 +177,9 @@ impl CudaModel {
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkvd = qd + 2 * kvd;
         let (first, n) = (rows.first, rows.n);
+        // The rows' own cache: the pass's from entry `rows.entry` on.
+        let skip = (4 * rows.entry * kvd) as u64;
+        let kvp = (kvp.0 + skip, kvp.1 + skip);
         // Row `first` of a buffer of `width` values a row, `bytes` a value.
         let row = |at: u64, width: usize, bytes: usize| at + (first * width * bytes) as u64;
         let (qkv, q_n, q_r) = (row(io.qkv, qkvd, 4), row(io.q_n, qd, 4), row(io.q_r, qd, 4));

@@ -45,26 +45,36 @@ struct Pass<'a> {
     hints: Option<RouteHints>,
     /// `meta` hashed, once a pass, where the attention memo wants it (`memo::Key`).
     meta_hash: std::cell::OnceCell<u64>,
-    /// A chunked prefill's pieces run as this one pass (`pieces.rs`): each piece's RoPE and
-    /// attention run on its own rows with its own inputs.
+    /// Pieces run as this one pass (`pieces.rs`): each piece's RoPE and attention run on its
+    /// own rows with its own inputs.
     pieces: Option<Pieces>,
 }
 
 /// Rows `first..first + n` of a pass that attend as a pass of their own over a cache of
-/// `base` entries would: their inputs (`pass_meta`'s layout for those rows) at device
-/// address `meta`.
+/// `base` entries would, that cache's entries starting at entry `entry` of the pass's cache:
+/// their inputs (`pass_meta`'s layout for those rows) at device address `meta`.
 pub(super) struct PieceRows {
     pub(super) first: usize,
     pub(super) n: usize,
     pub(super) meta: u64,
     pub(super) base: usize,
+    pub(super) entry: usize,
 }
 
-/// The pieces of a pass that runs a chunked prefill's pieces together, and the device copy of
-/// their inputs (kept until the pass is enqueued).
+/// The pieces of a pass that runs several prefills together, and the device copy of their
+/// inputs (kept until the pass is enqueued).
 pub(super) struct Pieces {
     pub(super) rows: Vec<PieceRows>,
     _meta: CudaSlice<i32>,
+}
+
+/// How a pass's pieces stand to each other: each attending to the cache the pieces before it
+/// left (a chunked prefill), or each to a cache of its own, their entries one after the
+/// other in the pass's cache (chunks prefilled apart, as chunk reuse prefills them).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stand {
+    InTurn,
+    Apart,
 }
 
 /// Where a pass's last-token logits go: read back, left on the GPU (with their argmax), or
@@ -223,6 +233,29 @@ impl DeviceModel for CudaModel {
         CudaModel::prefill_pieces(self, pieces, cache, step, sink)
     }
 
+    fn prefill_apart(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        CudaModel::prefill_apart(self, pieces, cache, step, sink)
+    }
+
+    fn rerotate_range(
+        &self,
+        cache: &mut KvCache,
+        from: usize,
+        delta: usize,
+        positions: &[usize],
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        let entries = from..from + positions.len();
+        self.rerotate_keys(cache, entries, delta, positions, sink);
+        true
+    }
+
     /// As `forward`, but a decode step's logits stay on the GPU unless a tap wants them: only
     /// their argmax is read back.
     fn forward_step(
@@ -242,7 +275,8 @@ impl DeviceModel for CudaModel {
         positions: &[usize],
         sink: &mut dyn TapSink,
     ) {
-        self.rerotate_keys(cache, delta, positions, sink)
+        let entries = 0..cache.len();
+        self.rerotate_keys(cache, entries, delta, positions, sink)
     }
 
     fn decode_together(&self, steps: &mut [(Batch<'_>, &mut KvCache)]) -> bool {
@@ -297,7 +331,7 @@ impl CudaModel {
         sink: &mut dyn TapSink,
         to: LogitsTo,
     ) -> StepLogits {
-        self.pass_of(batch, &[], cache, step, sink, to)
+        self.pass_of(batch, (&[], Stand::InTurn), cache, step, sink, to)
     }
 
     /// A pass of `batch`; where `pieces` are given, `batch` is their tokens one after the
@@ -305,7 +339,7 @@ impl CudaModel {
     fn pass_of(
         &self,
         batch: Batch<'_>,
-        pieces: &[Batch<'_>],
+        (pieces, stand): (&[Batch<'_>], Stand),
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
@@ -325,7 +359,7 @@ impl CudaModel {
         let meta = self.pass_meta(batch, base);
         // The base attention masks by (`pass_meta`), for rebuilding its rows.
         let attn_base = meta[3 * n + 1] as usize;
-        let pass = Pass {
+        let mut pass = Pass {
             meta,
             kv_ptrs: (0..self.config.num_hidden_layers)
                 .map(|l| (kv.key_ptr(l), kv.value_ptr(l)))
@@ -336,9 +370,17 @@ impl CudaModel {
                 None => None,
             },
             meta_hash: std::cell::OnceCell::new(),
-            pieces: (!pieces.is_empty()).then(|| self.piece_rows(pieces, base)),
+            pieces: (!pieces.is_empty()).then(|| self.piece_rows(pieces, base, stand)),
             taps: self.tap_ctx(step, batch, base, &layout, kv, attn_base),
         };
+        if stand == Stand::Apart {
+            pass.taps.apart = pass.pieces.as_ref().map_or(Vec::new(), |p| {
+                p.rows
+                    .iter()
+                    .map(|r| (r.first, r.n, r.entry, batch.positions[r.first]))
+                    .collect()
+            });
+        }
         let logits = if n == 1 {
             self.decode_pass(kv, &pass, sink, to != LogitsTo::Host)
         } else {
@@ -370,6 +412,7 @@ impl CudaModel {
                 .collect(),
             split: batch.cascade_split,
             attn_base,
+            apart: Vec::new(),
         }
     }
 
@@ -402,11 +445,12 @@ impl CudaModel {
         meta
     }
 
-    /// Turns every key of `cache` by `delta` positions on the device and offers them as the
-    /// `k_rope` taps of `positions` (see `Model::rerotate`).
+    /// Turns the keys of `cache`'s `entries` (all of them for `Model::rerotate`) by `delta`
+    /// positions on the device and offers them as the `k_rope` taps of `positions`.
     fn rerotate_keys(
         &self,
         cache: &mut KvCache,
+        entries: std::ops::Range<usize>,
         delta: usize,
         positions: &[usize],
         sink: &mut dyn TapSink,
@@ -417,10 +461,17 @@ impl CudaModel {
             let kv = CudaKv::upload(&self.gpu, cache, 0);
             cache.set_device(Box::new(kv));
         }
-        let n = cache.len();
+        assert!(
+            entries.end <= cache.len(),
+            "rerotated entries lie in the cache"
+        );
+        let n = entries.len();
         let kv = cache.device_mut::<CudaKv>().expect("device cache");
-        let keys: Vec<u64> = (0..c.num_hidden_layers).map(|l| kv.key_ptr(l)).collect();
         let (kvh, hd) = (c.num_key_value_heads, c.head_dim);
+        let skip = (4 * entries.start * kvh * hd) as u64;
+        let keys: Vec<u64> = (0..c.num_hidden_layers)
+            .map(|l| kv.key_ptr(l) + skip)
+            .collect();
         for (l, &k) in keys.iter().enumerate() {
             if n > 0 {
                 g.launch(

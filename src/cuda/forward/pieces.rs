@@ -20,7 +20,7 @@
 //! offers them). `KVDIFF_CUDA_PIECES_TOGETHER=0` runs them one
 //! by one always, for measuring one against the other.
 
-use super::{CudaModel, EntryLayout, LogitsTo, PieceRows, Pieces};
+use super::{CudaModel, EntryLayout, LogitsTo, PieceRows, Pieces, Stand};
 use crate::cuda::gpu::ptr;
 use crate::cuda::workspace::Workspace;
 use crate::engine::kv_cache::KvCache;
@@ -39,10 +39,42 @@ impl CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> Option<StepLogits> {
-        if !self.pieces_run_together(pieces, cache, sink) {
+        if !self.pieces_run_together(pieces, cache, sink, Stand::InTurn) {
             return None;
         }
         let _span = crate::support::timing::span("cuda prefill: pieces together");
+        Some(self.pieces_pass(pieces, Stand::InTurn, cache, step, sink, LogitsTo::Device))
+    }
+
+    /// Prefills each of `pieces` as if into a cache of its own, as one pass where every tap
+    /// keeps the bits those prefills give it, their entries one after the other in the empty
+    /// `cache` (what appending their caches in turn gives). False, with nothing run, where
+    /// they must run one by one.
+    pub(super) fn prefill_apart(
+        &self,
+        pieces: &[Batch<'_>],
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+    ) -> bool {
+        if !cache.is_empty() || !self.pieces_run_together(pieces, cache, sink, Stand::Apart) {
+            return false;
+        }
+        let _span = crate::support::timing::span("cuda prefill: pieces apart, together");
+        self.pieces_pass(pieces, Stand::Apart, cache, step, sink, LogitsTo::Nowhere);
+        true
+    }
+
+    /// `pieces` as one pass of their tokens one after the other.
+    fn pieces_pass(
+        &self,
+        pieces: &[Batch<'_>],
+        stand: Stand,
+        cache: &mut KvCache,
+        step: usize,
+        sink: &mut dyn TapSink,
+        to: LogitsTo,
+    ) -> StepLogits {
         let tokens: Vec<u32> = pieces.iter().flat_map(|b| b.tokens).copied().collect();
         let positions: Vec<usize> = pieces.iter().flat_map(|b| b.positions).copied().collect();
         let rope: Vec<usize> = pieces
@@ -56,7 +88,7 @@ impl CudaModel {
             rope_positions: &rope,
             cascade_split: 0,
         };
-        Some(self.pass_of(batch, pieces, cache, step, sink, LogitsTo::Device))
+        self.pass_of(batch, (pieces, stand), cache, step, sink, to)
     }
 
     /// Whether `pieces` may run as one pass (see the module's notes).
@@ -65,20 +97,30 @@ impl CudaModel {
         pieces: &[Batch<'_>],
         cache: &KvCache,
         sink: &dyn TapSink,
+        stand: Stand,
     ) -> bool {
         let c = &self.config;
         let n: usize = pieces.iter().map(|b| b.tokens.len()).sum();
         let table = sink.table();
         let probs =
             (0..c.num_hidden_layers).any(|l| table.wants(TapId::Layer(l, LayerTap::AttnProbs)));
-        let entries: Vec<usize> = cache
-            .positions
-            .iter()
-            .chain(pieces.iter().flat_map(|b| b.positions))
-            .copied()
-            .collect();
-        // Rebuilt from parts only over entries that are consecutive positions.
-        let by_parts = sink.probs_by_parts() && EntryLayout::of(&entries).lead.is_some();
+        // Rebuilt from parts only over entries that are consecutive positions: the whole
+        // cache's, or each piece's own.
+        let consecutive = match stand {
+            Stand::InTurn => {
+                let entries: Vec<usize> = cache
+                    .positions
+                    .iter()
+                    .chain(pieces.iter().flat_map(|b| b.positions))
+                    .copied()
+                    .collect();
+                EntryLayout::of(&entries).lead.is_some()
+            }
+            Stand::Apart => pieces
+                .iter()
+                .all(|b| EntryLayout::of(b.positions).lead.is_some()),
+        };
+        let by_parts = sink.probs_by_parts() && consecutive;
         together_enabled()
             && pieces.len() > 1
             && pieces
@@ -94,25 +136,31 @@ impl CudaModel {
             && table.logits_rows(n).len() <= 1
     }
 
-    /// Each piece's rows and inputs, for a pass over a cache of `base` entries.
-    pub(super) fn piece_rows(&self, pieces: &[Batch<'_>], base: usize) -> Pieces {
+    /// Each piece's rows and inputs, for a pass over a cache of `base` entries: in turn, a
+    /// piece's cache is the pass's up to its rows; apart, it is its own rows' entries alone.
+    pub(super) fn piece_rows(&self, pieces: &[Batch<'_>], base: usize, stand: Stand) -> Pieces {
         let g = &*self.gpu;
         let mut meta = Vec::new();
         let mut at = Vec::with_capacity(pieces.len());
         let mut first = 0;
         for b in pieces {
-            at.push((first, b.tokens.len(), meta.len()));
-            meta.extend(self.pass_meta(*b, base + first));
+            let (own_base, entry) = match stand {
+                Stand::InTurn => (base + first, 0),
+                Stand::Apart => (0, base + first),
+            };
+            at.push((first, b.tokens.len(), meta.len(), own_base, entry));
+            meta.extend(self.pass_meta(*b, own_base));
             first += b.tokens.len();
         }
         let meta = g.upload(&meta);
         let rows = at
             .into_iter()
-            .map(|(first, n, offset)| PieceRows {
+            .map(|(first, n, offset, base, entry)| PieceRows {
                 first,
                 n,
                 meta: ptr(g, &meta, offset),
-                base: base + first,
+                base,
+                entry,
             })
             .collect();
         Pieces { rows, _meta: meta }
