@@ -133,6 +133,23 @@ impl CudaKv {
         self.cap
     }
 
+    /// Copies entries `from..from + n` over entries `to..to + n` (apart) at every layer.
+    pub(super) fn copy_within(&mut self, from: usize, to: usize, n: usize) {
+        let d = self.kv_dim;
+        assert!(
+            from + n <= to || to + n <= from,
+            "copied entries do not overlap"
+        );
+        assert!(
+            from.max(to) + n <= self.cap,
+            "copied entries lie in the buffers"
+        );
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let (src, dst) = (ptr(&self.gpu, buf, from * d), ptr(&self.gpu, buf, to * d));
+            self.gpu.copy_device(src, dst, n * d);
+        }
+    }
+
     pub fn key_ptr(&self, layer: usize) -> u64 {
         ptr(&self.gpu, &self.keys[layer], 0)
     }

@@ -51,6 +51,7 @@ pub trait DeviceModel: Send + Sync {
     fn prefill_apart(
         &self,
         _pieces: &[Batch<'_>],
+        _copy_of: &[Option<usize>],
         _cache: &mut KvCache,
         _step: usize,
         _sink: &mut dyn TapSink,

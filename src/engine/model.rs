@@ -565,19 +565,22 @@ impl Model {
 
     /// Prefills each of `pieces` as if into a cache of its own (chunk reuse's chunks), their
     /// entries one after the other in the empty `cache`: the cache and taps of `prefill` of
-    /// each into a fresh cache, the caches appended in turn, bit for bit. Only a device that
-    /// runs them as one pass does it (`cuda/forward/pieces.rs`); false, with nothing run,
-    /// elsewhere.
+    /// each into a fresh cache, the caches appended in turn, bit for bit. A piece `i` with
+    /// `copy_of[i] = Some(j)` is not prefilled: it takes the entries of piece `j`, an earlier
+    /// one of the same tokens and RoPE positions, and offers no tap (a chunk the store hands
+    /// on). Only a device that runs them as one pass does it (`cuda/forward/pieces.rs`);
+    /// false, with nothing run, elsewhere.
     pub fn prefill_apart(
         &self,
         pieces: &[Batch<'_>],
+        copy_of: &[Option<usize>],
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
     ) -> bool {
         self.device
             .as_ref()
-            .is_some_and(|d| d.prefill_apart(pieces, cache, step, sink))
+            .is_some_and(|d| d.prefill_apart(pieces, copy_of, cache, step, sink))
     }
 
     /// `rerotate` of `cache`'s entries `from..from + positions.len()` alone, where the cache's

@@ -125,8 +125,9 @@ pub fn reused_prefix(
 
 /// Every chunk but the query prefilled apart as one pass on a device that can
 /// (`Model::prefill_apart`), and re-rotated where `mode` asks: the cache and taps of the chunks
-/// one by one, where each chunk is prefilled here once (none held by the store, none met
-/// again further on) and no fault is planted. None, with nothing run, elsewhere.
+/// one by one, a chunk met again further on taking its first prefill's entries as the store
+/// would hand them over, and the store's count of hits and misses. Where no fault is planted
+/// and the store holds none of the chunks yet; None, with nothing run, elsewhere.
 fn prefilled_together(
     model: &Model,
     prompt: &ChunkedPrompt,
@@ -136,13 +137,15 @@ fn prefilled_together(
     sink: &mut dyn TapSink,
 ) -> Option<KvCache> {
     let chunks = &prompt.chunks[..prompt.chunks.len() - 1];
-    let once = keys
-        .iter()
-        .enumerate()
-        .all(|(i, k)| !keys[i + 1..].contains(k));
-    if chunks.len() < 2 || !once || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
+    if chunks.len() < 2 || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
         return None;
     }
+    // The chunk each one's store lookup would hit: the first of its key.
+    let copy_of: Vec<Option<usize>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| keys[..i].iter().position(|x| x == k))
+        .collect();
     let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
     let local: Vec<Vec<usize>> = chunks
         .iter()
@@ -170,14 +173,16 @@ fn prefilled_together(
                 table,
                 inner: &mut *sink,
             };
-            model.prefill_apart(&pieces, &mut cache, 0, &mut masked)
+            model.prefill_apart(&pieces, &copy_of, &mut cache, 0, &mut masked)
         }
-        _ => model.prefill_apart(&pieces, &mut cache, 0, sink),
+        _ => model.prefill_apart(&pieces, &copy_of, &mut cache, 0, sink),
     };
     if !done {
         return None;
     }
-    store.misses += chunks.len();
+    let hits = copy_of.iter().filter(|c| c.is_some()).count();
+    store.hits += hits;
+    store.misses += chunks.len() - hits;
     if mode == Reuse::Rerotate {
         let _span = crate::support::timing::span("chunk-reuse: re-rotation");
         let mut entry = 0;

@@ -1680,7 +1680,7 @@ fn pieces_run_together_give_the_bits_of_pieces_run_one_by_one() {
         let spec = format!("embed,final_norm,logits,{}", names.join(","));
         let mut filter = TapFilter::parse(&spec, layers).unwrap();
         filter.all_prompt_logits = false;
-        let ids: Vec<u32> = (0..75).map(|i| (i * 13 + 7) % 300).collect();
+        let ids: Vec<u32> = (0..95).map(|i| (i * 13 + 7) % 300).collect();
         let positions: Vec<usize> = (0..ids.len()).collect();
         for before in [0, 5] {
             let fresh = || {
@@ -1738,31 +1738,55 @@ fn pieces_run_together_give_the_bits_of_pieces_run_one_by_one() {
             eprintln!("{rel} after {before}: {} tap rows alike", a.len());
         }
         // Apart (chunk reuse's chunks): each piece RoPE'd at local positions into a cache of
-        // its own, then its keys turned to its global positions.
-        let spans = [0..20, 20..50, 50..75];
+        // its own, then its keys turned to its global positions; the fourth piece holds the
+        // first's tokens again and takes its entries, as the chunk store hands them on.
+        let spans = [0..20, 20..50, 50..75, 75..95];
+        let tokens = |i: usize| {
+            &ids[if i == 3 {
+                spans[0].clone()
+            } else {
+                spans[i].clone()
+            }]
+        };
         let local: Vec<Vec<usize>> = spans.iter().map(|r| (0..r.len()).collect()).collect();
-        let apart: Vec<Batch<'_>> = spans
-            .iter()
-            .zip(&local)
-            .map(|(r, own)| Batch {
-                tokens: &ids[r.clone()],
-                positions: &positions[r.clone()],
-                rope_positions: own,
+        let apart: Vec<Batch<'_>> = (0..spans.len())
+            .map(|i| Batch {
+                tokens: tokens(i),
+                positions: &positions[spans[i].clone()],
+                rope_positions: &local[i],
                 cascade_split: 0,
             })
             .collect();
+        let copy_of = [None, None, None, Some(0)];
         let mut together = m.new_cache();
         let mut rec = Recorder::new(&filter, layers);
-        assert!(m.prefill_apart(&apart, &mut together, 0, &mut rec), "{rel}");
+        assert!(
+            m.prefill_apart(&apart, &copy_of, &mut together, 0, &mut rec),
+            "{rel}"
+        );
         for r in &spans {
             let at = &positions[r.clone()];
             assert!(m.rerotate_range(&mut together, r.start, r.start, at, &mut rec));
         }
         let mut joined = m.new_cache();
         let mut one_by_one = Recorder::new(&filter, layers);
-        for (r, &b) in spans.iter().zip(&apart) {
-            let mut alone = m.new_cache();
-            m.prefill(b, &mut alone, 0, &mut one_by_one);
+        let mut first = None;
+        for (i, (r, &b)) in spans.iter().zip(&apart).enumerate() {
+            let mut alone = match (i, &first) {
+                (3, Some(kept)) => {
+                    let mut again: kvdiff::engine::kv_cache::KvCache = Clone::clone(kept);
+                    again.positions = positions[r.clone()].to_vec();
+                    again
+                }
+                _ => {
+                    let mut alone = m.new_cache();
+                    m.prefill(b, &mut alone, 0, &mut one_by_one);
+                    alone
+                }
+            };
+            if i == 0 {
+                first = Some(alone.clone());
+            }
             m.rerotate(&mut alone, r.start, &positions[r.clone()], &mut one_by_one);
             joined.append(alone);
         }

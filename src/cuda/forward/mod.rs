@@ -69,12 +69,16 @@ pub(super) struct Pieces {
 }
 
 /// How a pass's pieces stand to each other: each attending to the cache the pieces before it
-/// left (a chunked prefill), or each to a cache of its own, their entries one after the
-/// other in the pass's cache (chunks prefilled apart, as chunk reuse prefills them).
+/// left (a chunked prefill), or each to a cache of its own, its entries from `entries[i]` on
+/// among the entries the pass adds, whose positions are `positions` (chunks prefilled apart,
+/// as chunk reuse prefills them; entries no piece writes are filled after the pass).
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stand {
+pub(super) enum Stand<'s> {
     InTurn,
-    Apart,
+    Apart {
+        entries: &'s [usize],
+        positions: &'s [usize],
+    },
 }
 
 /// Where a pass's last-token logits go: read back, left on the GPU (with their argmax), or
@@ -236,11 +240,12 @@ impl DeviceModel for CudaModel {
     fn prefill_apart(
         &self,
         pieces: &[Batch<'_>],
+        copy_of: &[Option<usize>],
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
     ) -> bool {
-        CudaModel::prefill_apart(self, pieces, cache, step, sink)
+        CudaModel::prefill_apart(self, pieces, copy_of, cache, step, sink)
     }
 
     fn rerotate_range(
@@ -339,21 +344,27 @@ impl CudaModel {
     fn pass_of(
         &self,
         batch: Batch<'_>,
-        (pieces, stand): (&[Batch<'_>], Stand),
+        (pieces, stand): (&[Batch<'_>], Stand<'_>),
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
         to: LogitsTo,
     ) -> StepLogits {
         let n = batch.tokens.len();
+        // The positions of the entries the pass adds: its rows', unless pieces apart leave
+        // some to be filled after it.
+        let added = match stand {
+            Stand::Apart { positions, .. } => positions,
+            Stand::InTurn => batch.positions,
+        };
         sink.begin_step(step, batch.tokens, batch.positions);
-        self.ensure_device_cache(cache, n);
+        self.ensure_device_cache(cache, added.len());
         let base = cache.len();
-        cache.positions.extend_from_slice(batch.positions);
+        cache.positions.extend_from_slice(added);
         let layout = EntryLayout::of(&cache.positions);
         let kv = cache.device_mut::<CudaKv>().expect("device cache");
         debug_assert_eq!(kv.len, base);
-        kv.reserve(n);
+        kv.reserve(added.len());
         // The previous pass's taps are no longer promised (their diffs are already enqueued).
         kv.last_pass = None;
         let meta = self.pass_meta(batch, base);
@@ -373,7 +384,7 @@ impl CudaModel {
             pieces: (!pieces.is_empty()).then(|| self.piece_rows(pieces, base, stand)),
             taps: self.tap_ctx(step, batch, base, &layout, kv, attn_base),
         };
-        if stand == Stand::Apart {
+        if stand != Stand::InTurn {
             pass.taps.apart = pass.pieces.as_ref().map_or(Vec::new(), |p| {
                 p.rows
                     .iter()
@@ -386,7 +397,7 @@ impl CudaModel {
         } else {
             self.prefill_pass(kv, &pass, n, sink, to)
         };
-        kv.len += n;
+        kv.len += added.len();
         logits
     }
 

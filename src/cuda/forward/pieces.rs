@@ -22,6 +22,7 @@
 
 use super::{CudaModel, EntryLayout, LogitsTo, PieceRows, Pieces, Stand};
 use crate::cuda::gpu::ptr;
+use crate::cuda::kv::CudaKv;
 use crate::cuda::workspace::Workspace;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::pass::{Batch, StepLogits};
@@ -48,20 +49,68 @@ impl CudaModel {
 
     /// Prefills each of `pieces` as if into a cache of its own, as one pass where every tap
     /// keeps the bits those prefills give it, their entries one after the other in the empty
-    /// `cache` (what appending their caches in turn gives). False, with nothing run, where
-    /// they must run one by one.
+    /// `cache` (what appending their caches in turn gives). A piece `i` with `copy_of[i] =
+    /// Some(j)` is not run: it takes piece `j`'s entries (an earlier piece of the same tokens
+    /// and RoPE positions) and offers no tap. False, with nothing run, where they must run one
+    /// by one.
     pub(super) fn prefill_apart(
         &self,
         pieces: &[Batch<'_>],
+        copy_of: &[Option<usize>],
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
     ) -> bool {
-        if !cache.is_empty() || !self.pieces_run_together(pieces, cache, sink, Stand::Apart) {
+        let mut entries = Vec::with_capacity(pieces.len());
+        let mut at = 0;
+        for b in pieces {
+            entries.push(at);
+            at += b.tokens.len();
+        }
+        let same = |i: usize, j: usize| {
+            let (a, b) = (&pieces[i], &pieces[j]);
+            j < i
+                && copy_of[j].is_none()
+                && a.tokens == b.tokens
+                && a.rope_positions == b.rope_positions
+        };
+        let copies_ok = copy_of.len() == pieces.len()
+            && copy_of
+                .iter()
+                .enumerate()
+                .all(|(i, c)| c.is_none_or(|j| same(i, j)));
+        let run: Vec<usize> = (0..pieces.len())
+            .filter(|&i| copy_of[i].is_none())
+            .collect();
+        let ran: Vec<Batch<'_>> = run.iter().map(|&i| pieces[i]).collect();
+        if !copies_ok
+            || !cache.is_empty()
+            || !self.pieces_run_together(
+                &ran,
+                cache,
+                sink,
+                Stand::Apart {
+                    entries: &[],
+                    positions: &[],
+                },
+            )
+        {
             return false;
         }
         let _span = crate::support::timing::span("cuda prefill: pieces apart, together");
-        self.pieces_pass(pieces, Stand::Apart, cache, step, sink, LogitsTo::Nowhere);
+        let positions: Vec<usize> = pieces.iter().flat_map(|b| b.positions).copied().collect();
+        let ran_entries: Vec<usize> = run.iter().map(|&i| entries[i]).collect();
+        let stand = Stand::Apart {
+            entries: &ran_entries,
+            positions: &positions,
+        };
+        self.pieces_pass(&ran, stand, cache, step, sink, LogitsTo::Nowhere);
+        let kv = cache.device_mut::<CudaKv>().expect("device cache");
+        for (i, c) in copy_of.iter().enumerate() {
+            if let Some(j) = *c {
+                kv.copy_within(entries[j], entries[i], pieces[i].tokens.len());
+            }
+        }
         true
     }
 
@@ -69,7 +118,7 @@ impl CudaModel {
     fn pieces_pass(
         &self,
         pieces: &[Batch<'_>],
-        stand: Stand,
+        stand: Stand<'_>,
         cache: &mut KvCache,
         step: usize,
         sink: &mut dyn TapSink,
@@ -97,7 +146,7 @@ impl CudaModel {
         pieces: &[Batch<'_>],
         cache: &KvCache,
         sink: &dyn TapSink,
-        stand: Stand,
+        stand: Stand<'_>,
     ) -> bool {
         let c = &self.config;
         let n: usize = pieces.iter().map(|b| b.tokens.len()).sum();
@@ -116,7 +165,7 @@ impl CudaModel {
                     .collect();
                 EntryLayout::of(&entries).lead.is_some()
             }
-            Stand::Apart => pieces
+            Stand::Apart { .. } => pieces
                 .iter()
                 .all(|b| EntryLayout::of(b.positions).lead.is_some()),
         };
@@ -138,15 +187,15 @@ impl CudaModel {
 
     /// Each piece's rows and inputs, for a pass over a cache of `base` entries: in turn, a
     /// piece's cache is the pass's up to its rows; apart, it is its own rows' entries alone.
-    pub(super) fn piece_rows(&self, pieces: &[Batch<'_>], base: usize, stand: Stand) -> Pieces {
+    pub(super) fn piece_rows(&self, pieces: &[Batch<'_>], base: usize, stand: Stand<'_>) -> Pieces {
         let g = &*self.gpu;
         let mut meta = Vec::new();
         let mut at = Vec::with_capacity(pieces.len());
         let mut first = 0;
-        for b in pieces {
+        for (i, b) in pieces.iter().enumerate() {
             let (own_base, entry) = match stand {
                 Stand::InTurn => (base + first, 0),
-                Stand::Apart => (0, base + first),
+                Stand::Apart { entries, .. } => (0, base + entries[i]),
             };
             at.push((first, b.tokens.len(), meta.len(), own_base, entry));
             meta.extend(self.pass_meta(*b, own_base));
