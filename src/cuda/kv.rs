@@ -173,7 +173,12 @@ impl DeviceKv for CudaKv {
     }
 
     fn clone_box(&self) -> Box<dyn DeviceKv> {
-        let used = self.len * self.kv_dim;
+        self.clone_prefix(self.len)
+    }
+
+    fn clone_prefix(&self, n: usize) -> Box<dyn DeviceKv> {
+        assert!(n <= self.len, "a prefix of the cache");
+        let used = n * self.kv_dim;
         let copy = |src: &CudaSlice<f32>| {
             let mut dst = self.gpu.alloc::<f32>(self.cap * self.kv_dim);
             if used > 0 {
@@ -188,7 +193,7 @@ impl DeviceKv for CudaKv {
             gpu: self.gpu.clone(),
             keys: self.keys.iter().map(copy).collect(),
             values: self.values.iter().map(copy).collect(),
-            len: self.len,
+            len: n,
             cap: self.cap,
             kv_dim: self.kv_dim,
             decode: None,

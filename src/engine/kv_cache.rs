@@ -29,6 +29,8 @@ pub trait DeviceKv: Send {
     fn download(&self, layer: usize, from: usize, to: usize) -> (Vec<f32>, Vec<f32>);
     /// A copy on the same device.
     fn clone_box(&self) -> Box<dyn DeviceKv>;
+    /// A copy on the same device of the first `n` entries alone.
+    fn clone_prefix(&self, n: usize) -> Box<dyn DeviceKv>;
     /// Appends `other`'s entries on the device; false when `other` is of another kind.
     fn append_from(&mut self, other: &mut dyn DeviceKv) -> bool;
     /// Makes room for `n` more entries now (growing later copies every entry again).
@@ -122,6 +124,30 @@ impl Clone for KvCache {
             kv_dim: self.kv_dim,
             host_len: self.host_len,
             device: self.device.as_ref().map(|d| d.clone_box()),
+        }
+    }
+}
+
+impl KvCache {
+    /// A copy of the first `n` entries alone (the cache as it stood after them), with the same
+    /// split between host and device as `clone`.
+    pub fn clone_prefix(&self, n: usize) -> KvCache {
+        assert!(n <= self.len(), "a prefix of the cache");
+        let host = self.host_len.min(n);
+        let d = self.kv_dim;
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerKv {
+                    keys: l.keys[..(host * d).min(l.keys.len())].to_vec(),
+                    values: l.values[..(host * d).min(l.values.len())].to_vec(),
+                })
+                .collect(),
+            positions: self.positions[..n].to_vec(),
+            kv_dim: d,
+            host_len: host,
+            device: self.device.as_ref().map(|dev| dev.clone_prefix(n)),
         }
     }
 }
@@ -425,5 +451,30 @@ mod tests {
             .rows(&[], 0..layers)
             .iter()
             .all(|(k, v)| k.is_empty() && v.is_empty()));
+    }
+
+    #[test]
+    fn a_prefix_copy_holds_the_first_entries_alone() {
+        let (layers, kv, n) = (2, 3, 5);
+        let mut cache = KvCache::new(layers, kv);
+        for l in 0..layers {
+            let keys: Vec<f32> = (0..n * kv).map(|j| (l * 100 + j) as f32).collect();
+            let values: Vec<f32> = keys.iter().map(|k| k + 0.5).collect();
+            cache.push_host(l, &keys, &values);
+        }
+        cache.positions = (7..7 + n).collect();
+        cache.commit_host();
+        let mut first = cache.clone_prefix(3);
+        assert_eq!(first.positions, [7, 8, 9]);
+        for (l, layer) in first.layers().iter().enumerate() {
+            let keys: Vec<f32> = (0..3 * kv).map(|j| (l * 100 + j) as f32).collect();
+            assert_eq!(layer.keys, keys, "layer {l}");
+            assert_eq!(layer.values.len(), 3 * kv, "layer {l}");
+        }
+        assert_eq!(cache.clone_prefix(0).len(), 0);
+        assert_eq!(
+            cache.clone_prefix(n).layers()[1].keys,
+            cache.layers()[1].keys
+        );
     }
 }
