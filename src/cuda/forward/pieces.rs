@@ -1,24 +1,25 @@
-//! A chunked prefill's pieces as one pass, layer by layer. Run one by one, each piece of 16
-//! tokens reads every weight once per layer (Qwen3-8B: 32 passes of 16 GB for a 512-token
-//! prompt) in GEMMs of 16 rows, bound by the weights' bandwidth, and the host enqueues a
-//! whole pass for each. Together, each layer's projections, norms and MLP take every piece's
-//! rows in one launch, and only what makes a piece a piece runs per piece: its q/k norm,
-//! RoPE and KV append, and its attention over the cache as it stood after the pieces before
-//! it, each with that piece's own inputs (`pass_meta` of the piece at its base).
+//! Prefills that would be many passes, as one pass, layer by layer. Run one by one, each
+//! piece of 16 tokens reads every weight once per layer (Qwen3-8B: 32 passes of 16 GB for a
+//! 512-token prompt) in GEMMs of 16 rows, bound by the weights' bandwidth, and the host
+//! enqueues a whole pass for each. Together, each layer's projections, norms and MLP take
+//! every piece's rows in one launch, and only what makes a piece a piece runs per piece, with
+//! that piece's own inputs (`pass_meta` of the piece at its base): its q/k norm, RoPE and KV
+//! append, and its attention. The pieces stand in turn (a chunked prefill, a prefix cache's
+//! chunks: each attends to the cache as the pieces before it left it) or apart (chunk reuse's
+//! chunks: each attends to its own range of the cache alone, as if it began the sequence).
 //!
 //! Every row comes out with the bits the pieces one by one give it: the GEMMs sum each
 //! output in one order whatever the rows beside it (`kernels/gemm.cu`), the row-wise kernels
 //! work row by row, and each piece's attention is the launch its own pass makes. The pass
-//! offers its taps as one pass of all the rows (positions, cache entries and the base its
-//! attention rows are rebuilt from are those of the pieces together), which is what a
-//! comparing sink books the pieces' taps as.
+//! offers its taps as one pass of all the rows, which is what a comparing sink books the
+//! pieces' taps as; pieces apart offer their attention rows piece by piece, each over its
+//! own entries, and each piece offers its last row's logits as its own pass does.
 //!
 //! Where the bits could part, the pieces run one by one: a one-token piece (a decode
 //! step's kernels), a sparse layer (its experts group the rows it routes), attention
 //! probabilities written out rather than rebuilt from parts, a planted fault, the attention
-//! memo, or every position's logits wanted (each piece's last row's are offered, as its own pass
-//! offers them). `KVDIFF_CUDA_PIECES_TOGETHER=0` runs them one
-//! by one always, for measuring one against the other.
+//! memo, or every position's logits wanted. `KVDIFF_CUDA_PIECES_TOGETHER=0` runs them one by
+//! one always, for measuring one against the other.
 
 use super::{CudaModel, EntryLayout, LogitsTo, PieceRows, Pieces, Stand};
 use crate::cuda::gpu::ptr;
@@ -40,7 +41,7 @@ impl CudaModel {
         step: usize,
         sink: &mut dyn TapSink,
     ) -> Option<StepLogits> {
-        if !self.pieces_run_together(pieces, cache, sink, Stand::InTurn) {
+        if !self.pieces_run_together(pieces, cache, sink, false) {
             return None;
         }
         let _span = crate::support::timing::span("cuda prefill: pieces together");
@@ -79,22 +80,14 @@ impl CudaModel {
                 .iter()
                 .enumerate()
                 .all(|(i, c)| c.is_none_or(|j| same(i, j)));
+        if !copies_ok || !cache.is_empty() {
+            return false;
+        }
         let run: Vec<usize> = (0..pieces.len())
             .filter(|&i| copy_of[i].is_none())
             .collect();
         let ran: Vec<Batch<'_>> = run.iter().map(|&i| pieces[i]).collect();
-        if !copies_ok
-            || !cache.is_empty()
-            || !self.pieces_run_together(
-                &ran,
-                cache,
-                sink,
-                Stand::Apart {
-                    entries: &[],
-                    positions: &[],
-                },
-            )
-        {
+        if !self.pieces_run_together(&ran, cache, sink, true) {
             return false;
         }
         let _span = crate::support::timing::span("cuda prefill: pieces apart, together");
@@ -140,13 +133,14 @@ impl CudaModel {
         self.pass_of(batch, (pieces, stand), cache, step, sink, to)
     }
 
-    /// Whether `pieces` may run as one pass (see the module's notes).
+    /// Whether `pieces` may run as one pass (see the module's notes), in turn over `cache` or
+    /// `apart`.
     fn pieces_run_together(
         &self,
         pieces: &[Batch<'_>],
         cache: &KvCache,
         sink: &dyn TapSink,
-        stand: Stand<'_>,
+        apart: bool,
     ) -> bool {
         let c = &self.config;
         let n: usize = pieces.iter().map(|b| b.tokens.len()).sum();
@@ -155,8 +149,8 @@ impl CudaModel {
             (0..c.num_hidden_layers).any(|l| table.wants(TapId::Layer(l, LayerTap::AttnProbs)));
         // Rebuilt from parts only over entries that are consecutive positions: the whole
         // cache's, or each piece's own.
-        let consecutive = match stand {
-            Stand::InTurn => {
+        let consecutive = match apart {
+            false => {
                 let entries: Vec<usize> = cache
                     .positions
                     .iter()
@@ -165,7 +159,7 @@ impl CudaModel {
                     .collect();
                 EntryLayout::of(&entries).lead.is_some()
             }
-            Stand::Apart { .. } => pieces
+            true => pieces
                 .iter()
                 .all(|b| EntryLayout::of(b.positions).lead.is_some()),
         };
