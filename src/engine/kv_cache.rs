@@ -118,19 +118,13 @@ impl Clone for KvCache {
     /// A copy with the same split between host and device (a device copy is copied on the
     /// device, not brought back).
     fn clone(&self) -> Self {
-        KvCache {
-            layers: self.layers.clone(),
-            positions: self.positions.clone(),
-            kv_dim: self.kv_dim,
-            host_len: self.host_len,
-            device: self.device.as_ref().map(|d| d.clone_box()),
-        }
+        self.clone_prefix(self.len())
     }
 }
 
 impl KvCache {
     /// A copy of the first `n` entries alone (the cache as it stood after them), with the same
-    /// split between host and device as `clone`.
+    /// split between host and device.
     pub fn clone_prefix(&self, n: usize) -> KvCache {
         assert!(n <= self.len(), "a prefix of the cache");
         let host = self.host_len.min(n);

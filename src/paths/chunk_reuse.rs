@@ -57,17 +57,32 @@ pub fn reused_prefix(
         .iter()
         .map(|chunk| store_key(prompt, chunk, mode))
         .collect();
-    if let Some(cache) = prefilled_together(model, prompt, mode, &keys, store, sink) {
+    let chunks = &prompt.chunks[..last];
+    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
+    let local: Vec<Vec<usize>> = chunks
+        .iter()
+        .map(|c| (0..c.end - c.start).collect())
+        .collect();
+    // Each chunk at its global positions, rotated there (`global`) or as if it began the
+    // sequence.
+    let pieces: Vec<Batch<'_>> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, chunk)| Batch {
+            tokens: prompt.tokens(chunk),
+            positions: &global[i],
+            rope_positions: match mode {
+                Reuse::Global => &global[i],
+                _ => &local[i],
+            },
+            cascade_split: 0,
+        })
+        .collect();
+    if let Some(cache) = prefilled_together(model, prompt, mode, (&keys, &pieces), store, sink) {
         return cache;
     }
-    for (i, chunk) in prompt.chunks[..last].iter().enumerate() {
-        let global: Vec<usize> = (chunk.start..chunk.end).collect();
-        let local: Vec<usize> = (0..chunk.end - chunk.start).collect();
-        let rope_at = if mode == Reuse::Global {
-            &global
-        } else {
-            &local
-        };
+    for (i, chunk) in chunks.iter().enumerate() {
+        let global = global[i].clone();
         let key = keys[i];
         // A copy is kept only for a chunk met again further on: a copy of a device cache
         // is an allocation and a copy per layer.
@@ -76,27 +91,7 @@ pub fn reused_prefix(
             Some(kv) => kv,
             None => {
                 let mut kv = model.new_cache();
-                let batch = Batch {
-                    tokens: prompt.tokens(chunk),
-                    positions: &global,
-                    rope_positions: rope_at,
-                    cascade_split: 0,
-                };
-                if mode == Reuse::Rerotate {
-                    // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.
-                    let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
-                    model.prefill(
-                        batch,
-                        &mut kv,
-                        0,
-                        &mut Masked {
-                            table,
-                            inner: &mut *sink,
-                        },
-                    );
-                } else {
-                    model.prefill(batch, &mut kv, 0, sink);
-                }
+                with_chunk_sink(mode, sink, |s| model.prefill(pieces[i], &mut kv, 0, s));
                 if mode == Reuse::Rerotate && fault::active(Fault::RerotateStoresRotated) {
                     model.rerotate(&mut kv, chunk.start, &global, sink);
                     if again {
@@ -132,12 +127,11 @@ fn prefilled_together(
     model: &Model,
     prompt: &ChunkedPrompt,
     mode: Reuse,
-    keys: &[u64],
+    (keys, pieces): (&[u64], &[Batch<'_>]),
     store: &mut ChunkStore,
     sink: &mut dyn TapSink,
 ) -> Option<KvCache> {
-    let chunks = &prompt.chunks[..prompt.chunks.len() - 1];
-    if chunks.len() < 2 || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
+    if pieces.len() < 2 || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
         return None;
     }
     // The chunk each one's store lookup would hit: the first of its key.
@@ -146,54 +140,44 @@ fn prefilled_together(
         .enumerate()
         .map(|(i, k)| keys[..i].iter().position(|x| x == k))
         .collect();
-    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
-    let local: Vec<Vec<usize>> = chunks
-        .iter()
-        .map(|c| (0..c.end - c.start).collect())
-        .collect();
-    let pieces: Vec<Batch<'_>> = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, chunk)| Batch {
-            tokens: prompt.tokens(chunk),
-            positions: &global[i],
-            rope_positions: match mode {
-                Reuse::Global => &global[i],
-                _ => &local[i],
-            },
-            cascade_split: 0,
-        })
-        .collect();
     let mut cache = model.new_cache();
-    let done = match mode {
-        // Its rotated q/k are not what gets reused; the re-rotated keys are tapped below.
-        Reuse::Rerotate => {
-            let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
-            let mut masked = Masked {
-                table,
-                inner: &mut *sink,
-            };
-            model.prefill_apart(&pieces, &copy_of, &mut cache, 0, &mut masked)
-        }
-        _ => model.prefill_apart(&pieces, &copy_of, &mut cache, 0, sink),
-    };
+    let done = with_chunk_sink(mode, sink, |s| {
+        model.prefill_apart(pieces, &copy_of, &mut cache, 0, s)
+    });
     if !done {
         return None;
     }
     let hits = copy_of.iter().filter(|c| c.is_some()).count();
     store.hits += hits;
-    store.misses += chunks.len() - hits;
+    store.misses += pieces.len() - hits;
     if mode == Reuse::Rerotate {
         let _span = crate::support::timing::span("chunk-reuse: re-rotation");
         let mut entry = 0;
-        for (chunk, positions) in chunks.iter().zip(&global) {
-            let turned = model.rerotate_range(&mut cache, entry, chunk.start, positions, sink);
+        for b in pieces {
+            let (positions, delta) = (b.positions, b.positions[0]);
+            let turned = model.rerotate_range(&mut cache, entry, delta, positions, sink);
             assert!(turned, "a device that prefills apart re-rotates a range");
             entry += positions.len();
         }
     }
     cache.reserve_total(prompt.ids.len());
     Some(cache)
+}
+
+/// Runs `f` with `sink`, less a chunk's rotated q/k taps under `rerotate`: they are not what
+/// gets reused (the re-rotated keys are tapped after).
+fn with_chunk_sink<R>(
+    mode: Reuse,
+    sink: &mut dyn TapSink,
+    f: impl FnOnce(&mut dyn TapSink) -> R,
+) -> R {
+    match mode {
+        Reuse::Rerotate => {
+            let table = sink.table().without(&[LayerTap::QRope, LayerTap::KRope]);
+            f(&mut Masked { table, inner: sink })
+        }
+        _ => f(sink),
+    }
 }
 
 /// The store's key of `chunk`: its content, and for global rotation where it stands.
