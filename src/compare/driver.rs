@@ -18,7 +18,7 @@ use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Model, StepLogits};
 use crate::engine::tokenizer::ChatTokenizer;
 use crate::error::Result;
-use crate::paths::{ChunkStore, PathSpec};
+use crate::paths::{ApartTaps, ChunkStore, PathSpec};
 use crate::tap::dump::Dumper;
 use crate::tap::{TapFilter, TapSink};
 
@@ -97,6 +97,13 @@ pub struct Lane<'l> {
     pub path: Option<PathSpec>,
     pub held_to: Vec<(&'l CompareSpec<'l>, String, bool)>,
     pub rows: Option<RowsCheck<'l>>,
+    /// Where the lane's prefill begins with chunk reuse's chunks prefilled apart at local
+    /// rotation, the taps of that pass it offers (`PathSpec::apart_taps`): lanes that do run
+    /// the pass once between them.
+    pub apart: Option<ApartTaps>,
+    /// Whether the lane's prefill runs a standard prefill of a prefix of the prompt
+    /// (`PathSpec::runs_standard_prefix`), which the standard reference's cache then gives.
+    pub takes_standard: bool,
 }
 
 /// Reference taps one comparison pass may hold on the host, at least; beyond the budget, taps
@@ -269,6 +276,8 @@ impl CompareSpec<'_> {
             path: None,
             held_to,
             rows: None,
+            apart: None,
+            takes_standard: false,
         }];
         let mut merged: Option<Vec<PathReport>> = None;
         for taps in &passes {

@@ -15,10 +15,11 @@ use crate::compare::judge::finding::TokenDivergence;
 use crate::compare::path_sinks::{dump_recorded, Dumps, Fan, Ridden};
 use crate::compare::reference_memo::MemoUse;
 use crate::compare::report::PathReport;
+use crate::compare::shared_prefill;
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::{Batch, Model, StepLogits};
 use crate::error::Result;
-use crate::paths::ChunkStore;
+use crate::paths::{ChunkStore, PathSpec};
 use crate::support::fault::{self, Fault};
 use crate::support::timing::span;
 use crate::tap::{TapFilter, TapSink};
@@ -312,9 +313,15 @@ impl<'s> CompareSpec<'s> {
         // or Inf or NaN in them stops the run here.
         crate::cuda::weights_loaded(self.model)?;
         note_gpu_memory("references prefilled", self.model);
+        let standard = ref_runs.iter().find(|r| {
+            r.spec.reference == PathSpec::Standard && std::ptr::eq(r.spec.model, self.path_model)
+        });
+        let prefills: Vec<bool> = ridden.iter().map(|r| r.is_none()).collect();
+        let standard = standard.map(|r| &r.cache);
+        let stores = shared_prefill::stores(self, lanes, &prefills, &mut cmps, standard);
         let mut lane_runs = Vec::with_capacity(lanes.len());
-        let lanes_with = lanes.iter().zip(cmps).zip(&which).zip(ridden);
-        for ((((lane, mut lane_cmps), refs_of), ridden), (mut rows_cmp, rows_ref)) in
+        let lanes_with = lanes.iter().zip(cmps).zip(&which).zip(ridden).zip(stores);
+        for (((((lane, mut lane_cmps), refs_of), ridden), mut store), (mut rows_cmp, rows_ref)) in
             lanes_with.zip(rows_cmps.into_iter().zip(&rows_of))
         {
             let _span = span("compare: path prefill");
@@ -327,7 +334,6 @@ impl<'s> CompareSpec<'s> {
                     (cache, logits, store)
                 }
                 None => {
-                    let mut store = ChunkStore::default();
                     let mut fan = Fan::new(&mut lane_cmps);
                     let sink = &mut *dumps.path_sink(&mut fan);
                     let (cache, logits) = match (&lane.rows, rows_cmp.as_mut()) {

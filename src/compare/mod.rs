@@ -26,6 +26,7 @@ pub mod path_replay;
 mod path_sinks;
 pub mod reference_memo;
 pub mod run;
+mod shared_prefill;
 pub mod target;
 
 pub mod engine_dump;

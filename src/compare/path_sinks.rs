@@ -264,10 +264,85 @@ impl TapSink for Ridden<'_> {
     }
 }
 
+/// One pass offered to several lanes' sinks at once (a prefill those lanes would each run to
+/// the same bits): each member takes the taps its own table selects, so its comparators see
+/// what its own pass would have offered them. A device tap some member declined comes back as
+/// a host copy (`record`), which goes to those only. Only for dense models (no routing).
+pub(super) struct Joint<'a> {
+    members: Vec<&'a mut dyn TapSink>,
+    table: crate::tap::TapTable,
+    declined: Option<Vec<bool>>,
+}
+
+impl<'a> Joint<'a> {
+    pub(super) fn new(members: Vec<&'a mut dyn TapSink>) -> Self {
+        let table = members
+            .iter()
+            .map(|m| m.table().clone())
+            .reduce(|a, b| a.union(&b))
+            .expect("a joint pass has members");
+        Joint {
+            members,
+            table,
+            declined: None,
+        }
+    }
+}
+
+impl TapSink for Joint<'_> {
+    fn table(&self) -> &crate::tap::TapTable {
+        &self.table
+    }
+    fn record(&mut self, step: usize, value: TapValue<'_>) {
+        let declined = self.declined.take();
+        for (i, m) in self.members.iter_mut().enumerate() {
+            if m.table().wants(value.id) && declined.as_ref().is_none_or(|d| d[i]) {
+                m.record(step, value.clone());
+            }
+        }
+    }
+    fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
+        let declined: Vec<bool> = self
+            .members
+            .iter_mut()
+            .map(|m| m.table().wants(tap.id) && !m.record_device(step, tap))
+            .collect();
+        let all = declined.iter().all(|d| !d);
+        self.declined = (!all).then_some(declined);
+        all
+    }
+    fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
+        for m in self.members.iter_mut() {
+            m.begin_step(step, tokens, positions);
+        }
+    }
+    fn end_pass(&mut self, step: usize) {
+        for m in self.members.iter_mut() {
+            m.end_pass(step);
+        }
+    }
+    fn probs_by_parts(&self) -> bool {
+        self.members.iter().any(|m| m.probs_by_parts())
+    }
+    fn host_probs_by_parts(&self) -> bool {
+        self.members.iter().any(|m| m.host_probs_by_parts())
+    }
+    fn record_parts(&mut self, step: usize, id: crate::tap::TapId, parts: HostAttnParts) {
+        let mut wanting = self.members.iter_mut().filter(|m| m.table().wants(id));
+        let Some(first) = wanting.next() else {
+            return;
+        };
+        for m in wanting {
+            m.record_parts(step, id, parts.clone());
+        }
+        first.record_parts(step, id, parts);
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Ridden;
-    use crate::tap::{Device, DeviceTap, LayerTap, TapId, TapSink, TapTable, TapValue};
+    use super::{Joint, Ridden};
+    use crate::tap::{Device, DeviceTap, LayerTap, TapFilter, TapId, TapSink, TapTable, TapValue};
 
     /// A sink that takes device taps or declines them, and counts what it gets.
     struct Counting {
@@ -304,6 +379,60 @@ mod tests {
         fn end_pass(&mut self, _step: usize) {
             self.passes += 1;
         }
+    }
+
+    fn tap<'a>(id: TapId, positions: &'a [usize], device: &'a Device) -> DeviceTap<'a> {
+        DeviceTap {
+            id,
+            positions,
+            device,
+            ptr: 0,
+            rows: 1,
+            width: 1,
+            stride: 1,
+            rows_per_token: 1,
+            lead: 0,
+            persistent: false,
+            shape: vec![1, 1],
+            parts: None,
+            owner: None,
+        }
+    }
+
+    /// A joint pass offers each member the taps its own table selects, and the host copy a
+    /// decline brings to the members that declined only; every member sees the pass end.
+    #[test]
+    fn a_joint_pass_offers_each_member_what_its_table_selects() {
+        let device: Device = std::sync::Arc::new(());
+        let positions = [0usize];
+        let resid = TapId::Layer(0, LayerTap::ResidIn);
+        let q = TapId::Layer(0, LayerTap::QRope);
+        let value = |id| TapValue {
+            id,
+            positions: &positions,
+            shape: vec![1, 1],
+            data: &[1.0],
+        };
+        let wanting = |spec: &str, takes| Counting {
+            table: TapFilter::parse(spec, 1).unwrap().table(1),
+            ..Counting::new(takes)
+        };
+        let (mut takes, mut declines) = (wanting("L0.*", true), wanting("L0.resid_in", false));
+        let mut quiet = Counting::new(true);
+        let mut joint = Joint::new(vec![&mut takes, &mut declines, &mut quiet]);
+        assert!(joint.table().wants(q) && joint.table().wants(resid));
+        // Only the first member wants q_rope, and takes it.
+        assert!(joint.record_device(0, &tap(q, &positions, &device)));
+        // The second declines resid_in: its host copy goes to it alone.
+        assert!(!joint.record_device(0, &tap(resid, &positions, &device)));
+        joint.record(0, value(resid));
+        // A host tap with no device offer goes to every member that wants it.
+        joint.record(0, value(q));
+        joint.end_pass(0);
+        drop(joint);
+        assert_eq!((takes.device, takes.host, takes.passes), (2, 1, 1));
+        assert_eq!((declines.device, declines.host, declines.passes), (1, 1, 1));
+        assert_eq!((quiet.device, quiet.host, quiet.passes), (0, 0, 1));
     }
 
     /// Both sides see every device tap; the host copy a decline brings goes to the side that

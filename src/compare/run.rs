@@ -16,7 +16,7 @@ use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::paths::{ChunkStore, PathSpec};
+use crate::paths::{ApartTaps, ChunkStore, PathSpec};
 use crate::support::progress::{self, Progress};
 use crate::tap::{LayerTap, TapFilter, TapId, TapSink};
 
@@ -618,6 +618,8 @@ impl<'a> Request<'a> {
                     path: Some(t.path),
                     held_to,
                     rows,
+                    apart: t.path.apart_taps(),
+                    takes_standard: t.path.runs_standard_prefix(),
                 }
             })
             .collect();
@@ -631,6 +633,8 @@ impl<'a> Request<'a> {
                 path: None,
                 held_to: vec![(&standard, label, true)],
                 rows: None,
+                apart: Some(ApartTaps::Quiet),
+                takes_standard: true,
             });
         }
         let started = std::time::Instant::now();

@@ -53,15 +53,21 @@ pub fn blended_prefix(
     if n == 0 || model.config.num_hidden_layers < 2 {
         return cache;
     }
-    let positions: Vec<usize> = (0..n).collect();
-    let mut full = model.new_cache();
-    let mut quiet = NullSink::new(model.config.num_hidden_layers);
-    model.prefill(
-        Batch::new(&prompt.ids[..n], &positions),
-        &mut full,
-        0,
-        &mut quiet,
-    );
+    let mut full = match store.standard_prefix(n) {
+        Some(full) => full,
+        None => {
+            let positions: Vec<usize> = (0..n).collect();
+            let mut full = model.new_cache();
+            let mut quiet = NullSink::new(model.config.num_hidden_layers);
+            model.prefill(
+                Batch::new(&prompt.ids[..n], &positions),
+                &mut full,
+                0,
+                &mut quiet,
+            );
+            full
+        }
+    };
     let kv = cache.kv_dim();
     // Only layer 1's keys are needed to choose: where both caches are on a device, the rest
     // stays there.

@@ -122,7 +122,9 @@ pub fn reused_prefix(
 /// (`Model::prefill_apart`), and re-rotated where `mode` asks: the cache and taps of the chunks
 /// one by one, a chunk met again further on taking its first prefill's entries as the store
 /// would hand them over, and the store's count of hits and misses. Where no fault is planted
-/// and the store holds none of the chunks yet; None, with nothing run, elsewhere.
+/// and the store holds none of the chunks yet; None, with nothing run, elsewhere. Chunks a
+/// shared pass prefilled for this path (`ChunkStore::give_apart`) are taken instead of
+/// prefilled: that pass offered their taps.
 fn prefilled_together(
     model: &Model,
     prompt: &ChunkedPrompt,
@@ -134,22 +136,15 @@ fn prefilled_together(
     if pieces.len() < 2 || keys.iter().any(|&k| store.holds(k)) || fault::any_active() {
         return None;
     }
-    // The chunk each one's store lookup would hit: the first of its key.
-    let copy_of: Vec<Option<usize>> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| keys[..i].iter().position(|x| x == k))
-        .collect();
-    let mut cache = model.new_cache();
-    let done = with_chunk_sink(mode, sink, |s| {
-        model.prefill_apart(pieces, &copy_of, &mut cache, 0, s)
-    });
-    if !done {
-        return None;
-    }
-    let hits = copy_of.iter().filter(|c| c.is_some()).count();
-    store.hits += hits;
-    store.misses += pieces.len() - hits;
+    let apart = match store.take_apart(keys, mode) {
+        Some(given) => given,
+        None => with_chunk_sink(mode, sink, |s| run_apart(model, keys, pieces, s))?,
+    };
+    let ChunksApart {
+        mut cache, copies, ..
+    } = apart;
+    store.hits += copies;
+    store.misses += pieces.len() - copies;
     if mode == Reuse::Rerotate {
         let _span = crate::support::timing::span("chunk-reuse: re-rotation");
         let mut entry = 0;
@@ -162,6 +157,83 @@ fn prefilled_together(
     }
     cache.reserve_total(prompt.ids.len());
     Some(cache)
+}
+
+/// Chunk reuse's chunks before the query prefilled apart at local rotation (0..n each, as
+/// `local` and `rerotate` prefill them, and `blend` through `rerotate`), as one pass: the
+/// cache before any re-rotation, and how many chunks took an earlier one's entries.
+#[derive(Clone)]
+pub struct ChunksApart {
+    keys: Vec<u64>,
+    pub cache: KvCache,
+    copies: usize,
+}
+
+impl ChunksApart {
+    /// Whether these are the chunks a path of `mode` keyed `keys` would prefill.
+    pub(super) fn serves(&self, keys: &[u64], mode: Reuse) -> bool {
+        mode != Reuse::Global && self.keys == keys
+    }
+}
+
+/// The chunks before the query prefilled apart at local rotation as one pass offered to
+/// `sink` whole (a path masks its rotated q/k taps itself: `with_chunk_sink`), for paths that
+/// share it (`ChunkStore::give_apart`, a copy each). None, with nothing run, where the device
+/// cannot, a fault is planted or there are fewer than two chunks.
+pub fn prefill_chunks_apart(
+    model: &Model,
+    prompt: &ChunkedPrompt,
+    sink: &mut dyn TapSink,
+) -> Option<ChunksApart> {
+    let chunks = &prompt.chunks[..prompt.chunks.len().saturating_sub(1)];
+    if chunks.len() < 2 || fault::any_active() {
+        return None;
+    }
+    let keys: Vec<u64> = chunks
+        .iter()
+        .map(|c| store_key(prompt, c, Reuse::Local))
+        .collect();
+    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
+    let local: Vec<Vec<usize>> = chunks
+        .iter()
+        .map(|c| (0..c.end - c.start).collect())
+        .collect();
+    let pieces: Vec<Batch<'_>> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, chunk)| Batch {
+            tokens: prompt.tokens(chunk),
+            positions: &global[i],
+            rope_positions: &local[i],
+            cascade_split: 0,
+        })
+        .collect();
+    run_apart(model, &keys, &pieces, sink)
+}
+
+/// `pieces` (keyed `keys`) prefilled apart into one cache, a chunk met again taking its first
+/// occurrence's entries.
+fn run_apart(
+    model: &Model,
+    keys: &[u64],
+    pieces: &[Batch<'_>],
+    sink: &mut dyn TapSink,
+) -> Option<ChunksApart> {
+    // The chunk each one's store lookup would hit: the first of its key.
+    let copy_of: Vec<Option<usize>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| keys[..i].iter().position(|x| x == k))
+        .collect();
+    let mut cache = model.new_cache();
+    if !model.prefill_apart(pieces, &copy_of, &mut cache, 0, sink) {
+        return None;
+    }
+    Some(ChunksApart {
+        keys: keys.to_vec(),
+        cache,
+        copies: copy_of.iter().filter(|c| c.is_some()).count(),
+    })
 }
 
 /// Runs `f` with `sink`, less a chunk's rotated q/k taps under `rerotate`: they are not what

@@ -125,6 +125,36 @@ impl PathSpec {
     }
 }
 
+/// The taps of chunk reuse's chunk pass (`chunk_reuse::prefill_chunks_apart`) a path offers
+/// where its prefill begins with that pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApartTaps {
+    /// Every tap (`local`).
+    All,
+    /// All but the rotated queries and keys, which are tapped once turned (`rerotate`).
+    Unturned,
+    /// None (a check that sees only what follows).
+    Quiet,
+}
+
+impl PathSpec {
+    /// Where this path's prefill begins with chunk reuse's chunks prefilled apart at local
+    /// rotation, the taps of that pass it offers: paths that do may share the pass.
+    pub fn apart_taps(self) -> Option<ApartTaps> {
+        match self {
+            PathSpec::ChunkReuse(Reuse::Local) => Some(ApartTaps::All),
+            PathSpec::ChunkReuse(Reuse::Rerotate) | PathSpec::Blend(_) => Some(ApartTaps::Unturned),
+            _ => None,
+        }
+    }
+
+    /// Whether this path's prefill runs a standard prefill of a prefix of the prompt (blend's
+    /// oracle), which a standard prefill of the whole prompt already holds.
+    pub fn runs_standard_prefix(self) -> bool {
+        matches!(self, PathSpec::Blend(_))
+    }
+}
+
 impl fmt::Display for PathSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -185,6 +215,12 @@ pub struct ChunkStore {
     entries: HashMap<u64, KvCache>,
     pub hits: usize,
     pub misses: usize,
+    /// Chunk reuse's chunks already prefilled apart for this path by a pass it shared with
+    /// other paths (`chunk_reuse::ChunksApart`): its own pass would compute the same bits.
+    apart: Option<chunk_reuse::ChunksApart>,
+    /// The standard prefill of the whole prompt on the path's model, where the run holds one:
+    /// a full prefill of a prefix of the prompt is its first entries, bit for bit.
+    standard: Option<KvCache>,
 }
 
 impl ChunkStore {
@@ -205,6 +241,31 @@ impl ChunkStore {
 
     pub fn put(&mut self, key: u64, kv: KvCache) {
         self.entries.insert(key, kv);
+    }
+
+    /// Hands the path chunks a shared pass prefilled apart for it (taken by
+    /// `chunk_reuse::reused_prefix` instead of running that pass again).
+    pub fn give_apart(&mut self, apart: chunk_reuse::ChunksApart) {
+        self.apart = Some(apart);
+    }
+
+    /// The chunks given for the keys `keys` at local rotation, if any.
+    fn take_apart(&mut self, keys: &[u64], mode: Reuse) -> Option<chunk_reuse::ChunksApart> {
+        self.apart.take().filter(|a| a.serves(keys, mode))
+    }
+
+    /// Hands the path the standard prefill of the whole prompt (see `standard_prefix`).
+    pub fn give_standard(&mut self, cache: KvCache) {
+        self.standard = Some(cache);
+    }
+
+    /// The standard prefill of the prompt's first `n` tokens, where one was given.
+    pub fn standard_prefix(&mut self, n: usize) -> Option<KvCache> {
+        let full = self.standard.take().filter(|c| c.len() >= n)?;
+        Some(match full.len() == n {
+            true => full,
+            false => full.clone_prefix(n),
+        })
     }
 }
 

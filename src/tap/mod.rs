@@ -354,6 +354,26 @@ impl TapTable {
         self.layer.iter().flatten().any(|&w| w)
     }
 
+    /// Every tap either selection holds (logits of every prompt row where one that wants
+    /// logits asks for them all).
+    pub fn union(&self, other: &TapTable) -> Self {
+        let mut t = self.clone();
+        t.embed |= other.embed;
+        t.final_norm |= other.final_norm;
+        t.all_prompt_logits = match (self.logits, other.logits) {
+            (true, true) => self.all_prompt_logits || other.all_prompt_logits,
+            (false, true) => other.all_prompt_logits,
+            _ => self.all_prompt_logits,
+        };
+        t.logits |= other.logits;
+        for (row, o) in t.layer.iter_mut().zip(&other.layer) {
+            for (w, &ow) in row.iter_mut().zip(o) {
+                *w |= ow;
+            }
+        }
+        t
+    }
+
     /// The same selection less some per-layer taps.
     pub fn without(&self, taps: &[LayerTap]) -> Self {
         let mut t = self.clone();
@@ -454,6 +474,31 @@ mod tests {
         }
         assert!(t.wants(TapId::Layer(1, LayerTap::AttnProbs)));
         assert!(!t.wants(TapId::Layer(0, LayerTap::AttnProbs)));
+    }
+
+    #[test]
+    fn a_union_wants_what_either_table_wants() {
+        let a = TapFilter::parse("L0.q,embed", 2).unwrap().table(2);
+        let b = TapFilter::parse("L1.k,logits", 2).unwrap().table(2);
+        let u = a.union(&b);
+        for id in TapId::all(2) {
+            assert_eq!(u.wants(id), a.wants(id) || b.wants(id), "{id}");
+        }
+        assert!(u.wants(TapId::Logits) && !a.wants(TapId::Logits));
+        assert!(!u.wants(TapId::Layer(1, LayerTap::Q)));
+        // A table that wants no logits asks for no prompt row's: the last row's logits stay
+        // the only ones a pass offers.
+        let mut last = TapFilter::parse("logits", 2).unwrap();
+        last.all_prompt_logits = false;
+        let last = last.table(2);
+        for u in [
+            TapTable::none(2).union(&last),
+            last.union(&TapTable::none(2)),
+        ] {
+            assert_eq!(u.logits_rows(5), 4..5);
+        }
+        let all = TapFilter::parse("logits", 2).unwrap().table(2);
+        assert_eq!(last.union(&all).logits_rows(5), 0..5);
     }
 
     #[test]

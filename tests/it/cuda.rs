@@ -1383,8 +1383,9 @@ fn references_on_streams_of_their_own_report_what_one_stream_reports() {
 /// Every path in one lockstep (the default on the GPU: the references run once, the paths'
 /// decode steps as one pass in groups of `KVDIFF_CUDA_MAX_SIDES`) reports what each path run
 /// in a lockstep of its own reports, and what the steps run one by one report, in groups of
-/// two or all in one, with a decode-attention block per query head or per GQA group, clean and
-/// with planted bugs, on both head sizes.
+/// two or all in one, with a decode-attention block per query head or per GQA group, with the
+/// prefills several paths share run once or by each, clean and with planted bugs, on both
+/// head sizes.
 #[test]
 fn paths_run_together_report_what_each_run_alone_reports() {
     if gpu().is_none() {
@@ -1462,6 +1463,25 @@ fn paths_run_together_report_what_each_run_alone_reports() {
                     "{fault:?} {model:?}: {err}"
                 );
             }
+            // Chunk reuse's chunks, prefilled apart alike by `local`, `rerotate`, `blend` and
+            // blend's check, run once for all of them, and blend's oracle is the standard
+            // reference's cache; with a fault planted every path runs its own (below, and
+            // `alone` and `unshared_prefills` always).
+            assert_eq!(
+                err.contains("kvdiff: chunks prefilled apart once for chunk-reuse:local@cuda, chunk-reuse:rerotate@cuda, chunk-reuse:blend:0.25@cuda, invariant: chunk-reuse:blend:1"),
+                fault.is_none(),
+                "{fault:?} {model:?}: {err}"
+            );
+            assert_eq!(
+                err.contains("chunk-reuse:blend:0.25@cuda: the prefix's standard prefill taken from the standard reference's cache"),
+                fault.is_none(),
+                "{fault:?} {model:?}: {err}"
+            );
+            let (own, _) = run("unshared-prefills", &[("KVDIFF_SHARED_PREFILLS", "0")]);
+            assert_eq!(
+                together, own,
+                "every path's own prefills ({fault:?}, {model:?})"
+            );
             let (alone, err) = run("alone", &[("KVDIFF_LANES", "0")]);
             assert!(!err.contains("paths compared together"), "{err}");
             assert_eq!(

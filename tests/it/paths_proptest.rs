@@ -16,7 +16,7 @@ use kvdiff::engine::model::{Batch, Model};
 use kvdiff::engine::rope::RopeScaling;
 use kvdiff::engine::tokenizer::ChatTokenizer;
 use kvdiff::io::model_source::ModelSource;
-use kvdiff::paths::{ChunkStore, PathSpec, Reuse};
+use kvdiff::paths::{ApartTaps, ChunkStore, PathSpec, Reuse};
 use kvdiff::tap::{TapFilter, TapSink};
 use proptest::prelude::*;
 
@@ -360,6 +360,8 @@ proptest! {
                     path: Some(*p),
                     held_to,
                     rows,
+                    apart: p.apart_taps(),
+                    takes_standard: p.runs_standard_prefix(),
                 }
             })
             .collect();
@@ -371,6 +373,8 @@ proptest! {
             path: None,
             held_to: vec![(&spec, "blend:1 = standard".to_string(), true)],
             rows: None,
+            apart: Some(ApartTaps::Quiet),
+            takes_standard: true,
         });
         let together = spec.run_lanes(&lanes).unwrap();
         prop_assert_eq!(together.len(), lanes.len());
