@@ -193,10 +193,12 @@ pub fn summary_rows() -> usize {
 }
 
 /// Host memory to fault in ahead for read-back buffers (`cuda::READ_BACK`): a compare's
-/// lockstep holds two at once (a lane's last pass's, and the next lane's), each of at most
-/// `summary_rows` rows of twelve floats (at most 256 MiB in all: more is pinned as needed).
+/// lockstep holds two at once (a lane's last pass's, and the next lane's), and one for each
+/// lane a shared prefill offers its taps to (`compare::shared_prefill`: four in the default
+/// compare), each of at most `summary_rows` rows of twelve floats (at most 256 MiB in all:
+/// more is pinned as needed).
 pub fn readback_bytes_ahead() -> usize {
-    (2 * summary_rows() * 12 * std::mem::size_of::<f32>()).min(256 << 20)
+    (4 * summary_rows() * 12 * std::mem::size_of::<f32>()).min(256 << 20)
 }
 
 /// Pinned host memory summaries are read back into: lent by the GPU (what the weights were
