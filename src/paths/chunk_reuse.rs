@@ -170,6 +170,15 @@ pub struct ChunksApart {
 }
 
 impl ChunksApart {
+    #[cfg(test)]
+    pub(super) fn for_test(keys: Vec<u64>, cache: KvCache) -> Self {
+        ChunksApart {
+            keys,
+            cache,
+            copies: 0,
+        }
+    }
+
     /// Whether these are the chunks a path of `mode` keyed `keys` would prefill.
     pub(super) fn serves(&self, keys: &[u64], mode: Reuse) -> bool {
         mode != Reuse::Global && self.keys == keys

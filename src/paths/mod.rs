@@ -273,6 +273,62 @@ impl ChunkStore {
 mod tests {
     use super::*;
 
+    /// A host cache of `n` entries at positions 0..n whose every value tells its layer and
+    /// entry.
+    fn numbered(n: usize) -> KvCache {
+        let (layers, kv) = (2, 3);
+        let mut cache = KvCache::new(layers, kv);
+        for l in 0..layers {
+            let keys: Vec<f32> = (0..n * kv).map(|j| (l * 1000 + j) as f32).collect();
+            let values: Vec<f32> = keys.iter().map(|k| k + 0.5).collect();
+            cache.push_host(l, &keys, &values);
+        }
+        cache.positions = (0..n).collect();
+        cache.commit_host();
+        cache
+    }
+
+    /// A store handed the standard prefill of the prompt gives a prefix's as its first
+    /// entries, once, and nothing for a prefix longer than what it was handed.
+    #[test]
+    fn the_standard_prefill_given_serves_a_prefix_once() {
+        let mut store = ChunkStore::default();
+        assert!(store.standard_prefix(3).is_none());
+        store.give_standard(numbered(5));
+        let mut got = store.standard_prefix(3).expect("given");
+        let mut want = numbered(3);
+        assert_eq!(got.positions, want.positions);
+        for l in 0..2 {
+            assert_eq!(got.layer_keys(l), want.layer_keys(l));
+            assert_eq!(got.layers()[l].values, want.layers()[l].values);
+        }
+        assert!(store.standard_prefix(3).is_none(), "handed over once");
+        store.give_standard(numbered(2));
+        assert!(
+            store.standard_prefix(3).is_none(),
+            "shorter than the prefix"
+        );
+        assert_eq!(store.hits + store.misses, 0, "no chunk looked up");
+    }
+
+    /// Chunks a shared pass prefilled at local rotation serve `local` and `rerotate` for the
+    /// same chunks only, never `global`, whose chunks are rotated elsewhere.
+    #[test]
+    fn chunks_given_apart_serve_local_rotation_and_the_same_chunks_only() {
+        let given = || chunk_reuse::ChunksApart::for_test(vec![7, 8], numbered(4));
+        let mut store = ChunkStore::default();
+        store.give_apart(given());
+        assert!(store.take_apart(&[7, 8], Reuse::Global).is_none());
+        store.give_apart(given());
+        assert!(store.take_apart(&[7, 9], Reuse::Local).is_none());
+        for mode in [Reuse::Local, Reuse::Rerotate] {
+            store.give_apart(given());
+            let taken = store.take_apart(&[7, 8], mode).expect("the same chunks");
+            assert_eq!(taken.cache.len(), 4);
+            assert!(store.take_apart(&[7, 8], mode).is_none(), "taken once");
+        }
+    }
+
     #[test]
     fn parse_round_trips() {
         for p in PathSpec::all() {
