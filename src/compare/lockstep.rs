@@ -313,11 +313,16 @@ impl<'s> CompareSpec<'s> {
         // or Inf or NaN in them stops the run here.
         crate::cuda::weights_loaded(self.model)?;
         note_gpu_memory("references prefilled", self.model);
-        let standard = ref_runs.iter().find(|r| {
-            r.spec.reference == PathSpec::Standard && std::ptr::eq(r.spec.model, self.path_model)
-        });
+        // Lanes that run prefills of their own, and the standard prefill of the prompt on
+        // their model, where a reference ran it.
         let prefills: Vec<bool> = ridden.iter().map(|r| r.is_none()).collect();
-        let standard = standard.map(|r| &r.cache);
+        let standard = ref_runs
+            .iter()
+            .find(|r| {
+                r.spec.reference == PathSpec::Standard
+                    && std::ptr::eq(r.spec.model, self.path_model)
+            })
+            .map(|r| &r.cache);
         let stores = shared_prefill::stores(self, lanes, &prefills, &mut cmps, standard);
         let mut lane_runs = Vec::with_capacity(lanes.len());
         let lanes_with = lanes.iter().zip(cmps).zip(&which).zip(ridden).zip(stores);

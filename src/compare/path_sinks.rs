@@ -130,6 +130,21 @@ impl TapSink for Forward<'_> {
     }
 }
 
+/// Offers a device tap to each of `sinks` (with `by_table`, to those whose table wants it):
+/// None where every one took it, else which declined it (each then takes the host copy the
+/// pass offers next through `record`).
+fn offer_device<'s>(
+    sinks: impl Iterator<Item = &'s mut dyn TapSink>,
+    step: usize,
+    tap: &crate::tap::DeviceTap<'_>,
+    by_table: bool,
+) -> Option<Vec<bool>> {
+    let declined: Vec<bool> = sinks
+        .map(|s| (!by_table || s.table().wants(tap.id)) && !s.record_device(step, tap))
+        .collect();
+    declined.iter().any(|&d| d).then_some(declined)
+}
+
 /// The path's taps to every reference's comparator (the first's selection and routing
 /// decide). A device tap some comparators declined comes back as a host copy (`record`),
 /// which goes to those only.
@@ -160,14 +175,9 @@ impl TapSink for Fan<'_, '_> {
         }
     }
     fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
-        let declined: Vec<bool> = self
-            .cmps
-            .iter_mut()
-            .map(|c| !c.record_device(step, tap))
-            .collect();
-        let all = declined.iter().all(|d| !d);
-        self.declined = (!all).then_some(declined);
-        all
+        let sinks = self.cmps.iter_mut().map(|c| c as &mut dyn TapSink);
+        self.declined = offer_device(sinks, step, tap, false);
+        self.declined.is_none()
     }
     fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
         for c in self.cmps.iter_mut() {
@@ -302,14 +312,9 @@ impl TapSink for Joint<'_> {
         }
     }
     fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
-        let declined: Vec<bool> = self
-            .members
-            .iter_mut()
-            .map(|m| m.table().wants(tap.id) && !m.record_device(step, tap))
-            .collect();
-        let all = declined.iter().all(|d| !d);
-        self.declined = (!all).then_some(declined);
-        all
+        let sinks = self.members.iter_mut().map(|m| &mut **m as &mut dyn TapSink);
+        self.declined = offer_device(sinks, step, tap, true);
+        self.declined.is_none()
     }
     fn begin_step(&mut self, step: usize, tokens: &[u32], positions: &[usize]) {
         for m in self.members.iter_mut() {

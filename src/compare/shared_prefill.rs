@@ -123,6 +123,8 @@ fn chunks_apart_once(
     let mut members: Vec<Box<dyn TapSink + '_>> = fans
         .iter_mut()
         .map(|(taps, fan)| -> Box<dyn TapSink + '_> {
+            // Each member's table is what its own pass would select: the joint pass offers
+            // a member only the taps its table wants.
             match taps {
                 ApartTaps::All => Box::new(Masked {
                     table: fan.table().clone(),

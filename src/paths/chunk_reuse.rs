@@ -52,33 +52,11 @@ pub fn reused_prefix(
     sink: &mut dyn TapSink,
 ) -> KvCache {
     let mut cache = model.new_cache();
-    let last = prompt.chunks.len() - 1;
-    let keys: Vec<u64> = prompt.chunks[..last]
-        .iter()
-        .map(|chunk| store_key(prompt, chunk, mode))
-        .collect();
-    let chunks = &prompt.chunks[..last];
-    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
-    let local: Vec<Vec<usize>> = chunks
-        .iter()
-        .map(|c| (0..c.end - c.start).collect())
-        .collect();
-    // Each chunk at its global positions, rotated there (`global`) or as if it began the
-    // sequence.
-    let pieces: Vec<Batch<'_>> = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, chunk)| Batch {
-            tokens: prompt.tokens(chunk),
-            positions: &global[i],
-            rope_positions: match mode {
-                Reuse::Global => &global[i],
-                _ => &local[i],
-            },
-            cascade_split: 0,
-        })
-        .collect();
-    if let Some(cache) = prefilled_together(model, prompt, mode, (&keys, &pieces), store, sink) {
+    let chunks = &prompt.chunks[..prompt.chunks.len() - 1];
+    let layout = ChunkLayout::of(prompt, mode);
+    let (keys, global) = (&layout.keys, &layout.global);
+    let pieces = layout.pieces(prompt);
+    if let Some(cache) = prefilled_together(model, prompt, mode, (keys, &pieces), store, sink) {
         return cache;
     }
     for (i, chunk) in chunks.iter().enumerate() {
@@ -116,6 +94,49 @@ pub fn reused_prefix(
         append(&mut cache, alone, prompt);
     }
     cache
+}
+
+/// The chunks before the query as a path of one mode prefills them: each one's store key, its
+/// global positions, and the positions it is rotated at (there under `global`, else 0..n, as
+/// if it began the sequence).
+struct ChunkLayout {
+    keys: Vec<u64>,
+    global: Vec<Vec<usize>>,
+    rope: Vec<Vec<usize>>,
+}
+
+impl ChunkLayout {
+    fn of(prompt: &ChunkedPrompt, mode: Reuse) -> Self {
+        let chunks = &prompt.chunks[..prompt.chunks.len().saturating_sub(1)];
+        let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
+        let rope = match mode {
+            Reuse::Global => global.clone(),
+            _ => chunks
+                .iter()
+                .map(|c| (0..c.end - c.start).collect())
+                .collect(),
+        };
+        ChunkLayout {
+            keys: chunks.iter().map(|c| store_key(prompt, c, mode)).collect(),
+            global,
+            rope,
+        }
+    }
+
+    /// Each chunk's batch at its global positions, rotated as the mode rotates it.
+    fn pieces<'a>(&'a self, prompt: &'a ChunkedPrompt) -> Vec<Batch<'a>> {
+        let chunks = &prompt.chunks[..self.global.len()];
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(i, chunk)| Batch {
+                tokens: prompt.tokens(chunk),
+                positions: &self.global[i],
+                rope_positions: &self.rope[i],
+                cascade_split: 0,
+            })
+            .collect()
+    }
 }
 
 /// Every chunk but the query prefilled apart as one pass on a device that can
@@ -165,7 +186,7 @@ fn prefilled_together(
 #[derive(Clone)]
 pub struct ChunksApart {
     keys: Vec<u64>,
-    pub cache: KvCache,
+    pub(super) cache: KvCache,
     copies: usize,
 }
 
@@ -194,30 +215,11 @@ pub fn prefill_chunks_apart(
     prompt: &ChunkedPrompt,
     sink: &mut dyn TapSink,
 ) -> Option<ChunksApart> {
-    let chunks = &prompt.chunks[..prompt.chunks.len().saturating_sub(1)];
-    if chunks.len() < 2 || fault::any_active() {
+    if prompt.chunks.len() < 3 || fault::any_active() {
         return None;
     }
-    let keys: Vec<u64> = chunks
-        .iter()
-        .map(|c| store_key(prompt, c, Reuse::Local))
-        .collect();
-    let global: Vec<Vec<usize>> = chunks.iter().map(|c| (c.start..c.end).collect()).collect();
-    let local: Vec<Vec<usize>> = chunks
-        .iter()
-        .map(|c| (0..c.end - c.start).collect())
-        .collect();
-    let pieces: Vec<Batch<'_>> = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, chunk)| Batch {
-            tokens: prompt.tokens(chunk),
-            positions: &global[i],
-            rope_positions: &local[i],
-            cascade_split: 0,
-        })
-        .collect();
-    run_apart(model, &keys, &pieces, sink)
+    let layout = ChunkLayout::of(prompt, Reuse::Local);
+    run_apart(model, &layout.keys, &layout.pieces(prompt), sink)
 }
 
 /// `pieces` (keyed `keys`) prefilled apart into one cache, a chunk met again taking its first
