@@ -312,7 +312,10 @@ impl TapSink for Joint<'_> {
         }
     }
     fn record_device(&mut self, step: usize, tap: &crate::tap::DeviceTap<'_>) -> bool {
-        let sinks = self.members.iter_mut().map(|m| &mut **m as &mut dyn TapSink);
+        let sinks = self
+            .members
+            .iter_mut()
+            .map(|m| &mut **m as &mut dyn TapSink);
         self.declined = offer_device(sinks, step, tap, true);
         self.declined.is_none()
     }
