@@ -95,7 +95,7 @@ impl Dumps<'_> {
 }
 
 /// A sink borrowed as a boxed sink.
-struct Forward<'a>(&'a mut dyn TapSink);
+pub(super) struct Forward<'a>(pub(super) &'a mut dyn TapSink);
 
 impl TapSink for Forward<'_> {
     fn table(&self) -> &crate::tap::TapTable {

@@ -14,10 +14,10 @@
 
 use crate::compare::comparator::Comparator;
 use crate::compare::driver::{CompareSpec, Lane};
-use crate::compare::path_sinks::{Fan, Joint};
+use crate::compare::path_sinks::{Fan, Forward, Joint};
 use crate::engine::kv_cache::KvCache;
 use crate::paths::chunk_reuse::prefill_chunks_apart;
-use crate::paths::{ApartTaps, ChunkStore};
+use crate::paths::{shared_len, ApartTaps, ChunkStore};
 use crate::support::fault;
 use crate::tap::{LayerTap, Masked, NullSink, TapSink};
 
@@ -75,9 +75,11 @@ pub(super) fn stores(
         }
     }
     if let Some(cache) = standard {
+        // Blend's oracle prefills every chunk but the query.
+        let prefix = shared_len(spec.prompt);
         for ((store, lane), &own) in stores.iter_mut().zip(lanes).zip(prefills) {
             if own && lane.takes_standard && on_model(lane) {
-                store.give_standard(cache.clone());
+                store.give_standard(cache.clone_prefix(prefix.min(cache.len())));
                 if crate::support::progress::verbosity() >= 2 {
                     eprintln!(
                         "kvdiff: {}: the prefix's standard prefill taken from the standard reference's cache",
@@ -126,10 +128,7 @@ fn chunks_apart_once(
             // Each member's table is what its own pass would select: the joint pass offers
             // a member only the taps its table wants.
             match taps {
-                ApartTaps::All => Box::new(Masked {
-                    table: fan.table().clone(),
-                    inner: fan,
-                }),
+                ApartTaps::All => Box::new(Forward(fan)),
                 ApartTaps::Unturned => Box::new(Masked {
                     table: fan.table().without(&[LayerTap::QRope, LayerTap::KRope]),
                     inner: fan,

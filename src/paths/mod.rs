@@ -18,6 +18,7 @@ use crate::engine::model::Model;
 use crate::engine::pass::StepLogits;
 use crate::tap::TapSink;
 
+pub use cascade::shared_len;
 pub use chunk_reuse::Reuse;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
