@@ -39,6 +39,8 @@
 #define MMA_FOLD (10 * 128)
 #define MMA_SHARED(hd) (MMA_RB_SHARED(hd) + MMA_KT / 2 * MMA_VP(hd) + MMA_FOLD)
 #define MMA_RB_KEYS 1024
+// Whether a kernel takes the warpgroup MMAs' tiles (`Tiles`).
+#define WG_OK(head_dim) (MMA_WG && (head_dim) == MMA_MAXD)
 // Softmax segments. A row's keys are taken in segments at fixed absolute positions
 // (`seg_after`: MMA_SEG keys each at first, then wider), each segment's online softmax started
 // afresh and the segments folded left to right (`fold_weights`), so a row's bits depend on its
@@ -286,17 +288,251 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
     }
 }
 
+// Tiles in the warpgroup MMAs' layouts (attention_wgmma.cu), for head_dim == MMA_MAXD on sm_90a;
+// both halves of a split tile in one buffer, the small half MMA_KT · MMA_MAXD floats after the
+// big. Keys: core matrix (key / 8, dimension / 4), 4 dimensions of a key per 16-byte row.
+// Values, transposed: core matrix (dimension / 8, 2j + h) holds keys 8j + 2t + h (t = 0..3) of
+// each of 8 dimensions, the order in which P's C fragment serves as the A fragment (see P·V
+// below). Threads fetch and store so that each 8-lane phase of a store fills one core matrix.
+#define MMA_WG_KSBO (8 * MMA_MAXD)   // floats from one 8-key core row to the next
+#define MMA_WG_VSBO (8 * MMA_KT)     // floats from one 8-dimension core row to the next
+#define MMA_WG_HALF (MMA_KT * MMA_MAXD)
+// Dimension steps (8 each) of the scores a commit group takes.
+#ifndef MMA_WG_STEPS
+#define MMA_WG_STEPS 4
+#endif
+
+// Keys first.. of a tile into registers: item n is key (tid + 128n) % MMA_KT, dimensions
+// 8 · ((tid + 128n) / MMA_KT)...
+__device__ __forceinline__ void wg_fetch_keys(const float* src, size_t src_stride, int first,
+                                              int rows, Fetched& f) {
+#pragma unroll
+    for (int n = 0; n < MMA_ITEMS; n++) {
+        int id = threadIdx.x + 128 * n, r = id % MMA_KT, c = id / MMA_KT, k = first + r;
+        f.a[n] = f.b[n] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (k >= 0 && k < rows) {
+            const float* p = src + (size_t)k * src_stride + 8 * c;
+            f.a[n] = *(const float4*)p;
+            f.b[n] = *(const float4*)(p + 4);
+        }
+    }
+}
+
+__device__ __forceinline__ void wg_store_quad(float* big, float4 v) {
+    float x[4] = {v.x, v.y, v.z, v.w};
+    unsigned b[4], s[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) split_tf32(x[i], b[i], s[i]);
+    *(uint4*)big = make_uint4(b[0], b[1], b[2], b[3]);
+    *(uint4*)(big + MMA_WG_HALF) = make_uint4(s[0], s[1], s[2], s[3]);
+}
+
+__device__ __forceinline__ void wg_store_keys(const Fetched& f, float* ks) {
+#pragma unroll
+    for (int n = 0; n < MMA_ITEMS; n++) {
+        int id = threadIdx.x + 128 * n, r = id % MMA_KT, c = id / MMA_KT;
+        float* d = ks + (r / 8) * MMA_WG_KSBO + 2 * c * 32 + (r % 8) * 4;
+        wg_store_quad(d, f.a[n]);
+        wg_store_quad(d + 32, f.b[n]);
+    }
+}
+
+// Values of a tile into registers: thread d takes dimension d of keys 8j + 2t + h (t = 0..3)
+// for each (j, h), item 2j + h (a[0..3], then b[0..3]).
+__device__ __forceinline__ void wg_fetch_values(const float* src, size_t src_stride, int rows,
+                                                Fetched& f) {
+    int d = threadIdx.x;
+#pragma unroll
+    for (int q = 0; q < 2 * MMA_ITEMS; q++) {
+        int j = q / 2, h = q % 2;
+        float x[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            int e = 8 * j + 2 * t + h;
+            x[t] = e < rows ? src[(size_t)e * src_stride + d] : 0.0f;
+        }
+        float4 v = make_float4(x[0], x[1], x[2], x[3]);
+        if (q < MMA_ITEMS) f.a[q] = v;
+        else f.b[q - MMA_ITEMS] = v;
+    }
+}
+
+__device__ __forceinline__ void wg_store_values(const Fetched& f, float* vs) {
+    int d = threadIdx.x;
+#pragma unroll
+    for (int q = 0; q < 2 * MMA_ITEMS; q++)
+        wg_store_quad(vs + (d / 8) * MMA_WG_VSBO + q * 32 + (d % 8) * 4,
+                      q < MMA_ITEMS ? f.a[q] : f.b[q - MMA_ITEMS]);
+}
+
+// `mma_scores` by warpgroup MMAs: the block's 64 query rows (warp w's at qw, rows hp floats
+// apart) against a key tile of `wg_store_keys`. Every warp of the block must call it.
+__device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int hp,
+                                          float s[MMA_KT / 8][4]) {
+#if MMA_WG
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[j][c] = 0.0f, wg_pin(s[j][c]);
+    // The dimension steps go in commit groups of MMA_WG_STEPS, each waited for before the
+    // next group's A fragments are written: the MMAs read registers as they run, so a register
+    // written sooner is a race. (Two sets of fragments taken in turn, the next group issued
+    // while one runs, held more registers than the tiles' prefetch leaves: the spills and the
+    // later prefetch cost more than the waits.)
+    for (int g0 = 0; g0 < MMA_MAXD; g0 += 8 * MMA_WG_STEPS) {
+        unsigned ab[MMA_WG_STEPS][4], as[MMA_WG_STEPS][4];
+#pragma unroll
+        for (int k = 0; k < MMA_WG_STEPS; k++) a_fragment(qw, hp, g0 + 8 * k, ab[k], as[k]);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < MMA_WG_STEPS; k++) {
+            const float* kb = ks + 8 * (g0 + 8 * k);
+            wg_m64n32k8(s, as[k], wg_desc(kb, 128, 4 * MMA_WG_KSBO));
+            wg_m64n32k8(s, ab[k], wg_desc(kb + MMA_WG_HALF, 128, 4 * MMA_WG_KSBO));
+            wg_m64n32k8(s, ab[k], wg_desc(kb, 128, 4 * MMA_WG_KSBO));
+        }
+        wg_commit();
+        wg_wait<0>();
+#pragma unroll
+        for (int k = 0; k < MMA_WG_STEPS; k++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) wg_pin_u(ab[k][i]), wg_pin_u(as[k][i]);
+    }
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) wg_pin(s[j][c]);
+#endif
+}
+
+// o += P·V by warpgroup MMAs, P from the scores' C fragments as in `pv_tile`. Every warp of the
+// block must call it (a warp whose rows take no part passes P = 0).
+__device__ __forceinline__ void wg_pv(const float s[MMA_KT / 8][4], const float* vs,
+                                      float o[MMA_MAXD / 8][4]) {
+#if MMA_WG
+    unsigned ab[MMA_KT / 8][4], as[MMA_KT / 8][4];
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++) {
+        float a[4] = {s[j][0], s[j][2], s[j][1], s[j][3]};
+#pragma unroll
+        for (int i = 0; i < 4; i++) split_tf32(a[i], ab[j][i], as[j][i]);
+    }
+#pragma unroll
+    for (int d = 0; d < MMA_MAXD / 8; d++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) wg_pin(o[d][c]);
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++) {
+        const float* vb = vs + 2 * j * 32;
+        wg_m64n128k8(o, as[j], wg_desc(vb, 128, 4 * MMA_WG_VSBO));
+        wg_m64n128k8(o, ab[j], wg_desc(vb + MMA_WG_HALF, 128, 4 * MMA_WG_VSBO));
+        wg_m64n128k8(o, ab[j], wg_desc(vb, 128, 4 * MMA_WG_VSBO));
+    }
+    wg_commit();
+    wg_wait<0>();
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wg_pin_u(ab[j][i]), wg_pin_u(as[j][i]);
+#pragma unroll
+    for (int d = 0; d < MMA_MAXD / 8; d++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) wg_pin(o[d][c]);
+#endif
+}
+
+// o += P·V with `mma.sync`: P's C fragment reused as the A fragment: its k index t stands for
+// key 2t and t + 4 for key 2t + 1, so V's B fragment takes those two keys.
+__device__ __forceinline__ void pv_tile(const float s[MMA_KT / 8][4], const float* vs, int vp,
+                                        int head_dim, float o[MMA_MAXD / 8][4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_KT / 8; j++) {
+        float a[4] = {s[j][0], s[j][2], s[j][1], s[j][3]};
+        unsigned ab[4], as[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) split_tf32(a[i], ab[i], as[i]);
+        // Dimension 8(d0 + i) + g: group 2(d0 + i) + g / 4, chunk g % 4, permuted.
+        const float* v0 = vs + (4 * j + t) * vp + 16 * (g >> 2);
+        // Four output column groups at a time; a group past head_dim (head_dim % 32 != 0)
+        // multiplies zeros into an accumulator that is never written out.
+#pragma unroll
+        for (int d0 = 0; d0 < MMA_MAXD / 8; d0 += 4) {
+            if (8 * d0 >= head_dim) break;
+            unsigned bb[4][2], bs[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 f = 8 * (d0 + i) < head_dim
+                              ? *(const uint4*)(v0 + 32 * (d0 + i) + 4 * swz(g & 3, 2 * (d0 + i)))
+                              : make_uint4(0, 0, 0, 0);
+                bb[i][0] = f.x, bb[i][1] = f.y, bs[i][0] = f.z, bs[i][1] = f.w;
+            }
+            mma_3xtf32<4>(o + d0, ab, as, bb, bs);
+        }
+    }
+}
+
+// The forms a kernel's tiles take: the warpgroup MMAs' (WG, where the unit is built for sm_90a
+// and head_dim is MMA_MAXD; `WG_OK`) or `mma.sync`'s. Both give every score and output the same
+// bits. Under WG every warp of the block calls `scores` and `pv` together, outside any branch
+// the compiler cannot prove uniform (else it serialises the MMAs).
+template <bool WG>
+struct Tiles {
+    static constexpr bool wg = WG;
+    __device__ __forceinline__ void fetch_keys(const float* src, size_t stride, int first, int rows,
+                                               Share sh, Fetched& f) const {
+        if (WG) wg_fetch_keys(src, stride, first, rows, f);
+        else fetch_keys_from(src, stride, first, rows, sh, f);
+    }
+    // Stores, then the fence that lets the MMAs see them (before the block's barrier).
+    __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp, Share sh) const {
+        if (WG) {
+            wg_store_keys(f, ks);
+#if MMA_WG
+            wg_proxy_fence();
+#endif
+        } else {
+            ::store_keys(f, ks, kp, sh);
+        }
+    }
+    __device__ __forceinline__ void fetch_values(const float* src, size_t stride, int rows, Share sh,
+                                                 Fetched& f) const {
+        if (WG) wg_fetch_values(src, stride, rows, f);
+        else ::fetch_values(src, stride, rows, sh, f);
+    }
+    __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp, Share sh) const {
+        if (WG) {
+            wg_store_values(f, vs);
+#if MMA_WG
+            wg_proxy_fence();
+#endif
+        } else {
+            ::store_values(f, vs, vp, sh);
+        }
+    }
+    __device__ __forceinline__ void scores(const float* qw, const float* ks, int hp, int kp,
+                                           int head_dim, float s[MMA_KT / 8][4]) const {
+        if (WG) wg_scores(qw, ks, hp, s);
+        else mma_scores(qw, ks, hp, kp, head_dim, s);
+    }
+    __device__ __forceinline__ void pv(const float s[MMA_KT / 8][4], const float* vs, int vp,
+                                       int head_dim, float o[MMA_MAXD / 8][4]) const {
+        if (WG) wg_pv(s, vs, o);
+        else pv_tile(s, vs, vp, head_dim, o);
+    }
+};
+
 // One key tile of the online softmax for the lane's two rows: scores `s` (raw, from
 // `mma_scores`) become exp(score·scale - M) in place; each row's cascade parts' maxima m,
-// running max M (`mall`) and sums l move on, and the output accumulator `o` is rescaled where
-// M grew. Part 0 is a row's keys before its cascade cut, part 1 the rest. FULL: every key of the
+// running max M (`mall`) and sums l move on, and `al` is what the row's output accumulator is
+// to be rescaled by (`rescale`), 1 where M did not grow. Part 0 is a row's keys before its cascade cut, part 1 the rest. FULL: every key of the
 // tile is visible to every row of the warp and lies on one side of each row's cut, so no key
 // needs a mask; the results are the same bits as the general form's.
 template <bool FULL>
 __device__ __forceinline__ void softmax_tile(float s[MMA_KT / 8][4], int k0, const int vis[2],
                                              const int cut[2], float scale, float m[2][2],
-                                             float l[2][2], float mall[2],
-                                             float o[MMA_MAXD / 8][4]) {
+                                             float l[2][2], float mall[2], float al_out[2]) {
     int t = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -338,13 +574,20 @@ __device__ __forceinline__ void softmax_tile(float s[MMA_KT / 8][4], int k0, con
         ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
         l[i][0] = l[i][0] * al + ps0;
         l[i][1] = l[i][1] * al + ps1;
-        // Once the maxima settle, M rarely grows: skip multiplying by 1 when no row of the
-        // warp needs it.
-        if (__any_sync(0xffffffffu, al != 1.0f)) {
+        al_out[i] = al;
+    }
+}
+
+// The output accumulator's rows rescaled by `softmax_tile`'s `al`. Once the maxima settle, M
+// rarely grows: multiplying by 1 is skipped when no row of the warp needs it.
+__device__ __forceinline__ void rescale(float o[MMA_MAXD / 8][4], const float al[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (__any_sync(0xffffffffu, al[i] != 1.0f)) {
 #pragma unroll
             for (int d = 0; d < MMA_MAXD / 8; d++) {
-                o[d][2 * i] *= al;
-                o[d][2 * i + 1] *= al;
+                o[d][2 * i] *= al[i];
+                o[d][2 * i + 1] *= al[i];
             }
         }
     }
@@ -410,7 +653,7 @@ __device__ __forceinline__ void row_weights(float mall, const float m[2], const 
 // set, `nseg` segments a row at most): block (head, query tile, segment) takes one segment
 // and leaves each row's state in `part` ([query, head, segment] of MMA_PART_HEAD + head_dim
 // floats); `attention_mma_merge` folds them. The split form writes no probabilities.
-template <bool SPLIT>
+template <bool SPLIT, bool WG>
 __device__ __forceinline__ void attention_mma_block(
     const float* q, const float* keys, const float* values, float* probs, float* stats,
     float* out, bf16_t* out_bf16, const int* meta, int n, int split, int heads, int kv_heads,
@@ -458,6 +701,7 @@ __device__ __forceinline__ void attention_mma_block(
     const float* kbase = keys + kvh * head_dim;
     const float* vbase = values + kvh * head_dim;
     Share key_share = share_of(head_dim, 8), value_share = share_of(head_dim, 4);
+    const Tiles<WG> tl;
     float s[MMA_KT / 8][4];
 
     // A segment's end for the warp: each row's state left in `part` (split form) or folded
@@ -531,63 +775,73 @@ __device__ __forceinline__ void attention_mma_block(
     Fetched fk, fv;
     // The segment the tiles are in: [s0, s1).
     int s0 = kfirst, s1 = min(kstop, seg_after(kfirst));
-    fetch_keys(kbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, key_share, fk);
-    fetch_values(vbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, value_share, fv);
+    tl.fetch_keys(kbase, kv_dim, kfirst, s1, key_share, fk);
+    tl.fetch_values(vbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, value_share, fv);
     for (int k0 = kfirst; k0 < kstop; k0 += MMA_KT) {
         __syncthreads();
-        store_keys(fk, ks, kp, key_share);
-        store_values(fv, vs, vp, value_share);
+        tl.store_keys(fk, ks, kp, key_share);
+        tl.store_values(fv, vs, vp, value_share);
         __syncthreads();
         int next = k0 + MMA_KT;
         // Within the segment the next tile is fetched now; a segment's first tile is fetched
         // once the segment before is folded (held through the fold, its registers spilled).
         if (next < s1) {
-            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, s1 - next, key_share, fk);
-            fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
+            tl.fetch_keys(kbase, kv_dim, next, s1, key_share, fk);
+            tl.fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
         }
-        if (k0 < kend_w) {
-            if (k0 == s0) {
+        bool live = k0 < kend_w;
+        float al[2];
+        if (!WG) {
+            if (live) {
+                if (k0 == s0) {
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+                        m[i][0] = m[i][1] = mall[i] = NEG_INF, l[i][0] = l[i][1] = 0.0f;
+#pragma unroll
+                    for (int d = 0; d < MMA_MAXD / 8; d++)
+                        o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+                }
+                tl.scores(qw, ks, hp, kp, head_dim, s);
+                // Tiles wholly below the warp's diagonal and on one side of the cut need no
+                // masks.
+                if (k0 + MMA_KT <= base + qw0 + 1 &&
+                    (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
+                    softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, al);
+                else
+                    softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, al);
+                rescale(o, al);
+                tl.pv(s, vs, vp, head_dim, o);
+            }
+        } else {
+            // Every warp takes part in the MMAs; a warp past its rows' keys adds P = 0, which
+            // leaves its outputs as they were. The MMAs' registers are written outside the
+            // warp's branches: the compiler serialises MMAs whose inputs a branch it cannot
+            // prove uniform wrote.
+            bool reset = live && k0 == s0;
+            if (reset) {
 #pragma unroll
                 for (int i = 0; i < 2; i++)
                     m[i][0] = m[i][1] = mall[i] = NEG_INF, l[i][0] = l[i][1] = 0.0f;
-#pragma unroll
-                for (int d = 0; d < MMA_MAXD / 8; d++)
-                    o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
             }
-            mma_scores(qw, ks, hp, kp, head_dim, s);
-            // Tiles wholly below the warp's diagonal and on one side of the cut need no masks.
-            if (k0 + MMA_KT <= base + qw0 + 1 &&
-                (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
-                softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, o);
-            else
-                softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, o);
-            // P·V with P's C fragment reused as the A fragment: its k index t stands for key 2t
-            // and t + 4 for key 2t + 1, so V's B fragment takes those two keys.
 #pragma unroll
-            for (int j = 0; j < MMA_KT / 8; j++) {
-                float a[4] = {s[j][0], s[j][2], s[j][1], s[j][3]};
-                unsigned ab[4], as[4];
+            for (int d = 0; d < MMA_MAXD / 8; d++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) split_tf32(a[i], ab[i], as[i]);
-                // Dimension 8(d0 + i) + g: group 2(d0 + i) + g / 4, chunk g % 4, permuted.
-                const float* v0 = vs + (4 * j + t) * vp + 16 * (g >> 2);
-                // Four output column groups at a time; a group past head_dim (head_dim % 32 != 0)
-                // multiplies zeros into an accumulator that is never written out.
-#pragma unroll
-                for (int d0 = 0; d0 < MMA_MAXD / 8; d0 += 4) {
-                    if (8 * d0 >= head_dim) break;
-                    unsigned bb[4][2], bs[4][2];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        uint4 f = 8 * (d0 + i) < head_dim
-                                      ? *(const uint4*)(v0 + 32 * (d0 + i) +
-                                                        4 * swz(g & 3, 2 * (d0 + i)))
-                                      : make_uint4(0, 0, 0, 0);
-                        bb[i][0] = f.x, bb[i][1] = f.y, bs[i][0] = f.z, bs[i][1] = f.w;
-                    }
-                    mma_3xtf32<4>(o + d0, ab, as, bb, bs);
-                }
+                for (int c = 0; c < 4; c++) o[d][c] = reset ? 0.0f : o[d][c];
+            tl.scores(qw, ks, hp, kp, head_dim, s);
+            al[0] = al[1] = 1.0f;
+            if (live) {
+                if (k0 + MMA_KT <= base + qw0 + 1 &&
+                    (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
+                    softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, al);
+                else
+                    softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, al);
             }
+            rescale(o, al);
+#pragma unroll
+            for (int j = 0; j < MMA_KT / 8; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) s[j][c] = live ? s[j][c] : 0.0f;
+            tl.pv(s, vs, vp, head_dim, o);
         }
         if (next < s1) continue;
         // The segment's last tile: its state folded where the warp's rows saw it.
@@ -595,8 +849,8 @@ __device__ __forceinline__ void attention_mma_block(
         s0 = s1;
         s1 = min(kstop, seg_after(s1));
         if (next < kstop) {
-            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, s1 - next, key_share, fk);
-            fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
+            tl.fetch_keys(kbase, kv_dim, next, s1, key_share, fk);
+            tl.fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
         }
     }
     if constexpr (SPLIT) return;
@@ -654,16 +908,16 @@ __device__ __forceinline__ void attention_mma_block(
         st[i][0] = fm[i][0], st[i][1] = fm[i][1], st[i][2] = fin[i][0], st[i][3] = fin[i][1];
         row_at[i] = ((size_t)(qw0 + g + 8 * i) * heads + h) * stride;
     }
-    fetch_keys(kbase, kv_dim, kend, key_share, fk);
+    tl.fetch_keys(kbase, kv_dim, 0, kend, key_share, fk);
     for (int k0 = 0; k0 < kend; k0 += MMA_KT) {
         __syncthreads();
-        store_keys(fk, ks, kp, key_share);
+        tl.store_keys(fk, ks, kp, key_share);
         __syncthreads();
         int next = k0 + MMA_KT;
-        if (next < kend)
-            fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, kend - next, key_share, fk);
+        if (next < kend) tl.fetch_keys(kbase, kv_dim, next, kend, key_share, fk);
+        if (WG) tl.scores(qw, ks, hp, kp, head_dim, s);
         if (k0 >= kend_w) continue;
-        mma_scores(qw, ks, hp, kp, head_dim, s);
+        if (!WG) tl.scores(qw, ks, hp, kp, head_dim, s);
         if (k0 + MMA_KT <= base + qw0 + 1 && (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
             write_probs<true>(s, k0, span, scale, row_ok, vis, cut, st, probs, row_at);
         else
@@ -683,8 +937,14 @@ extern "C" __global__ void __launch_bounds__(128)
                   float* stats, float* out, bf16_t* out_bf16, const int* meta, int n, int split,
                   int heads, int kv_heads, int head_dim, int stride, float scale) {
     PDL_ENTER();
-    attention_mma_block<false>(q, keys, values, probs, stats, out, out_bf16, meta, n, split,
-                               heads, kv_heads, head_dim, stride, scale, nullptr, 1);
+    if (WG_OK(head_dim))
+        attention_mma_block<false, true>(q, keys, values, probs, stats, out, out_bf16, meta, n,
+                                         split, heads, kv_heads, head_dim, stride, scale, nullptr,
+                                         1);
+    else
+        attention_mma_block<false, false>(q, keys, values, probs, stats, out, out_bf16, meta, n,
+                                          split, heads, kv_heads, head_dim, stride, scale,
+                                          nullptr, 1);
 }
 
 // Grid: heads · query tiles · nseg blocks; dynamic shared memory MMA_SHARED(head_dim) floats
@@ -694,8 +954,12 @@ extern "C" __global__ void __launch_bounds__(128)
                         int n, int split, int heads, int kv_heads, int head_dim, float scale,
                         float* part, int nseg) {
     PDL_ENTER();
-    attention_mma_block<true>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta, n,
-                              split, heads, kv_heads, head_dim, 0, scale, part, nseg);
+    if (WG_OK(head_dim))
+        attention_mma_block<true, true>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta,
+                                        n, split, heads, kv_heads, head_dim, 0, scale, part, nseg);
+    else
+        attention_mma_block<true, false>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta,
+                                         n, split, heads, kv_heads, head_dim, 0, scale, part, nseg);
 }
 
 // The split form's segments of each (query, head) row folded left to right, as the whole form
@@ -756,11 +1020,12 @@ extern "C" __global__ void attention_mma_merge(const float* part, float* stats, 
 // warps of 16 rows (`rows[i]`: a query's index in its pass) and MMA_RB_KEYS keys, taken
 // MMA_KT at a time; `out` is [count, heads, span], 0 at or past each query's
 // `base + index + 1`. Dynamic shared memory: MMA_RB_SHARED(head_dim) floats.
-extern "C" __global__ void __launch_bounds__(128)
-    probs_from_stats_mma(const float* q, const float* keys, const float* stats, const int* rows,
-                         float* out, int count, int base, int split, int heads, int kv_heads,
-                         int head_dim, int span, float scale) {
-    PDL_ENTER();
+template <bool WG>
+__device__ __forceinline__ void probs_from_stats_block(const float* q, const float* keys,
+                                                       const float* stats, const int* rows,
+                                                       float* out, int count, int base, int split,
+                                                       int heads, int kv_heads, int head_dim,
+                                                       int span, float scale) {
 #if __CUDA_ARCH__ >= 800
     extern __shared__ float sm[];
     int hp = MMA_QP(head_dim), kp = MMA_KP(head_dim);
@@ -804,25 +1069,26 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     const float* kbase = keys + kvh * head_dim;
     Share key_share = share_of(head_dim, 8);
+    const Tiles<WG> tl;
     float s[MMA_KT / 8][4];
     size_t row_at[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) row_at[i] = ((size_t)(i0 + rw0 + g + 8 * i) * heads + h) * span;
     Fetched fk;
-    if (kfirst < kend)
-        fetch_keys(kbase + (size_t)kfirst * kv_dim, kv_dim, kend - kfirst, key_share, fk);
+    if (kfirst < kend) tl.fetch_keys(kbase, kv_dim, kfirst, kend, key_share, fk);
     for (int k0 = kfirst; k0 < klast; k0 += MMA_KT) {
         if (k0 < kend) {
             __syncthreads();
-            store_keys(fk, ks, kp, key_share);
+            tl.store_keys(fk, ks, kp, key_share);
             __syncthreads();
             int next = k0 + MMA_KT;
-            if (next < kend && next < klast)
-                fetch_keys(kbase + (size_t)next * kv_dim, kv_dim, kend - next, key_share, fk);
+            if (next < kend && next < klast) tl.fetch_keys(kbase, kv_dim, next, kend, key_share, fk);
         }
+        // Past the warp's last visible key the scores are not needed: every value is 0. (The
+        // warpgroup MMAs take every warp while any needs them.)
+        if (WG ? k0 < kend : nqw > 0 && k0 < kend_w)
+            tl.scores(qs + rw0 * hp, ks, hp, kp, head_dim, s);
         if (nqw == 0) continue;
-        // Past the warp's last visible key the scores are not needed: every value is 0.
-        if (k0 < kend_w) mma_scores(qs + rw0 * hp, ks, hp, kp, head_dim, s);
         if (k0 + MMA_KT <= min(vis_w, klast) &&
             (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
             write_probs<true>(s, k0, klast, scale, row_ok, vis, cut, st, out, row_at);
@@ -830,6 +1096,19 @@ extern "C" __global__ void __launch_bounds__(128)
             write_probs<false>(s, k0, klast, scale, row_ok, vis, cut, st, out, row_at);
     }
 #endif
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    probs_from_stats_mma(const float* q, const float* keys, const float* stats, const int* rows,
+                         float* out, int count, int base, int split, int heads, int kv_heads,
+                         int head_dim, int span, float scale) {
+    PDL_ENTER();
+    if (WG_OK(head_dim))
+        probs_from_stats_block<true>(q, keys, stats, rows, out, count, base, split, heads,
+                                     kv_heads, head_dim, span, scale);
+    else
+        probs_from_stats_block<false>(q, keys, stats, rows, out, count, base, split, heads,
+                                      kv_heads, head_dim, span, scale);
 }
 
 // Running `diff_rows` statistics of one row's columns as a lane sees them (x: path, y:
@@ -904,13 +1183,12 @@ __device__ __forceinline__ bool tile_inside(int k0, int seen, int split) {
 // block's last visible column: no static shared memory, which would not fit beside the dynamic
 // maximum these kernels are given).
 #define MMA_DIFF_SHARED(hd) (2 * MMA_BQ * MMA_QP(hd) + MMA_KT * MMA_KP(hd) + 4)
-extern "C" __global__ void __launch_bounds__(128)
-    attention_diff_mma(const float* qa, const float* ka, const float* sa, int a_base, int a_split,
-                       int a_lead, int a_width, const float* qb, const float* kb,
-                       const float* sb, const int* b_rows, int b_base, int b_split, int b_lead,
-                       int b_width, float* out, int count, int cols, int heads, int kv_heads,
-                       int head_dim, float scale) {
-    PDL_ENTER();
+template <bool WG>
+__device__ __forceinline__ void attention_diff_block(
+    const float* qa, const float* ka, const float* sa, int a_base, int a_split, int a_lead,
+    int a_width, const float* qb, const float* kb, const float* sb, const int* b_rows, int b_base,
+    int b_split, int b_lead, int b_width, float* out, int count, int cols, int heads,
+    int kv_heads, int head_dim, float scale) {
 #if __CUDA_ARCH__ >= 800
     extern __shared__ float sm[];
     int hp = MMA_QP(head_dim), kp = MMA_KP(head_dim);
@@ -984,6 +1262,14 @@ extern "C" __global__ void __launch_bounds__(128)
     const float* kabase = ka + kvh * head_dim;
     const float* kbbase = kb + kvh * head_dim;
     Share key_share = share_of(head_dim, 8);
+    const Tiles<WG> tl;
+    // The warpgroup MMAs take every warp while any warp's rows need the tile.
+    int& block_wstop = *((int*)(ks + MMA_KT * kp) + 1);
+    if (threadIdx.x == 0) block_wstop = 0;
+    __syncthreads();
+    if (warp_on && lane == 0) atomicMax(&block_wstop, wstop);
+    __syncthreads();
+    int any_stop = block_wstop;
     float s_a[MMA_KT / 8][4], s_b[MMA_KT / 8][4];
     // Tiles before both sides' first column are zeros on both sides for every row: they are
     // not computed (a chunk prefilled on its own sits far into the row). All they would add is
@@ -995,32 +1281,33 @@ extern "C" __global__ void __launch_bounds__(128)
     // column in a tile (a path chunk's row left of its chunk) neither loads nor multiplies.
     Fetched fa, fb;
     if (start < stop) {
-        fetch_keys_from(kabase, kv_dim, start - a_lead, a_width, key_share, fa);
-        fetch_keys_from(kbbase, kv_dim, start - b_lead, b_width, key_share, fb);
+        tl.fetch_keys(kabase, kv_dim, start - a_lead, a_width, key_share, fa);
+        tl.fetch_keys(kbbase, kv_dim, start - b_lead, b_width, key_share, fb);
     }
     for (int c0 = start; c0 < stop; c0 += MMA_KT) {
         // Block-uniform: whether a side has any column in this tile.
         bool need_a = c0 + MMA_KT > a_lead && c0 < a_lead + a_width;
         bool need_b = c0 + MMA_KT > b_lead && c0 < b_lead + b_width;
         bool on = warp_on && c0 < wstop;
+        bool run = WG ? c0 < any_stop : on;
         if (need_a) {
             __syncthreads();
-            store_keys(fa, ks, kp, key_share);
+            tl.store_keys(fa, ks, kp, key_share);
             __syncthreads();
-            if (on) mma_scores(qsa + rw0 * hp, ks, hp, kp, head_dim, s_a);
+            if (run) tl.scores(qsa + rw0 * hp, ks, hp, kp, head_dim, s_a);
         }
         if (need_b) {
             __syncthreads();
-            store_keys(fb, ks, kp, key_share);
+            tl.store_keys(fb, ks, kp, key_share);
             __syncthreads();
         }
         int next = c0 + MMA_KT;
         if (next < stop) {
-            fetch_keys_from(kabase, kv_dim, next - a_lead, a_width, key_share, fa);
-            fetch_keys_from(kbbase, kv_dim, next - b_lead, b_width, key_share, fb);
+            tl.fetch_keys(kabase, kv_dim, next - a_lead, a_width, key_share, fa);
+            tl.fetch_keys(kbbase, kv_dim, next - b_lead, b_width, key_share, fb);
         }
+        if (need_b && run) tl.scores(qsb + rw0 * hp, ks, hp, kp, head_dim, s_b);
         if (!on) continue;
-        if (need_b) mma_scores(qsb + rw0 * hp, ks, hp, kp, head_dim, s_b);
         if (need_a && need_b && c0 + MMA_KT <= clast &&
             tile_inside(c0 - a_lead, vmin_a, a_split) &&
             tile_inside(c0 - b_lead, vmin_b, b_split)) {
@@ -1095,4 +1382,21 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int k = 0; k < 12; k++) o[k] = v[k];
     }
 #endif
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_diff_mma(const float* qa, const float* ka, const float* sa, int a_base, int a_split,
+                       int a_lead, int a_width, const float* qb, const float* kb,
+                       const float* sb, const int* b_rows, int b_base, int b_split, int b_lead,
+                       int b_width, float* out, int count, int cols, int heads, int kv_heads,
+                       int head_dim, float scale) {
+    PDL_ENTER();
+    if (WG_OK(head_dim))
+        attention_diff_block<true>(qa, ka, sa, a_base, a_split, a_lead, a_width, qb, kb, sb,
+                                   b_rows, b_base, b_split, b_lead, b_width, out, count, cols,
+                                   heads, kv_heads, head_dim, scale);
+    else
+        attention_diff_block<false>(qa, ka, sa, a_base, a_split, a_lead, a_width, qb, kb, sb,
+                                    b_rows, b_base, b_split, b_lead, b_width, out, count, cols,
+                                    heads, kv_heads, head_dim, scale);
 }

@@ -24,6 +24,17 @@ pub(super) struct Unit {
     /// Whether its kernels take `Sides` and so are compiled for the run's side count; the
     /// others are compiled once, for `UNSIDED`.
     pub(super) sided: bool,
+    /// Whether it is built for the architecture's own features on sm_90 (`sm_90a`: its
+    /// kernels take warpgroup MMAs there), which a cubin of it keeps to sm_90 devices.
+    pub(super) arch_features: bool,
+}
+
+/// The target `u` is compiled for on a device of `arch` (`sm_90`, `compute_90`).
+pub(super) fn target(u: &Unit, arch: &str) -> String {
+    match arch {
+        "sm_90" | "compute_90" if u.arch_features => format!("{arch}a"),
+        _ => arch.to_string(),
+    }
 }
 
 /// The `MAX_SIDES` of a unit whose kernels take no `Sides`.
@@ -45,33 +56,44 @@ pub(super) const UNITS: &[Unit] = &[
             ),
         ],
         sided: true,
+        arch_features: false,
     },
     Unit {
         name: "attention_mma",
         span: "startup: NVRTC compile, attention_mma unit (cold cache)",
-        files: &[(
-            "attention_mma.cu",
-            include_str!("../../../kernels/attention_mma.cu"),
-        )],
+        files: &[
+            (
+                "attention_wgmma.cu",
+                include_str!("../../../kernels/attention_wgmma.cu"),
+            ),
+            (
+                "attention_mma.cu",
+                include_str!("../../../kernels/attention_mma.cu"),
+            ),
+        ],
         sided: false,
+        arch_features: true,
     },
     Unit {
         name: "gemv",
         span: "startup: NVRTC compile, gemv unit (cold cache)",
         files: &[("gemv.cu", include_str!("../../../kernels/gemv.cu"))],
         sided: true,
+        arch_features: false,
     },
     Unit {
         name: "oracle",
         span: "startup: NVRTC compile, oracle unit (cold cache)",
         files: &[("oracle.cu", include_str!("../../../kernels/oracle.cu"))],
         sided: false,
+        arch_features: false,
     },
     Unit {
         name: "gemm",
         span: "startup: NVRTC compile, gemm unit (cold cache)",
         files: &[("gemm.cu", include_str!("../../../kernels/gemm.cu"))],
         sided: false,
+        arch_features: false,
     },
     Unit {
         name: "agreement",
@@ -81,6 +103,7 @@ pub(super) const UNITS: &[Unit] = &[
             include_str!("../../../kernels/agreement.cu"),
         )],
         sided: true,
+        arch_features: false,
     },
     Unit {
         name: "elementwise",
@@ -93,6 +116,7 @@ pub(super) const UNITS: &[Unit] = &[
             ("diff.cu", include_str!("../../../kernels/diff.cu")),
         ],
         sided: false,
+        arch_features: false,
     },
 ];
 
@@ -132,8 +156,10 @@ pub(super) fn kernel_images(major: i32, minor: i32, sides: usize) -> Result<Vec<
                 let arch = arch.as_str();
                 s.spawn(move || {
                     let source = unit_source(u, sides);
-                    let shipped = super::shipped::cubin(arch, u.name, unit_sides(u, sides))
-                        .filter(|c| use_shipped && c.hash == source_hash(&source, arch));
+                    let shipped =
+                        super::shipped::cubin(arch, u.name, unit_sides(u, sides)).filter(|c| {
+                            use_shipped && c.hash == source_hash(&source, &target(u, arch))
+                        });
                     let (image, shipped) = match shipped {
                         Some(c) => (Ptx::from_binary(c.cubin.to_vec()), true),
                         None => (compiled_image(u, &source, major, minor)?, false),
@@ -191,7 +217,7 @@ fn compiled_image(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Ptx>
     // run (hundreds of ms). PTX stays the fallback where NVRTC does not know the device.
     match compiled_cubin(u, source, major, minor) {
         Ok(cubin) => Ok(Ptx::from_binary(cubin)),
-        Err(_) => compiled_ptx(u.name, source, major, minor),
+        Err(_) => compiled_ptx(u, source, major, minor),
     }
 }
 
@@ -206,7 +232,7 @@ fn entry(unit: &str, source: &str, arch: &str, ext: &str) -> String {
 /// `source` as a cubin for `sm_{major}{minor}`, from the cache or compiled by NVRTC (and
 /// cached); an error where NVRTC cannot target the device.
 fn compiled_cubin(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Vec<u8>> {
-    let (unit, arch) = (u.name, format!("sm_{major}{minor}"));
+    let (unit, arch) = (u.name, target(u, &format!("sm_{major}{minor}")));
     let name = entry(unit, source, &arch, "cubin");
     let file = crate::support::cache::path(&name);
     if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
@@ -259,8 +285,8 @@ fn nvrtc_cubin(source: &str, options: &[&str]) -> std::result::Result<Vec<u8>, S
 
 /// PTX of `source` for the device's architecture: from the on-disk cache when the source and
 /// architecture match, else compiled by NVRTC and cached.
-fn compiled_ptx(unit: &str, source: &str, major: i32, minor: i32) -> Result<Ptx> {
-    let arch = format!("compute_{major}{minor}");
+fn compiled_ptx(u: &Unit, source: &str, major: i32, minor: i32) -> Result<Ptx> {
+    let (unit, arch) = (u.name, target(u, &format!("compute_{major}{minor}")));
     let name = entry(unit, source, &arch, "ptx");
     let file = crate::support::cache::path(&name);
     if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
@@ -278,7 +304,7 @@ fn compiled_ptx(unit: &str, source: &str, major: i32, minor: i32) -> Result<Ptx>
 
 #[cfg(test)]
 mod tests {
-    use super::{unit_source, UNITS};
+    use super::{target, unit_source, UNITS};
 
     /// Every kernel source is in exactly one unit (common.cuh in all of them), so every kernel
     /// is compiled once.
@@ -317,8 +343,9 @@ mod tests {
                 .iter()
                 .map(|u| {
                     s.spawn(move || {
+                        let arch: &'static str = target(u, "compute_90").leak();
                         let opts = cudarc::nvrtc::CompileOptions {
-                            arch: Some("compute_90"),
+                            arch: Some(arch),
                             ..Default::default()
                         };
                         cudarc::nvrtc::compile_ptx_with_opts(unit_source(u, 5), opts)
@@ -340,17 +367,32 @@ mod tests {
             assert_eq!(units.len(), 1, "kernel {k} is defined in {units:?}");
         }
         // The oracle's products take another path before sm_90 (m8n8k4), and before sm_80
-        // (FMAs): those compile too.
-        let oracle = UNITS.iter().find(|u| u.name == "oracle").expect("a unit");
-        for arch in ["compute_80", "compute_75"] {
-            let opts = cudarc::nvrtc::CompileOptions {
-                arch: Some(arch),
-                ..Default::default()
-            };
-            let ptx = cudarc::nvrtc::compile_ptx_with_opts(unit_source(oracle, 1), opts)
-                .unwrap_or_else(|e| panic!("unit oracle at {arch}: {e}"))
-                .to_src();
-            assert!(ptx.contains(".entry oracle_gemm_f64("), "{arch}");
+        // (FMAs); the tensor-core attention takes `mma.sync` where it is not built for sm_90a:
+        // those compile too.
+        let unit = |name: &str| UNITS.iter().find(|u| u.name == name).expect("a unit");
+        for (name, kernel) in [
+            ("oracle", "oracle_gemm_f64"),
+            ("attention_mma", "attention_diff_mma"),
+        ] {
+            for arch in ["compute_80", "compute_75"] {
+                let opts = cudarc::nvrtc::CompileOptions {
+                    arch: Some(arch),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(unit_source(unit(name), 1), opts)
+                    .unwrap_or_else(|e| panic!("unit {name} at {arch}: {e}"))
+                    .to_src();
+                assert!(
+                    ptx.contains(&format!(".entry {kernel}(")),
+                    "{name} at {arch}"
+                );
+                assert!(!ptx.contains("wgmma"), "{name} at {arch}");
+            }
         }
+        let mma = UNITS
+            .iter()
+            .zip(&ptx)
+            .find(|(u, _)| u.name == "attention_mma");
+        assert!(mma.expect("a unit").1.contains("wgmma.mma_async"));
     }
 }

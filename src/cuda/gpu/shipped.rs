@@ -84,7 +84,7 @@ pub(super) fn cubin(arch: &str, unit: &str, sides: usize) -> Option<Found> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::compile::{source_hash, unit_sides, unit_source, UNITS, UNSIDED};
+    use super::super::compile::{source_hash, target, unit_sides, unit_source, UNITS, UNSIDED};
     use super::super::kernels::WIDE_MAX_SIDES;
     use super::*;
 
@@ -132,7 +132,8 @@ mod tests {
                 .find(|u| u.name == s.unit)
                 .expect("a listed unit");
             let source = unit_source(unit, s.sides);
-            let hash = source_hash(&source, s.arch);
+            let arch = target(unit, s.arch);
+            let hash = source_hash(&source, &arch);
             let key = format!("{}-{}", s.unit, s.sides);
             sources.push_str(&format!("{key} {hash:016x}\n"));
             if recorded_hash(s.arch, s.unit, s.sides) == Some(hash) {
@@ -149,7 +150,7 @@ mod tests {
                 super::super::libraries::nvrtc_loads(),
                 "KVDIFF_UPDATE_CUBINS needs NVRTC (libnvrtc.so) on the library path"
             );
-            let cubin = super::super::compile::nvrtc_cubin_for(&source, s.arch)
+            let cubin = super::super::compile::nvrtc_cubin_for(&source, &arch)
                 .unwrap_or_else(|e| panic!("{key}: {e}"));
             let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/cubin/");
             std::fs::write(format!("{dir}{}/{key}.cubin", s.arch), cubin).unwrap();

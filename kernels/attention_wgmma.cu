@@ -1,0 +1,82 @@
+// Warpgroup MMAs (`wgmma`, sm_90a: H100, H200) for the tensor-core attention of
+// attention_mma.cu. `mma.sync` fed every B fragment to each warp through its own shared-memory
+// loads: 16 bytes a lane for three products of 16 query rows, which left those kernels bound by
+// the shared-memory pipe. A warpgroup's MMA reads B from shared memory once for its 64 rows,
+// without registers or load instructions; A (queries, probabilities) stays in registers, split
+// as before, and every product is the same TF32 product in the same order.
+//
+// Shared-memory operands are in the canonical K-major layout without swizzling: 8x16-byte core
+// matrices of 128 contiguous bytes, the next core matrix along K `lbo` bytes on, along N `sbo`.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MMA_WG 1
+
+// The matrix descriptor of a shared-memory operand at `p`.
+__device__ __forceinline__ unsigned long long wg_desc(const float* p, unsigned lbo, unsigned sbo) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    return (unsigned long long)((a & 0x3ffffu) >> 4) |
+           ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16) |
+           ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32);
+}
+
+// Orders the registers' earlier writes before the MMAs that read them.
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Until at most N commit groups are pending.
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared-memory stores by threads made visible to the MMAs, which read through the async proxy.
+__device__ __forceinline__ void wg_proxy_fence() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// An accumulator pinned where it stands: the compiler must not move its reads above the wait
+// that completes the MMAs writing it, nor its writes below the fence before them.
+__device__ __forceinline__ void wg_pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+// An A fragment's register held until here: the MMAs read it as they run, so it must not be
+// reused before the wait that completes them.
+__device__ __forceinline__ void wg_pin_u(unsigned& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+__device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a, unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, 1, 1, 1;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+__device__ __forceinline__ void wg_m64n128k8(float (*d)[4], const unsigned* a, unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, 1, 1, 1;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+#else
+#define MMA_WG 0
+#endif
