@@ -371,9 +371,8 @@ __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int 
                                           float s[MMA_KT / 8][4]) {
 #if MMA_WG
 #pragma unroll
-    for (int j = 0; j < MMA_KT / 8; j++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) s[j][c] = 0.0f, wg_pin(s[j][c]);
+    for (int j = 0; j < MMA_KT / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    wg_pin_acc<MMA_KT / 8>(s);
     // The dimension steps go in commit groups of MMA_WG_STEPS, each waited for before the
     // next group's A fragments are written: the MMAs read registers as they run, so a register
     // written sooner is a race. (Two sets of fragments taken in turn, the next group issued
@@ -393,15 +392,9 @@ __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int 
         }
         wg_commit();
         wg_wait<0>();
-#pragma unroll
-        for (int k = 0; k < MMA_WG_STEPS; k++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) wg_pin_u(ab[k][i]), wg_pin_u(as[k][i]);
+        wg_hold<MMA_WG_STEPS>(ab, as);
     }
-#pragma unroll
-    for (int j = 0; j < MMA_KT / 8; j++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) wg_pin(s[j][c]);
+    wg_pin_acc<MMA_KT / 8>(s);
 #endif
 }
 
@@ -417,10 +410,7 @@ __device__ __forceinline__ void wg_pv(const float s[MMA_KT / 8][4], const float*
 #pragma unroll
         for (int i = 0; i < 4; i++) split_tf32(a[i], ab[j][i], as[j][i]);
     }
-#pragma unroll
-    for (int d = 0; d < MMA_MAXD / 8; d++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) wg_pin(o[d][c]);
+    wg_pin_acc<MMA_MAXD / 8>(o);
     wg_fence();
 #pragma unroll
     for (int j = 0; j < MMA_KT / 8; j++) {
@@ -431,14 +421,8 @@ __device__ __forceinline__ void wg_pv(const float s[MMA_KT / 8][4], const float*
     }
     wg_commit();
     wg_wait<0>();
-#pragma unroll
-    for (int j = 0; j < MMA_KT / 8; j++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) wg_pin_u(ab[j][i]), wg_pin_u(as[j][i]);
-#pragma unroll
-    for (int d = 0; d < MMA_MAXD / 8; d++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) wg_pin(o[d][c]);
+    wg_hold<MMA_KT / 8>(ab, as);
+    wg_pin_acc<MMA_MAXD / 8>(o);
 #endif
 }
 

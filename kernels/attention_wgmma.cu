@@ -39,6 +39,24 @@ __device__ __forceinline__ void wg_pin(float& x) { asm volatile("" : "+f"(x)::"m
 // reused before the wait that completes them.
 __device__ __forceinline__ void wg_pin_u(unsigned& x) { asm volatile("" : "+r"(x)::"memory"); }
 
+// `wg_pin` on every value of an accumulator of R C fragments.
+template <int R>
+__device__ __forceinline__ void wg_pin_acc(float (*d)[4]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) wg_pin(d[r][c]);
+}
+
+// N A fragments, both TF32 halves, held until the wait just before this.
+template <int N>
+__device__ __forceinline__ void wg_hold(unsigned (*ab)[4], unsigned (*as)[4]) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wg_pin_u(ab[k][i]), wg_pin_u(as[k][i]);
+}
+
 __device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a, unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
