@@ -470,7 +470,8 @@ struct Tiles {
         else fetch_keys_from(src, stride, first, rows, sh, f);
     }
     // Stores, then the fence that lets the MMAs see them (before the block's barrier).
-    __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp, Share sh) const {
+    __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp,
+                                               Share sh) const {
         if (WG) {
             wg_store_keys(f, ks);
 #if MMA_WG
@@ -480,12 +481,13 @@ struct Tiles {
             ::store_keys(f, ks, kp, sh);
         }
     }
-    __device__ __forceinline__ void fetch_values(const float* src, size_t stride, int rows, Share sh,
-                                                 Fetched& f) const {
+    __device__ __forceinline__ void fetch_values(const float* src, size_t stride, int rows,
+                                                 Share sh, Fetched& f) const {
         if (WG) wg_fetch_values(src, stride, rows, f);
         else ::fetch_values(src, stride, rows, sh, f);
     }
-    __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp, Share sh) const {
+    __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp,
+                                                 Share sh) const {
         if (WG) {
             wg_store_values(f, vs);
 #if MMA_WG
@@ -510,9 +512,10 @@ struct Tiles {
 // One key tile of the online softmax for the lane's two rows: scores `s` (raw, from
 // `mma_scores`) become exp(score·scale - M) in place; each row's cascade parts' maxima m,
 // running max M (`mall`) and sums l move on, and `al` is what the row's output accumulator is
-// to be rescaled by (`rescale`), 1 where M did not grow. Part 0 is a row's keys before its cascade cut, part 1 the rest. FULL: every key of the
-// tile is visible to every row of the warp and lies on one side of each row's cut, so no key
-// needs a mask; the results are the same bits as the general form's.
+// to be rescaled by (`rescale`), 1 where M did not grow. Part 0 is a row's keys before its
+// cascade cut, part 1 the rest. FULL: every key of the tile is visible to every row of the warp
+// and lies on one side of each row's cut, so no key needs a mask; the results are the same bits
+// as the general form's.
 template <bool FULL>
 __device__ __forceinline__ void softmax_tile(float s[MMA_KT / 8][4], int k0, const int vis[2],
                                              const int cut[2], float scale, float m[2][2],
@@ -1066,7 +1069,8 @@ __device__ __forceinline__ void probs_from_stats_block(const float* q, const flo
             tl.store_keys(fk, ks, kp, key_share);
             __syncthreads();
             int next = k0 + MMA_KT;
-            if (next < kend && next < klast) tl.fetch_keys(kbase, kv_dim, next, kend, key_share, fk);
+            if (next < kend && next < klast)
+                tl.fetch_keys(kbase, kv_dim, next, kend, key_share, fk);
         }
         // Past the warp's last visible key the scores are not needed: every value is 0. (The
         // warpgroup MMAs take every warp while any needs them.)
@@ -1247,13 +1251,6 @@ __device__ __forceinline__ void attention_diff_block(
     const float* kbbase = kb + kvh * head_dim;
     Share key_share = share_of(head_dim, 8);
     const Tiles<WG> tl;
-    // The warpgroup MMAs take every warp while any warp's rows need the tile.
-    int& block_wstop = *((int*)(ks + MMA_KT * kp) + 1);
-    if (threadIdx.x == 0) block_wstop = 0;
-    __syncthreads();
-    if (warp_on && lane == 0) atomicMax(&block_wstop, wstop);
-    __syncthreads();
-    int any_stop = block_wstop;
     float s_a[MMA_KT / 8][4], s_b[MMA_KT / 8][4];
     // Tiles before both sides' first column are zeros on both sides for every row: they are
     // not computed (a chunk prefilled on its own sits far into the row). All they would add is
@@ -1273,7 +1270,9 @@ __device__ __forceinline__ void attention_diff_block(
         bool need_a = c0 + MMA_KT > a_lead && c0 < a_lead + a_width;
         bool need_b = c0 + MMA_KT > b_lead && c0 < b_lead + b_width;
         bool on = warp_on && c0 < wstop;
-        bool run = WG ? c0 < any_stop : on;
+        // The warpgroup MMAs take every warp while any warp's rows need the tile: up to `stop`,
+        // the largest warp's `wstop`.
+        bool run = WG || on;
         if (need_a) {
             __syncthreads();
             tl.store_keys(fa, ks, kp, key_share);

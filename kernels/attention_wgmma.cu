@@ -19,7 +19,9 @@ __device__ __forceinline__ unsigned long long wg_desc(const float* p, unsigned l
 }
 
 // Orders the registers' earlier writes before the MMAs that read them.
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -57,7 +59,9 @@ __device__ __forceinline__ void wg_hold(unsigned (*ab)[4], unsigned (*as)[4]) {
         for (int i = 0; i < 4; i++) wg_pin_u(ab[k][i]), wg_pin_u(as[k][i]);
 }
 
-__device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a, unsigned long long b) {
+// d (64x32) += a (64x8, this warp's 16 rows in registers) · b (8x32, shared memory).
+__device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a,
+                                            unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
@@ -69,7 +73,9 @@ __device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a, un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-__device__ __forceinline__ void wg_m64n128k8(float (*d)[4], const unsigned* a, unsigned long long b) {
+// d (64x128) += a (64x8, this warp's 16 rows in registers) · b (8x128, shared memory).
+__device__ __forceinline__ void wg_m64n128k8(float (*d)[4], const unsigned* a,
+                                             unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"

@@ -105,7 +105,8 @@ int main(int argc, char** argv) {
                 int* drows = upload(rows);
                 float* rebuilt;
                 CHECK(cudaMalloc(&rebuilt, (size_t)n * heads * p.span * 4));
-                int tiles = (n + MMA_BQ - 1) / MMA_BQ, kch = (p.span + MMA_RB_KEYS - 1) / MMA_RB_KEYS;
+                int tiles = (n + MMA_BQ - 1) / MMA_BQ;
+                int kch = (p.span + MMA_RB_KEYS - 1) / MMA_RB_KEYS;
                 probs_from_stats_mma<<<tiles * heads * kch, 128, rb>>>(
                     p.q, p.k, p.stats, drows, rebuilt, n, base, 0, heads, kvh, HD, p.span, scale);
                 CHECK(cudaDeviceSynchronize());
@@ -148,7 +149,8 @@ int main(int argc, char** argv) {
         int cols = width;
         if (blocks < 512) {
             int chunks = (512 + blocks - 1) / blocks;
-            cols = std::max(4 * MMA_KT, ((width + chunks - 1) / chunks + MMA_KT - 1) / MMA_KT * MMA_KT);
+            int per = (width + chunks - 1) / chunks;
+            cols = std::max(4 * MMA_KT, (per + MMA_KT - 1) / MMA_KT * MMA_KT);
         }
         int chunks = (width + cols - 1) / cols;
         float* sums;
