@@ -327,6 +327,8 @@ __device__ __forceinline__ void wg_store_quad(float* big, float4 v) {
     *(uint4*)(big + MMA_WG_HALF) = make_uint4(s[0], s[1], s[2], s[3]);
 }
 
+// The stores are fenced for the MMAs, which read shared memory through the async proxy (before
+// the block's barrier), as `wg_store_values`'s are.
 __device__ __forceinline__ void wg_store_keys(const Fetched& f, float* ks) {
 #pragma unroll
     for (int n = 0; n < MMA_ITEMS; n++) {
@@ -335,6 +337,9 @@ __device__ __forceinline__ void wg_store_keys(const Fetched& f, float* ks) {
         wg_store_quad(d, f.a[n]);
         wg_store_quad(d + 32, f.b[n]);
     }
+#if MMA_WG
+    wg_proxy_fence();
+#endif
 }
 
 // Values of a tile into registers: thread d takes dimension d of keys 8j + 2t + h (t = 0..3)
@@ -363,6 +368,9 @@ __device__ __forceinline__ void wg_store_values(const Fetched& f, float* vs) {
     for (int q = 0; q < 2 * MMA_ITEMS; q++)
         wg_store_quad(vs + (d / 8) * MMA_WG_VSBO + q * 32 + (d % 8) * 4,
                       q < MMA_ITEMS ? f.a[q] : f.b[q - MMA_ITEMS]);
+#if MMA_WG
+    wg_proxy_fence();
+#endif
 }
 
 // `mma_scores` by warpgroup MMAs: the block's 64 query rows (warp w's at qw, rows hp floats
@@ -463,23 +471,15 @@ __device__ __forceinline__ void pv_tile(const float s[MMA_KT / 8][4], const floa
 // the compiler cannot prove uniform (else it serialises the MMAs).
 template <bool WG>
 struct Tiles {
-    static constexpr bool wg = WG;
     __device__ __forceinline__ void fetch_keys(const float* src, size_t stride, int first, int rows,
                                                Share sh, Fetched& f) const {
         if (WG) wg_fetch_keys(src, stride, first, rows, f);
         else fetch_keys_from(src, stride, first, rows, sh, f);
     }
-    // Stores, then the fence that lets the MMAs see them (before the block's barrier).
     __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp,
                                                Share sh) const {
-        if (WG) {
-            wg_store_keys(f, ks);
-#if MMA_WG
-            wg_proxy_fence();
-#endif
-        } else {
-            ::store_keys(f, ks, kp, sh);
-        }
+        if (WG) wg_store_keys(f, ks);
+        else ::store_keys(f, ks, kp, sh);
     }
     __device__ __forceinline__ void fetch_values(const float* src, size_t stride, int rows,
                                                  Share sh, Fetched& f) const {
@@ -488,14 +488,8 @@ struct Tiles {
     }
     __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp,
                                                  Share sh) const {
-        if (WG) {
-            wg_store_values(f, vs);
-#if MMA_WG
-            wg_proxy_fence();
-#endif
-        } else {
-            ::store_values(f, vs, vp, sh);
-        }
+        if (WG) wg_store_values(f, vs);
+        else ::store_values(f, vs, vp, sh);
     }
     __device__ __forceinline__ void scores(const float* qw, const float* ks, int hp, int kp,
                                            int head_dim, float s[MMA_KT / 8][4]) const {
