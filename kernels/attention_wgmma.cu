@@ -10,12 +10,26 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MMA_WG 1
 
-// The matrix descriptor of a shared-memory operand at `p`.
-__device__ __forceinline__ unsigned long long wg_desc(const float* p, unsigned lbo, unsigned sbo) {
+// The matrix descriptor of a shared-memory operand, as its two words: the low one holds the
+// address (16-byte units, 14 bits) and `lbo`, the high one `sbo`. Made once per tile buffer:
+// built from a pointer at every product, the descriptors' 64-bit arithmetic was about a
+// quarter of the attention diff's instructions, on kernels bound by their instructions' issue.
+struct WgDesc {
+    unsigned lo, hi;
+};
+
+__device__ __forceinline__ WgDesc wg_desc(const float* p, unsigned lbo, unsigned sbo) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    return (unsigned long long)((a & 0x3ffffu) >> 4) |
-           ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16) |
-           ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32);
+    return WgDesc{((a & 0x3ffffu) >> 4) | (((lbo & 0x3ffffu) >> 4) << 16),
+                  (sbo & 0x3ffffu) >> 4};
+}
+
+// The descriptor of the operand `floats` floats (a multiple of 4) past `d`'s: its address
+// moves on within the low word (shared memory stays below 256 KiB, so no carry leaves it).
+__device__ __forceinline__ unsigned long long wg_at(WgDesc d, unsigned floats) {
+    unsigned long long r;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(r) : "r"(d.lo + floats / 4), "r"(d.hi));
+    return r;
 }
 
 // Orders the registers' earlier writes before the MMAs that read them.

@@ -14,6 +14,7 @@
 #include "../kernels/common.cuh"
 #include "../kernels/attention_wgmma.cu"
 #include "../kernels/attention_mma.cu"
+#include "../kernels/attention_diff_mma.cu"
 
 #include <cstring>
 #include <string>

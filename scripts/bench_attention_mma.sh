@@ -4,19 +4,31 @@
 # the passes of a 512-token compare and of a 16k-token one. Prints µs a launch for both builds,
 # their ratio, and whether every output (attention outputs, statistics, probabilities, diff
 # summaries) has the same bits in both. Needs nvcc and one H100 or H200.
-#   scripts/bench_attention_mma.sh [MMA_WG_STEPS...]
+#   scripts/bench_attention_mma.sh [MMA_WG_STEPS | -DNAME=VALUE ...]
 # Each MMA_WG_STEPS given adds an sm_90a build with that many dimension steps a commit group
-# (kernels/attention_mma.cu), timed beside the others (its bits checked against sm_90's too).
+# (kernels/attention_mma.cu), each -DNAME=VALUE one with that macro (v1, v2, ... in the table),
+# timed beside the others (its bits checked against sm_90's too).
+# BASE=DIR adds the sm_90a build of another tree's kernels/ and scripts/ (an earlier commit's,
+# from `git archive`), timed and bit-checked beside today's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${TMPDIR:-/tmp}/bench_attention_mma
 builds=(sm_90 sm_90a)
 nvcc -O3 -arch=sm_90 -std=c++17 -o "$bin-sm_90" scripts/bench_attention_mma.cu &
-nvcc -O3 -arch=sm_90a -std=c++17 -o "$bin-sm_90a" scripts/bench_attention_mma.cu &
-for steps in "$@"; do
-  builds+=(steps$steps)
-  nvcc -O3 -arch=sm_90a -std=c++17 -DMMA_WG_STEPS=$steps -o "$bin-steps$steps" \
-    scripts/bench_attention_mma.cu &
+nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD -o "$bin-sm_90a" scripts/bench_attention_mma.cu &
+if [ -n "${BASE:-}" ]; then
+  builds+=(base)
+  nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD -o "$bin-base" \
+    "$BASE/scripts/bench_attention_mma.cu" &
+fi
+n=0
+for v in "$@"; do
+  case $v in
+    -D*) name=v$((n += 1)) flag=$v ;;
+    *) name=steps$v flag=-DMMA_WG_STEPS=$v ;;
+  esac
+  builds+=($name)
+  nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD $flag -o "$bin-$name" scripts/bench_attention_mma.cu &
 done
 wait
 status=0
@@ -24,7 +36,7 @@ printf '%-34s' case; for b in "${builds[@]}"; do printf ' %12s' "$b us"; done
 printf ' %7s  %s\n' ratio outputs
 for heads in 16 32; do
   for c in "whole 512 0" "whole 16 560" "whole 1024 15360" "whole 8192 0" "split 16 560" \
-           "split 100 400" "diff 512 0" "diff 8192 8192"; do
+           "split 100 400" "diff 512 0" "diff 100 400" "diff 8192 8192"; do
     set -- $c
     r=()
     bits="same bits"

@@ -70,6 +70,10 @@ pub(super) const UNITS: &[Unit] = &[
                 "attention_mma.cu",
                 include_str!("../../../kernels/attention_mma.cu"),
             ),
+            (
+                "attention_diff_mma.cu",
+                include_str!("../../../kernels/attention_diff_mma.cu"),
+            ),
         ],
         sided: false,
         arch_features: true,
