@@ -751,6 +751,14 @@ __device__ __forceinline__ void attention_mma_block(
             }
         }
     };
+    // The tile's online-softmax step (`softmax_tile`): tiles wholly below the warp's diagonal
+    // and on one side of the cut need no masks.
+    auto softmax = [&](int k0, float al[2]) {
+        if (k0 + MMA_KT <= base + qw0 + 1 && (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
+            softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, al);
+        else
+            softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, al);
+    };
     // One pass over the keys (online softmax within each segment): statistics, and exp(score
     // - M) summed over V with the output rescaled whenever M grows. A cascade's two parts share
     // the output accumulator: merging per-part softmaxes by log-sum-exp weights is this same sum.
@@ -784,13 +792,7 @@ __device__ __forceinline__ void attention_mma_block(
                         o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
                 }
                 tl.scores(qw, ks, hp, kp, head_dim, s);
-                // Tiles wholly below the warp's diagonal and on one side of the cut need no
-                // masks.
-                if (k0 + MMA_KT <= base + qw0 + 1 &&
-                    (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
-                    softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, al);
-                else
-                    softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, al);
+                softmax(k0, al);
                 rescale(o, al);
                 tl.pv(s, vs, vp, head_dim, o);
             }
@@ -811,13 +813,7 @@ __device__ __forceinline__ void attention_mma_block(
                 for (int c = 0; c < 4; c++) o[d][c] = reset ? 0.0f : o[d][c];
             tl.scores(qw, ks, hp, kp, head_dim, s);
             al[0] = al[1] = 1.0f;
-            if (live) {
-                if (k0 + MMA_KT <= base + qw0 + 1 &&
-                    (split <= 0 || k0 + MMA_KT <= split || k0 >= split))
-                    softmax_tile<true>(s, k0, vis, cut, scale, m, l, mall, al);
-                else
-                    softmax_tile<false>(s, k0, vis, cut, scale, m, l, mall, al);
-            }
+            if (live) softmax(k0, al);
             rescale(o, al);
 #pragma unroll
             for (int j = 0; j < MMA_KT / 8; j++)
