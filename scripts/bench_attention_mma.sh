@@ -15,11 +15,10 @@ cd "$(dirname "$0")/.."
 bin=${TMPDIR:-/tmp}/bench_attention_mma
 builds=(sm_90 sm_90a)
 nvcc -O3 -arch=sm_90 -std=c++17 -o "$bin-sm_90" scripts/bench_attention_mma.cu &
-nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD -o "$bin-sm_90a" scripts/bench_attention_mma.cu &
+nvcc -O3 -arch=sm_90a -std=c++17 -o "$bin-sm_90a" scripts/bench_attention_mma.cu &
 if [ -n "${BASE:-}" ]; then
   builds+=(base)
-  nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD -o "$bin-base" \
-    "$BASE/scripts/bench_attention_mma.cu" &
+  nvcc -O3 -arch=sm_90a -std=c++17 -o "$bin-base" "$BASE/scripts/bench_attention_mma.cu" &
 fi
 n=0
 for v in "$@"; do
@@ -28,7 +27,7 @@ for v in "$@"; do
     *) name=steps$v flag=-DMMA_WG_STEPS=$v ;;
   esac
   builds+=($name)
-  nvcc -O3 -arch=sm_90a -std=c++17 -DWG_BUILD $flag -o "$bin-$name" scripts/bench_attention_mma.cu &
+  nvcc -O3 -arch=sm_90a -std=c++17 $flag -o "$bin-$name" scripts/bench_attention_mma.cu &
 done
 wait
 status=0
