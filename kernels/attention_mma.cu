@@ -39,6 +39,9 @@
 #define MMA_FOLD (10 * 128)
 #define MMA_SHARED(hd) (MMA_RB_SHARED(hd) + MMA_KT / 2 * MMA_VP(hd) + MMA_FOLD)
 #define MMA_RB_KEYS 1024
+#ifndef WHOLE_KEY_ROWS
+#define WHOLE_KEY_ROWS false
+#endif
 // Whether a kernel takes the warpgroup MMAs' tiles (`Tiles`).
 #define WG_OK(head_dim) (MMA_WG && (head_dim) == MMA_MAXD)
 // Softmax segments. A row's keys are taken in segments at fixed absolute positions
@@ -302,10 +305,27 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 #define MMA_WG_STEPS 4
 #endif
 
-// Keys first.. of a tile into registers: item n is key (tid + 128n) % MMA_KT, dimensions
-// 8 · ((tid + 128n) / MMA_KT)...
+// Keys first.. of a tile into registers. ROWS: warp w takes keys 8w .. 8w + 8 (a row of core
+// matrices), lane 8q + j key 8w + j, item n its dimensions 4·(4n + q)..: a warp's load reads 64
+// contiguous bytes of each of 8 keys. Else item n is key (tid + 128n) % MMA_KT, dimensions
+// 8 · ((tid + 128n) / MMA_KT)..: a load reads 16 bytes of each of 32 keys. Measured apart (H200):
+// the attention diff, which fetches two sides' keys and no values, is 5% faster with ROWS; the
+// whole pass, which fetches the values beside the keys, 3% slower.
+template <bool ROWS>
 __device__ __forceinline__ void wg_fetch_keys(const float* src, size_t src_stride, int first,
                                               int rows, Fetched& f) {
+    if (ROWS) {
+        int lane = threadIdx.x & 31, k = first + 8 * (threadIdx.x >> 5) + (lane & 7);
+#pragma unroll
+        for (int n = 0; n < 2 * MMA_ITEMS; n++) {
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (k >= 0 && k < rows)
+                v = *(const float4*)(src + (size_t)k * src_stride + 4 * (lane >> 3) + 16 * n);
+            if (n < MMA_ITEMS) f.a[n] = v;
+            else f.b[n - MMA_ITEMS] = v;
+        }
+        return;
+    }
 #pragma unroll
     for (int n = 0; n < MMA_ITEMS; n++) {
         int id = threadIdx.x + 128 * n, r = id % MMA_KT, c = id / MMA_KT, k = first + r;
@@ -329,45 +349,65 @@ __device__ __forceinline__ void wg_store_quad(float* big, float4 v) {
 
 // The stores are fenced for the MMAs, which read shared memory through the async proxy (before
 // the block's barrier), as `wg_store_values`'s are.
+// Either way each quarter warp's 16-byte stores go to 8 keys' rows of one core matrix.
+template <bool ROWS>
 __device__ __forceinline__ void wg_store_keys(const Fetched& f, float* ks) {
+    if (ROWS) {
+        int lane = threadIdx.x & 31;
+        float* d = ks + (threadIdx.x >> 5) * MMA_WG_KSBO + (lane >> 3) * 32 + (lane & 7) * 4;
 #pragma unroll
-    for (int n = 0; n < MMA_ITEMS; n++) {
-        int id = threadIdx.x + 128 * n, r = id % MMA_KT, c = id / MMA_KT;
-        float* d = ks + (r / 8) * MMA_WG_KSBO + 2 * c * 32 + (r % 8) * 4;
-        wg_store_quad(d, f.a[n]);
-        wg_store_quad(d + 32, f.b[n]);
+        for (int n = 0; n < 2 * MMA_ITEMS; n++)
+            wg_store_quad(d + 128 * n, n < MMA_ITEMS ? f.a[n] : f.b[n - MMA_ITEMS]);
+    } else {
+#pragma unroll
+        for (int n = 0; n < MMA_ITEMS; n++) {
+            int id = threadIdx.x + 128 * n, r = id % MMA_KT, c = id / MMA_KT;
+            float* d = ks + (r / 8) * MMA_WG_KSBO + 2 * c * 32 + (r % 8) * 4;
+            wg_store_quad(d, f.a[n]);
+            wg_store_quad(d + 32, f.b[n]);
+        }
     }
 #if MMA_WG
     wg_proxy_fence();
 #endif
 }
 
-// Values of a tile into registers: thread d takes dimension d of keys 8j + 2t + h (t = 0..3)
-// for each (j, h), item 2j + h (a[0..3], then b[0..3]).
+// Values of a tile into registers: warp w, lane l takes dimensions 4l .. 4l + 4 of keys
+// 8j + 2t + h (t = 0..3) for q = 2j + h = w and w + 4, item 4·(q / 4) + t: each load reads one
+// key's 512 bytes. (A dimension a thread, 32 loads of 4 bytes, held the pass 5% longer.)
 __device__ __forceinline__ void wg_fetch_values(const float* src, size_t src_stride, int rows,
                                                 Fetched& f) {
-    int d = threadIdx.x;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 #pragma unroll
-    for (int q = 0; q < 2 * MMA_ITEMS; q++) {
-        int j = q / 2, h = q % 2;
-        float x[4];
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-            int e = 8 * j + 2 * t + h;
-            x[t] = e < rows ? src[(size_t)e * src_stride + d] : 0.0f;
-        }
-        float4 v = make_float4(x[0], x[1], x[2], x[3]);
-        if (q < MMA_ITEMS) f.a[q] = v;
-        else f.b[q - MMA_ITEMS] = v;
+    for (int n = 0; n < 2 * MMA_ITEMS; n++) {
+        int q = w + 4 * (n / 4), e = 8 * (q / 2) + 2 * (n % 4) + q % 2;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (e < rows) v = *(const float4*)(src + (size_t)e * src_stride + 4 * lane);
+        if (n < MMA_ITEMS) f.a[n] = v;
+        else f.b[n - MMA_ITEMS] = v;
     }
 }
 
+__device__ __forceinline__ float wg_pick(float4 v, int i) {
+    return i & 2 ? (i & 1 ? v.w : v.z) : (i & 1 ? v.y : v.x);
+}
+
+// A thread's 4 keys x 4 dimensions of each q, transposed into four 16-byte rows (4 keys of one
+// dimension each). Lane l stores its dimension (s + l / 2) % 4 at step s, so that the 8 lanes of
+// each quarter warp store to 8 distinct 16-byte bank groups.
 __device__ __forceinline__ void wg_store_values(const Fetched& f, float* vs) {
-    int d = threadIdx.x;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, r = (lane >> 1) & 3;
 #pragma unroll
-    for (int q = 0; q < 2 * MMA_ITEMS; q++)
-        wg_store_quad(vs + (d / 8) * MMA_WG_VSBO + q * 32 + (d % 8) * 4,
-                      q < MMA_ITEMS ? f.a[q] : f.b[q - MMA_ITEMS]);
+    for (int m = 0; m < 2; m++) {
+        const float4* x = m == 0 ? f.a : f.b;
+        float* d = vs + (lane >> 1) * MMA_WG_VSBO + (w + 4 * m) * 32 + 16 * (lane & 1);
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int i = (s + r) & 3;
+            wg_store_quad(d + 4 * i, make_float4(wg_pick(x[0], i), wg_pick(x[1], i),
+                                                 wg_pick(x[2], i), wg_pick(x[3], i)));
+        }
+    }
 #if MMA_WG
     wg_proxy_fence();
 #endif
@@ -470,16 +510,17 @@ __device__ __forceinline__ void pv_tile(const float s[MMA_KT / 8][4], const floa
 // and head_dim is MMA_MAXD; `WG_OK`) or `mma.sync`'s. Both give every score and output the same
 // bits. Under WG every warp of the block calls `scores` and `pv` together, outside any branch
 // the compiler cannot prove uniform (else it serialises the MMAs).
-template <bool WG>
+// KEY_ROWS: the warpgroup tiles' keys fetched by rows of core matrices (`wg_fetch_keys`).
+template <bool WG, bool KEY_ROWS = false>
 struct Tiles {
     __device__ __forceinline__ void fetch_keys(const float* src, size_t stride, int first, int rows,
                                                Share sh, Fetched& f) const {
-        if (WG) wg_fetch_keys(src, stride, first, rows, f);
+        if (WG) wg_fetch_keys<KEY_ROWS>(src, stride, first, rows, f);
         else fetch_keys_from(src, stride, first, rows, sh, f);
     }
     __device__ __forceinline__ void store_keys(const Fetched& f, float* ks, int kp,
                                                Share sh) const {
-        if (WG) wg_store_keys(f, ks);
+        if (WG) wg_store_keys<KEY_ROWS>(f, ks);
         else ::store_keys(f, ks, kp, sh);
     }
     __device__ __forceinline__ void fetch_values(const float* src, size_t stride, int rows,
@@ -683,7 +724,7 @@ __device__ __forceinline__ void attention_mma_block(
     const float* kbase = keys + kvh * head_dim;
     const float* vbase = values + kvh * head_dim;
     Share key_share = share_of(head_dim, 8), value_share = share_of(head_dim, 4);
-    const Tiles<WG> tl;
+    const Tiles<WG, WHOLE_KEY_ROWS> tl;
     float s[MMA_KT / 8][4];
 
     // A segment's end for the warp: each row's state left in `part` (split form) or folded
