@@ -153,7 +153,7 @@ __device__ __forceinline__ void attention_diff_block(
     const float* kabase = ka + kvh * head_dim;
     const float* kbbase = kb + kvh * head_dim;
     Share key_share = share_of(head_dim, 8);
-    const Tiles<WG, true> tl;
+    const Tiles<WG, true, MMA_DIFF_WG_STEPS> tl;
     float s_a[MMA_KT / 8][4], s_b[MMA_KT / 8][4];
     // Tiles before both sides' first column are zeros on both sides for every row: they are
     // not computed (a chunk prefilled on its own sits far into the row). All they would add is

@@ -300,9 +300,14 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 #define MMA_WG_KSBO (8 * MMA_MAXD)   // floats from one 8-key core row to the next
 #define MMA_WG_VSBO (8 * MMA_KT)     // floats from one 8-dimension core row to the next
 #define MMA_WG_HALF (MMA_KT * MMA_MAXD)
-// Dimension steps (8 each) of the scores a commit group takes.
+// Dimension steps (8 each) of the scores a commit group takes: in the attention passes, and in
+// the attention diff, whose statistics between tiles leave it the registers for larger groups
+// (8 steps: the diff 6% faster, the whole pass 10% slower).
 #ifndef MMA_WG_STEPS
 #define MMA_WG_STEPS 4
+#endif
+#ifndef MMA_DIFF_WG_STEPS
+#define MMA_DIFF_WG_STEPS 8
 #endif
 
 // Keys first.. of a tile into registers. ROWS: warp w takes keys 8w .. 8w + 8 (a row of core
@@ -415,6 +420,7 @@ __device__ __forceinline__ void wg_store_values(const Fetched& f, float* vs) {
 
 // `mma_scores` by warpgroup MMAs: the block's 64 query rows (warp w's at qw, rows hp floats
 // apart) against a key tile of `wg_store_keys`. Every warp of the block must call it.
+template <int STEPS>
 __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int hp,
                                           float s[MMA_KT / 8][4]) {
 #if MMA_WG
@@ -422,18 +428,18 @@ __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int 
     for (int j = 0; j < MMA_KT / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wg_pin_acc<MMA_KT / 8>(s);
     WgDesc kd = wg_desc(ks, 128, 4 * MMA_WG_KSBO);
-    // The dimension steps go in commit groups of MMA_WG_STEPS, each waited for before the
+    // The dimension steps go in commit groups of STEPS, each waited for before the
     // next group's A fragments are written: the MMAs read registers as they run, so a register
     // written sooner is a race. (Two sets of fragments taken in turn, the next group issued
     // while one runs, held more registers than the tiles' prefetch leaves: the spills and the
     // later prefetch cost more than the waits.)
-    for (int g0 = 0; g0 < MMA_MAXD; g0 += 8 * MMA_WG_STEPS) {
-        unsigned ab[MMA_WG_STEPS][4], as[MMA_WG_STEPS][4];
+    for (int g0 = 0; g0 < MMA_MAXD; g0 += 8 * STEPS) {
+        unsigned ab[STEPS][4], as[STEPS][4];
 #pragma unroll
-        for (int k = 0; k < MMA_WG_STEPS; k++) a_fragment(qw, hp, g0 + 8 * k, ab[k], as[k]);
+        for (int k = 0; k < STEPS; k++) a_fragment(qw, hp, g0 + 8 * k, ab[k], as[k]);
         wg_fence();
 #pragma unroll
-        for (int k = 0; k < MMA_WG_STEPS; k++) {
+        for (int k = 0; k < STEPS; k++) {
             unsigned kb = 8 * (g0 + 8 * k);
             wg_m64n32k8(s, as[k], wg_at(kd, kb));
             wg_m64n32k8(s, ab[k], wg_at(kd, kb + MMA_WG_HALF));
@@ -441,7 +447,7 @@ __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int 
         }
         wg_commit();
         wg_wait<0>();
-        wg_hold<MMA_WG_STEPS>(ab, as);
+        wg_hold<STEPS>(ab, as);
     }
     wg_pin_acc<MMA_KT / 8>(s);
 #endif
@@ -510,8 +516,9 @@ __device__ __forceinline__ void pv_tile(const float s[MMA_KT / 8][4], const floa
 // and head_dim is MMA_MAXD; `WG_OK`) or `mma.sync`'s. Both give every score and output the same
 // bits. Under WG every warp of the block calls `scores` and `pv` together, outside any branch
 // the compiler cannot prove uniform (else it serialises the MMAs).
-// KEY_ROWS: the warpgroup tiles' keys fetched by rows of core matrices (`wg_fetch_keys`).
-template <bool WG, bool KEY_ROWS = false>
+// KEY_ROWS: the warpgroup tiles' keys fetched by rows of core matrices (`wg_fetch_keys`);
+// STEPS: the warpgroup scores' dimension steps a commit group (`wg_scores`).
+template <bool WG, bool KEY_ROWS = false, int STEPS = MMA_WG_STEPS>
 struct Tiles {
     __device__ __forceinline__ void fetch_keys(const float* src, size_t stride, int first, int rows,
                                                Share sh, Fetched& f) const {
@@ -535,7 +542,7 @@ struct Tiles {
     }
     __device__ __forceinline__ void scores(const float* qw, const float* ks, int hp, int kp,
                                            int head_dim, float s[MMA_KT / 8][4]) const {
-        if (WG) wg_scores(qw, ks, hp, s);
+        if (WG) wg_scores<STEPS>(qw, ks, hp, s);
         else mma_scores(qw, ks, hp, kp, head_dim, s);
     }
     __device__ __forceinline__ void pv(const float s[MMA_KT / 8][4], const float* vs, int vp,

@@ -6,7 +6,8 @@
 # summaries) has the same bits in both. Needs nvcc and one H100 or H200.
 #   scripts/bench_attention_mma.sh [MMA_WG_STEPS | -DNAME=VALUE ...]
 # Each MMA_WG_STEPS given adds an sm_90a build with that many dimension steps a commit group
-# (kernels/attention_mma.cu), each -DNAME=VALUE one with that macro (v1, v2, ... in the table),
+# in the attention passes (kernels/attention_mma.cu; -DMMA_DIFF_WG_STEPS=N sets the diff's),
+# each -DNAME=VALUE one with that macro (v1, v2, ... in the table),
 # timed beside the others (its bits checked against sm_90's too).
 # BASE=DIR adds the sm_90a build of another tree's kernels/ and scripts/ (an earlier commit's,
 # from `git archive`), timed and bit-checked beside today's.
