@@ -217,6 +217,25 @@ __device__ __forceinline__ void attention_diff_block(
             }
             continue;
         }
+        if (!need_a && need_b && c0 + MMA_KT <= clast &&
+            tile_inside(c0 - b_lead, vmin_b, b_split)) {
+            // No column of the tile is the path's (a chunk's row, left of its chunk), every one
+            // a visible key of the reference: x is 0 throughout, as the general form gives it.
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                if (!ok[i]) continue;
+                bool in0b = c0 - b_lead < cut_b[i];
+                float mb = in0b ? st_b[i][0] : st_b[i][1], fb_ = in0b ? st_b[i][2] : st_b[i][3];
+#pragma unroll
+                for (int j = 0; j < MMA_KT / 8; j++) {
+#pragma unroll
+                    for (int c = 2 * i; c < 2 * i + 2; c++)
+                        stats_add(rs[i], 0.0f, prob_of(s_b[j][c], scale, mb, fb_),
+                                  c0 + 8 * j + 2 * t + (c % 2));
+                }
+            }
+            continue;
+        }
 #pragma unroll
         for (int j = 0; j < MMA_KT / 8; j++) {
 #pragma unroll
