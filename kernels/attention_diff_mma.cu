@@ -194,11 +194,11 @@ __device__ __forceinline__ void attention_diff_block(
         }
         if (need_b && run) tl.scores(qsb + rw0 * hp, ks, hp, kp, head_dim, s_b);
         if (!on) continue;
-        if (need_a && need_b && c0 + MMA_KT <= clast &&
-            tile_inside(c0 - a_lead, vmin_a, a_split) &&
-            tile_inside(c0 - b_lead, vmin_b, b_split)) {
-            // Every column of the tile is a visible key of both sides for every row, on one
-            // side of each cut: the same values without per-column tests.
+        // A tile whose every column is a visible key of the reference for every row, on one
+        // side of each cut, and either a visible key of the path too (`with_a`) or no column of
+        // the path's (a chunk's row, left of its chunk: x is 0 throughout, as the general form
+        // gives it): the same values without per-column tests.
+        auto inside = [&](bool with_a) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 if (!ok[i]) continue;
@@ -210,30 +210,21 @@ __device__ __forceinline__ void attention_diff_block(
 #pragma unroll
                     for (int c = 2 * i; c < 2 * i + 2; c++) {
                         int col = c0 + 8 * j + 2 * t + (c % 2);
-                        stats_add(rs[i], prob_of(s_a[j][c], scale, ma, fa_),
-                                  prob_of(s_b[j][c], scale, mb, fb_), col);
+                        float x = with_a ? prob_of(s_a[j][c], scale, ma, fa_) : 0.0f;
+                        stats_add(rs[i], x, prob_of(s_b[j][c], scale, mb, fb_), col);
                     }
                 }
             }
+        };
+        if (need_a && need_b && c0 + MMA_KT <= clast &&
+            tile_inside(c0 - a_lead, vmin_a, a_split) &&
+            tile_inside(c0 - b_lead, vmin_b, b_split)) {
+            inside(true);
             continue;
         }
         if (!need_a && need_b && c0 + MMA_KT <= clast &&
             tile_inside(c0 - b_lead, vmin_b, b_split)) {
-            // No column of the tile is the path's (a chunk's row, left of its chunk), every one
-            // a visible key of the reference: x is 0 throughout, as the general form gives it.
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                if (!ok[i]) continue;
-                bool in0b = c0 - b_lead < cut_b[i];
-                float mb = in0b ? st_b[i][0] : st_b[i][1], fb_ = in0b ? st_b[i][2] : st_b[i][3];
-#pragma unroll
-                for (int j = 0; j < MMA_KT / 8; j++) {
-#pragma unroll
-                    for (int c = 2 * i; c < 2 * i + 2; c++)
-                        stats_add(rs[i], 0.0f, prob_of(s_b[j][c], scale, mb, fb_),
-                                  c0 + 8 * j + 2 * t + (c % 2));
-                }
-            }
+            inside(false);
             continue;
         }
 #pragma unroll
