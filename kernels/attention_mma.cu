@@ -39,9 +39,6 @@
 #define MMA_FOLD (10 * 128)
 #define MMA_SHARED(hd) (MMA_RB_SHARED(hd) + MMA_KT / 2 * MMA_VP(hd) + MMA_FOLD)
 #define MMA_RB_KEYS 1024
-#ifndef WHOLE_KEY_ROWS
-#define WHOLE_KEY_ROWS false
-#endif
 // Whether a kernel takes the warpgroup MMAs' tiles (`Tiles`).
 #define WG_OK(head_dim) (MMA_WG && (head_dim) == MMA_MAXD)
 // Softmax segments. A row's keys are taken in segments at fixed absolute positions
@@ -296,7 +293,8 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 // big. Keys: core matrix (key / 8, dimension / 4), 4 dimensions of a key per 16-byte row.
 // Values, transposed: core matrix (dimension / 8, 2j + h) holds keys 8j + 2t + h (t = 0..3) of
 // each of 8 dimensions, the order in which P's C fragment serves as the A fragment (see P·V
-// below). Threads fetch and store so that each 8-lane phase of a store fills one core matrix.
+// below). Threads store so that each 8-lane phase of a store meets 8 distinct 16-byte bank
+// groups (a key tile's phase fills one core matrix).
 #define MMA_WG_KSBO (8 * MMA_MAXD)   // floats from one 8-key core row to the next
 #define MMA_WG_VSBO (8 * MMA_KT)     // floats from one 8-dimension core row to the next
 #define MMA_WG_HALF (MMA_KT * MMA_MAXD)
@@ -308,6 +306,11 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 #endif
 #ifndef MMA_DIFF_WG_STEPS
 #define MMA_DIFF_WG_STEPS 8
+#endif
+// Whether the attention passes fetch their keys by rows of core matrices, as the diff does
+// (`wg_fetch_keys`).
+#ifndef WHOLE_KEY_ROWS
+#define WHOLE_KEY_ROWS false
 #endif
 
 // Keys first.. of a tile into registers. ROWS: warp w takes keys 8w .. 8w + 8 (a row of core
@@ -352,9 +355,9 @@ __device__ __forceinline__ void wg_store_quad(float* big, float4 v) {
     *(uint4*)(big + MMA_WG_HALF) = make_uint4(s[0], s[1], s[2], s[3]);
 }
 
-// The stores are fenced for the MMAs, which read shared memory through the async proxy (before
-// the block's barrier), as `wg_store_values`'s are.
-// Either way each quarter warp's 16-byte stores go to 8 keys' rows of one core matrix.
+// Either way each quarter warp's 16-byte stores go to 8 keys' rows of one core matrix. The
+// stores are fenced for the MMAs, which read shared memory through the async proxy (before the
+// block's barrier), as `wg_store_values`'s are.
 template <bool ROWS>
 __device__ __forceinline__ void wg_store_keys(const Fetched& f, float* ks) {
     if (ROWS) {
@@ -428,8 +431,8 @@ __device__ __forceinline__ void wg_scores(const float* qw, const float* ks, int 
     for (int j = 0; j < MMA_KT / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wg_pin_acc<MMA_KT / 8>(s);
     WgDesc kd = wg_desc(ks, 128, 4 * MMA_WG_KSBO);
-    // The dimension steps go in commit groups of STEPS, each waited for before the
-    // next group's A fragments are written: the MMAs read registers as they run, so a register
+    // The dimension steps go in commit groups of STEPS, each waited for before the next
+    // group's A fragments are written: the MMAs read registers as they run, so a register
     // written sooner is a race. (Two sets of fragments taken in turn, the next group issued
     // while one runs, held more registers than the tiles' prefetch leaves: the spills and the
     // later prefetch cost more than the waits.)
