@@ -312,6 +312,10 @@ __device__ __forceinline__ void store_values(const Fetched& f, float* vs, int vp
 #ifndef WHOLE_KEY_ROWS
 #define WHOLE_KEY_ROWS false
 #endif
+// A key tile's image (`attention_mma_image`): the tile's keys, then its values, each both
+// halves, in the warpgroup tiles' layouts, so that a block takes each with one bulk copy.
+#define MMA_IMG_TILE (4 * MMA_WG_HALF)
+#define MMA_IMG_BYTES (2 * MMA_WG_HALF * 4)
 
 // Keys first.. of a tile into registers. ROWS: warp w takes keys 8w .. 8w + 8 (a row of core
 // matrices), lane 8q + j key 8w + j, item n its dimensions 4·(4n + q)..: a warp's load reads 64
@@ -686,11 +690,14 @@ __device__ __forceinline__ void row_weights(float mall, const float m[2], const 
 // set, `nseg` segments a row at most): block (head, query tile, segment) takes one segment
 // and leaves each row's state in `part` ([query, head, segment] of MMA_PART_HEAD + head_dim
 // floats); `attention_mma_merge` folds them. The split form writes no probabilities.
-template <bool SPLIT, bool WG>
+// IMG (warpgroup tiles only): the tiles come from `image` (`attention_mma_image`) by bulk
+// copies, the keys' for the next tile issued once the scores are done with the last, the
+// values' once P·V is, rather than through registers a tile ahead.
+template <bool SPLIT, bool WG, bool IMG = false>
 __device__ __forceinline__ void attention_mma_block(
     const float* q, const float* keys, const float* values, float* probs, float* stats,
     float* out, bf16_t* out_bf16, const int* meta, int n, int split, int heads, int kv_heads,
-    int head_dim, int stride, float scale, float* part, int nseg) {
+    int head_dim, int stride, float scale, float* part, int nseg, const float* image) {
 #if __CUDA_ARCH__ >= 800
     // Named apart from the kernels' `sm`: a template's would conflict with theirs.
     extern __shared__ float sm_block[];
@@ -816,17 +823,36 @@ __device__ __forceinline__ void attention_mma_block(
     Fetched fk, fv;
     // The segment the tiles are in: [s0, s1).
     int s0 = kfirst, s1 = min(kstop, seg_after(kfirst));
-    tl.fetch_keys(kbase, kv_dim, kfirst, s1, key_share, fk);
-    tl.fetch_values(vbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, value_share, fv);
+    // Under IMG: the tiles' barriers (in the key buffer's padding past the tile), the phases
+    // awaited next, and this KV head's tiles.
+    unsigned long long* bars = (unsigned long long*)(ks + 2 * MMA_WG_HALF);
+    unsigned kphase = 0, vphase = 0;
+    const float* img =
+        IMG ? image + (size_t)kvh * ((span + MMA_KT - 1) / MMA_KT) * MMA_IMG_TILE : nullptr;
+    if (IMG) {
+        if (threadIdx.x == 0) mbar_init(bars), mbar_init(bars + 1);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const float* t0 = img + (size_t)(kfirst / MMA_KT) * MMA_IMG_TILE;
+            bulk_load(ks, t0, MMA_IMG_BYTES, bars);
+            bulk_load(vs, t0 + 2 * MMA_WG_HALF, MMA_IMG_BYTES, bars + 1);
+        }
+    } else {
+        tl.fetch_keys(kbase, kv_dim, kfirst, s1, key_share, fk);
+        tl.fetch_values(vbase + (size_t)kfirst * kv_dim, kv_dim, s1 - kfirst, value_share, fv);
+    }
     for (int k0 = kfirst; k0 < kstop; k0 += MMA_KT) {
-        __syncthreads();
-        tl.store_keys(fk, ks, kp, key_share);
-        tl.store_values(fv, vs, vp, value_share);
-        __syncthreads();
+        if (!IMG) {
+            __syncthreads();
+            tl.store_keys(fk, ks, kp, key_share);
+            tl.store_values(fv, vs, vp, value_share);
+            __syncthreads();
+        }
         int next = k0 + MMA_KT;
+        const float* img_next = IMG ? img + (size_t)(next / MMA_KT) * MMA_IMG_TILE : nullptr;
         // Within the segment the next tile is fetched now; a segment's first tile is fetched
         // once the segment before is folded (held through the fold, its registers spilled).
-        if (next < s1) {
+        if (!IMG && next < s1) {
             tl.fetch_keys(kbase, kv_dim, next, s1, key_share, fk);
             tl.fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
         }
@@ -862,7 +888,13 @@ __device__ __forceinline__ void attention_mma_block(
             for (int d = 0; d < MMA_MAXD / 8; d++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) o[d][c] = reset ? 0.0f : o[d][c];
+            if (IMG) mbar_wait(bars, kphase);
             tl.scores(qw, ks, hp, kp, head_dim, s);
+            if (IMG) {
+                // Every warp's MMAs have read the keys (each waited for its own).
+                __syncthreads();
+                if (threadIdx.x == 0 && next < kstop) bulk_load(ks, img_next, MMA_IMG_BYTES, bars);
+            }
             al[0] = al[1] = 1.0f;
             if (live) softmax(k0, al);
             rescale(o, al);
@@ -870,14 +902,20 @@ __device__ __forceinline__ void attention_mma_block(
             for (int j = 0; j < MMA_KT / 8; j++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) s[j][c] = live ? s[j][c] : 0.0f;
+            if (IMG) mbar_wait(bars + 1, vphase);
             tl.pv(s, vs, vp, head_dim, o);
+            if (IMG) {
+                __syncthreads();
+                if (threadIdx.x == 0 && next < kstop)
+                    bulk_load(vs, img_next + 2 * MMA_WG_HALF, MMA_IMG_BYTES, bars + 1);
+            }
         }
         if (next < s1) continue;
         // The segment's last tile: its state folded where the warp's rows saw it.
         if (s0 < kend_w) end_segment(s0);
         s0 = s1;
         s1 = min(kstop, seg_after(s1));
-        if (next < kstop) {
+        if (!IMG && next < kstop) {
             tl.fetch_keys(kbase, kv_dim, next, s1, key_share, fk);
             tl.fetch_values(vbase + (size_t)next * kv_dim, kv_dim, s1 - next, value_share, fv);
         }
@@ -969,11 +1007,47 @@ extern "C" __global__ void __launch_bounds__(128)
     if (WG_OK(head_dim))
         attention_mma_block<false, true>(q, keys, values, probs, stats, out, out_bf16, meta, n,
                                          split, heads, kv_heads, head_dim, stride, scale, nullptr,
-                                         1);
+                                         1, nullptr);
     else
         attention_mma_block<false, false>(q, keys, values, probs, stats, out, out_bf16, meta, n,
                                           split, heads, kv_heads, head_dim, stride, scale,
-                                          nullptr, 1);
+                                          nullptr, 1, nullptr);
+}
+
+// `attention_mma` with its tiles from `image` (`attention_mma_image` of the pass's keys and
+// values), for head_dim == MMA_MAXD on sm_90a only: a kernel of its own, so that neither
+// form's registers are the other's.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma_imaged(const float* q, const float* keys, const float* values, float* probs,
+                         float* stats, float* out, bf16_t* out_bf16, const int* meta, int n,
+                         int split, int heads, int kv_heads, int head_dim, int stride,
+                         float scale, const float* image) {
+    PDL_ENTER();
+#if MMA_WG
+    attention_mma_block<false, true, true>(q, keys, values, probs, stats, out, out_bf16, meta, n,
+                                           split, heads, kv_heads, head_dim, stride, scale,
+                                           nullptr, 1, image);
+#endif
+}
+
+// The key tiles of a pass over `rows` keys as the warpgroup tiles take them (MMA_IMG_TILE
+// floats each, [kv head, tile]; zeros past `rows`), split once here rather than by every block
+// that walks them. Block: one tile of one KV head. Only where the warpgroup tiles are built.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma_image(const float* keys, const float* values, float* image, int rows,
+                        int kv_heads, int head_dim) {
+    PDL_ENTER();
+#if MMA_WG
+    int tiles = (rows + MMA_KT - 1) / MMA_KT;
+    int tile = blockIdx.x % tiles, kvh = blockIdx.x / tiles, kv_dim = kv_heads * head_dim;
+    float* dst = image + ((size_t)kvh * tiles + tile) * MMA_IMG_TILE;
+    Fetched f;
+    wg_fetch_keys<false>(keys + kvh * head_dim, kv_dim, tile * MMA_KT, rows, f);
+    wg_store_keys<false>(f, dst);
+    wg_fetch_values(values + kvh * head_dim + (size_t)tile * MMA_KT * kv_dim, kv_dim,
+                    rows - tile * MMA_KT, f);
+    wg_store_values(f, dst + 2 * MMA_WG_HALF);
+#endif
 }
 
 // Grid: heads · query tiles · nseg blocks; dynamic shared memory MMA_SHARED(head_dim) floats
@@ -985,10 +1059,12 @@ extern "C" __global__ void __launch_bounds__(128)
     PDL_ENTER();
     if (WG_OK(head_dim))
         attention_mma_block<true, true>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta,
-                                        n, split, heads, kv_heads, head_dim, 0, scale, part, nseg);
+                                        n, split, heads, kv_heads, head_dim, 0, scale, part, nseg,
+                                        nullptr);
     else
         attention_mma_block<true, false>(q, keys, values, nullptr, nullptr, nullptr, nullptr, meta,
-                                         n, split, heads, kv_heads, head_dim, 0, scale, part, nseg);
+                                         n, split, heads, kv_heads, head_dim, 0, scale, part, nseg,
+                                         nullptr);
 }
 
 // The split form's segments of each (query, head) row folded left to right, as the whole form

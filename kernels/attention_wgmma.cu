@@ -73,6 +73,42 @@ __device__ __forceinline__ void wg_hold(unsigned (*ab)[4], unsigned (*as)[4]) {
         for (int i = 0; i < 4; i++) wg_pin_u(ab[k][i]), wg_pin_u(as[k][i]);
 }
 
+// One-dimensional bulk copies from global into shared memory (`cp.async.bulk`, the TMA's
+// unit without a tensor map), each completing a phase of an mbarrier that one thread arms with
+// the bytes to expect. The copies run beside the block's MMAs with no registers held for them.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(bar))
+                 : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_load(float* dst, const float* src, unsigned bytes,
+                                          unsigned long long* bar) {
+    unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            (unsigned)__cvta_generic_to_shared(dst)),
+        "l"(src), "r"(bytes), "r"(b)
+        : "memory");
+}
+
+// Until the barrier's phase `phase` completes; then the next phase is the one to wait for.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned& phase) {
+    unsigned b = (unsigned)__cvta_generic_to_shared(bar), done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(b), "r"(phase)
+            : "memory");
+    } while (!done);
+    phase ^= 1;
+}
+
 // d (64x32) += a (64x8, this warp's 16 rows in registers) · b (8x32, shared memory).
 __device__ __forceinline__ void wg_m64n32k8(float (*d)[4], const unsigned* a,
                                             unsigned long long b) {
@@ -117,4 +153,8 @@ __device__ __forceinline__ void wg_m64n128k8(float (*d)[4], const unsigned* a,
 }
 #else
 #define MMA_WG 0
+// Never called where the warpgroup tiles are not built (`attention_mma_image`'s tiles).
+__device__ __forceinline__ void mbar_init(unsigned long long*) {}
+__device__ __forceinline__ void bulk_load(float*, const float*, unsigned, unsigned long long*) {}
+__device__ __forceinline__ void mbar_wait(unsigned long long*, unsigned&) {}
 #endif

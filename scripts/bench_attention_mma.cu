@@ -7,7 +7,8 @@
 // outputs and statistics are the whole form's; rebuilt probabilities are the written ones.
 //   bench_attention_mma HEADS KV_HEADS CASE N BASE DUMP
 // CASE: whole (N queries after BASE keys, probabilities written where N · (BASE + N) <= 4M),
-// split, or
+// imaged (the whole form with its tiles from `attention_mma_image`, timed with the image made;
+// the whole form where this build takes no warpgroup tiles), split, or
 // diff (a path pass of N queries whose keys start at BASE, apart from the keys before it,
 // against a reference pass over all BASE + N: the rows a chunk prefilled apart compares).
 #define MAX_SIDES 1
@@ -53,6 +54,18 @@ static void whole(const Pass& p, float scale) {
         p.span, scale);
 }
 
+// Whether this build takes the warpgroup tiles (and so `attention_mma_imaged`).
+__global__ void wg_built(int* f) { *f = MMA_WG; }
+
+// The whole form with its tiles from an image made in the same launch sequence.
+static void imaged(const Pass& p, float scale, float* image) {
+    int tiles = (p.n + MMA_BQ - 1) / MMA_BQ, kt = (p.span + MMA_KT - 1) / MMA_KT;
+    attention_mma_image<<<kt * p.kvh, 128>>>(p.k, p.v, image, p.span, p.kvh, HD);
+    attention_mma_imaged<<<tiles * p.heads, 128, MMA_SHARED(HD) * 4>>>(
+        p.q, p.k, p.v, p.probs, p.stats, p.out, p.out_bf, p.meta, p.n, 0, p.heads, p.kvh, HD,
+        p.span, scale, image);
+}
+
 static void dump(FILE* f, const void* d, size_t bytes) {
     std::vector<char> h(bytes);
     CHECK(cudaMemcpy(h.data(), d, bytes, cudaMemcpyDeviceToHost));
@@ -78,6 +91,8 @@ int main(int argc, char** argv) {
     float scale = 1.0f / sqrtf((float)HD);
     int shared = MMA_SHARED(HD) * 4, rb = MMA_RB_SHARED(HD) * 4, df = MMA_DIFF_SHARED(HD) * 4;
     CHECK(cudaFuncSetAttribute(attention_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    CHECK(cudaFuncSetAttribute(attention_mma_imaged, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               shared));
     CHECK(cudaFuncSetAttribute(attention_mma_split, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                shared));
     CHECK(cudaFuncSetAttribute(probs_from_stats_mma, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -88,7 +103,38 @@ int main(int argc, char** argv) {
     bool ok = true;
     float us = 0.0f;
     const char* check = "";
-    if (mode == "whole" || mode == "split") {
+    if (mode == "imaged") {
+        // Where the warpgroup tiles are not built: the whole form, whose bits these are.
+        int* flag;
+        int wg = 0;
+        CHECK(cudaMalloc(&flag, 4));
+        wg_built<<<1, 1>>>(flag);
+        CHECK(cudaMemcpy(&wg, flag, 4, cudaMemcpyDeviceToHost));
+        Pass p = make_pass(heads, kvh, n, base, false);
+        size_t no = (size_t)n * heads * HD, ns = (size_t)n * heads * 4;
+        float *image, *o1, *s1;
+        // MMA_IMG_TILE floats a tile (defined for device code only).
+        size_t tile = 4 * MMA_KT * MMA_MAXD;
+        CHECK(cudaMalloc(&image, (size_t)((p.span + MMA_KT - 1) / MMA_KT) * kvh * tile * 4));
+        CHECK(cudaMalloc(&o1, no * 4));
+        CHECK(cudaMalloc(&s1, ns * 4));
+        whole(p, scale);
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemcpy(o1, p.out, no * 4, cudaMemcpyDeviceToDevice));
+        CHECK(cudaMemcpy(s1, p.stats, ns * 4, cudaMemcpyDeviceToDevice));
+        if (wg) {
+            CHECK(cudaMemset(p.out, 0xff, no * 4));
+            imaged(p, scale, image);
+            CHECK(cudaDeviceSynchronize());
+            ok = same(o1, p.out, no * 4) && same(s1, p.stats, ns * 4);
+            check = ok ? "imaged = whole: same bits" : "imaged = whole: BITS DIFFER";
+            us = median_us(9, batch([&](int) { imaged(p, scale, image); })) / 10;
+        } else {
+            us = median_us(9, batch([&](int) { whole(p, scale); })) / 10;
+        }
+        dump(out, p.out, no * 4);
+        dump(out, p.stats, ns * 4);
+    } else if (mode == "whole" || mode == "split") {
         bool probs = mode == "whole" && (size_t)n * (base + n) <= (1u << 22);
         Pass p = make_pass(heads, kvh, n, base, probs);
         whole(p, scale);

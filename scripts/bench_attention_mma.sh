@@ -35,7 +35,8 @@ status=0
 printf '%-34s' case; for b in "${builds[@]}"; do printf ' %12s' "$b us"; done
 printf ' %7s  %s\n' ratio outputs
 for heads in 16 32; do
-  for c in "whole 512 0" "whole 16 560" "whole 1024 15360" "whole 8192 0" "split 16 560" \
+  for c in "whole 512 0" "imaged 512 0" "whole 16 560" "whole 1024 15360" \
+           "imaged 1024 15360" "whole 8192 0" "imaged 8192 0" "split 16 560" \
            "split 100 400" "diff 512 0" "diff 100 400" "diff 8192 8192"; do
     set -- $c
     r=()

@@ -235,6 +235,31 @@ fn forced_mma_form() -> Option<MmaForm> {
     )
 }
 
+/// `MMA_IMG_TILE` of kernels/attention_mma.cu: floats of one key tile's image (keys and
+/// values, both TF32 halves) at head_dim 128.
+const MMA_IMG_TILE: usize = 4 * MMA_KT * 128;
+
+/// Each key tile a whole pass walks is loaded by this many blocks at least (query tiles times
+/// the query heads sharing a KV head) before its image is made: the image is written once and
+/// read at twice the bytes of the keys and values it holds.
+const IMAGE_READERS: usize = 8;
+
+/// The bytes of the image `attention_mma_image` makes of a whole pass's keys and values, where
+/// the pass takes its tiles from one (`attention_mma_imaged`): head_dim 128 on sm_90, tiles
+/// enough blocks share, and an image of at most `IMAGE_BYTES`.
+fn image_bytes(g: &Gpu, a: &Attention, query_tiles: usize) -> Option<usize> {
+    let bytes = a.span.div_ceil(MMA_KT) * a.kv_heads * MMA_IMG_TILE * 4;
+    (g.attention_images()
+        && a.head_dim == 128
+        && query_tiles * (a.heads / a.kv_heads.max(1)) >= IMAGE_READERS
+        && bytes <= IMAGE_BYTES)
+        .then_some(bytes)
+}
+
+/// The largest image made: a 32k-token pass with 8 KV heads at head_dim 128 (longer passes,
+/// whose memory the reference's taps already split into layer groups, load their tiles).
+const IMAGE_BYTES: usize = 512 << 20;
+
 /// The arguments `attention_tiled` and `attention_mma` (whole form) take.
 fn tiled_args(a: &Attention, scale: f32) -> [Arg; 15] {
     [
@@ -263,6 +288,36 @@ pub(crate) fn launch_attention_mma(g: &Gpu, a: &Attention, form: MmaForm, scale:
     let nseg = mma_segments(a.span);
     let tiles = a.n.div_ceil(MMA_BQ);
     if form == MmaForm::Whole || a.write_probs || nseg < 2 {
+        if let Some(bytes) = image_bytes(g, a, tiles) {
+            // Freed in stream order when this returns, after the pass has read it.
+            let image = g.alloc::<f32>(bytes / 4);
+            let at = super::gpu::ptr(g, &image, 0);
+            let key_tiles = a.span.div_ceil(MMA_KT);
+            g.launch(
+                "attention_mma_image",
+                (key_tiles * a.kv_heads) as u32,
+                TILE_THREADS,
+                0,
+                &[
+                    Arg::Ptr(a.keys),
+                    Arg::Ptr(a.values),
+                    Arg::Ptr(at),
+                    Arg::I32(a.span as i32),
+                    Arg::I32(a.kv_heads as i32),
+                    Arg::I32(a.head_dim as i32),
+                ],
+            );
+            let mut args = Vec::from(tiled_args(a, scale));
+            args.push(Arg::Ptr(at));
+            g.launch(
+                "attention_mma_imaged",
+                (tiles * a.heads) as u32,
+                TILE_THREADS,
+                shared,
+                &args,
+            );
+            return;
+        }
         g.launch(
             "attention_mma",
             (tiles * a.heads) as u32,

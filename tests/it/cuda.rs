@@ -1982,6 +1982,44 @@ fn an_invariant_run_on_its_own_replays_its_paths_attention_to_the_same_report() 
     }
 }
 
+/// Prefill attention whose tiles come from an image of the pass's keys and values (one bulk
+/// copy a tile, head size 128 on sm_90) reports what tiles loaded by every block report: on
+/// the random model (16 query heads over 2 KV heads, so every whole pass takes an image), in
+/// either form the passes choose and all in the whole form, clean and with a planted bug.
+#[test]
+fn attention_tiles_from_images_report_what_loaded_tiles_report() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("random-model");
+    for form in [None, Some("whole")] {
+        for fault in [None, Some("rerotate-wrong-sign")] {
+            let run = |name: &str, images: bool| -> (serde_json::Value, String) {
+                let json = tmp.path().join(format!("{name}.json"));
+                let mut env = vec![("KVDIFF_CUDA_PROFILE", "1")];
+                env.extend(fault.map(|f| ("KVDIFF_FAULT", f)));
+                env.extend(form.map(|f| ("KVDIFF_CUDA_ATTENTION_FORM", f)));
+                if !images {
+                    env.push(("KVDIFF_CUDA_ATTENTION_IMAGES", "0"));
+                }
+                compare_rerotate(&["-v"], "8", &[], Some(&model), &json, &env)
+            };
+            let (imaged, err) = run("imaged", true);
+            if gpu().is_some_and(|g| g.attention_images()) {
+                assert!(
+                    err.contains("attention_mma_imaged"),
+                    "{form:?} {fault:?}: {err}"
+                );
+            }
+            let (loaded, err) = run("loaded", false);
+            assert!(!err.contains("attention_mma_imaged"), "{err}");
+            assert_eq!(imaged, loaded, "{form:?} {fault:?}");
+            assert_invariant_and_fault_reported(&imaged, fault);
+        }
+    }
+}
+
 /// A decode step's q/k norm, RoPE and cache append folded into its attention kernel (head size
 /// 128) give what `qk_norm_rope` before it gives, with a block per GQA group or per query head:
 /// every tap of a dump, byte for byte, over a prompt longer than one attention chunk (the new key in another block than the one that

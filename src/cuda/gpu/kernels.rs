@@ -20,6 +20,8 @@ pub(super) const KERNELS: &[&str] = &[
     "attention_decode_128_rope",
     "attention_tiled",
     "attention_mma",
+    "attention_mma_imaged",
+    "attention_mma_image",
     "attention_mma_split",
     "attention_mma_merge",
     "probs_from_stats_mma",
@@ -225,6 +227,7 @@ pub(super) fn load_kernels(
         use cudarc::driver::sys::CUfunction_attribute as Attr;
         for k in [
             "attention_mma",
+            "attention_mma_imaged",
             "attention_mma_split",
             "probs_from_stats_mma",
             "attention_diff_mma",

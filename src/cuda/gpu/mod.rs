@@ -141,6 +141,10 @@ pub struct Gpu {
     /// run on tensor cores (`kernels/attention_mma.cu`: sm_80 and later, unless
     /// `KVDIFF_CUDA_MMA=0`).
     tensor_core_shared: Option<usize>,
+    /// Whether the whole form of the tensor-core attention may take its tiles from an image
+    /// (`attention_mma_imaged`: sm_90, where the unit is built for sm_90a, unless
+    /// `KVDIFF_CUDA_ATTENTION_IMAGES=0`).
+    attention_images: bool,
     /// Dynamic shared memory a block may hold on request, in bytes.
     shared_optin: usize,
     /// The peers' memory lent for kept taps, where the model spans several GPUs.
@@ -357,6 +361,8 @@ impl Gpu {
                 && std::env::var("KVDIFF_CUDA_MMA").as_deref() != Ok("0"))
             .then_some(shared_optin),
             shared_optin,
+            attention_images: (major, minor) == (9, 0)
+                && std::env::var("KVDIFF_CUDA_ATTENTION_IMAGES").as_deref() != Ok("0"),
             spill: Default::default(),
         });
         if !gpu.gemm_needs_warm_up() {
@@ -428,6 +434,11 @@ impl Gpu {
     /// prefill attention stays on the CUDA cores (see `launch::tensor_core_attention`).
     pub fn tensor_core_shared(&self) -> Option<usize> {
         self.tensor_core_shared
+    }
+
+    /// Whether `launch::launch_attention_mma` may take the whole form's tiles from an image.
+    pub fn attention_images(&self) -> bool {
+        self.attention_images
     }
 
     /// Free and total device memory in bytes, the allocator's pool's unused buffers counted
