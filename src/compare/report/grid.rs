@@ -122,17 +122,37 @@ impl CellGrid {
         }
     }
 
-    /// The serialized form.
+    /// The serialized form. A long prompt's grid holds millions of bytes per metric (16k
+    /// positions over 31 groups: 2 MB of each f32), so each is gathered into one buffer and the
+    /// six are encoded on rayon's workers.
     pub fn encode(&self, layers: usize) -> Grid {
-        let f32s = |f: &dyn Fn(&Cell) -> f32| {
-            base64(
-                &self
-                    .cells
-                    .iter()
-                    .flat_map(|c| f(c).to_le_bytes())
-                    .collect::<Vec<u8>>(),
-            )
+        let bytes = |width: usize, put: &(dyn Fn(&Cell, &mut Vec<u8>) + Sync)| {
+            let mut b = Vec::with_capacity(self.cells.len() * width);
+            for c in &self.cells {
+                put(c, &mut b);
+            }
+            base64(&b)
         };
+        let f32s = |f: fn(&Cell) -> f32| bytes(4, &move |c, b| b.extend(f(c).to_le_bytes()));
+        let ((rel_l2, max_abs), (cosine, (index, (tap, diverged)))) = rayon::join(
+            || rayon::join(|| f32s(|c| c.rel_l2), || f32s(|c| c.max_abs)),
+            || {
+                rayon::join(
+                    || f32s(|c| c.cosine),
+                    || {
+                        rayon::join(
+                            || bytes(4, &|c, b| b.extend(c.index.to_le_bytes())),
+                            || {
+                                rayon::join(
+                                    || bytes(1, &|c, b| b.push(c.tap)),
+                                    || bytes(1, &|c, b| b.push(c.diverged as u8)),
+                                )
+                            },
+                        )
+                    },
+                )
+            },
+        );
         let mut groups = vec!["embed".to_string()];
         groups.extend((0..layers).map(|l| format!("L{l}")));
         groups.extend(["final_norm".to_string(), "logits".to_string()]);
@@ -141,24 +161,12 @@ impl CellGrid {
             positions: self.positions,
             taps: tap_kinds(),
             encoding: "base64 little-endian, row-major [group][position]",
-            rel_l2: f32s(&|c| c.rel_l2),
-            max_abs: f32s(&|c| c.max_abs),
-            cosine: f32s(&|c| c.cosine),
-            index: base64(
-                &self
-                    .cells
-                    .iter()
-                    .flat_map(|c| c.index.to_le_bytes())
-                    .collect::<Vec<u8>>(),
-            ),
-            tap: base64(&self.cells.iter().map(|c| c.tap).collect::<Vec<u8>>()),
-            diverged: base64(
-                &self
-                    .cells
-                    .iter()
-                    .map(|c| c.diverged as u8)
-                    .collect::<Vec<u8>>(),
-            ),
+            rel_l2,
+            max_abs,
+            cosine,
+            index,
+            tap,
+            diverged,
         }
     }
 }
@@ -187,20 +195,22 @@ pub struct Grid {
 
 fn base64(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16
-            | (*c.get(1).unwrap_or(&0) as u32) << 8
-            | *c.get(2).unwrap_or(&0) as u32;
-        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
-            out.push(if i <= c.len() {
-                A[(n >> shift & 63) as usize] as char
-            } else {
-                '='
-            });
-        }
+    let mut out = Vec::with_capacity(bytes.len().div_ceil(3) * 4);
+    let sextets = |n: u32| [18, 12, 6, 0].map(|shift| A[(n >> shift & 63) as usize]);
+    let whole = bytes.chunks_exact(3);
+    let rest = whole.remainder();
+    for c in whole {
+        out.extend(sextets(
+            (c[0] as u32) << 16 | (c[1] as u32) << 8 | c[2] as u32,
+        ));
     }
-    out
+    if !rest.is_empty() {
+        let n = (rest[0] as u32) << 16 | (*rest.get(1).unwrap_or(&0) as u32) << 8;
+        let s = sextets(n);
+        out.extend(&s[..rest.len() + 1]);
+        out.extend(std::iter::repeat_n(b'=', 3 - rest.len()));
+    }
+    String::from_utf8(out).expect("base64 is ASCII")
 }
 
 #[cfg(test)]
