@@ -14,12 +14,16 @@ const CHUNK: usize = 1 << 18;
 /// Buffers at least this long are copied on every core, and worth preparing.
 const LARGE: usize = 4 * CHUNK;
 
-/// Buffers `prepare` touched, by length, waiting for `to_vec`.
-static READY: Mutex<BTreeMap<usize, Vec<Vec<f32>>>> = Mutex::new(BTreeMap::new());
+/// Buffers `prepare` touched, by length, waiting for `to_vec`, each with the owner it was
+/// prepared for.
+static READY: Mutex<BTreeMap<usize, Vec<Prepared>>> = Mutex::new(BTreeMap::new());
+
+/// A touched buffer and the owner it was prepared for.
+type Prepared = (i64, Vec<f32>);
 
 /// Touches the pages of one buffer of each length now, on every core, for `to_vec` to copy
 /// into: the copies of a reference's taps whose sizes the engine's dump already says.
-pub fn prepare(lens: impl IntoIterator<Item = usize>) {
+pub fn prepare(owner: i64, lens: impl IntoIterator<Item = usize>) {
     let lens: Vec<usize> = lens.into_iter().filter(|&n| n >= LARGE).collect();
     let made: Vec<Vec<f32>> = lens
         .into_par_iter()
@@ -35,20 +39,32 @@ pub fn prepare(lens: impl IntoIterator<Item = usize>) {
         .collect();
     let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
     for v in made {
-        ready.entry(v.len()).or_default().push(v);
+        ready.entry(v.len()).or_default().push((owner, v));
     }
 }
 
-/// Drops the prepared buffers no copy took.
-pub fn release() {
-    let left = std::mem::take(&mut *READY.lock().unwrap_or_else(|e| e.into_inner()));
+/// Drops the buffers prepared for `owner` that no copy took: those prepared for another (the
+/// next sequence of a batched dump, read ahead) stay.
+pub fn release(owner: i64) {
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    let mut left = Vec::new();
+    ready.retain(|_, bufs| {
+        let (mine, others): (Vec<_>, Vec<_>) = std::mem::take(bufs)
+            .into_iter()
+            .partition(|(o, _)| *o == owner);
+        left.extend(mine);
+        *bufs = others;
+        !bufs.is_empty()
+    });
+    drop(ready);
     drop(left);
 }
 
 fn take_prepared(len: usize) -> Option<Vec<f32>> {
     let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
     let bufs = ready.get_mut(&len)?;
-    let v = bufs.pop();
+    // The oldest first: a buffer prepared for the sequence read ahead stays for it.
+    let v = (!bufs.is_empty()).then(|| bufs.remove(0).1);
     if bufs.is_empty() {
         ready.remove(&len);
     }
@@ -94,7 +110,7 @@ mod tests {
     #[test]
     fn copies_every_value_small_or_large() {
         let n = LARGE + 3;
-        prepare([n, 7]);
+        prepare(0, [n, 7]);
         assert_eq!(READY.lock().unwrap().get(&n).map(Vec::len), Some(1));
         assert!(
             !READY.lock().unwrap().contains_key(&7),
@@ -108,8 +124,15 @@ mod tests {
             !READY.lock().unwrap().contains_key(&n),
             "taken by the first copy"
         );
-        prepare([n]);
-        release();
+        prepare(0, [n]);
+        prepare(1, [n]);
+        release(0);
+        assert_eq!(
+            READY.lock().unwrap().get(&n).map(|b| b[0].0),
+            Some(1),
+            "another owner's buffer stays"
+        );
+        release(1);
         assert!(READY.lock().unwrap().is_empty());
     }
 }

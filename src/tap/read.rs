@@ -325,6 +325,21 @@ impl DumpDir {
             .collect()
     }
 
+    /// About the bytes step `step`'s rows of the selected sequence take once read: its files'
+    /// bytes, shared among the sequences each holds, twice over (16-bit values widen to f32).
+    pub fn step_bytes(&self, step: usize) -> u64 {
+        self.steps
+            .get(&step)
+            .into_iter()
+            .flatten()
+            .filter(|p| self.holds(p))
+            .map(|p| {
+                let len = std::fs::metadata(&p.path).map_or(0, |m| m.len());
+                2 * len / p.seqs.len().max(1) as u64
+            })
+            .sum()
+    }
+
     /// Whether a piece holds rows of the selected sequence (of the only one, when none is).
     fn holds(&self, p: &Piece) -> bool {
         match self.seq {

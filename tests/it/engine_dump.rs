@@ -795,6 +795,21 @@ fn sequences_that_join_and_finish_at_different_steps_are_diffed_each_in_place() 
             first(&r).map(|(s, tap, p)| (s, tap, p - r["prompt_tokens"].as_u64().unwrap() - 1));
         assert_eq!(got, want, "seq {seq}");
     }
+    // Each sequence's dumps read while the one before it runs, or in its own turn: the same
+    // reports.
+    let json_apart = tmp.path().join("apart.json");
+    let o = Command::new(common::kvdiff_bin())
+        .args(["diff", "-q", "--json", json_apart.to_str().unwrap()])
+        .arg(&out)
+        .env("KVDIFF_DIFF_READ_AHEAD", "0")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    for seq in [3, 9] {
+        let ahead = common::read_json(&tmp.path().join(format!("r.seq-{seq}.json")));
+        let apart = common::read_json(&tmp.path().join(format!("apart.seq-{seq}.json")));
+        assert_eq!(ahead, apart, "seq {seq}");
+    }
 }
 
 /// The seed's fourth bug: chat-template tokens missing between chunks. The engine's run is

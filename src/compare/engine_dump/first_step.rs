@@ -16,8 +16,13 @@ pub(super) struct FirstStep {
 impl FirstStep {
     /// `copies_ahead`: touch the pages of the reference's copies of the same taps too (a
     /// reference kvdiff runs now, whose taps are copied to the host; a reference dump is
-    /// decoded as this one is).
-    pub(super) fn start(dump: &DumpDir, taps: &str, copies_ahead: bool) -> Option<FirstStep> {
+    /// decoded as this one is), prepared for `owner` (`bulk::release`).
+    pub(super) fn start(
+        dump: &DumpDir,
+        taps: &str,
+        copies_ahead: bool,
+        owner: i64,
+    ) -> Option<FirstStep> {
         let layers = dump_layers(dump);
         let filter = TapFilter::from_flag(taps, layers).ok()?;
         let (dump, first) = (dump.clone(), *dump.steps().first()?);
@@ -26,7 +31,7 @@ impl FirstStep {
             .spawn(move || {
                 let step = dump.load_step(first, &filter)?;
                 if copies_ahead {
-                    crate::support::bulk::prepare(step.taps.values().map(|t| t.data.len()));
+                    crate::support::bulk::prepare(owner, step.taps.values().map(|t| t.data.len()));
                 }
                 Ok(step)
             })

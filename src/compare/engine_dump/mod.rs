@@ -7,4 +7,5 @@
 pub mod f32_reference;
 mod first_step;
 pub mod run;
+mod sequences;
 pub mod steps;

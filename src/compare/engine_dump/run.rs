@@ -13,10 +13,9 @@ use crate::compare::judge::diff::Tolerance;
 use crate::compare::judge::noise::{Calibration, NoiseProfile};
 use crate::compare::judge::noise_cache;
 use crate::compare::judge::replay;
-use crate::compare::report::Judgement;
 use crate::compare::report::{ChunkInfo, Report, ToleranceInfo, SCHEMA};
 use crate::compare::run::Policy;
-use crate::compare::target::{load_source_streaming, require_cuda, Backend};
+use crate::compare::target::{load_source_streaming, Backend};
 use crate::engine::chunks::ChunkedPrompt;
 use crate::engine::model::Model;
 use crate::engine::replay_weights::ReplayWeights;
@@ -73,12 +72,20 @@ struct Conversation {
     file: PathBuf,
 }
 
+/// A sequence's dumps opened, its first step being read (while the model loads, or while the
+/// sequence before it runs).
+pub(super) struct Dumps {
+    reference_dump: Option<DumpDir>,
+    engine_dump: DumpDir,
+    first_step: Option<FirstStep>,
+}
+
 /// The dumps opened and the model loaded: a diff ready to run. Apart from the run so that the
 /// caller can check CUDA is there, and start opening the GPU, before anything runs on it.
 pub struct OpenedDiff<'a> {
     request: &'a DiffRequest<'a>,
     reference_dump: Option<DumpDir>,
-    engine_dump: DumpDir,
+    pub(super) engine_dump: DumpDir,
     engine: Option<Engine>,
     /// The model on the GPU from an earlier diff of the same model, if any.
     gpu_model: Option<Model>,
@@ -126,72 +133,6 @@ impl DiffOutcome {
 }
 
 impl DiffRequest<'_> {
-    /// The whole command: the sequence `seq` names, or every sequence of a batched capture in
-    /// turn with the model loaded once. Each report is judged under `j` (a batched capture's
-    /// paths named by their sequence) and handed to `each` with the sequence's id where there
-    /// are several; returns the worst exit code.
-    pub fn run_all(
-        &self,
-        j: &Judgement,
-        each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
-    ) -> Result<i32> {
-        self.run_all_keeping(j, &mut None, each)
-    }
-
-    /// `run_all`, starting from the model an earlier diff loaded (`loaded`, used where it is
-    /// the model this dump needs) and leaving this one's there: many dumps of one model diffed
-    /// with one load.
-    pub fn run_all_keeping(
-        &self,
-        j: &Judgement,
-        loaded: &mut Option<Loaded>,
-        mut each: impl FnMut(Option<i64>, &DiffOutcome) -> Result<()>,
-    ) -> Result<i32> {
-        let sequences: Vec<Option<i64>> = match self.seq {
-            Some(s) => vec![Some(s)],
-            None => {
-                let all = DumpDir::sequences_of(self.engine_dump)?;
-                if all.len() > 1 && !progress::quiet() {
-                    eprintln!(
-                        "kvdiff: {} holds {} sequences {:?}: diffing each",
-                        self.engine_dump.display(),
-                        all.len(),
-                        all
-                    );
-                }
-                match all.len() > 1 {
-                    true => all.into_iter().map(Some).collect(),
-                    false => vec![None],
-                }
-            }
-        };
-        let several = sequences.len() > 1;
-        let mut code = crate::error::EXIT_OK;
-        for seq in sequences {
-            let request = DiffRequest { seq, ..*self };
-            let opened = request.open_with(loaded)?;
-            if opened.on_cuda() {
-                require_cuda()?;
-            }
-            let mut outcome = opened.run()?;
-            if let (true, Some(s)) = (several, seq) {
-                for p in &mut outcome.report.paths {
-                    p.path = format!("{} seq {s}", p.path);
-                }
-            }
-            code = code.max(outcome.report.judge(j));
-            each(seq.filter(|_| several), &outcome)?;
-            *loaded = outcome.engine.take().map(|engine| Loaded {
-                engine,
-                gpu_model: outcome.gpu_model.take(),
-                host: outcome.host.take(),
-            });
-        }
-        Ok(code)
-    }
-}
-
-impl DiffRequest<'_> {
     /// Opens the dumps and loads the model where the run needs one: for kvdiff's own reference,
     /// or to calibrate the noise model.
     pub fn open(&self) -> Result<OpenedDiff<'_>> {
@@ -201,6 +142,11 @@ impl DiffRequest<'_> {
     /// `open`, with the model of an earlier diff of the same run (another sequence of one
     /// batched capture) instead of loading it again.
     pub fn open_with(&self, loaded: &mut Option<Loaded>) -> Result<OpenedDiff<'_>> {
+        self.open_from(self.read_dumps()?, loaded)
+    }
+
+    /// The dumps opened, the engine's largest step read on a thread of its own.
+    pub(super) fn read_dumps(&self) -> Result<Dumps> {
         let (reference_dump, engine_dump) = match self.reference_dump {
             None => (None, DumpDir::open(self.engine_dump, self.seq)?),
             Some(r) => (
@@ -208,9 +154,27 @@ impl DiffRequest<'_> {
                 DumpDir::open(self.engine_dump, self.seq)?,
             ),
         };
+        let owner = self.seq.unwrap_or(-1);
+        let first_step = FirstStep::start(&engine_dump, self.taps, reference_dump.is_none(), owner);
+        Ok(Dumps {
+            reference_dump,
+            engine_dump,
+            first_step,
+        })
+    }
+
+    /// `open_with` from dumps `read_dumps` opened (maybe while another sequence ran).
+    pub(super) fn open_from(
+        &self,
+        dumps: Dumps,
+        loaded: &mut Option<Loaded>,
+    ) -> Result<OpenedDiff<'_>> {
+        let Dumps {
+            reference_dump,
+            engine_dump,
+            first_step,
+        } = dumps;
         let conversation = self.conversation(&engine_dump)?;
-        // Its largest step read while the model loads.
-        let first_step = FirstStep::start(&engine_dump, self.taps, reference_dump.is_none());
         let auto = self.policy == Policy::Auto;
         let needs_model = reference_dump.is_none()
             || (auto && self.noise_profile.is_none())
@@ -491,7 +455,7 @@ impl OpenedDiff<'_> {
         if let Some(g) = on_gpu {
             crate::cuda::weights_loaded(g)?;
         }
-        crate::support::bulk::release();
+        crate::support::bulk::release(req.seq.unwrap_or(-1));
         let steps = diff.info.steps;
         let mut report = assemble(engine_dump, engine, diff, reference_label, info);
         report.prompt_check = prompt_check;
