@@ -2,7 +2,8 @@
 //! the pages it writes (the kernel zeroes and maps each one), not the bytes moved: spread over
 //! every core, a gigabyte-sized tap lands several times faster than on one; and buffers whose
 //! size is known early can have their pages touched before they are needed (`prepare`), while
-//! the process waits on something else.
+//! the process waits on something else. Between the sequences of a batched dump, buffers done
+//! with are given back (`give_back`) for the next sequence's copies: their pages are in place.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -21,11 +22,90 @@ static READY: Mutex<BTreeMap<usize, Vec<Prepared>>> = Mutex::new(BTreeMap::new()
 /// A touched buffer and the owner it was prepared for.
 type Prepared = (i64, Vec<f32>);
 
+/// Buffers given back once compared (`give_back`), waiting to be prepared or copied into
+/// again: a batched dump's sequences take the same sizes in turn, and memory whose pages are
+/// in place already costs neither the first touch nor the unmapping.
+static SPARE: Mutex<Spares> = Mutex::new(Spares {
+    on: false,
+    limit: 0,
+    held: 0,
+    bufs: Vec::new(),
+});
+
+struct Spares {
+    on: bool,
+    /// Bytes kept at most: what the last `prepare` made ready (one sequence's copies).
+    limit: usize,
+    /// Bytes the kept buffers hold (their capacity: one cut to a shorter copy keeps it).
+    held: usize,
+    bufs: Vec<Vec<f32>>,
+}
+
+/// Keeps buffers given back for the copies after them (`on`), or drops those held and any
+/// given back later.
+pub fn keep_spares(on: bool) {
+    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    spare.on = on;
+    if !on {
+        spare.held = 0;
+        let bufs = std::mem::take(&mut spare.bufs);
+        drop(spare);
+        let bytes = bufs.iter().map(|b| 4 * b.len()).sum();
+        drop_later(bufs, bytes);
+    }
+}
+
+/// Gives buffers back for later copies where spares are kept (`keep_spares`) and there is
+/// room; the others are dropped (on a thread of their own where large).
+pub fn give_back(bufs: impl IntoIterator<Item = Vec<f32>>) {
+    let mut dropped = Vec::new();
+    {
+        let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+        for b in bufs {
+            let bytes = 4 * b.capacity();
+            if spare.on && b.len() >= LARGE && spare.held + bytes <= spare.limit {
+                spare.held += bytes;
+                spare.bufs.push(b);
+            } else {
+                dropped.push(b);
+            }
+        }
+    }
+    let bytes = dropped.iter().map(|b| 4 * b.len()).sum();
+    drop_later(dropped, bytes);
+}
+
+/// A spare buffer of at least `len` values and at most twice that, cut to `len`: the
+/// smallest that fits.
+fn take_spare(len: usize) -> Option<Vec<f32>> {
+    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    let at = (spare.bufs.iter().enumerate())
+        .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
+        .min_by_key(|(_, b)| b.len())?
+        .0;
+    let mut b = spare.bufs.swap_remove(at);
+    spare.held -= 4 * b.capacity();
+    b.truncate(len);
+    Some(b)
+}
+
 /// Touches the pages of one buffer of each length now, on every core, for `to_vec` to copy
-/// into: the copies of a reference's taps whose sizes the engine's dump already says.
+/// into: the copies of a reference's taps whose sizes the engine's dump already says. Spare
+/// buffers (`give_back`) are taken first.
 pub fn prepare(owner: i64, lens: impl IntoIterator<Item = usize>) {
     let lens: Vec<usize> = lens.into_iter().filter(|&n| n >= LARGE).collect();
-    let made: Vec<Vec<f32>> = lens
+    {
+        let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+        spare.limit = lens.iter().map(|n| 4 * n).sum();
+    }
+    let (mut spared, mut fresh) = (Vec::new(), Vec::new());
+    for n in lens {
+        match take_spare(n) {
+            Some(b) => spared.push(b),
+            None => fresh.push(n),
+        }
+    }
+    let made: Vec<Vec<f32>> = fresh
         .into_par_iter()
         .map(|n| {
             let mut v = vec![0f32; n];
@@ -38,7 +118,7 @@ pub fn prepare(owner: i64, lens: impl IntoIterator<Item = usize>) {
         })
         .collect();
     let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
-    for v in made {
+    for v in made.into_iter().chain(spared) {
         ready.entry(v.len()).or_default().push((owner, v));
     }
 }
@@ -74,7 +154,7 @@ fn take_prepared(len: usize) -> Option<Vec<f32>> {
 /// Drops `v` on a thread of its own where it holds at least `LARGE_BYTES`: giving a step's
 /// gigabytes of taps back to the system takes longer than anything done with them after the
 /// comparison.
-pub fn drop_later<T: Send + 'static>(v: T, bytes: usize) {
+fn drop_later<T: Send + 'static>(v: T, bytes: usize) {
     if bytes < LARGE_BYTES {
         return;
     }
@@ -94,7 +174,9 @@ pub fn to_vec(src: &[f32]) -> Vec<f32> {
         return src.to_vec();
     }
     // Zeroed by the allocator without touching the pages (a fresh mapping).
-    let mut out = take_prepared(src.len()).unwrap_or_else(|| vec![0f32; src.len()]);
+    let mut out = take_prepared(src.len())
+        .or_else(|| take_spare(src.len()))
+        .unwrap_or_else(|| vec![0f32; src.len()]);
     out.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(o, s)| o.copy_from_slice(s));
@@ -134,5 +216,28 @@ mod tests {
         );
         release(1);
         assert!(READY.lock().unwrap().is_empty());
+
+        // Spares: kept up to the last preparation's bytes, taken by a preparation or a copy
+        // of a length they hold (cut to it), dropped when no longer kept.
+        let m = LARGE + 5;
+        let spares = || SPARE.lock().unwrap().bufs.len();
+        give_back([vec![1.0; m]]);
+        assert_eq!(spares(), 0, "not kept unless asked");
+        keep_spares(true);
+        prepare(2, [m]);
+        release(2);
+        give_back([vec![1.0; m], vec![2.0; m]]);
+        assert_eq!(spares(), 1, "room for one preparation's bytes");
+        let src: Vec<f32> = (0..m - 1).map(|i| i as f32).collect();
+        assert_eq!(to_vec(&src), src, "a spare one value longer, cut");
+        assert_eq!(spares(), 0);
+        give_back([vec![3.0; m]]);
+        prepare(3, [m]);
+        assert_eq!(spares(), 0, "the preparation took the spare");
+        assert_eq!(take_prepared(m).map(|b| b.len()), Some(m));
+        give_back([vec![4.0; m]]);
+        keep_spares(false);
+        assert_eq!(spares(), 0);
+        assert_eq!(SPARE.lock().unwrap().held, 0);
     }
 }

@@ -333,6 +333,7 @@ impl TapSink for Recorder {
         &self.table
     }
     fn record(&mut self, step: usize, v: TapValue<'_>) {
+        let _span = crate::support::timing::span("taps: recorded (host copy)");
         self.taps.push(Recorded {
             step,
             id: v.id,

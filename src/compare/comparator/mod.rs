@@ -496,8 +496,7 @@ impl Comparator<'_> {
             rec.by_address && rec.borrow && rec.device.is_some() && rec.host.taps.is_empty()
         });
         let before = std::mem::take(&mut self.reference);
-        let bytes = before.values().map(|t| 4 * t.data.len()).sum();
-        crate::support::bulk::drop_later(before, bytes);
+        crate::support::bulk::give_back(before.into_values().map(|t| t.data));
         for t in rec.host.taps {
             match self.reference.remove(&t.id) {
                 None => {

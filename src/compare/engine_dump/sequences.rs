@@ -49,6 +49,8 @@ impl DiffRequest<'_> {
             }
         };
         let several = sequences.len() > 1;
+        // A sequence's buffers, once compared, are the next ones' copies.
+        let _spares = several.then(Spares::keep);
         let mut code = crate::error::EXIT_OK;
         // The next sequence's dumps, opened while this one runs; an error opening them is
         // reported in its turn, after the sequences before it.
@@ -98,5 +100,21 @@ fn read_ahead_fits(dump: &DumpDir) -> bool {
     match crate::support::resources::available_memory() {
         Ok(Some(free)) => step.saturating_mul(6) <= free,
         _ => false,
+    }
+}
+
+/// Spare buffers kept (`bulk::keep_spares`) while it lives.
+struct Spares;
+
+impl Spares {
+    fn keep() -> Spares {
+        crate::support::bulk::keep_spares(true);
+        Spares
+    }
+}
+
+impl Drop for Spares {
+    fn drop(&mut self) {
+        crate::support::bulk::keep_spares(false);
     }
 }

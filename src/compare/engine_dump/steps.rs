@@ -350,8 +350,7 @@ impl DumpDiff<'_> {
                 }
             }
             progress.advance("");
-            let bytes = e.taps.values().map(|t| 4 * t.data.len()).sum();
-            crate::support::bulk::drop_later(e, bytes);
+            crate::support::bulk::give_back(e.taps.into_values().map(|t| t.data));
         }
         cmp.flush();
         let all_tokens = std::mem::take(&mut cmp.tokens);

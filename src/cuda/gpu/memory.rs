@@ -437,11 +437,16 @@ impl Gpu {
             return f(&self.download_rows(at, rows, width, stride));
         };
         let host = &mut buf.as_mut_slice().expect("pinned buffer")[..bytes];
-        // Safety: `host` is `bytes` long and this call's alone; the copy is ordered on the
-        // stream and waited for before `host` is read.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, at, self.stream().cu_stream()) }
+        {
+            let _span = crate::support::timing::span("cuda taps: download to pinned (GPU wait)");
+            // Safety: `host` is `bytes` long and this call's alone; the copy is ordered on the
+            // stream and waited for before `host` is read.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(host, at, self.stream().cu_stream())
+            }
             .expect("CUDA download");
-        self.sync();
+            self.sync();
+        }
         // Safety: `host` holds `len` f32s, written by the copy just waited for (4-byte
         // aligned: pinned allocations are page-aligned).
         let all = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<f32>(), len) };
