@@ -50,7 +50,7 @@ pub fn keep_spares(on: bool) {
         spare.held = 0;
         let bufs = std::mem::take(&mut spare.bufs);
         drop(spare);
-        let bytes = bufs.iter().map(|b| 4 * b.len()).sum();
+        let bytes = bytes_of(&bufs);
         drop_later(bufs, bytes);
     }
 }
@@ -71,22 +71,32 @@ pub fn give_back(bufs: impl IntoIterator<Item = Vec<f32>>) {
             }
         }
     }
-    let bytes = dropped.iter().map(|b| 4 * b.len()).sum();
+    let bytes = bytes_of(&dropped);
     drop_later(dropped, bytes);
 }
 
-/// A spare buffer of at least `len` values and at most twice that, cut to `len`: the
-/// smallest that fits.
+impl Spares {
+    /// A kept buffer of at least `len` values and at most twice that, cut to `len`: the
+    /// smallest that fits.
+    fn take(&mut self, len: usize) -> Option<Vec<f32>> {
+        let at = (self.bufs.iter().enumerate())
+            .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
+            .min_by_key(|(_, b)| b.len())?
+            .0;
+        let mut b = self.bufs.swap_remove(at);
+        self.held -= 4 * b.capacity();
+        b.truncate(len);
+        Some(b)
+    }
+}
+
 fn take_spare(len: usize) -> Option<Vec<f32>> {
-    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
-    let at = (spare.bufs.iter().enumerate())
-        .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
-        .min_by_key(|(_, b)| b.len())?
-        .0;
-    let mut b = spare.bufs.swap_remove(at);
-    spare.held -= 4 * b.capacity();
-    b.truncate(len);
-    Some(b)
+    SPARE.lock().unwrap_or_else(|e| e.into_inner()).take(len)
+}
+
+/// Bytes `bufs` hold.
+fn bytes_of(bufs: &[Vec<f32>]) -> usize {
+    bufs.iter().map(|b| 4 * b.capacity()).sum()
 }
 
 /// Touches the pages of one buffer of each length now, on every core, for `to_vec` to copy
@@ -94,15 +104,15 @@ fn take_spare(len: usize) -> Option<Vec<f32>> {
 /// buffers (`give_back`) are taken first.
 pub fn prepare(owner: i64, lens: impl IntoIterator<Item = usize>) {
     let lens: Vec<usize> = lens.into_iter().filter(|&n| n >= LARGE).collect();
+    let (mut spared, mut fresh) = (Vec::new(), Vec::new());
     {
         let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
         spare.limit = lens.iter().map(|n| 4 * n).sum();
-    }
-    let (mut spared, mut fresh) = (Vec::new(), Vec::new());
-    for n in lens {
-        match take_spare(n) {
-            Some(b) => spared.push(b),
-            None => fresh.push(n),
+        for n in lens {
+            match spare.take(n) {
+                Some(b) => spared.push(b),
+                None => fresh.push(n),
+            }
         }
     }
     let made: Vec<Vec<f32>> = fresh
