@@ -6,6 +6,7 @@ pub mod exit;
 pub mod fault;
 pub mod heir;
 pub mod interrupt;
+pub mod lanes;
 pub mod progress;
 pub mod resources;
 pub mod timing;

@@ -22,7 +22,12 @@ impl Comparator<'_> {
         let _span = crate::support::timing::span("compare: host-side tap diff");
         // A reference kept as parts: only the rows this tap holds are rebuilt, and dropped
         // once diffed.
-        let rebuilt = match self.reference.contains_key(&v.id) {
+        let shared = self.shared_reference.clone();
+        let from_shared = match self.reference.contains_key(&v.id) {
+            true => None,
+            false => shared.as_deref().and_then(|s| s.taps.get(&v.id)),
+        };
+        let rebuilt = match self.reference.contains_key(&v.id) || from_shared.is_some() {
             true => None,
             false => self
                 .host_parts
@@ -30,7 +35,7 @@ impl Comparator<'_> {
                 .map(|p| rebuild_rows(p, v.id, v.positions)),
         };
         // A reference kept on the GPU, met by a tap the path computed on the host.
-        if !self.reference.contains_key(&v.id) && rebuilt.is_none() {
+        if !self.reference.contains_key(&v.id) && from_shared.is_none() && rebuilt.is_none() {
             let Some(recs) = self.device_reference.get(&v.id) else {
                 return;
             };
@@ -45,9 +50,15 @@ impl Comparator<'_> {
             self.reference.insert(v.id, host);
         }
         let keep = rebuilt.is_none();
-        let r = match rebuilt {
-            Some(r) => r,
-            None => self.reference.remove(&v.id).expect("present"),
+        // Taken out while the diff books (a shared tap is only read).
+        let taken = match (from_shared, rebuilt) {
+            (Some(_), _) => None,
+            (None, Some(r)) => Some(r),
+            (None, None) => Some(self.reference.remove(&v.id).expect("present")),
+        };
+        let r: &Recorded = match (&taken, from_shared) {
+            (Some(t), _) => t,
+            (None, s) => s.expect("shared when not taken"),
         };
         let kind = v.id.kind();
         let width = v.data.len() / v.positions.len().max(1);
@@ -90,7 +101,7 @@ impl Comparator<'_> {
         };
         self.book(step, v.id, rows);
         if kind == "attn_probs" {
-            self.keep_attn_rows(step, &v, &r);
+            self.keep_attn_rows(step, &v, r);
         }
         if kind == "router_logits" {
             if let Some(l) = v.id.layer() {
@@ -107,10 +118,10 @@ impl Comparator<'_> {
             }
         }
         if kind == "experts" {
-            self.note_expert_flips(step, &v, &r);
+            self.note_expert_flips(step, &v, r);
         }
-        if keep {
-            self.reference.insert(v.id, r);
+        if let (true, Some(t)) = (keep, taken) {
+            self.reference.insert(v.id, t);
         }
     }
 
@@ -198,7 +209,7 @@ impl Comparator<'_> {
             if self.expert_flips.len() >= MAX_EXPERT_FLIPS {
                 continue;
             }
-            let (margin, bound) = match self.reference.get(&logits_id) {
+            let (margin, bound) = match self.host_reference(logits_id) {
                 Some(lg) => {
                     let e = lg.shape.get(1).copied().unwrap_or(0);
                     match row_at(&lg.positions, pos) {
@@ -247,11 +258,9 @@ impl Comparator<'_> {
     /// `route_hints_from`). None under exact policy.
     pub(super) fn reference_routes(&self) -> Option<crate::tap::RouteHints> {
         let bounds = self.tol.bounds("router_logits")?;
-        let logits = |l| {
-            self.reference
-                .get(&TapId::Layer(l, crate::tap::LayerTap::RouterLogits))
-        };
-        crate::tap::route_hints_from(self.reference.values(), logits, bounds)
+        let logits = |l| self.host_reference(TapId::Layer(l, crate::tap::LayerTap::RouterLogits));
+        let shared = self.shared_reference.iter().flat_map(|s| s.taps.values());
+        crate::tap::route_hints_from(self.reference.values().chain(shared), logits, bounds)
     }
 }
 

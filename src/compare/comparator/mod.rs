@@ -13,6 +13,7 @@ mod device;
 mod host;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use crate::compare::judge::diff::Tolerance;
 use crate::compare::judge::finding::{Divergence, ExpertFlip};
@@ -20,6 +21,7 @@ use crate::compare::judge::gpu::{DeviceDiffs, DeviceRecorded};
 use crate::compare::report::grid::CellGrid;
 use crate::compare::report::LayerRow;
 use crate::engine::tokenizer::ChatTokenizer;
+use crate::tap::read::DumpStep;
 use crate::tap::{
     DeviceTap, HostAttnParts, Recorded, Recorder, StepLayout, TapFilter, TapId, TapSink, TapTable,
     TapValue,
@@ -196,6 +198,9 @@ impl TapSink for ReferenceRecorder {
 pub(crate) struct Comparator<'a> {
     table: TapTable,
     reference: HashMap<TapId, Recorded>,
+    /// A step's reference taps shared with another reader (`share_reference`): looked up where
+    /// `reference` lacks a tap, never moved or given back by the comparator.
+    shared_reference: Option<Arc<DumpStep>>,
     tol: &'a Tolerance,
     pub(crate) tokens: Vec<u32>,
     tok: Option<&'a ChatTokenizer>,
@@ -330,6 +335,7 @@ impl<'a> Comparator<'a> {
         Comparator {
             table,
             reference: HashMap::new(),
+            shared_reference: None,
             tol,
             tokens,
             tok,
@@ -479,6 +485,22 @@ impl Comparator<'_> {
     /// them are: a reference step laid out so need not be offered.
     pub(crate) fn reference_layout(&self) -> Option<StepLayout> {
         self.ref_layout
+    }
+
+    /// Host reference taps of the step about to be compared that another reader holds too
+    /// (a dump's replay, run beside the tap diffs), or None once the step is compared: the
+    /// owner gives their buffers back.
+    pub(crate) fn share_reference(&mut self, step: Option<Arc<DumpStep>>) {
+        self.shared_reference = step;
+    }
+
+    /// A host reference tap: the comparator's own, or the shared step's.
+    fn host_reference(&self, id: TapId) -> Option<&Recorded> {
+        self.reference.get(&id).or_else(|| {
+            self.shared_reference
+                .as_deref()
+                .and_then(|s| s.taps.get(&id))
+        })
     }
 
     /// The reference's taps of the step about to be compared, on the host or the GPU.

@@ -3,6 +3,7 @@
 //! (teacher forced: each decode step is fed the token the engine was fed).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use crate::compare::comparator::{Comparator, ReferenceRecorder};
 use crate::compare::judge::agreement::Agreement;
@@ -298,35 +299,59 @@ impl DumpDiff<'_> {
                 }
                 break;
             }
-            if let Some(rp) = replayer.as_mut() {
-                let _span = crate::support::timing::span("diff: a step's ops replayed");
-                rp.step(step, &e, Some(&r.taps));
-            }
             ref_has.extend(r.taps.taps.keys().copied());
-            let mut rec = ReferenceRecorder::new(self.taps, layers);
-            rec.host.taps.extend(r.taps.taps.into_values());
-            cmp.set_reference(rec);
+            // The step's ops are replayed while its taps are diffed: the two only read the
+            // engine's and the reference's taps, and each fills the cores the other leaves.
+            let reference_taps = Arc::new(r.taps);
+            cmp.set_reference(ReferenceRecorder::new(self.taps, layers));
+            cmp.share_reference(Some(Arc::clone(&reference_taps)));
             cmp.begin_step(step, &[], &[]);
-            for (id, t) in &e.taps {
-                if ref_has.contains(id) {
-                    compared.insert(*id);
+            let next = std::thread::scope(|scope| {
+                let replaying = replayer.as_mut().and_then(|rp| {
+                    let (e, reference) = (&e, &*reference_taps);
+                    let mut replay = move || {
+                        let _span = crate::support::timing::span("diff: a step's ops replayed");
+                        rp.step(step, e, Some(reference));
+                    };
+                    match replay_beside() {
+                        true => Some(scope.spawn(replay)),
+                        false => {
+                            replay();
+                            None
+                        }
+                    }
+                });
+                for (id, t) in &e.taps {
+                    if ref_has.contains(id) {
+                        compared.insert(*id);
+                    }
+                    cmp.record(
+                        step,
+                        TapValue {
+                            id: *id,
+                            positions: &t.positions,
+                            shape: t.shape.clone(),
+                            data: &t.data,
+                        },
+                    );
                 }
-                cmp.record(
-                    step,
-                    TapValue {
-                        id: *id,
-                        positions: &t.positions,
-                        shape: t.shape.clone(),
-                        data: &t.data,
-                    },
-                );
+                // The next step, read now: the token the engine was fed there is its choice.
+                let next = steps
+                    .get(i + 1)
+                    .map(|&next| self.engine.load_step(next, self.taps))
+                    .transpose();
+                if let Some(Err(panic)) = replaying.map(|h| h.join()) {
+                    std::panic::resume_unwind(panic);
+                }
+                next
+            });
+            cmp.share_reference(None);
+            if let Ok(done) = Arc::try_unwrap(reference_taps) {
+                crate::support::bulk::give_back(done.taps.into_values().map(|t| t.data));
             }
+            pending = next?;
             // The next token each side predicts from this step's last position.
             let next_pos = e.tokens.keys().next_back().map_or(0, |&p| p + 1);
-            // The next step, read now: the token the engine was fed there is its choice.
-            if let Some(&next) = steps.get(i + 1) {
-                pending = Some(self.engine.load_step(next, self.taps)?);
-            }
             let engine_next = pending
                 .as_ref()
                 .and_then(|n| n.tokens.get(&next_pos).copied());
@@ -467,6 +492,11 @@ impl DumpDiff<'_> {
             near_tie: flip.is_some_and(|f| f.near_tie),
         }
     }
+}
+
+/// Whether a step's replay runs beside its tap diffs (`KVDIFF_REPLAY_BESIDE=0`: before them).
+fn replay_beside() -> bool {
+    !std::env::var("KVDIFF_REPLAY_BESIDE").is_ok_and(|v| v == "0")
 }
 
 /// The first position both sides hold with different tokens.

@@ -143,6 +143,47 @@ pub fn op_name(id: TapId) -> &'static str {
     }
 }
 
+/// One op of a layer, replayed on a worker of its own, in the order a layer runs them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Part {
+    /// The attention norm, and the q/k/v projections' rows held.
+    AttnNorm,
+    QRope,
+    KRope,
+    /// The keys and values kept, attention, and the o projection's rows held.
+    Attention,
+    AttnResidual,
+    /// The MLP norm, and the MLP's rows held.
+    MlpNorm,
+    MlpResidual,
+}
+
+impl Part {
+    const ALL: [Part; 7] = [
+        Part::AttnNorm,
+        Part::QRope,
+        Part::KRope,
+        Part::Attention,
+        Part::AttnResidual,
+        Part::MlpNorm,
+        Part::MlpResidual,
+    ];
+
+    /// Whether this op books (or holds the rows of) tap `t`.
+    fn owns(self, t: LayerTap) -> bool {
+        use LayerTap as T;
+        match self {
+            Part::AttnNorm => matches!(t, T::AttnNorm | T::Q | T::K | T::V),
+            Part::QRope => t == T::QRope,
+            Part::KRope => t == T::KRope,
+            Part::Attention => matches!(t, T::AttnOut | T::OProj),
+            Part::AttnResidual => t == T::ResidMid,
+            Part::MlpNorm => matches!(t, T::MlpNorm | T::MlpOut),
+            Part::MlpResidual => t == T::ResidOut,
+        }
+    }
+}
+
 /// An engine's `k_rope` and `v` rows of one layer, by position.
 type KvRows = BTreeMap<usize, oracle::KvEntry>;
 
@@ -208,7 +249,7 @@ fn rows_of(t: &Recorded) -> BTreeMap<usize, &[f32]> {
 }
 
 fn max_abs(v: &[f32]) -> f64 {
-    v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()))
+    crate::support::lanes::largest(v, v, |x, _| (x as f64).abs())
 }
 
 /// RMSNorm of each `w.len()`-wide row, by the f64 oracle's own norm.
@@ -299,9 +340,7 @@ impl<'m> Replayer<'m> {
         let (worst, index) = (st.worst, st.index);
         let (dd, rr, ee, er) = (st.dd, st.rr, st.ee, st.er);
         let inherited = reference.filter(|r| r.len() == replay.len()).map(|r| {
-            r.iter()
-                .zip(replay)
-                .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
+            crate::support::lanes::largest(r, replay, |a, b| (a as f64 - b as f64).abs())
                 / max_scale
         });
         let row = RowReplay {
@@ -363,22 +402,25 @@ impl<'m> Replayer<'m> {
                 }
             }
         }
-        // Each layer on a worker: its ops, rows, history and aggregate statistics are its own
-        // (the statistics are kept per op), and each worker's rows are booked back in layer
-        // order, so the outcome is the serial one's to the bit.
-        let forks: Vec<Replayer<'m>> = (0..c.num_hidden_layers)
-            .map(|l| self.fork_layer(l))
+        // Each op of each layer on a worker: its rows, history and aggregate statistics are
+        // its own (the statistics are kept per op), and the workers' rows are booked back in
+        // the serial order (layer by layer, op by op), so the outcome is the serial one's to
+        // the bit. Ops, not whole layers: a layer's norms, adds and RoPE run value by value,
+        // and 36 layers on 16 cores would leave most of them idle for the last few.
+        let parts: Vec<(usize, Part)> = (0..c.num_hidden_layers)
+            .flat_map(|l| Part::ALL.into_iter().map(move |p| (l, p)))
             .collect();
+        let forks: Vec<Replayer<'m>> = parts.iter().map(|&(l, p)| self.fork(l, p)).collect();
         let done: Vec<Replayer<'m>> = forks
             .into_par_iter()
-            .enumerate()
-            .map(|(l, mut f)| {
-                f.layer(step, l, &tap, &refs, &keep, eps);
+            .zip(parts.par_iter())
+            .map(|(mut f, &(l, p))| {
+                f.part(step, l, p, &tap, &refs, &keep, eps);
                 f
             })
             .collect();
-        for (l, f) in done.into_iter().enumerate() {
-            self.join_layer(l, f);
+        for (&(l, p), f) in parts.iter().zip(done) {
+            self.join((p == Part::Attention).then_some(l), f);
         }
         let last = TapId::Layer(c.num_hidden_layers.saturating_sub(1), LayerTap::ResidOut);
         let (x, y, r) = (tap(last), tap(TapId::FinalNorm), refs(TapId::FinalNorm));
@@ -429,17 +471,33 @@ impl<'m> Replayer<'m> {
         });
     }
 
-    /// A replayer for layer `l` alone, holding that layer's history, held products and
-    /// aggregate statistics (taken from this one until `join_layer` gives them back).
+    /// A replayer for layer `l` alone (see `fork_of`).
     fn fork_layer(&mut self, l: usize) -> Replayer<'m> {
-        let mine = |id: &TapId| id.layer() == Some(l);
-        let mut history = vec![KvRows::new(); self.history.len()];
-        history[l] = std::mem::take(&mut self.history[l]);
-        let pending = crate::compare::judge::systematic::take_keys(&mut self.pending, mine);
+        self.fork_of(Some(l), |id| id.layer() == Some(l))
+    }
+
+    /// A replayer for op `p` of layer `l` alone (see `fork_of`).
+    fn fork(&mut self, l: usize, p: Part) -> Replayer<'m> {
+        let history = (p == Part::Attention).then_some(l);
+        self.fork_of(
+            history,
+            |id| matches!(id, TapId::Layer(at, t) if *at == l && p.owns(*t)),
+        )
+    }
+
+    /// A replayer holding the held products and aggregate statistics of the ops `mine`
+    /// selects, and layer `history`'s keys and values, taken from this one until `join`
+    /// gives them back.
+    fn fork_of(&mut self, history: Option<usize>, mine: impl Fn(&TapId) -> bool) -> Replayer<'m> {
+        let mut kv = vec![KvRows::new(); self.history.len()];
+        if let Some(l) = history {
+            kv[l] = std::mem::take(&mut self.history[l]);
+        }
+        let pending = crate::compare::judge::systematic::take_keys(&mut self.pending, &mine);
         Replayer {
             weights: self.weights,
             unit: self.unit,
-            history,
+            history: kv,
             rows: BTreeMap::new(),
             norms: BTreeMap::new(),
             pending,
@@ -450,17 +508,19 @@ impl<'m> Replayer<'m> {
         }
     }
 
-    /// Takes back what `fork_layer` lent, and the rows the layer's replayer booked, after the
-    /// rows of the layers before it.
-    fn join_layer(&mut self, l: usize, f: Replayer<'m>) {
+    /// Takes back what a fork lent (layer `history`'s keys and values among it), and the rows
+    /// it booked, after the rows booked before.
+    fn join(&mut self, history: Option<usize>, f: Replayer<'m>) {
         let Replayer {
-            mut history,
+            history: mut kv,
             rows,
             pending,
             systematic,
             ..
         } = f;
-        self.history[l] = std::mem::take(&mut history[l]);
+        if let Some(l) = history {
+            self.history[l] = std::mem::take(&mut kv[l]);
+        }
         self.pending.extend(pending);
         self.systematic.put(systematic);
         for (at, v) in rows {
@@ -468,11 +528,13 @@ impl<'m> Replayer<'m> {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn layer<'t>(
+    /// Replays op `part` of layer `l`.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn part<'t>(
         &mut self,
         step: usize,
         l: usize,
+        part: Part,
         tap: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
         refs: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
         keep: &(dyn Fn(usize) -> bool + Sync),
@@ -480,7 +542,6 @@ impl<'m> Replayer<'m> {
     ) {
         let weights = self.weights;
         let c = weights.config();
-        let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let id = |t| TapId::Layer(l, t);
         let norm_op = |me: &mut Self, from: LayerTap, to: LayerTap, weight: Vector| {
             let _span = crate::support::timing::span("replay: norms");
@@ -521,43 +582,103 @@ impl<'m> Replayer<'m> {
                 }
             }
         };
-        norm_op(
-            self,
-            LayerTap::ResidIn,
-            LayerTap::AttnNorm,
-            Vector::InputNorm(l),
-        );
-        for to in [LayerTap::Q, LayerTap::K, LayerTap::V] {
-            hold_op(self, LayerTap::AttnNorm, to);
-        }
-        let rope = c.rope_table();
-        let rope_span = crate::support::timing::span("replay: rope");
-        for (from, to, n) in [
-            (LayerTap::Q, LayerTap::QRope, heads),
-            (LayerTap::K, LayerTap::KRope, kvh),
-        ] {
-            let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
-            for (&p, xr) in &x {
-                let Some(yr) = y.get(&p) else { continue };
-                if xr.len() != n * hd {
-                    continue;
+        match part {
+            Part::AttnNorm => {
+                let w = Vector::InputNorm(l);
+                norm_op(self, LayerTap::ResidIn, LayerTap::AttnNorm, w);
+                for to in [LayerTap::Q, LayerTap::K, LayerTap::V] {
+                    hold_op(self, LayerTap::AttnNorm, to);
                 }
-                // The row's true position: an engine that fed RoPE another one is wrong here.
-                let mut wide: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
-                oracle::rotate(&mut wide, &[p], n, hd, &rope);
-                let want: Vec<f32> = wide.iter().map(|&v| v as f32).collect();
-                let slack = rope::angle_slack(&wide, p, hd, &rope);
-                self.book(
-                    (step, id(to), p),
-                    yr,
-                    &want,
-                    max_abs(xr),
-                    r.get(&p).copied(),
-                    Mag::Rope { hd, slack: &slack },
+            }
+            Part::QRope => {
+                let heads = c.num_attention_heads;
+                self.rope(step, l, LayerTap::Q, heads, tap, refs);
+            }
+            Part::KRope => {
+                let kv_heads = c.num_key_value_heads;
+                self.rope(step, l, LayerTap::K, kv_heads, tap, refs);
+            }
+            Part::Attention => {
+                self.attention(step, l, tap, refs, keep);
+                hold_op(self, LayerTap::AttnOut, LayerTap::OProj);
+            }
+            Part::AttnResidual => {
+                add_op(self, LayerTap::ResidIn, LayerTap::OProj, LayerTap::ResidMid);
+            }
+            Part::MlpNorm => {
+                let w = Vector::PostNorm(l);
+                norm_op(self, LayerTap::ResidMid, LayerTap::MlpNorm, w);
+                if weights.dense_mlp(l) {
+                    hold_op(self, LayerTap::MlpNorm, LayerTap::MlpOut);
+                }
+            }
+            Part::MlpResidual => {
+                add_op(
+                    self,
+                    LayerTap::ResidMid,
+                    LayerTap::MlpOut,
+                    LayerTap::ResidOut,
                 );
             }
         }
-        drop(rope_span);
+    }
+
+    /// RoPE of `from` (`q` or `k`, `n` heads) at each row's true position.
+    #[allow(clippy::type_complexity)]
+    fn rope<'t>(
+        &mut self,
+        step: usize,
+        l: usize,
+        from: LayerTap,
+        n: usize,
+        tap: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+        refs: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+    ) {
+        let _span = crate::support::timing::span("replay: rope");
+        let c = self.weights.config();
+        let hd = c.head_dim;
+        let to = match from {
+            LayerTap::Q => LayerTap::QRope,
+            _ => LayerTap::KRope,
+        };
+        let id = |t| TapId::Layer(l, t);
+        let rope = c.rope_table();
+        let (x, y, r) = (tap(id(from)), tap(id(to)), refs(id(to)));
+        for (&p, xr) in &x {
+            let Some(yr) = y.get(&p) else { continue };
+            if xr.len() != n * hd {
+                continue;
+            }
+            // The row's true position: an engine that fed RoPE another one is wrong here.
+            let mut wide: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
+            oracle::rotate(&mut wide, &[p], n, hd, &rope);
+            let want: Vec<f32> = wide.iter().map(|&v| v as f32).collect();
+            let slack = rope::angle_slack(&wide, p, hd, &rope);
+            self.book(
+                (step, id(to), p),
+                yr,
+                &want,
+                max_abs(xr),
+                r.get(&p).copied(),
+                Mag::Rope { hd, slack: &slack },
+            );
+        }
+    }
+
+    /// Attention of layer `l`'s query rows over the keys and values the engine computed, this
+    /// step's and before.
+    #[allow(clippy::type_complexity)]
+    fn attention<'t>(
+        &mut self,
+        step: usize,
+        l: usize,
+        tap: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+        refs: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
+        keep: &(dyn Fn(usize) -> bool + Sync),
+    ) {
+        let c = self.weights.config();
+        let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let id = |t| TapId::Layer(l, t);
         // Attention reads the keys and values the engine computed, this step's and before.
         let kv_span = crate::support::timing::span("replay: keys and values kept");
         let (k, v) = (tap(id(LayerTap::KRope)), tap(id(LayerTap::V)));
@@ -632,23 +753,6 @@ impl<'m> Replayer<'m> {
             );
         }
         drop(attn_span);
-        hold_op(self, LayerTap::AttnOut, LayerTap::OProj);
-        add_op(self, LayerTap::ResidIn, LayerTap::OProj, LayerTap::ResidMid);
-        norm_op(
-            self,
-            LayerTap::ResidMid,
-            LayerTap::MlpNorm,
-            Vector::PostNorm(l),
-        );
-        if weights.dense_mlp(l) {
-            hold_op(self, LayerTap::MlpNorm, LayerTap::MlpOut);
-        }
-        add_op(
-            self,
-            LayerTap::ResidMid,
-            LayerTap::MlpOut,
-            LayerTap::ResidOut,
-        );
     }
 
     /// The replayed row of `id` at (step, position), if any.

@@ -162,7 +162,7 @@ fn binade(x: f64) -> f64 {
 /// Each value's scale under `mag`, floored at `FLOOR` of the row's largest.
 fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
     let floored = |v: Vec<f64>| {
-        let top = v.iter().fold(0f64, |m, &x| m.max(x));
+        let top = crate::support::lanes::largest(&v, &v, |x, _| x);
         let floor = (top * FLOOR).max(f64::MIN_POSITIVE);
         v.into_iter().map(|x| x.max(floor)).collect()
     };

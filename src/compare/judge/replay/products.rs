@@ -79,7 +79,7 @@ impl<'m> Replayer<'m> {
         });
         for (l, slot) in slots.into_iter().enumerate() {
             if let Some(f) = slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                self.join_layer(l, f);
+                self.join(Some(l), f);
             }
         }
         last.into_iter().for_each(|r| self.book_ready(r, eps));

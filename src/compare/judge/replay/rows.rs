@@ -80,7 +80,7 @@ fn of_in(engine: &[f32], replay: &[f32], slack: &[f64]) -> Option<RowStats> {
     if !ee.is_finite() {
         return None;
     }
-    let worst = d.iter().fold(0f64, |m, &x| m.max(x));
+    let worst = crate::support::lanes::largest(&d, &d, |x, _| x);
     Some(RowStats {
         worst,
         index: d.iter().position(|&x| x == worst).unwrap_or(0),
@@ -123,6 +123,7 @@ mod tests {
                 .sum(),
         );
         assert_eq!(s.replay_max, (5.0f32 / 3.0) as f64);
+
         // Slack comes off each difference first, never below zero.
         let slack = vec![0.5; 37];
         let t = RowStats::of(&engine, &replay, &slack).unwrap();
