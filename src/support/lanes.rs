@@ -1,7 +1,9 @@
 //! Reductions in eight lanes: one running value per lane, which the compiler keeps in vector
 //! registers, where one running value would wait on each operation in turn.
 
-const LANES: usize = 8;
+/// Values a reduction keeps running at once. A replayed row's sums run in as many
+/// (`compare/judge/replay/rows.rs`): their bits, and the reports' last digits, depend on it.
+pub const LANES: usize = 8;
 
 /// The largest of `f(a[i], b[i])` over the pairs, and 0: in eight running maxima, which
 /// vectorise (one waits on each comparison in turn). A maximum is the same in any order.

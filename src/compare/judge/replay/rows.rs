@@ -3,7 +3,7 @@
 //! through here, so the sums run in eight lanes (one chain each would not vectorise), the same
 //! operations in the same order with or without AVX2.
 
-const LANES: usize = 8;
+use crate::support::lanes::LANES;
 
 pub(super) struct RowStats {
     /// Per value, |engine − replay| less its slack (never below zero): what the aggregate test
