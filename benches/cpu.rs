@@ -9,6 +9,9 @@
 //! `scripts/bench_long.sh` on the CPU at those lengths: standard vs chunk-reuse:rerotate on a
 //! system + two documents + query prompt, default taps and tolerance (calibration included),
 //! the invariant rerotate = global, 16 tokens.
+//! KVDIFF_BENCH_REPLAY (e.g. "490") times only blame by replay's host work on one layer of
+//! Qwen3-8B's shape (`replay_layer`; the fastest of KVDIFF_BENCH_REPS runs, default 3), with
+//! `KVDIFF_TIMING=1` its ops' times too.
 
 use std::time::Instant;
 
@@ -104,6 +107,13 @@ fn sgemm(x: &[f32], n: usize, w: &[f32], out: usize) -> Vec<f32> {
 }
 
 fn main() {
+    if let Some(t) = std::env::var("KVDIFF_BENCH_REPLAY")
+        .ok()
+        .and_then(|t| t.parse().ok())
+    {
+        replay_layer(t);
+        return;
+    }
     let c = qwen3_0_6b();
     let cores = rayon::current_num_threads();
     let tokens: Vec<usize> = std::env::var("KVDIFF_BENCH_TOKENS")
@@ -324,4 +334,65 @@ fn long_compare(engine: &Engine, t: usize) -> (f64, usize) {
     .expect("the comparison runs");
     std::hint::black_box(report);
     (started.elapsed().as_secs_f64(), passes.max(1))
+}
+
+/// Blame by replay's host work on one layer of Qwen3-8B's shape: kvdiff's CPU engine prefills
+/// `t` tokens on a random one-layer model with every tap recorded, then that step's ops
+/// (norms, RoPE, attention, residual adds) are replayed against it, on one worker and on every
+/// core; the fastest of `KVDIFF_BENCH_REPS` runs each (3). The products are `finish`'s, not timed here.
+fn replay_layer(t: usize) {
+    use kvdiff::compare::judge::replay::Replayer;
+    use kvdiff::engine::chunks::ChunkedPrompt;
+    use kvdiff::paths::{ChunkStore, PathSpec};
+    use kvdiff::tap::read::DumpStep;
+    use kvdiff::tap::Recorder;
+    let c = Config {
+        vocab_size: 1024,
+        hidden_size: 4096,
+        intermediate_size: 12_288,
+        num_hidden_layers: 1,
+        num_attention_heads: 32,
+        num_key_value_heads: 8,
+        ..qwen3_0_6b()
+    };
+    eprintln!(
+        "prefilling {t} tokens on one random layer of Qwen3-8B's shape (f32), every tap kept"
+    );
+    let model = Model::random(c.clone(), 11);
+    let ids: Vec<u32> = (0..t as u32).map(|k| (k * 31 + 7) % 1024).collect();
+    let prompt = ChunkedPrompt::from_boundaries(ids.clone(), &[], false);
+    let filter = TapFilter::all();
+    let mut rec = Recorder::new(&filter, 1);
+    PathSpec::Standard.prefill(&model, &prompt, &mut ChunkStore::default(), &mut rec);
+    let step = DumpStep {
+        step: 0,
+        tokens: ids.iter().enumerate().map(|(p, &id)| (p, id)).collect(),
+        taps: rec.taps.into_iter().map(|r| (r.id, r)).collect(),
+        ..Default::default()
+    };
+    let cores = rayon::current_num_threads();
+    for threads in [1, cores] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a thread pool");
+        let reps = std::env::var("KVDIFF_BENCH_REPS")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(3);
+        let secs = best(reps, || {
+            pool.install(|| {
+                let mut rp = Replayer::new(&model, "bfloat16", t + 1);
+                rp.step(0, &step, Some(&step));
+                std::hint::black_box(rp.summary());
+            })
+        });
+        println!(
+            "replay of one layer's prefill step, Qwen3-8B's shape, {t} tokens, {threads} thread(s): {:.1} ms",
+            secs * 1e3
+        );
+    }
+    if let Some(table) = kvdiff::support::timing::report() {
+        eprintln!("{table}");
+    }
 }

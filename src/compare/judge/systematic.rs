@@ -57,6 +57,7 @@ struct Acc {
 
 impl Acc {
     /// One sample for each of the first `row.len()` columns.
+    #[inline(always)]
     fn add_row(&mut self, row: &[f64]) {
         for (s, &x) in self.sums.iter_mut().zip(row) {
             *s += x;
@@ -144,22 +145,23 @@ fn per_head(id: TapId) -> bool {
 /// The top of `x`'s binade (`2^(⌊log2 |x|⌋ + 1)`): what a value's rounding is relative to. A
 /// value just above a power of two rounds by up to twice its share of a unit; held to its own
 /// size, a column whose values sit there in every row would pose as a bug.
-fn binade(x: f64) -> f64 {
+#[inline(always)]
+fn binade(x: f32) -> f64 {
     // From the exponent's bits: `2^(log2 x).floor()` costs a logarithm and a power per value,
-    // most of a replay's time at 8B. Every value replay measures is an f32 widened, a normal
-    // f64, where the two agree (`binade_reads_the_exponent_as_the_logarithm_did`).
-    let x = x.abs();
-    if !(x > 0.0 && x.is_finite()) {
-        return 0.0;
+    // most of a replay's time at 8B. An f32 widened is a normal f64 (whose exponent is the
+    // logarithm's floor), a zero, or not finite; no branch, so the loop over a row
+    // vectorises (`binade_reads_the_exponent_as_the_logarithm_did`).
+    let e = ((x as f64).abs().to_bits() >> 52) & 0x7ff;
+    let top = f64::from_bits((e + 1) << 52);
+    if e == 0 || e == 0x7ff {
+        0.0
+    } else {
+        top
     }
-    let e = (x.to_bits() >> 52) & 0x7ff;
-    if e == 0 || e >= 0x7fe {
-        return 2f64.powi(x.log2().floor() as i32 + 1);
-    }
-    f64::from_bits((e + 1) << 52)
 }
 
 /// Each value's scale under `mag`, floored at `FLOOR` of the row's largest.
+#[inline(always)]
 fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
     let floored = |v: Vec<f64>| {
         let top = crate::support::lanes::largest(&v, &v, |x, _| x);
@@ -168,10 +170,8 @@ fn scales(replay: &[f32], mag: &Mag<'_>) -> Option<Vec<f64>> {
     };
     match mag {
         Mag::Skip => None,
-        Mag::Row(s) => {
-            (*s > 0.0).then(|| replay.iter().map(|&x| binade(x as f64).max(*s)).collect())
-        }
-        Mag::Own => Some(floored(replay.iter().map(|&x| binade(x as f64)).collect())),
+        Mag::Row(s) => (*s > 0.0).then(|| replay.iter().map(|&x| binade(x).max(*s)).collect()),
+        Mag::Own => Some(floored(replay.iter().map(|&x| binade(x)).collect())),
         Mag::Given(g) => (g.len() == replay.len())
             .then(|| floored(g.iter().map(|&x| (x as f64).abs()).collect())),
         Mag::Rope { hd, .. } => {
@@ -231,6 +231,37 @@ impl Systematic {
     /// slack (`RowStats::d`, the row test's own), against the replay's values.
     pub fn add(
         &mut self,
+        at: (usize, TapId, usize),
+        diff: &[f64],
+        replay: &[f32],
+        mag: Mag<'_>,
+        head_dim: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // The same operations in the same order, on 256-bit registers: bitwise the same.
+            // Safety: the CPU has AVX2.
+            return unsafe { self.add_avx2(at, diff, replay, mag, head_dim) };
+        }
+        self.add_in(at, diff, replay, mag, head_dim)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn add_avx2(
+        &mut self,
+        at: (usize, TapId, usize),
+        diff: &[f64],
+        replay: &[f32],
+        mag: Mag<'_>,
+        head_dim: usize,
+    ) {
+        self.add_in(at, diff, replay, mag, head_dim)
+    }
+
+    #[inline(always)]
+    fn add_in(
+        &mut self,
         (step, id, pos): (usize, TapId, usize),
         diff: &[f64],
         replay: &[f32],
@@ -270,7 +301,7 @@ impl Systematic {
                 (x * x).min(CLIP)
             })
             .collect();
-        if sq.iter().any(|&q| q > bound) {
+        if crate::support::lanes::largest(&sq, &sq, |q, _| q) > bound {
             for (c, _) in sq.iter().enumerate().filter(|(_, &q)| q > bound) {
                 if op.first_over[c].is_none_or(|f| (step, pos) < f) {
                     op.first_over[c] = Some((step, pos));
@@ -449,7 +480,7 @@ mod tests {
             values.push(f32::from_bits(bits));
         }
         for v in values {
-            let (a, b) = (binade(v as f64), by_log(v as f64));
+            let (a, b) = (binade(v), by_log(v as f64));
             assert!(
                 a == b || a.is_nan() && b.is_nan(),
                 "{v:e}: {a:e} against {b:e}"
