@@ -588,6 +588,91 @@ extern "C" __global__ void oracle_narrow_f64(const double* x, float* out, long l
   ORACLE_STRIDE(i, n) out[i] = (float)x[i];
 }
 
+// Blame by replay's attention (`attend_group` in src/engine/oracle.rs, called from
+// src/compare/judge/replay.rs): one block of 128 threads per (query row, head), the host's f64
+// operations in the host's order, each product and sum rounded on its own (no contraction into
+// FMAs), so each output is the host's but where this exp rounds otherwise than the host's in
+// its last bit. q: rows x heads x hd; k, v: keys x kvh x hd from position `lo`; vsq, vmx
+// (keys x kvh): each key's Σv² and max|v| over its group's values; span: each row's first and
+// last key position; probs: rows x heads x keys doubles of scratch. Out: out (rows x heads x hd,
+// rounded to f32 once), natural and spread (rows x heads): the host's natural scale and Σ p·Σv².
+extern "C" __global__ void oracle_replay_attend(const float* q, const float* k, const float* v,
+                                                const double* vsq, const double* vmx,
+                                                const int* span, double* probs, float* out,
+                                                double* natural, double* spread, int heads,
+                                                int kvh, int hd, int keys, int lo) {
+  pdl_wait();
+  extern __shared__ double qs[];
+  __shared__ double red_m[128];
+  __shared__ double red_s[128];
+  __shared__ double total;
+  int r = blockIdx.x / heads, h = blockIdx.x % heads;
+  int g = h / (heads / kvh);
+  int first = span[2 * r], last = span[2 * r + 1];
+  const float* qv = q + ((long long)r * heads + h) * hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = (double)qv[d];
+  __syncthreads();
+  double* p = probs + ((long long)r * heads + h) * keys - lo;
+  double scale = 1.0 / sqrt((double)hd);
+  int full = hd / 8 * 8;
+  double m = (double)NEG_INF, smax = 0.0;
+  for (int j = first + threadIdx.x; j <= last; j += blockDim.x) {
+    const float* kj = k + ((long long)(j - lo) * kvh + g) * hd;
+    double acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = 0.0;
+    for (int c = 0; c < full; c += 8)
+      for (int i = 0; i < 8; i++) acc[i] = __dadd_rn(acc[i], __dmul_rn(qs[c + i], (double)kj[c + i]));
+    double tail = -0.0;
+    for (int i = full; i < hd; i++) tail = __dadd_rn(tail, __dmul_rn(qs[i], (double)kj[i]));
+    double s = -0.0;
+    for (int i = 0; i < 8; i++) s = __dadd_rn(s, acc[i]);
+    s = __dmul_rn(__dadd_rn(s, tail), scale);
+    p[j] = s;
+    m = fmax(m, s);
+    smax = fmax(smax, fabs(s));
+  }
+  red_m[threadIdx.x] = m;
+  red_s[threadIdx.x] = smax;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) {
+      red_m[threadIdx.x] = fmax(red_m[threadIdx.x], red_m[threadIdx.x + w]);
+      red_s[threadIdx.x] = fmax(red_s[threadIdx.x], red_s[threadIdx.x + w]);
+    }
+    __syncthreads();
+  }
+  m = red_m[0];
+  smax = red_s[0];
+  for (int j = first + threadIdx.x; j <= last; j += blockDim.x) p[j] = exp(__dsub_rn(p[j], m));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = -0.0;
+    for (int j = first; j <= last; j++) sum = __dadd_rn(sum, p[j]);
+    total = sum;
+  }
+  __syncthreads();
+  for (int j = first + threadIdx.x; j <= last; j += blockDim.x) p[j] = __ddiv_rn(p[j], total);
+  __syncthreads();
+  long long o = (long long)r * heads + h;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    double acc = 0.0;
+    for (int j = first; j <= last; j++)
+      acc = __dadd_rn(acc, __dmul_rn(p[j], (double)v[((long long)(j - lo) * kvh + g) * hd + d]));
+    out[o * hd + d] = __double2float_rn(acc);
+  }
+  if (threadIdx.x == 0) {
+    double p2 = 0.0, sp = 0.0, vmax = 0.0;
+    for (int j = first; j <= last; j++) {
+      long long at = (long long)(j - lo) * kvh + g;
+      vmax = fmax(vmax, vmx[at]);
+      p2 = __dadd_rn(p2, __dmul_rn(p[j], p[j]));
+      sp = __dadd_rn(sp, __dmul_rn(p[j], vsq[at]));
+    }
+    natural[o] = __dmul_rn(vmax, __dadd_rn(1.0, __dmul_rn(smax, sqrt(p2))));
+    spread[o] = sp;
+  }
+}
+
 // Measures a pass against the oracle's taps kept on the GPU, as the host's noise meter does:
 // per token (one block), `max|x - o| / max|o|` over its `rpt` rows of `width` values (`x` rows
 // `stride` apart, `o` rows contiguous), and the largest over tokens into `*err` (non-negative

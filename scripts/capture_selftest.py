@@ -4,9 +4,10 @@ written through `tap()` as plain Python lists. `kvdiff diff` must find the repla
 the original, and name the one row `--perturb` changes.
 
   python3 scripts/capture_selftest.py SOURCE_DUMP OUT_DIR [--perturb TAP STEP ROW]
-      [--batched | --staggered | --cached] [--prompt PROMPT_FILE]
+      [--batched [N] | --staggered | --cached] [--prompt PROMPT_FILE]
 
---batched packs two copies of the run into every call as sequences 0 and 1; --padded does the
+--batched packs two copies of the run (N with a count) into every call as sequences 0, 1, ...;
+--padded does the
 same as HF generate() does for a left-padded batch over a static cache: sequence 0 behind pad
 rows (mask 0, junk values, RoPE ids of 1), attention columns at cache slots with junk in its pad
 columns and in every unused slot past the sequences; --staggered runs
@@ -126,6 +127,9 @@ def main():
     perturb = args[args.index("--perturb") + 1:args.index("--perturb") + 4] if "--perturb" in args else None
     prompt = args[args.index("--prompt") + 1] if "--prompt" in args else None
     batched = "--batched" in args
+    count = 2
+    if batched and args.index("--batched") + 1 < len(args) and args[args.index("--batched") + 1].isdigit():
+        count = int(args[args.index("--batched") + 1])
     staggered = "--staggered" in args
     meta = json.load(open(os.path.join(src, "meta.json")))
     steps = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
@@ -166,13 +170,13 @@ def main():
         if "--padded" in args:
             padded(cap, calls_of(src, steps, perturb, False), calls_of(src, steps, perturb, True))
             return
-        copies = [calls_of(src, steps, perturb, c == 1 or not batched) for c in range(2 if batched else 1)]
+        copies = [calls_of(src, steps, perturb, c == 1 or not batched) for c in range(count if batched else 1)]
         for k, (toks, pos, taps, _) in enumerate(copies[0]):
             if batched:
-                other = copies[1][k]
-                cap.begin(toks * 2, positions=pos * 2, seq=[0] * len(toks) + [1] * len(toks))
+                seq = [c for c in range(count) for _ in toks]
+                cap.begin(toks * count, positions=pos * count, seq=seq)
                 for name in taps:
-                    kc.tap(name, taps[name] + other[2][name])
+                    kc.tap(name, [r for c in range(count) for r in copies[c][k][2][name]])
             else:
                 cap.begin(toks)
                 for name, r in taps.items():

@@ -7,6 +7,15 @@ use half::bf16;
 use super::gpu::{ptr, Arg, GemmTile, Gpu};
 use super::launch::{launch_argmax, ARGMAX_WORDS};
 
+/// Blame by replay's attention rows on the GPU, as a model there replays them
+/// (`ReplayWeights::attend`).
+pub fn replay_attend(
+    gpu: &Gpu,
+    job: &crate::engine::oracle::AttendJob,
+) -> Option<Vec<(Vec<f32>, f64, f64)>> {
+    super::oracle::attend_on(gpu, job)
+}
+
 /// Output buffers start as NaN, so an element a kernel fails to write shows up in the checks.
 fn poison_f32(gpu: &Gpu, len: usize) -> cudarc::driver::CudaSlice<f32> {
     gpu.upload(&vec![f32::NAN; len.max(1)])

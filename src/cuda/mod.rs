@@ -44,6 +44,15 @@ pub(crate) use launch::{
     launch_probs_from_stats, AttnSide,
 };
 
+/// The GPU's turn: held by whatever enqueues work for the device while other threads may too
+/// (the sequences of a batched dump diffed at once, `compare/engine_dump/sequences.rs`). A
+/// forward pass, its graphs and its synchronisations assume no other thread's work joins its
+/// stream meanwhile; each holder runs alone there, and the host work between turns overlaps.
+pub fn device_turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Whether a prefill of this model can offer its attention as parts (`AttnParts`): every layer
 /// runs the tiled kernel.
 pub fn attention_by_parts(c: &crate::engine::config::Config) -> bool {

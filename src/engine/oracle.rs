@@ -325,6 +325,63 @@ impl KvEntry {
     }
 }
 
+/// One layer's attention replay for a device (`ReplayWeights::attend`): query rows, each
+/// over its own span of the keys and values of positions `lo..lo + keys`, which come with
+/// what `KvEntry` works out of each value row.
+pub struct AttendJob {
+    /// rows × heads × hd.
+    pub q: Vec<f32>,
+    /// Each row's first and last key position.
+    pub spans: Vec<(usize, usize)>,
+    pub lo: usize,
+    pub keys: usize,
+    /// keys × kv_heads × hd.
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// keys × kv_heads: Σ v² and max |v| of each KV head's values.
+    pub v_sq: Vec<f64>,
+    pub v_max: Vec<f64>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hd: usize,
+}
+
+impl AttendJob {
+    /// The rows `(query row, first key)` at their positions over `history`, whose keys
+    /// `lo..=hi` must all be there (None where one is not: the host replays that layer).
+    pub fn of(
+        rows: &[(usize, &[f32], usize)],
+        history: &std::collections::BTreeMap<usize, KvEntry>,
+        (heads, kv_heads, hd): (usize, usize, usize),
+    ) -> Option<AttendJob> {
+        let lo = rows.iter().map(|r| r.2).min()?;
+        let hi = rows.iter().map(|r| r.0).max()?;
+        let entries: Vec<&KvEntry> = history.range(lo..=hi).map(|(_, e)| e).collect();
+        if entries.len() != hi + 1 - lo {
+            return None;
+        }
+        let flat = |f: &dyn Fn(&KvEntry) -> &[f32]| -> Vec<f32> {
+            entries.iter().flat_map(|e| f(e).iter().copied()).collect()
+        };
+        let wide = |f: &dyn Fn(&KvEntry) -> &[f64]| -> Vec<f64> {
+            entries.iter().flat_map(|e| f(e).iter().copied()).collect()
+        };
+        Some(AttendJob {
+            q: rows.iter().flat_map(|r| r.1.iter().copied()).collect(),
+            spans: rows.iter().map(|r| (r.2, r.0)).collect(),
+            lo,
+            keys: entries.len(),
+            k: flat(&|e| &e.k),
+            v: flat(&|e| &e.v),
+            v_sq: wide(&|e| &e.v_sq),
+            v_max: wide(&|e| &e.v_max),
+            heads,
+            kv_heads,
+            hd,
+        })
+    }
+}
+
 /// The query heads `qs` of one row that share GQA group `g`, over the keys and values `kv`,
 /// in f64: per head its output, its natural scale (the attended values' size, widened by how
 /// far rounded scores can move the weights), and Σ p_j·|v_j|² (what its squared norm would be

@@ -52,6 +52,16 @@ pub trait ReplayWeights: Sync {
     /// Reads what the weights keep ready for the workers, on the thread that replays: called
     /// before each step's replay.
     fn prepare(&self) {}
+    /// Attention replay of one layer's rows where the weights live on a device, in f64 with
+    /// `oracle::attend_group`'s operations in its order: per row and head, its output, natural
+    /// scale and Σ p·Σv². `None`: the host computes it.
+    fn attend(&self, _job: &crate::engine::oracle::AttendJob) -> Option<Vec<(Vec<f32>, f64, f64)>> {
+        None
+    }
+    /// Whether the weights live on a device, where `attend` and `product` run.
+    fn on_device(&self) -> bool {
+        false
+    }
 }
 
 /// The host model's weights: f32 products.

@@ -3026,3 +3026,166 @@ fn replay_on_the_gpu_finds_what_replay_on_the_host_finds() {
         }
     }
 }
+
+/// The sequences of a batched dump after the first are diffed at once (the model lent, the
+/// device's work taken in turns, `KVDIFF_DIFF_AT_ONCE`): each report is byte for byte what
+/// diffing them one after another writes, reports come in the sequences' order, and only the
+/// perturbed sequence diverges, where it was perturbed.
+#[test]
+fn sequences_diffed_at_once_report_what_one_after_another_reports() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let prompt = fixture("prompts/two-contexts.txt");
+    let o = kvdiff(
+        &[
+            "dump",
+            "-q",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            src.to_str().unwrap(),
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Four copies of the run as sequences 0..=3 of every call; sequence 1's L2.k perturbed.
+    let out = tmp.path().join("batched");
+    let o = Command::new("python3")
+        .arg(common::root().join("scripts/capture_selftest.py"))
+        .args([src.to_str().unwrap(), out.to_str().unwrap()])
+        .args(["--perturb", "L2.k", "0", "17", "--batched", "4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut texts = Vec::new();
+    for (name, at_once) in [("apart", "1"), ("together", "3")] {
+        let json = tmp.path().join(format!("{name}.json"));
+        let args = [
+            "diff",
+            "--backend",
+            "cuda",
+            "--json",
+            json.to_str().unwrap(),
+        ];
+        let o = kvdiff(
+            &[&args[..], &[out.to_str().unwrap()]].concat(),
+            &[("KVDIFF_DIFF_AT_ONCE", at_once)],
+        );
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(1), "{name}: {err}");
+        texts.push(String::from_utf8_lossy(&o.stdout).to_string());
+    }
+    assert_eq!(texts[0], texts[1], "the text reports");
+    let order: Vec<usize> = (0..4)
+        .map(|s| {
+            texts[1]
+                .find(&format!("## sequence {s}"))
+                .expect("each sequence")
+        })
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{}", texts[1]);
+    for seq in 0..4 {
+        let read = |name: &str| std::fs::read(tmp.path().join(format!("{name}.seq-{seq}.json")));
+        let (apart, together) = (read("apart").unwrap(), read("together").unwrap());
+        assert!(apart == together, "seq {seq}: the JSON reports differ");
+        let r: serde_json::Value = serde_json::from_slice(&together).unwrap();
+        let d = &r["paths"][0]["first_divergence"];
+        match seq {
+            1 => assert_eq!(
+                (&d["step"], &d["tap"], &d["position"]),
+                (
+                    &serde_json::json!(0),
+                    &serde_json::json!("L2.k"),
+                    &serde_json::json!(17)
+                ),
+                "seq 1: {d}"
+            ),
+            _ => assert!(d.is_null(), "seq {seq}: {d}"),
+        }
+    }
+}
+
+/// The device's attention replay against the host's (`attend_group`), on random rows over
+/// a head size with and without a tail of fewer than eight values, windowed rows among
+/// them, and keys that do not start at position 0: the same sums in the same order, so
+/// the outputs agree but where the two exps round apart (last bits).
+#[test]
+fn attention_replay_on_the_device_is_the_hosts() {
+    use kvdiff::engine::oracle::{attend_group, AttendJob, KvEntry};
+    let Some(g) = gpu() else {
+        return;
+    };
+    let mut seed = 0x9e3779b9u32;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        (seed as f32 / u32::MAX as f32) * 4.0 - 2.0
+    };
+    for (heads, kvh, hd, lo, hi) in [(8, 2, 128, 0, 300), (6, 3, 68, 17, 90)] {
+        let history: std::collections::BTreeMap<usize, KvEntry> = (lo..=hi)
+            .map(|p| {
+                let k: Vec<f32> = (0..kvh * hd).map(|_| next()).collect();
+                let v: Vec<f32> = (0..kvh * hd).map(|_| next()).collect();
+                (p, KvEntry::new(k, v, hd))
+            })
+            .collect();
+        // (position, first key): causal rows, and windowed ones.
+        let spans = [
+            (lo, lo),
+            (lo + 5, lo),
+            (hi, lo),
+            (hi - 3, hi - 40),
+            (lo + 60, lo + 9),
+        ];
+        let q: Vec<Vec<f32>> = spans
+            .iter()
+            .map(|_| (0..heads * hd).map(|_| 3.0 * next()).collect())
+            .collect();
+        let rows: Vec<(usize, &[f32], usize)> = spans
+            .iter()
+            .zip(&q)
+            .map(|(&(p, first), q)| (p, &q[..], first))
+            .collect();
+        let job = AttendJob::of(&rows, &history, (heads, kvh, hd)).unwrap();
+        let got = host_ops::replay_attend(&g, &job).unwrap();
+        assert_eq!(got.len(), rows.len() * heads);
+        let group = heads / kvh;
+        let (mut same, mut all) = (0, 0);
+        for (r, &(p, qr, first)) in rows.iter().enumerate() {
+            let keys: Vec<&KvEntry> = history.range(first..=p).map(|(_, e)| e).collect();
+            for gi in 0..kvh {
+                let qs: Vec<&[f32]> = (gi * group..(gi + 1) * group)
+                    .map(|h| &qr[h * hd..(h + 1) * hd])
+                    .collect();
+                let want = attend_group(&qs, &keys, gi, hd, None);
+                for (i, (wo, wn, ws)) in want.into_iter().enumerate() {
+                    let (go, gn, gs) = &got[r * heads + gi * group + i];
+                    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1e-300);
+                    assert!(
+                        close(*gn, wn),
+                        "row {r} head {i}: natural {gn} against {wn}"
+                    );
+                    assert!(close(*gs, ws), "row {r} head {i}: spread {gs} against {ws}");
+                    for (a, b) in go.iter().zip(&wo) {
+                        all += 1;
+                        same += usize::from(a.to_bits() == b.to_bits());
+                        assert!(
+                            (a - b).abs() <= 1e-6 * wn as f32,
+                            "row {r} head {i}: {a} against {b}"
+                        );
+                    }
+                }
+            }
+        }
+        // The same operations in the same order: nearly every value to the bit.
+        assert!(
+            same * 100 >= all * 95,
+            "{same} of {all} values bitwise the host's"
+        );
+    }
+}

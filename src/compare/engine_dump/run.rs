@@ -95,6 +95,9 @@ pub struct OpenedDiff<'a> {
     conversation: Option<Conversation>,
     /// The engine's step 0, read on a thread of its own while the model loads.
     first_step: Option<FirstStep>,
+    /// The model another diff loaded and lends (sequences diffed at once), instead of
+    /// `engine`, `gpu_model` and `host`.
+    lent: Option<&'a Loaded>,
 }
 
 /// A model loaded by one diff and handed to the next: on the host, and on the GPU where the
@@ -169,6 +172,24 @@ impl DiffRequest<'_> {
         dumps: Dumps,
         loaded: &mut Option<Loaded>,
     ) -> Result<OpenedDiff<'_>> {
+        self.open_inner(dumps, loaded, None)
+    }
+
+    /// `open_from` with the model `lent` (that of this dump: an earlier sequence's).
+    pub(super) fn open_lent<'a>(
+        &'a self,
+        dumps: Dumps,
+        lent: &'a Loaded,
+    ) -> Result<OpenedDiff<'a>> {
+        self.open_inner(dumps, &mut None, Some(lent))
+    }
+
+    fn open_inner<'a>(
+        &'a self,
+        dumps: Dumps,
+        loaded: &mut Option<Loaded>,
+        lent: Option<&'a Loaded>,
+    ) -> Result<OpenedDiff<'a>> {
         let Dumps {
             reference_dump,
             engine_dump,
@@ -184,6 +205,7 @@ impl DiffRequest<'_> {
         // fails before here, or needs no model, leaves it for the next.
         let same = |l: &Loaded, s: &ModelSource| l.engine.source.describe() == s.describe();
         let (engine, gpu_model, mut host) = match source {
+            Some(s) if lent.is_some_and(|l| same(l, &s)) => (None, None, None),
             Some(s) if loaded.as_ref().is_some_and(|l| same(l, &s)) => {
                 let l = loaded.take().expect("checked just above");
                 (Some(l.engine), l.gpu_model, l.host)
@@ -219,6 +241,7 @@ impl DiffRequest<'_> {
             host,
             conversation,
             first_step,
+            lent: lent.filter(|_| needs_model),
         })
     }
 
@@ -297,19 +320,22 @@ impl OpenedDiff<'_> {
         let req = self.request;
         let reference_dump = &self.reference_dump;
         let engine_dump = &self.engine_dump;
-        let engine = self.engine.as_ref();
+        let lent = self.lent;
+        let engine = self.engine.as_ref().or(lent.map(|l| &l.engine));
+        let lent_gpu = lent.and_then(|l| l.gpu_model.as_ref());
         let host_model = self.host_model();
         let cuda = self.on_cuda();
         self.check_precision()?;
         let gpu_model = match (engine, cuda, reused) {
-            // Loaded straight onto the GPU (`open_with`): it is the GPU model.
-            (Some(e), true, _) if e.model.device().is_some() => None,
+            // Loaded straight onto the GPU (`open_with`), or lent there: it is the GPU model.
+            (Some(e), true, _) if e.model.device().is_some() || lent_gpu.is_some() => None,
             (Some(_), true, Some(g)) => Some(g),
             (Some(e), true, None) => Some(crate::cuda::to_cuda(&e.model)?),
             _ => None,
         };
         let on_gpu: Option<&Model> = gpu_model
             .as_ref()
+            .or(lent_gpu)
             .or(engine.map(|e| &e.model).filter(|m| m.device().is_some()));
         let layers = engine
             .map(|e| e.model.config.num_hidden_layers)
@@ -328,6 +354,9 @@ impl OpenedDiff<'_> {
             (Some(c), Some(e)) => Some(check_prompt(c, e, &prompt_ids, engine_dump)?),
             _ => None,
         };
+        // What runs on the device before the steps (the f32 reference, a calibration) runs
+        // alone there: other sequences' diffs may share it.
+        let turn = on_gpu.map(|_| crate::cuda::device_turn());
         let f32_gpu = match on_gpu {
             Some(g) => self.f32_gpu_reference(g, &taps)?,
             None => None,
@@ -364,6 +393,7 @@ impl OpenedDiff<'_> {
                 )?
             }
         };
+        drop(turn);
         if req.policy == Policy::Auto {
             let held = |s: &str| match (s, KvCacheDtype::from_backend(s)) {
                 ("cpu", _) => "float32, as kvdiff's f32 CPU backend".to_string(),
@@ -477,11 +507,14 @@ impl OpenedDiff<'_> {
     /// The model's weights on the host, where it has them: the model itself, or the copy
     /// loaded beside one on the GPU.
     fn host_model(&self) -> Option<&Model> {
+        let lent = self.lent;
         self.engine
             .as_ref()
+            .or(lent.map(|l| &l.engine))
             .map(|e| &e.model)
             .filter(|m| m.has_host_weights())
             .or(self.host.as_ref())
+            .or(lent.and_then(|l| l.host.as_ref()))
     }
 
     /// `--precision` where it means something: kvdiff's own reference, bf16 only on the GPU.

@@ -52,10 +52,32 @@ impl DiffRequest<'_> {
         // A sequence's buffers, once compared, are the next ones' copies.
         let _spares = several.then(Spares::keep);
         let mut code = crate::error::EXIT_OK;
+        let settle = |seq: Option<i64>, outcome: &mut DiffOutcome| {
+            if let (true, Some(s)) = (several, seq) {
+                for p in &mut outcome.report.paths {
+                    p.path = format!("{} seq {s}", p.path);
+                }
+            }
+            outcome.report.judge(j)
+        };
         // The next sequence's dumps, opened while this one runs; an error opening them is
         // reported in its turn, after the sequences before it.
         let mut ahead: Option<Result<Dumps>> = None;
+        // Sequences diffed at once after the first, and whether they may be: kvdiff's own
+        // reference on the GPU, whose device work takes turns (`cuda::device_turn`).
+        let mut workers = 1;
         for (i, &seq) in sequences.iter().enumerate() {
+            if workers > 1 {
+                if let Some(lent) = loaded.as_ref() {
+                    let rest = &sequences[i..];
+                    let mut emit = |seq: Option<i64>, mut o: DiffOutcome| {
+                        code = code.max(settle(seq, &mut o));
+                        each(seq.filter(|_| several), &o)
+                    };
+                    self.run_at_once(rest, ahead.take(), lent, workers, &mut emit)?;
+                    return Ok(code);
+                }
+            }
             let request = DiffRequest { seq, ..*self };
             let dumps = match ahead.take() {
                 Some(d) => d?,
@@ -71,13 +93,11 @@ impl DiffRequest<'_> {
                     ahead = Some(next.read_dumps());
                 }
             }
-            let mut outcome = opened.run()?;
-            if let (true, Some(s)) = (several, seq) {
-                for p in &mut outcome.report.paths {
-                    p.path = format!("{} seq {s}", p.path);
-                }
+            if opened.on_cuda() {
+                workers = at_once(sequences.len() - i - 1, &opened.engine_dump);
             }
-            code = code.max(outcome.report.judge(j));
+            let mut outcome = opened.run()?;
+            code = code.max(settle(seq, &mut outcome));
             each(seq.filter(|_| several), &outcome)?;
             *loaded = outcome.engine.take().map(|engine| Loaded {
                 engine,
@@ -88,6 +108,92 @@ impl DiffRequest<'_> {
         Ok(code)
     }
 }
+
+impl DiffRequest<'_> {
+    /// Diffs `sequences` on `workers` threads at once with the model `lent` (loaded by the
+    /// sequence before them), each sequence's device work in turns (`cuda::device_turn`) and
+    /// its host work (the taps' diffs, replay) beside the others'. Outcomes go to `emit` in
+    /// the sequences' order as they come; the first error is returned in its turn, and no
+    /// sequence starts after it. `ahead`: the first sequence's dumps, opened already.
+    fn run_at_once(
+        &self,
+        sequences: &[Option<i64>],
+        ahead: Option<Result<Dumps>>,
+        lent: &Loaded,
+        workers: usize,
+        emit: &mut dyn FnMut(Option<i64>, DiffOutcome) -> Result<()>,
+    ) -> Result<()> {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+        let ahead = std::sync::Mutex::new(ahead);
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<DiffOutcome>)>();
+        std::thread::scope(|scope| {
+            for _ in 0..workers.min(sequences.len()) {
+                let tx = tx.clone();
+                let (next, stop, ahead) = (&next, &stop, &ahead);
+                scope.spawn(move || {
+                    while !stop.load(Relaxed) {
+                        let i = next.fetch_add(1, Relaxed);
+                        let Some(&seq) = sequences.get(i) else { break };
+                        let request = DiffRequest { seq, ..*self };
+                        let read = match i {
+                            0 => ahead.lock().unwrap_or_else(|e| e.into_inner()).take(),
+                            _ => None,
+                        };
+                        let outcome = read
+                            .unwrap_or_else(|| request.read_dumps())
+                            .and_then(|d| request.open_lent(d, lent))
+                            .and_then(|o| o.run());
+                        if tx.send((i, outcome)).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+            drop(tx);
+            let mut held = std::collections::BTreeMap::new();
+            let mut due = 0;
+            for (i, outcome) in rx {
+                held.insert(i, outcome);
+                while let Some(outcome) = held.remove(&due) {
+                    let settled = outcome.and_then(|o| emit(sequences[due], o));
+                    due += 1;
+                    if settled.is_err() {
+                        stop.store(true, Relaxed);
+                        return settled;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// How many of the `left` sequences after the first are diffed at once
+/// (`KVDIFF_DIFF_AT_ONCE`, 1: one after another): by default two, where the
+/// host's memory holds them with a third to spare, each holding its step's taps, the reference's
+/// copies of them and what its replay keeps.
+fn at_once(left: usize, dump: &DumpDir) -> usize {
+    let asked = std::env::var("KVDIFF_DIFF_AT_ONCE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let most = asked.unwrap_or(DEFAULT_AT_ONCE).max(1);
+    let step = dump
+        .steps()
+        .first()
+        .map_or(0, |&s| dump.step_bytes(s))
+        .max(1);
+    let fit = match crate::support::resources::available_memory() {
+        Ok(Some(free)) => (free / step.saturating_mul(6)) as usize,
+        _ => 1,
+    };
+    most.min(fit).min(left).max(1)
+}
+
+/// Sequences diffed at once by default (`at_once`): at 8B, two took 9.8 s for four sequences
+/// where one after another took 10.2-10.7 s; three or four no less (their device turns, each
+/// a prefill whose taps are copied to the host, queue behind each other).
+const DEFAULT_AT_ONCE: usize = 2;
 
 /// Whether the next sequence's first step may be read while this one's is held: the two, and
 /// the reference's copies of both, fit the host's memory with a third to spare.

@@ -126,6 +126,8 @@ impl ReferenceSource for ReferenceRun<'_> {
             inner: &mut recorder,
             hints,
         };
+        // Alone on the device while it runs: other sequences' diffs may share it.
+        let turn = self.model.device().is_some().then(crate::cuda::device_turn);
         let logits = match self.cache.take() {
             None => {
                 let prompt = ChunkedPrompt::from_boundaries(tokens.clone(), &[], false);
@@ -152,6 +154,7 @@ impl ReferenceSource for ReferenceRun<'_> {
                 l.into_host()
             }
         };
+        drop(turn);
         self.next += positions.len();
         let mut out = DumpStep {
             step,

@@ -27,6 +27,7 @@ use crate::engine::replay_weights::{Matrix, ReplayWeights, Vector};
 use crate::tap::read::DumpStep;
 use crate::tap::{LayerTap, Recorded, TapId};
 
+mod attention;
 mod products;
 mod rope;
 mod rows;
@@ -187,6 +188,9 @@ impl Part {
 /// An engine's `k_rope` and `v` rows of one layer, by position.
 type KvRows = BTreeMap<usize, oracle::KvEntry>;
 
+/// A step's rows of a tap by position (the engine's or the reference's).
+type TapRows<'t, 'a> = dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync + 'a;
+
 /// Replays an engine's dump step by step.
 pub struct Replayer<'m> {
     weights: &'m dyn ReplayWeights,
@@ -198,7 +202,8 @@ pub struct Replayer<'m> {
     /// The largest row norm of each weight matrix: the products' natural scale.
     norms: BTreeMap<Matrix, f64>,
     /// Product rows waiting for `finish`, by op: each weight matrix is then read once for
-    /// every step's rows (a decode step alone would read it all for one row).
+    /// every step's rows (a decode step alone would read it all for one row); on a device, a
+    /// long step's rows go at the step's end.
     pending: BTreeMap<TapId, Vec<Pending>>,
     /// The aggregate test over every row (`systematic.rs`).
     pub systematic: Systematic,
@@ -213,6 +218,9 @@ pub struct Replayer<'m> {
     bf16_inputs: bool,
     /// The engine's KV cache stores K and V in a narrower dtype (see `rounding_kv_to`).
     kv_cache: Option<crate::engine::model::KvCacheDtype>,
+    /// An attention fork's rows replayed on the weights' device already, its layer's keys and
+    /// values kept (see `step`).
+    attended: Option<Option<attention::PerHead>>,
 }
 
 /// What a row's added error is measured against: its largest value is held to `max` (at least
@@ -279,6 +287,7 @@ impl<'m> Replayer<'m> {
             every_op: false,
             bf16_inputs: false,
             kv_cache: None,
+            attended: None,
         }
     }
 
@@ -410,16 +419,71 @@ impl<'m> Replayer<'m> {
         let parts: Vec<(usize, Part)> = (0..c.num_hidden_layers)
             .flat_map(|l| Part::ALL.into_iter().map(move |p| (l, p)))
             .collect();
-        let forks: Vec<Replayer<'m>> = parts.iter().map(|&(l, p)| self.fork(l, p)).collect();
-        let done: Vec<Replayer<'m>> = forks
-            .into_par_iter()
-            .zip(parts.par_iter())
-            .map(|(mut f, &(l, p))| {
-                f.part(step, l, p, &tap, &refs, &keep, eps);
-                f
-            })
-            .collect();
+        let on_device = weights.on_device() && engine.tokens.len() >= attention::DEVICE_ROWS;
+        let mut done: Vec<Option<Replayer<'m>>> = parts.iter().map(|_| None).collect();
+        let run = |(mut f, &(l, p)): (Replayer<'m>, &(usize, Part))| {
+            f.part(step, l, p, &tap, &refs, &keep, eps);
+            f
+        };
+        if on_device {
+            // Every layer's keys and values kept first; then this thread (the one that may
+            // reach the device) has the device attend each layer's rows while the workers
+            // replay the other ops, and the attention forks book what came back.
+            let dims = (c.num_key_value_heads, c.head_dim);
+            let kv_cache = self.kv_cache;
+            self.history
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(l, h)| attention::keep_kv(h, l, &tap, dims, kv_cache));
+            let (attn, other): (Vec<usize>, Vec<usize>) =
+                (0..parts.len()).partition(|&i| parts[i].1 == Part::Attention);
+            let forks: Vec<Replayer<'m>> = other
+                .iter()
+                .map(|&i| self.fork(parts[i].0, parts[i].1))
+                .collect();
+            let me = &*self;
+            let (replayed, attended) = std::thread::scope(|s| {
+                let workers = s.spawn(|| {
+                    let mine: Vec<&(usize, Part)> = other.iter().map(|&i| &parts[i]).collect();
+                    forks.into_par_iter().zip(mine).map(run).collect::<Vec<_>>()
+                });
+                let attended: Vec<Option<attention::PerHead>> = attn
+                    .iter()
+                    .map(|&i| me.attend_on_device(parts[i].0, &tap, &keep))
+                    .collect();
+                let replayed = workers
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                (replayed, attended)
+            });
+            for (&i, f) in other.iter().zip(replayed) {
+                done[i] = Some(f);
+            }
+            let forks: Vec<Replayer<'m>> = attn
+                .iter()
+                .zip(attended)
+                .map(|(&i, a)| {
+                    let mut f = self.fork(parts[i].0, Part::Attention);
+                    f.attended = Some(a);
+                    f
+                })
+                .collect();
+            let mine: Vec<&(usize, Part)> = attn.iter().map(|&i| &parts[i]).collect();
+            let replayed: Vec<Replayer<'m>> = forks.into_par_iter().zip(mine).map(run).collect();
+            for (&i, f) in attn.iter().zip(replayed) {
+                done[i] = Some(f);
+            }
+        } else {
+            let forks: Vec<Replayer<'m>> = parts.iter().map(|&(l, p)| self.fork(l, p)).collect();
+            let replayed: Vec<Replayer<'m>> = forks
+                .into_par_iter()
+                .zip(parts.par_iter())
+                .map(run)
+                .collect();
+            done = replayed.into_iter().map(Some).collect();
+        }
         for (&(l, p), f) in parts.iter().zip(done) {
+            let f = f.expect("every part replayed");
             self.join((p == Part::Attention).then_some(l), f);
         }
         let last = TapId::Layer(c.num_hidden_layers.saturating_sub(1), LayerTap::ResidOut);
@@ -450,6 +514,13 @@ impl<'m> Replayer<'m> {
             .collect();
         for p in ps {
             self.hold(TapId::Logits, step, p, x[&p], y[&p], r.get(&p).copied());
+        }
+        // A long step's products run now, on the device, while its taps are still diffed
+        // beside this replay: the device is idle then, and the diff's end waits for none of
+        // them. Each op's rows are still booked in step order.
+        if on_device {
+            let _span = crate::support::timing::span("replay: a long step's products");
+            self.finish();
         }
     }
 
@@ -505,6 +576,7 @@ impl<'m> Replayer<'m> {
             every_op: self.every_op,
             bf16_inputs: self.bf16_inputs,
             kv_cache: self.kv_cache,
+            attended: None,
         }
     }
 
@@ -599,7 +671,16 @@ impl<'m> Replayer<'m> {
                 self.rope(step, l, LayerTap::K, kv_heads, tap, refs);
             }
             Part::Attention => {
-                self.attention(step, l, tap, refs, keep);
+                let attended = match self.attended.take() {
+                    Some(a) => a,
+                    None => {
+                        let dims = (c.num_key_value_heads, c.head_dim);
+                        let h = &mut self.history[l];
+                        attention::keep_kv(h, l, tap, dims, self.kv_cache);
+                        None
+                    }
+                };
+                self.attention(step, l, (tap, refs), keep, attended);
                 hold_op(self, LayerTap::AttnOut, LayerTap::OProj);
             }
             Part::AttnResidual => {
@@ -663,96 +744,6 @@ impl<'m> Replayer<'m> {
                 Mag::Rope { hd, slack: &slack },
             );
         }
-    }
-
-    /// Attention of layer `l`'s query rows over the keys and values the engine computed, this
-    /// step's and before.
-    #[allow(clippy::type_complexity)]
-    fn attention<'t>(
-        &mut self,
-        step: usize,
-        l: usize,
-        tap: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
-        refs: &(dyn Fn(TapId) -> BTreeMap<usize, &'t [f32]> + Sync),
-        keep: &(dyn Fn(usize) -> bool + Sync),
-    ) {
-        let c = self.weights.config();
-        let (hd, heads, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
-        let id = |t| TapId::Layer(l, t);
-        // Attention reads the keys and values the engine computed, this step's and before.
-        let kv_span = crate::support::timing::span("replay: keys and values kept");
-        let (k, v) = (tap(id(LayerTap::KRope)), tap(id(LayerTap::V)));
-        for (&p, kr) in &k {
-            if let Some(vr) = v.get(&p) {
-                if kr.len() == kvh * hd && vr.len() == kvh * hd {
-                    let stored = |x: &[f32]| match self.kv_cache {
-                        Some(d) => x.iter().map(|&y| d.round(y)).collect(),
-                        None => x.to_vec(),
-                    };
-                    self.history[l].insert(p, oracle::KvEntry::new(stored(kr), stored(vr), hd));
-                }
-            }
-        }
-        drop(kv_span);
-        let (q, y, r) = (
-            tap(id(LayerTap::QRope)),
-            tap(id(LayerTap::AttnOut)),
-            refs(id(LayerTap::AttnOut)),
-        );
-        // Each query row on a worker: a long prefill's rows over every key are the replay's
-        // largest cost.
-        let attn_span = crate::support::timing::span("replay: attention");
-        let hist = &self.history[l];
-        let window = c.arch.window(l);
-        #[allow(clippy::type_complexity)]
-        let (rows, keys): (Vec<(usize, &[f32], &[f32])>, Vec<Vec<&oracle::KvEntry>>) = q
-            .iter()
-            .filter_map(|(&p, qr)| {
-                let yr = *y.get(&p)?;
-                if qr.len() != heads * hd || yr.len() != heads * hd || !keep(p) {
-                    return None;
-                }
-                let first = window.map_or(0, |wn| (p + 1).saturating_sub(wn));
-                let seen: Vec<&oracle::KvEntry> = hist.range(first..=p).map(|(_, e)| e).collect();
-                // Keys the dump does not hold (a prefix-cache hit): nothing to replay.
-                (seen.len() == p + 1 - first).then_some(((p, *qr, yr), seen))
-            })
-            .unzip();
-        // Every (row, KV head) on a worker: a decode step has one row, but many heads.
-        let group = (heads / kvh).max(1);
-        let per_head: Vec<(Vec<f32>, f64, f64)> = (0..rows.len() * kvh)
-            .into_par_iter()
-            .flat_map_iter(|i| {
-                let (row, g) = (i / kvh, i % kvh);
-                let qs: Vec<&[f32]> = (g * group..(g + 1) * group)
-                    .map(|head| &rows[row].1[head * hd..(head + 1) * hd])
-                    .collect();
-                oracle::attend_group(&qs, &keys[row], g, hd, self.kv_cache)
-            })
-            .collect();
-        let replayed: Vec<(Vec<f32>, f64, f64)> = per_head
-            .chunks(heads)
-            .map(|hs| {
-                let out = hs.iter().flat_map(|h| h.0.iter().copied()).collect();
-                let natural = hs.iter().fold(0f64, |m, h| m.max(h.1));
-                (out, natural, hs.iter().map(|h| h.2).sum::<f64>().sqrt())
-            })
-            .collect();
-        for ((p, _, yr), (want, scale, norm)) in rows.into_iter().zip(replayed) {
-            let scale = Scale {
-                max: scale,
-                l2: norm,
-            };
-            self.book(
-                (step, id(LayerTap::AttnOut), p),
-                yr,
-                &want,
-                scale,
-                r.get(&p).copied(),
-                Mag::Skip,
-            );
-        }
-        drop(attn_span);
     }
 
     /// The replayed row of `id` at (step, position), if any.

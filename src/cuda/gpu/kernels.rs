@@ -85,6 +85,7 @@ pub(super) const KERNELS: &[&str] = &[
     "oracle_round_bf16_widen_f64",
     "oracle_narrow_f64",
     "oracle_narrow_rows_f64",
+    "oracle_replay_attend",
     "oracle_gemm_f64",
     "oracle_gemm_f64_wb",
     "oracle_gemm_f64_fma",

@@ -30,6 +30,7 @@ mod weights;
 
 pub use beside::{keep_beside, Beside};
 pub use meter::{DeviceMeter, DeviceOracle};
+pub(crate) use replay::attend_on;
 pub use replay::ReplayOnGpu;
 pub use weights::attach_f32_weights;
 

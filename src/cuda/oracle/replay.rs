@@ -11,14 +11,18 @@ use cudarc::driver::CudaSlice;
 
 use super::gemm;
 use super::weights::{Weights, W};
-use crate::cuda::gpu::{ptr, Arg};
+use crate::cuda::gpu::{ptr, Arg, Gpu};
 use crate::cuda::model::{cuda_model_of, CudaModel};
 use crate::engine::config::Config;
 use crate::engine::model::Model;
+use crate::engine::oracle::AttendJob;
 use crate::engine::replay_weights::{in_width, out_width, Matrix, ReplayWeights, Vector};
 
 /// Rows a product takes at once: bounds its output (an LM head's rows are 1.2 MB each in f64).
 const ROWS_AT_ONCE: usize = 256;
+
+/// The most scratch an attention replay's launch holds for its rows' probabilities (bytes).
+const ATTEND_SCRATCH: usize = 256 << 20;
 
 /// The weights of a model on the GPU, for blame by replay.
 pub struct ReplayOnGpu<'a> {
@@ -45,6 +49,7 @@ impl<'a> ReplayOnGpu<'a> {
 
     fn vectors(&self) -> &HashMap<Vector, Vec<f32>> {
         self.vectors.get_or_init(|| {
+            let _turn = crate::cuda::device_turn();
             let mut all = vec![Vector::FinalNorm];
             for l in 0..self.cm.config.num_hidden_layers {
                 all.extend([
@@ -144,6 +149,7 @@ impl ReplayWeights for ReplayOnGpu<'_> {
             return None;
         }
         let g = &self.cm.gpu;
+        let _turn = crate::cuda::device_turn();
         let part: CudaSlice<f64> = g.alloc(gemm::scratch_len(g.sm_count()));
         let mut y = Vec::with_capacity(rows * out);
         // Rows cross the bus as f32, widened and narrowed on the GPU (exactly as the host's
@@ -197,6 +203,7 @@ impl ReplayWeights for ReplayOnGpu<'_> {
             return 0.0;
         }
         let _span = crate::support::timing::span("replay: weight row norms (GPU)");
+        let _turn = crate::cuda::device_turn();
         let (g, rows) = (&self.cm.gpu, out_width(c, m));
         let out: CudaSlice<f64> = g.alloc(rows);
         let args = [
@@ -229,6 +236,7 @@ impl ReplayWeights for ReplayOnGpu<'_> {
         if n == 0 {
             return Some(Vec::new());
         }
+        let _turn = crate::cuda::device_turn();
         let ids = g.upload(tokens);
         let out: CudaSlice<f32> = g.alloc(n * h);
         let args = [
@@ -246,4 +254,90 @@ impl ReplayWeights for ReplayOnGpu<'_> {
         let c = &self.cm.config;
         l < c.num_hidden_layers && c.arch.sparse(l).is_none()
     }
+
+    fn on_device(&self) -> bool {
+        true
+    }
+
+    fn attend(&self, job: &AttendJob) -> Option<Vec<(Vec<f32>, f64, f64)>> {
+        attend_on(&self.cm.gpu, job)
+    }
+}
+
+/// `ReplayWeights::attend` on `g`: one block per (row, head) (`oracle_replay_attend`), rows
+/// in batches whose probabilities fit `ATTEND_SCRATCH`.
+pub(crate) fn attend_on(g: &Gpu, job: &AttendJob) -> Option<Vec<(Vec<f32>, f64, f64)>> {
+    let (heads, kvh, hd, keys) = (job.heads, job.kv_heads, job.hd, job.keys);
+    let rows = job.spans.len();
+    let fits = rows > 0
+        && kvh > 0
+        && heads % kvh == 0
+        && job.q.len() == rows * heads * hd
+        && job.k.len() == keys * kvh * hd
+        && job.v.len() == job.k.len()
+        && job.v_sq.len() == keys * kvh
+        && job.v_max.len() == keys * kvh
+        && job.lo + keys <= i32::MAX as usize
+        && job
+            .spans
+            .iter()
+            .all(|&(a, b)| a >= job.lo && a <= b && b < job.lo + keys);
+    if !fits {
+        return None;
+    }
+    let _span = crate::support::timing::span("replay: attention (GPU)");
+    let _turn = crate::cuda::device_turn();
+    let (k, v) = (g.upload_staged(&job.k), g.upload_staged(&job.v));
+    let (vsq, vmx) = (g.upload(&job.v_sq), g.upload(&job.v_max));
+    let batch = (ATTEND_SCRATCH / (heads * keys * 8).max(1)).clamp(1, rows);
+    let mut out = Vec::with_capacity(rows * heads);
+    for start in (0..rows).step_by(batch) {
+        let n = batch.min(rows - start);
+        let q = g.upload_staged(&job.q[start * heads * hd..(start + n) * heads * hd]);
+        let spans: Vec<i32> = job.spans[start..start + n]
+            .iter()
+            .flat_map(|&(a, b)| [a as i32, b as i32])
+            .collect();
+        let spans = g.upload(&spans);
+        let probs: CudaSlice<f64> = g.alloc(n * heads * keys);
+        let o: CudaSlice<f32> = g.alloc(n * heads * hd);
+        let natural: CudaSlice<f64> = g.alloc(n * heads);
+        let spread: CudaSlice<f64> = g.alloc(n * heads);
+        let at = |p: u64| Arg::Ptr(p);
+        let args = [
+            at(ptr(g, &q, 0)),
+            at(ptr(g, &k, 0)),
+            at(ptr(g, &v, 0)),
+            at(ptr(g, &vsq, 0)),
+            at(ptr(g, &vmx, 0)),
+            at(ptr(g, &spans, 0)),
+            at(ptr(g, &probs, 0)),
+            at(ptr(g, &o, 0)),
+            at(ptr(g, &natural, 0)),
+            at(ptr(g, &spread, 0)),
+            Arg::I32(heads as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(keys as i32),
+            Arg::I32(job.lo as i32),
+        ];
+        g.launch(
+            "oracle_replay_attend",
+            (n * heads) as u32,
+            128,
+            (hd * 8) as u32,
+            &args,
+        );
+        let o = g.download(&o, n * heads * hd);
+        let (natural, spread) = (
+            g.download(&natural, n * heads),
+            g.download(&spread, n * heads),
+        );
+        out.extend(
+            o.chunks_exact(hd.max(1))
+                .zip(natural.into_iter().zip(spread))
+                .map(|(o, (n, s))| (o.to_vec(), n, s)),
+        );
+    }
+    Some(out)
 }

@@ -38,7 +38,9 @@ impl<'m> Replayer<'m> {
         xn * wn / (inp as f64).sqrt()
     }
 
-    /// Replays the products held back, each op's rows of every step at once: the products
+    /// Replays the products held back, each op's rows of every step held since the last call
+    /// at once (on a device, a long step's own at its end, the decode steps' at the diff's
+    /// end): the products
     /// one op after another (on the GPU, or with the host's GEMM), each layer's rows booked on
     /// a worker (as `step` books them) while the next layers' products run, and given back in
     /// layer order.
