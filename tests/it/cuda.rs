@@ -3027,8 +3027,8 @@ fn replay_on_the_gpu_finds_what_replay_on_the_host_finds() {
     }
 }
 
-/// The sequences of a batched dump after the first are diffed at once (the model lent, the
-/// device's work taken in turns, `KVDIFF_DIFF_AT_ONCE`): each report is byte for byte what
+/// The sequences of a batched dump are diffed at once (the model the first loaded lent to
+/// each, the device's work taken in turns, `KVDIFF_DIFF_AT_ONCE`): each report is byte for byte what
 /// diffing them one after another writes, reports come in the sequences' order, and only the
 /// perturbed sequence diverges, where it was perturbed.
 #[test]

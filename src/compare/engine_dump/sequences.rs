@@ -1,7 +1,8 @@
-//! Every sequence of a batched capture diffed in turn with one model load: each sequence's
-//! dumps opened, and its largest step read, while the sequence before it runs.
+//! Every sequence of a batched capture diffed with one model load: with kvdiff's own reference
+//! on the GPU, two (`KVDIFF_DIFF_AT_ONCE`) at once, the device's work in turns; else in turn,
+//! each sequence's dumps opened, and its largest step read, while the sequence before it runs.
 
-use crate::compare::engine_dump::run::{DiffOutcome, DiffRequest, Dumps, Loaded};
+use crate::compare::engine_dump::run::{DiffOutcome, DiffRequest, Dumps, Loaded, OpenedDiff};
 use crate::compare::report::Judgement;
 use crate::compare::target::require_cuda;
 use crate::error::Result;
@@ -63,38 +64,40 @@ impl DiffRequest<'_> {
         // The next sequence's dumps, opened while this one runs; an error opening them is
         // reported in its turn, after the sequences before it.
         let mut ahead: Option<Result<Dumps>> = None;
-        // Sequences diffed at once after the first, and whether they may be: kvdiff's own
-        // reference on the GPU, whose device work takes turns (`cuda::device_turn`).
-        let mut workers = 1;
         for (i, &seq) in sequences.iter().enumerate() {
-            if workers > 1 {
-                if let Some(lent) = loaded.as_ref() {
-                    let rest = &sequences[i..];
-                    let mut emit = |seq: Option<i64>, mut o: DiffOutcome| {
-                        code = code.max(settle(seq, &mut o));
-                        each(seq.filter(|_| several), &o)
-                    };
-                    self.run_at_once(rest, ahead.take(), lent, workers, &mut emit)?;
-                    return Ok(code);
-                }
-            }
             let request = DiffRequest { seq, ..*self };
             let dumps = match ahead.take() {
                 Some(d) => d?,
                 None => request.read_dumps()?,
             };
-            let opened = request.open_from(dumps, loaded)?;
+            let mut opened = request.open_from(dumps, loaded)?;
             if opened.on_cuda() {
                 require_cuda()?;
+            }
+            // kvdiff's own reference on the GPU, whose device work takes turns
+            // (`cuda::device_turn`): the sequences are diffed at once, on the model the first
+            // one loaded.
+            let workers = match (i, several && opened.on_cuda()) {
+                (0, true) => at_once(sequences.len(), &opened.engine_dump),
+                _ => 1,
+            };
+            if workers > 1 {
+                if let Some(model) = opened.take_model() {
+                    let mut emit = |seq: Option<i64>, mut o: DiffOutcome| {
+                        code = code.max(settle(seq, &mut o));
+                        each(seq.filter(|_| several), &o)
+                    };
+                    let done = self.run_at_once(&sequences, opened, &model, workers, &mut emit);
+                    *loaded = Some(model);
+                    done?;
+                    return Ok(code);
+                }
             }
             if let Some(&next) = sequences.get(i + 1) {
                 let next = DiffRequest { seq: next, ..*self };
                 if read_ahead_fits(&opened.engine_dump) {
                     ahead = Some(next.read_dumps());
                 }
-            }
-            if opened.on_cuda() {
-                workers = at_once(sequences.len() - i - 1, &opened.engine_dump);
             }
             let mut outcome = opened.run()?;
             code = code.max(settle(seq, &mut outcome));
@@ -110,40 +113,43 @@ impl DiffRequest<'_> {
 }
 
 impl DiffRequest<'_> {
-    /// Diffs `sequences` on `workers` threads at once with the model `lent` (loaded by the
-    /// sequence before them), each sequence's device work in turns (`cuda::device_turn`) and
-    /// its host work (the taps' diffs, replay) beside the others'. Outcomes go to `emit` in
-    /// the sequences' order as they come; the first error is returned in its turn, and no
-    /// sequence starts after it. `ahead`: the first sequence's dumps, opened already.
+    /// Diffs `sequences` on `workers` threads at once with the model `lent` (which the first,
+    /// `first`, opened already, loaded), each sequence's device work in turns
+    /// (`cuda::device_turn`) and its host work (the taps' diffs, replay) beside the others'.
+    /// Outcomes go to `emit` in the sequences' order as they come; the first error is returned
+    /// in its turn, and no sequence starts after it.
     fn run_at_once(
         &self,
         sequences: &[Option<i64>],
-        ahead: Option<Result<Dumps>>,
+        first: OpenedDiff<'_>,
         lent: &Loaded,
         workers: usize,
         emit: &mut dyn FnMut(Option<i64>, DiffOutcome) -> Result<()>,
     ) -> Result<()> {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
         let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
-        let ahead = std::sync::Mutex::new(ahead);
+        let first = std::sync::Mutex::new(Some(first));
         let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<DiffOutcome>)>();
         std::thread::scope(|scope| {
             for _ in 0..workers.min(sequences.len()) {
                 let tx = tx.clone();
-                let (next, stop, ahead) = (&next, &stop, &ahead);
+                let (next, stop, first) = (&next, &stop, &first);
                 scope.spawn(move || {
                     while !stop.load(Relaxed) {
                         let i = next.fetch_add(1, Relaxed);
                         let Some(&seq) = sequences.get(i) else { break };
                         let request = DiffRequest { seq, ..*self };
-                        let read = match i {
-                            0 => ahead.lock().unwrap_or_else(|e| e.into_inner()).take(),
+                        let opened = match i {
+                            0 => first.lock().unwrap_or_else(|e| e.into_inner()).take(),
                             _ => None,
                         };
-                        let outcome = read
-                            .unwrap_or_else(|| request.read_dumps())
-                            .and_then(|d| request.open_lent(d, lent))
-                            .and_then(|o| o.run());
+                        let outcome = match opened {
+                            Some(o) => o.lend(lent).run(),
+                            None => request
+                                .read_dumps()
+                                .and_then(|d| request.open_lent(d, lent))
+                                .and_then(|o| o.run()),
+                        };
                         if tx.send((i, outcome)).is_err() {
                             break;
                         }
@@ -169,7 +175,7 @@ impl DiffRequest<'_> {
     }
 }
 
-/// How many of the `left` sequences after the first are diffed at once
+/// How many of `left` sequences are diffed at once
 /// (`KVDIFF_DIFF_AT_ONCE`, 1: one after another): by default two, where the
 /// host's memory holds them with a third to spare, each holding its step's taps, the reference's
 /// copies of them and what its replay keeps.
@@ -190,9 +196,9 @@ fn at_once(left: usize, dump: &DumpDir) -> usize {
     most.min(fit).min(left).max(1)
 }
 
-/// Sequences diffed at once by default (`at_once`): at 8B, two took 9.8 s for four sequences
-/// where one after another took 10.2-10.7 s; three or four no less (their device turns, each
-/// a prefill whose taps are copied to the host, queue behind each other).
+/// Sequences diffed at once by default (`at_once`): at 8B, two (after the first) took 9.8 s for
+/// four sequences where one after another took 10.2-10.7 s; three or four no less (their device
+/// turns, each a prefill whose taps are copied to the host, queue behind each other).
 const DEFAULT_AT_ONCE: usize = 2;
 
 /// Whether the next sequence's first step may be read while this one's is held: the two, and
