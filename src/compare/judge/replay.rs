@@ -420,70 +420,23 @@ impl<'m> Replayer<'m> {
             .flat_map(|l| Part::ALL.into_iter().map(move |p| (l, p)))
             .collect();
         let on_device = weights.on_device() && engine.tokens.len() >= attention::DEVICE_ROWS;
-        let mut done: Vec<Option<Replayer<'m>>> = parts.iter().map(|_| None).collect();
         let run = |(mut f, &(l, p)): (Replayer<'m>, &(usize, Part))| {
             f.part(step, l, p, &tap, &refs, &keep, eps);
             f
         };
-        if on_device {
-            // Every layer's keys and values kept first; then this thread (the one that may
-            // reach the device) has the device attend each layer's rows while the workers
-            // replay the other ops, and the attention forks book what came back.
-            let dims = (c.num_key_value_heads, c.head_dim);
-            let kv_cache = self.kv_cache;
-            self.history
-                .par_iter_mut()
-                .enumerate()
-                .for_each(|(l, h)| attention::keep_kv(h, l, &tap, dims, kv_cache));
-            let (attn, other): (Vec<usize>, Vec<usize>) =
-                (0..parts.len()).partition(|&i| parts[i].1 == Part::Attention);
-            let forks: Vec<Replayer<'m>> = other
-                .iter()
-                .map(|&i| self.fork(parts[i].0, parts[i].1))
-                .collect();
-            let me = &*self;
-            let (replayed, attended) = std::thread::scope(|s| {
-                let workers = s.spawn(|| {
-                    let mine: Vec<&(usize, Part)> = other.iter().map(|&i| &parts[i]).collect();
-                    forks.into_par_iter().zip(mine).map(run).collect::<Vec<_>>()
-                });
-                let attended: Vec<Option<attention::PerHead>> = attn
-                    .iter()
-                    .map(|&i| me.attend_on_device(parts[i].0, &tap, &keep))
-                    .collect();
-                let replayed = workers
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                (replayed, attended)
-            });
-            for (&i, f) in other.iter().zip(replayed) {
-                done[i] = Some(f);
+        let done: Vec<Replayer<'m>> = match on_device {
+            true => self.parts_beside_device(&parts, &tap, &keep, run),
+            false => {
+                let forks: Vec<Replayer<'m>> =
+                    parts.iter().map(|&(l, p)| self.fork(l, p)).collect();
+                forks
+                    .into_par_iter()
+                    .zip(parts.par_iter())
+                    .map(run)
+                    .collect()
             }
-            let forks: Vec<Replayer<'m>> = attn
-                .iter()
-                .zip(attended)
-                .map(|(&i, a)| {
-                    let mut f = self.fork(parts[i].0, Part::Attention);
-                    f.attended = Some(a);
-                    f
-                })
-                .collect();
-            let mine: Vec<&(usize, Part)> = attn.iter().map(|&i| &parts[i]).collect();
-            let replayed: Vec<Replayer<'m>> = forks.into_par_iter().zip(mine).map(run).collect();
-            for (&i, f) in attn.iter().zip(replayed) {
-                done[i] = Some(f);
-            }
-        } else {
-            let forks: Vec<Replayer<'m>> = parts.iter().map(|&(l, p)| self.fork(l, p)).collect();
-            let replayed: Vec<Replayer<'m>> = forks
-                .into_par_iter()
-                .zip(parts.par_iter())
-                .map(run)
-                .collect();
-            done = replayed.into_iter().map(Some).collect();
-        }
+        };
         for (&(l, p), f) in parts.iter().zip(done) {
-            let f = f.expect("every part replayed");
             self.join((p == Part::Attention).then_some(l), f);
         }
         let last = TapId::Layer(c.num_hidden_layers.saturating_sub(1), LayerTap::ResidOut);

@@ -151,8 +151,9 @@ pub struct Gpu {
     spill: spill::Spill,
 }
 
-// cuBLAS handles are tied to the stream, which is only ever used from one thread at a time
-// (the model is behind `&self`, and forward passes of one process are sequential).
+// cuBLAS handles are tied to the stream, which is only ever used from one thread at a time:
+// forward passes of one process are sequential, and where threads share the device (a batched
+// dump's sequences diffed at once) each holds `cuda::device_turn` while it enqueues work.
 unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 

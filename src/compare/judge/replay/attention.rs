@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::{KvRows, Replayer, Scale, TapRows};
+use super::{KvRows, Part, Replayer, Scale, TapRows};
 use crate::compare::judge::systematic::Mag;
 use crate::engine::model::KvCacheDtype;
 use crate::engine::oracle::{self, AttendJob};
@@ -49,6 +49,73 @@ pub(super) fn keep_kv(
 }
 
 impl<'m> Replayer<'m> {
+    /// A long step's `parts`, each replayed by `run` on a fork, with attention on the weights'
+    /// device: every layer's keys and values kept first; then this thread (the one that may
+    /// reach the device) has the device attend each layer's rows while the workers replay the
+    /// other ops, and the attention forks book what came back. The forks come back in the
+    /// order of `parts`.
+    pub(super) fn parts_beside_device(
+        &mut self,
+        parts: &[(usize, Part)],
+        tap: &TapRows<'_, '_>,
+        keep: &(dyn Fn(usize) -> bool + Sync),
+        run: impl Fn((Replayer<'m>, &(usize, Part))) -> Replayer<'m> + Sync + Send,
+    ) -> Vec<Replayer<'m>> {
+        let c = self.weights.config();
+        let dims = (c.num_key_value_heads, c.head_dim);
+        let kv_cache = self.kv_cache;
+        self.history
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(l, h)| keep_kv(h, l, tap, dims, kv_cache));
+        let (attn, other): (Vec<usize>, Vec<usize>) =
+            (0..parts.len()).partition(|&i| parts[i].1 == Part::Attention);
+        let forks: Vec<Replayer<'m>> = other
+            .iter()
+            .map(|&i| self.fork(parts[i].0, parts[i].1))
+            .collect();
+        let me = &*self;
+        let (replayed, attended) = std::thread::scope(|s| {
+            let workers = s.spawn(|| {
+                let mine: Vec<&(usize, Part)> = other.iter().map(|&i| &parts[i]).collect();
+                forks
+                    .into_par_iter()
+                    .zip(mine)
+                    .map(&run)
+                    .collect::<Vec<_>>()
+            });
+            let attended: Vec<Option<PerHead>> = attn
+                .iter()
+                .map(|&i| me.attend_on_device(parts[i].0, tap, keep))
+                .collect();
+            let replayed = workers
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (replayed, attended)
+        });
+        let mut done: Vec<Option<Replayer<'m>>> = parts.iter().map(|_| None).collect();
+        for (&i, f) in other.iter().zip(replayed) {
+            done[i] = Some(f);
+        }
+        let forks: Vec<Replayer<'m>> = attn
+            .iter()
+            .zip(attended)
+            .map(|(&i, a)| {
+                let mut f = self.fork(parts[i].0, Part::Attention);
+                f.attended = Some(a);
+                f
+            })
+            .collect();
+        let mine: Vec<&(usize, Part)> = attn.iter().map(|&i| &parts[i]).collect();
+        let replayed: Vec<Replayer<'m>> = forks.into_par_iter().zip(mine).map(&run).collect();
+        for (&i, f) in attn.iter().zip(replayed) {
+            done[i] = Some(f);
+        }
+        done.into_iter()
+            .map(|f| f.expect("every part replayed"))
+            .collect()
+    }
+
     fn attention_rows<'t>(
         &self,
         l: usize,
